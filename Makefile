@@ -1,0 +1,30 @@
+# The two quickstart commands (README): `make demo` runs the main job, `make test` the whole test suite.
+# Each creates .venv on first use and installs what it needs: the CPU build of torch 2.13.0 first (a bare
+# `torch` would pull the multi-GB CUDA build), then fastagg itself (editable: compiles fastagg._C).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+TRITON ?= triton==3.7.1
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH) $(TRITON)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m fastagg.demo
+
+# Triton kernels run on the CPU through the interpreter; it must be set before triton is imported.
+test: $(VENV)/.installed
+	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) -m pytest bench --benchmark-enable --benchmark-only --benchmark-columns=min,median,iqr,ops
+
+clean:
+	rm -rf $(VENV) build fastagg/*.so *.egg-info

@@ -1,0 +1,41 @@
+"""Argument descriptions shared by the public docstrings (written once, substituted with ``share_docs``)."""
+from __future__ import annotations
+
+ARGS = {
+    "deltas": """deltas: the M participating clients' updates, ``delta_i = client model - global model`` (fastagg adds
+        the server step: ``w <- w + step``). A ``[M, d]`` tensor (rows may be strided; the parameter dimension
+        must have unit stride), a list of M flat tensors, a list of M per-layer lists or state_dicts, or numpy
+        arrays of any of these (wrapped without copies). Nothing is copied or stacked; never modified.""",
+    "models": """models: instead of ``deltas``, the clients' full models (what Flower and FedML ship), in any form
+        ``deltas`` accepts; ``delta_i = models[i] - params`` is formed inside the kernels and never stored.
+        Needs ``params`` (of the same dtype).""",
+    "weights": """weights: per-client weights ``n_i`` such as example counts (list, numpy array or tensor of shape
+        ``(M,)``, finite, >= 0, not all zero); normalized over the participants, ``p_i = n_i / sum_j n_j``.
+        Default: ``p_i = 1/M``. Weights on a CUDA device are read to the host once to be validated.""",
+    "params": """params: the global model, updated in place: a flat tensor or array, a per-layer list, a
+        state_dict or an ``nn.Module`` (its parameters). Any floating dtype; the update is computed in float32
+        (float64 for float64 data) and rounded once to ``params``' dtype. Untouched when the round is not
+        finite.""",
+    "eps": """eps: FedExP's denominator term in squared-update-norm units (>= 0; depends on d, the local lr and
+        steps). The paper's tables (1e-3 CIFAR, 1e-1 EMNIST) are in the official convention's units.""",
+    "eps_mode": """eps_mode: ``"paper"`` (default): denominator ``2 (||mean||^2 + eps)``; ``"official"``: the
+        official code's ``2 (||mean||^2 + M * eps)``.""",
+    "on_nonfinite": """on_nonfinite: ``"raise"`` (default): a ``ValueError`` naming the clients with NaN/Inf, and
+        nothing is updated; on CUDA this reads one flag to the host, the call's only sync. ``"skip"``: no host
+        read; nothing is updated and ``result.finite`` / ``result.nonfinite`` say what happened.""",
+    "backend": """backend: ``"auto"`` (CUDA -> Triton, CPU -> compiled C++, other devices -> reference),
+        ``"reference"``, ``"cpu"`` or ``"triton"``. An explicit backend that cannot run raises and lists what can.""",
+}
+
+NUMERICS = """Numerics: per-element math in float32 (float64 for float64 input); float16/bfloat16 are upcast on load.
+    ``mean`` and ``update`` are float32 (float64 for float64 input); norms, ``eta`` and the reductions feeding
+    them are float64. Every scalar stays on the input's device as a 0-d tensor (no host sync, except the one
+    ``on_nonfinite="raise"`` documents). Reductions run in a fixed order: on the CPU the same input gives
+    bit-identical results run after run for a given thread count (the C++ backend: for any thread count).
+    Tensors in, tensors out on the same device; numpy in, numpy out."""
+
+
+def share_docs(fn):
+    """Fill ``{deltas}``, ``{weights}``, ... and ``{numerics}`` in ``fn.__doc__``."""
+    fn.__doc__ = fn.__doc__.format(**ARGS, numerics=NUMERICS)
+    return fn

@@ -1,0 +1,66 @@
+"""Backend choice, made in one place.
+
+Policy for ``backend="auto"``: CUDA tensors go to Triton, CPU tensors to the compiled C++ module, tensors on any
+other device to the reference backend. An explicit choice never falls back: if it cannot run on the given
+device, the error says why and lists what can. ``"triton"`` takes CPU tensors only under
+``TRITON_INTERPRET=1`` (the interpreter the test suite uses).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("auto", "reference", "cpu", "triton")
+
+
+def _triton_module() -> ModuleType:
+    try:
+        return importlib.import_module("fastagg.backends.triton")
+    except ImportError as e:
+        raise RuntimeError(f"backend='triton' needs the triton package, which failed to import: {e}") from e
+
+
+def available(device: torch.device | str) -> list[str]:
+    """The explicit backends that can run on ``device`` here."""
+    device = torch.device(device)
+    out = ["reference"]
+    if device.type == "cpu":
+        from . import cpu
+
+        if cpu.IMPORT_ERROR is None:
+            out.append("cpu")
+        if os.environ.get("TRITON_INTERPRET", "0") == "1" and importlib.util.find_spec("triton") is not None:
+            out.append("triton")
+    elif device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        out.append("triton")
+    return out
+
+
+def resolve(backend: str, device: torch.device) -> ModuleType:
+    """The backend module that runs a call on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = {"cuda": "triton", "cpu": "cpu"}.get(device.type, "reference")
+    if backend == "reference":
+        from . import reference
+
+        return reference
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"backend='cpu' runs on CPU tensors; these are on {device}. "
+                             f"Available here: {available(device)}")
+        from . import cpu
+
+        cpu.compiled()
+        return cpu
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("backend='triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1, set "
+                         f"before fastagg is imported); these are on cpu. Available here: {available(device)}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"backend='triton' runs on CUDA tensors; these are on {device}. "
+                         f"Available here: {available(device)}")
+    return _triton_module()

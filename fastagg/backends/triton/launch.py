@@ -1,0 +1,66 @@
+"""Launch configuration for the Triton kernels, one helper per kernel family.
+
+Heuristics, not autotune: the apply kernel updates parameters in place, and an autotune rerun would apply
+the step twice. Under ``TRITON_INTERPRET=1`` each program instance costs ~5-8 ms regardless of its block
+(numpy runs the block), so the interpreter gets few, large blocks (about 64-128 programs).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ...rows import Segments
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _interpreter_block(numel: int, lo: int, hi: int) -> int:
+    return min(hi, max(lo, _pow2_at_least(-(-numel // 96))))
+
+
+def stats_config(num_clients: int, numel: int) -> dict:
+    """BLOCK_M clients x BLOCK_D columns per tile.
+
+    GPU: 8 x 2048 fp32 tiles (64 KiB in flight per program, 64 registers a thread at 8 warps), looping over
+    client chunks, so any M runs without spilling. Not yet measured on a GPU: revisit with bench/ there.
+    """
+    if interpreting():
+        return dict(BLOCK_M=min(16, _pow2_at_least(num_clients)), BLOCK_D=_interpreter_block(numel, 1024, 1 << 16),
+                    num_warps=4)
+    return dict(BLOCK_M=min(8, _pow2_at_least(num_clients)), BLOCK_D=2048, num_warps=8)
+
+
+def finalize_config(num_clients: int, num_blocks: int) -> dict:
+    """BLOCK_M clients per program, walking the per-block partials BLOCK_B rows at a time."""
+    return dict(BLOCK_M=min(32, _pow2_at_least(num_clients)), BLOCK_B=min(256, _pow2_at_least(num_blocks)),
+                num_warps=4)
+
+
+def apply_config(numel: int) -> dict:
+    if interpreting():
+        return dict(BLOCK_D=_interpreter_block(numel, 1024, 1 << 17), num_warps=4)
+    return dict(BLOCK_D=4096, num_warps=8)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_table_cpu(lens: tuple, block: int) -> torch.Tensor:
+    seg, start = [], []
+    for s, n in enumerate(lens):
+        for b in range(0, n, block):
+            seg.append(s)
+            start.append(b)
+    return torch.tensor([seg, start], dtype=torch.int64)
+
+
+def block_table(segments: Segments, block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(segment of each block, first column of each block, number of blocks) for a segmented vector."""
+    t = _block_table_cpu(segments.lens, block).to(device)
+    return t[0], t[1], t.shape[1]

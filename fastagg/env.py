@@ -1,0 +1,32 @@
+"""``fastagg.env_report()``: what is installed, which backend each device gets, and why."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+
+
+def env_report() -> str:
+    """A few lines saying which backends are active here and why (paste it into bug reports)."""
+    import torch
+
+    from .backends import available, cpu
+
+    lines = [f"fastagg {__import__('fastagg').__version__}  python {platform.python_version()}  torch {torch.__version__}"]
+    if cpu.IMPORT_ERROR is None:
+        lines.append(f"cpu backend: compiled module {cpu._C.__file__} (OpenMP {cpu._C.openmp}, "
+                     f"{cpu._C.num_threads()} threads)")
+    else:
+        lines.append(f"cpu backend: NOT available: {cpu.IMPORT_ERROR}")
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        lines.append(f"triton {triton.__version__}" + (" (TRITON_INTERPRET=1: kernels run on the CPU)" if interp else ""))
+    else:
+        lines.append("triton: not installed (GPU backend unavailable)")
+    cuda = torch.cuda.is_available()
+    lines.append(f"CUDA: {torch.cuda.get_device_name(0) if cuda else 'not available'}")
+    lines.append(f"backend='auto': cpu tensors -> cpu" + (", cuda tensors -> triton" if cuda else ""))
+    lines.append(f"explicit backends for cpu tensors: {available('cpu')}")
+    return "\n".join(lines)

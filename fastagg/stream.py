@@ -1,0 +1,146 @@
+"""Streaming aggregation: fold one client at a time into O(d) state, so a server never holds M updates.
+
+FedExP needs only ``sum_i n_i delta_i``, ``sum_i n_i ||delta_i||^2``, ``sum_i n_i`` and M, so the streamed
+step is exact (the same formula as the batched call; equal to float32 rounding).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import ops
+from ._docs import share_docs
+from .backends import resolve
+from .flat import Layout
+from .rows import client_rows, compute_dtype
+
+
+class Accumulator:
+    """Running sums of weighted client updates.
+
+    State (on ``like``'s device): ``weighted_sum = sum_i n_i delta_i`` (float32; float64 for float64 data),
+    ``weighted_sq_norm_sum = sum_i n_i ||delta_i||^2`` (float64, 0-d), ``total_weight = sum_i n_i``, the
+    number of clients, and each client's ``||delta_i||^2`` (M scalars).
+
+    ``add`` reads each delta once and writes the new sum into a second buffer, which replaces the first only
+    if the delta was finite: a rejected client leaves the accumulator exactly as it was. Memory: two d-vectors;
+    traffic per client: read delta, read sum, write sum. Deciding acceptance reads one flag to the host (on CUDA,
+    ``add``'s only sync).
+
+    Example::
+
+        acc = fastagg.Accumulator(like=w)
+        for delta_i, n_i in arriving_updates:
+            acc.add(delta_i, weight=n_i)
+        res = acc.fedexp_step(eps=1e-3, params=w)
+    """
+
+    def __init__(self, like: Any, *, backend: str = "auto"):
+        rows = client_rows([like], name="like")
+        self._form: Layout = rows.form
+        self._numel = rows.numel
+        self._dtype = rows.dtype
+        self.device = rows.device
+        self._backend_name = backend
+        self._backend = resolve(backend, rows.device)
+        cdt = compute_dtype(rows.dtype)
+        self._sum = torch.zeros(rows.numel, dtype=cdt, device=rows.device)
+        self._scratch = torch.empty_like(self._sum)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every client (start a new round)."""
+        self._sum.zero_()
+        self._sq_norms: list = []
+        self._weighted_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.total_weight = 0.0
+
+    @property
+    def num_clients(self) -> int:
+        return len(self._sq_norms)
+
+    @property
+    def weighted_sum(self) -> Any:
+        """``sum_i n_i delta_i`` in the form of one update (views of the internal buffer; do not modify)."""
+        return self._form.unflatten(self._sum)
+
+    @property
+    def weighted_sq_norm_sum(self) -> torch.Tensor:
+        return self._weighted_sq
+
+    @property
+    def sq_norms(self) -> torch.Tensor:
+        """``||delta_i||^2`` of every client added so far, float64 ``(M,)``."""
+        if not self._sq_norms:
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        return torch.stack(self._sq_norms)
+
+    def add(self, delta: Any, weight: float = 1.0, *, on_nonfinite: str = "raise") -> bool:
+        """Fold one client in: ``sum += weight * delta``; ``sq_sum += weight * ||delta||^2``.
+
+        ``delta`` has the form, size, dtype and device of ``like``; ``weight`` is a finite number >= 0 (example
+        count). A delta with NaN/Inf raises ``ValueError`` (``on_nonfinite="raise"``) or is dropped
+        (``"skip"``); either way the accumulator is unchanged. Returns True when the client was folded in.
+        """
+        ops._check_on_nonfinite(on_nonfinite)
+        w = ops._check_number(weight, "weight")
+        rows = client_rows([delta], name="delta")
+        if rows.numel != self._numel:
+            raise ValueError(f"delta has {rows.numel} elements; expected {self._numel} like the accumulator's `like`")
+        if rows.dtype != self._dtype:
+            raise TypeError(f"delta has dtype {rows.dtype}; expected {self._dtype} like the accumulator's `like`")
+        if rows.device != self.device:
+            raise ValueError(f"delta is on {rows.device}; expected {self.device} like the accumulator's `like`")
+        coef = torch.full((1,), w, dtype=torch.float64, device=self.device)
+        stats = ops.round_stats(rows, coef, self._backend, mean_init=self._sum, mean_out=self._scratch)
+        if bool(stats.nonfinite[0]):  # add()'s one host read
+            if on_nonfinite == "raise":
+                raise ValueError(f"delta (client {self.num_clients}) contains NaN or Inf; the accumulator is unchanged")
+            return False
+        self._sum, self._scratch = self._scratch, self._sum
+        self._sq_norms.append(stats.sq_norms[0])
+        self._weighted_sq = self._weighted_sq + w * stats.sq_norms[0]
+        self.total_weight += w
+        return True
+
+    def _check_ready(self) -> None:
+        if self.num_clients == 0:
+            raise ValueError("the accumulator is empty: add() at least one client first")
+        if not self.total_weight > 0:
+            raise ValueError("the accumulator's total weight is 0: at least one client needs a positive weight")
+
+    def _from_sums(self, rule, *, params, on_nonfinite, want_eval) -> ops.RoundResult:
+        self._check_ready()
+        res = ops.step_from_sums(self.weighted_sum, self._weighted_sq, self.total_weight, self.num_clients,
+                                 eta_rule=rule, params=params, on_nonfinite=on_nonfinite,
+                                 backend=self._backend_name, want_eval=want_eval)
+        res.sq_norms = self.sq_norms
+        res.nonfinite = torch.zeros(self.num_clients, dtype=torch.bool, device=self.device)
+        if self._form.numpy:
+            res.sq_norms, res.nonfinite = res.sq_norms.numpy(), res.nonfinite.numpy()
+        return res
+
+    @share_docs
+    def fedexp_step(self, eps=None, *, eps_mode: str = "paper", params=None,
+                    on_nonfinite: str = "raise") -> ops.RoundResult:
+        """FedExP from the accumulated sums (see :func:`fastagg.fedexp_step_from_sums`)::
+
+            mean = weighted_sum / total_weight
+            eta  = max(1, (weighted_sq_norm_sum / total_weight) / (2 (||mean||^2 + eps)))
+
+        Args:
+            {eps}
+            {eps_mode}
+            {params}
+            {on_nonfinite}
+        """
+        rule = ops._fedexp_rule(eps, eps_mode)
+        return self._from_sums(rule, params=params, on_nonfinite=on_nonfinite, want_eval=True)
+
+    def fedavg_step(self, lr: float = 1.0, *, params=None, on_nonfinite: str = "raise") -> ops.RoundResult:
+        """FedAvg from the accumulated sums: ``params <- params + lr * weighted_sum / total_weight``."""
+        return self._from_sums(ops._fixed_rule(lr), params=params, on_nonfinite=on_nonfinite, want_eval=False)
+
+
+__all__ = ["Accumulator"]
