@@ -63,7 +63,7 @@ class Accumulator:
     @property
     def weighted_sum(self) -> Any:
         """``sum_i n_i delta_i`` in the form of one update (views of the internal buffer; do not modify)."""
-        return self._form.unflatten(self._sum)
+        return self._form.unflatten(self._sum.numpy() if self._form.numpy else self._sum)
 
     @property
     def weighted_sq_norm_sum(self) -> torch.Tensor:

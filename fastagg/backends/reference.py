@@ -30,7 +30,7 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
         if mean_init is not None:
             seg_mean = mean_init[off : off + n] + seg_mean
         mean_out[off : off + n] = seg_mean
-        sq += x.double().square().sum(dim=1)
+        sq += x.square().double().sum(dim=1)  # squares in the compute dtype, like every backend
         bad |= ~torch.isfinite(x).all(dim=1)
     mean_sq_out.copy_(mean_out.double().square().sum())
     sq_norms_out.copy_(sq)

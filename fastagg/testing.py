@@ -1,0 +1,107 @@
+"""The test vocabulary, shared by tests/ and bench/: dtypes, backends, ragged shapes, the tolerance table and a
+verbose close-assert. Nobody redefines these elsewhere.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .backends import available
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+# d: 1, odd, just under a power of two, and a large ragged size (not a multiple of any block).
+SIZES = (1, 7, 1023, 278011)
+NUM_CLIENTS = (1, 3, 16)
+
+
+def cpu_backends() -> list[str]:
+    """Explicit backends that run on CPU tensors here (triton only under TRITON_INTERPRET=1)."""
+    return available("cpu")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Tolerances of a backend's output against the float64 reference run on float64 copies of the same inputs.
+# Inputs are generated in the tested dtype first, so both sides see identical (quantized) values; what remains
+# is accumulation error. float32 accumulation of a mean over M <= 16 rows: a few ulps of max|x|; squared norms
+# sum blocks of <= 65536 float32 products (relative error ~ sqrt(block) * 2^-24 ~ 1.5e-5 worst, ~1e-6 typical)
+# before the float64 cross-block sum; eta is a ratio of two such sums. Parameters are compared after rounding
+# to their own dtype: one ulp of that dtype (2^-8 bf16, 2^-11 fp16) relative.
+TOLERANCES = {
+    torch.float64: {"mean": (1e-12, 1e-12), "norm": (1e-12, 0.0), "params": (1e-12, 1e-12)},
+    torch.float32: {"mean": (1e-5, 1e-6), "norm": (5e-5, 0.0), "params": (1e-5, 1e-5)},
+    torch.float16: {"mean": (1e-5, 1e-6), "norm": (5e-5, 0.0), "params": (2e-3, 2e-3)},
+    torch.bfloat16: {"mean": (1e-5, 1e-6), "norm": (5e-5, 0.0), "params": (1.6e-2, 1.6e-2)},
+}
+
+
+def tolerance(dtype: torch.dtype, what: str) -> tuple[float, float]:
+    """(rtol, atol) for comparing ``what`` ("mean", "norm", "params") computed from ``dtype`` data."""
+    return TOLERANCES[dtype][what]
+
+
+def _as_f64(x) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.asarray(x))
+    if not isinstance(x, torch.Tensor):  # python numbers: as float64, never through float32
+        return torch.as_tensor(x, dtype=torch.float64)
+    return x.detach().cpu().to(torch.float64)
+
+
+def assert_close(actual, expected, *, rtol: float, atol: float, name: str = "value") -> None:
+    """``|actual - expected| <= atol + rtol * |expected|`` elementwise, with NaN/Inf required to match.
+
+    The error says how many elements differ, the first few indices with both values, and the NaN/Inf counts.
+    """
+    a, e = _as_f64(actual), _as_f64(expected)
+    if a.shape != e.shape:
+        raise AssertionError(f"{name}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+    a, e = a.reshape(-1), e.reshape(-1)
+    both_nan = torch.isnan(a) & torch.isnan(e)
+    same_inf = torch.isinf(a) & torch.isinf(e) & (a == e)
+    ok = both_nan | same_inf | ((a - e).abs() <= atol + rtol * e.abs())
+    if bool(ok.all()):
+        return
+    bad = (~ok).nonzero().flatten()
+    shown = ", ".join(f"[{i}] {a[i].item()!r} vs {e[i].item()!r}" for i in bad[:5].tolist())
+    err = ((a - e).abs() / e.abs().clamp_min(1e-300))[~ok]
+    raise AssertionError(
+        f"{name}: {bad.numel()} of {a.numel()} elements differ (rtol={rtol}, atol={atol}); first: {shown}; "
+        f"max rel err {err.max().item():.3g}; NaN actual/expected {int(torch.isnan(a).sum())}/"
+        f"{int(torch.isnan(e).sum())}, Inf {int(torch.isinf(a).sum())}/{int(torch.isinf(e).sum())}"
+    )
+
+
+def snapshot(obj):
+    """Deep copies of every tensor/array in ``obj`` (nested lists/dicts), for bit-identity checks."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [snapshot(v) for v in obj]
+    return obj
+
+
+def assert_unchanged(before, after, name: str = "input") -> None:
+    """Bit-identical (NaNs compared by bits), else an error naming the first changed element."""
+    if isinstance(before, torch.Tensor):
+        b, a = before.reshape(-1).view(torch.uint8), after.detach().reshape(-1).contiguous().view(torch.uint8)
+        if not torch.equal(b, a):
+            raise AssertionError(f"{name} was modified")
+    elif isinstance(before, np.ndarray):
+        if before.tobytes() != np.asarray(after).tobytes():
+            raise AssertionError(f"{name} was modified")
+    elif isinstance(before, dict):
+        for k in before:
+            assert_unchanged(before[k], after[k], f"{name}[{k!r}]")
+    elif isinstance(before, list):
+        for i, (b, a) in enumerate(zip(before, after)):
+            assert_unchanged(b, a, f"{name}[{i}]")

@@ -1,0 +1,239 @@
+"""Every backend against the float64 reference: fedexp_step / fedavg_step over dtypes, sizes, weights and the
+input forms users pass. Inputs are checked to be bit-identical after every call."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastagg
+from fastagg.testing import (DTYPES, assert_close, assert_unchanged, cpu_backends, snapshot, tolerance)
+
+BACKENDS = cpu_backends()
+SHAPES = [(1, 1), (3, 7), (16, 1023), (5, 278011)]
+
+
+def make(m, d, dtype, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, d, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def expected(deltas64, *, weights=None, params64=None, eps=1e-3, eps_mode="paper", models=None):
+    kw = dict(weights=weights, eps=eps, eps_mode=eps_mode, backend="reference")
+    if models is not None:
+        return fastagg.fedexp_step(models=models, params=params64, **kw)
+    return fastagg.fedexp_step(deltas64, params=params64, **kw)
+
+
+def check_result(res, ref, dtype, *, params=None, params_ref=None, eval_ref=None):
+    rt, at = tolerance(dtype, "mean")
+    assert_close(res.mean_flat, ref.mean_flat, rtol=rt, atol=at, name="mean")
+    rt, at = tolerance(dtype, "norm")
+    for f in ("sq_norms", "mean_sq_norm", "avg_sq_norm", "eta"):
+        assert_close(getattr(res, f), getattr(ref, f), rtol=rt, atol=at, name=f)
+    rt, at = tolerance(dtype, "mean")
+    assert_close(res.update_flat, ref.update_flat, rtol=rt + tolerance(dtype, "norm")[0], atol=at, name="update")
+    assert bool(res.finite)
+    if params is not None:
+        rt, at = tolerance(params.dtype, "params")
+        assert_close(params, params_ref, rtol=rt, atol=at, name="params")
+        assert_close(res.eval_params, eval_ref, rtol=rt, atol=at, name="eval_params")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,d", SHAPES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fedexp_matrix_matches_reference(backend, dtype, m, d, weighted):
+    deltas = make(m, d, dtype)
+    weights = torch.arange(1, m + 1, dtype=torch.float64) * 10 if weighted else None
+    w0 = make(1, d, dtype, seed=1)[0]
+    params = w0.clone()
+    before = snapshot([deltas, weights])
+    res = fastagg.fedexp_step(deltas, eps=1e-3, weights=weights, params=params, backend=backend)
+    assert_unchanged(before, [deltas, weights], "inputs")
+    p64 = w0.double().clone()
+    ref = expected(deltas.double(), weights=weights, params64=p64)
+    check_result(res, ref, dtype, params=params, params_ref=p64.to(dtype), eval_ref=ref.eval_params.to(dtype))
+    assert res.eta.dtype == torch.float64 and res.eta.shape == ()
+    assert res.mean_flat.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_strided_rows(backend, dtype):
+    big = make(6, 1500, dtype)
+    deltas = big[::2, 100:1123]  # row stride 3000, unit inner stride
+    assert deltas.stride() == (3000, 1)
+    res = fastagg.fedexp_step(deltas, eps=0.1, backend=backend)
+    check_result(res, expected(deltas.double(), eps=0.1), dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_list_and_per_layer_and_numpy_forms_agree(backend):
+    m, shapes = 4, [(7, 5), (13,), (3, 3, 3), (1,)]
+    d = sum(int(np.prod(s)) for s in shapes)
+    mat = make(m, d, torch.float32, seed=3)
+    weights = [3.0, 1.0, 0.0, 2.0]
+    ref = expected(mat.double(), weights=weights)
+
+    def per_layer(row):
+        out, o = [], 0
+        for s in shapes:
+            n = int(np.prod(s))
+            out.append(row[o:o + n].reshape(s))
+            o += n
+        return out
+
+    forms = {
+        "list": list(mat.unbind(0)),
+        "per_layer": [per_layer(r) for r in mat],
+        "numpy_matrix": mat.numpy(),
+        "numpy_list": [r.numpy() for r in mat],
+        "numpy_per_layer": [[t.numpy() for t in per_layer(r)] for r in mat],
+        "state_dicts": [{f"layer{k}.weight": t for k, t in enumerate(per_layer(r))} | {"steps": torch.tensor(3)}
+                        for r in mat],
+    }
+    for name, deltas in forms.items():
+        before = snapshot(deltas)
+        res = fastagg.fedexp_step(deltas, eps=1e-3, weights=weights, backend=backend)
+        assert_unchanged(before, deltas, name)
+        check_result(res, ref, torch.float32)
+        numpy_in = name.startswith("numpy")
+        assert isinstance(res.eta, np.ndarray) == numpy_in, name
+        if name in ("per_layer", "numpy_per_layer"):
+            assert [tuple(t.shape) for t in res.mean] == shapes
+            assert isinstance(res.update[0], np.ndarray) == numpy_in
+        if name == "state_dicts":
+            assert list(res.mean) == [f"layer{k}.weight" for k in range(4)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("params_form", ["flat", "per_layer", "numpy"])
+@pytest.mark.parametrize("models_form", ["matrix", "per_layer"])
+def test_models_input_forms_deltas_on_the_fly(backend, params_form, models_form):
+    m, shapes = 3, [(4, 6), (9,), (2,)]
+    d = 35
+    w0 = make(1, d, torch.float32, seed=5)[0]
+    deltas = make(m, d, torch.float32, seed=6)
+    models_flat = w0 + deltas
+    weights = [5, 1, 2]
+    p64 = w0.double().clone()
+    # the reference gets the same deltas the kernels form in float32
+    ref = expected((models_flat - w0).double(), weights=weights, params64=p64)
+    split = lambda v: [t.reshape(s) for t, s in zip(torch.split(v, [24, 9, 2]), shapes)]
+    models = models_flat if models_form == "matrix" else [split(r) for r in models_flat]
+    params = {"flat": w0.clone(), "per_layer": split(w0.clone()), "numpy": w0.clone().numpy()}[params_form]
+    before = snapshot(models)
+    res = fastagg.fedexp_step(models=models, params=params, eps=1e-3, weights=weights, backend=backend)
+    assert_unchanged(before, models, "models")
+    flat_params = torch.cat([torch.as_tensor(t).reshape(-1) for t in (params if isinstance(params, list) else [params])])
+    check_result(res, ref, torch.float32)
+    assert_close(flat_params, p64, rtol=1e-5, atol=1e-5, name="params")
+    if params_form == "per_layer":
+        assert [tuple(t.shape) for t in res.eval_params] == shapes
+    if params_form == "numpy":
+        assert isinstance(res.eval_params, np.ndarray)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("eps_mode", ["paper", "official"])
+def test_eps_modes(backend, eps_mode):
+    deltas = make(8, 300, torch.float64, seed=2)
+    eps = 50.0  # large enough that the mode changes eta
+    res = fastagg.fedexp_step(deltas, eps=eps, eps_mode=eps_mode, backend=backend)
+    mean = deltas.mean(0)
+    eps_eff = eps * 8 if eps_mode == "official" else eps
+    want = max(1.0, float((deltas.square().sum(1).mean()) / (2 * (mean.square().sum() + eps_eff))))
+    assert_close(res.eta, want, rtol=1e-12, atol=0, name="eta")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fedavg_step(backend):
+    deltas = make(5, 1000, torch.float32, seed=4)
+    w0 = make(1, 1000, torch.float32, seed=9)[0]
+    params = w0.clone()
+    weights = np.array([1, 2, 3, 4, 5])
+    res = fastagg.fedavg_step(deltas, lr=0.7, weights=weights, params=params, backend=backend)
+    p = weights / weights.sum()
+    want = w0.double() + 0.7 * (torch.from_numpy(p) @ deltas.double())
+    assert_close(params, want, rtol=1e-5, atol=1e-6, name="params")
+    assert float(res.eta) == 0.7 and res.eval_params is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_edge_values(backend):
+    # all-zero deltas with eps = 0: 0/0 -> eta = 1, not NaN
+    z = torch.zeros(4, 10)
+    res = fastagg.fedexp_step(z, eps=0.0, backend=backend)
+    assert float(res.eta) == 1.0 and bool(res.finite)
+    # opposite deltas, eps = 0: the mean is zero, so the step is zero; eta reported as 1
+    x = make(1, 10, torch.float32)[0]
+    res = fastagg.fedexp_step(torch.stack([x, -x]), eps=0.0, backend=backend)
+    assert float(res.eta) == 1.0 and float(res.update_flat.abs().max()) == 0.0
+    # one client: avg_sq == mean_sq, eta = max(1, 1/2) = 1
+    res = fastagg.fedexp_step(make(1, 50, torch.float64), eps=0.0, backend=backend)
+    assert float(res.eta) == 1.0
+    # identical clients never extrapolate; orthogonal ones give eta = M/2
+    e = torch.eye(6, dtype=torch.float64)
+    assert_close(fastagg.fedexp_step(e, eps=0.0, backend=backend).eta, 3.0, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_client_never_reaches_params(backend, bad):
+    deltas = make(5, 600, torch.float32, seed=7)
+    deltas[1, 17] = bad
+    deltas[3, 599] = bad
+    w0 = make(1, 600, torch.float32, seed=8)[0]
+    params = w0.clone()
+    before = snapshot(deltas)
+    with pytest.raises(ValueError, match=r"deltas\[1\], deltas\[3\] contain NaN or Inf; nothing was updated"):
+        fastagg.fedexp_step(deltas, eps=1e-3, params=params, backend=backend)
+    assert_unchanged(w0, params, "params")
+    res = fastagg.fedexp_step(deltas, eps=1e-3, params=params, on_nonfinite="skip", backend=backend)
+    assert_unchanged(w0, params, "params")
+    assert_unchanged(before, deltas, "deltas")
+    assert not bool(res.finite)
+    assert res.nonfinite.tolist() == [False, True, False, True, False]
+    assert torch.equal(res.eval_params, w0)
+    assert float(res.update_flat.abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overflowing_statistics_are_not_applied(backend):
+    deltas = torch.full((2, 8), 3e38)  # finite, but squares overflow
+    params = torch.zeros(8)
+    res = fastagg.fedexp_step(deltas, eps=1e-3, params=params, on_nonfinite="skip", backend=backend)
+    assert not bool(res.finite) and float(params.abs().max()) == 0.0
+    with pytest.raises(ValueError, match="overflowed|NaN or Inf"):
+        fastagg.fedexp_step(deltas, eps=1e-3, params=params, backend=backend)
+
+
+def test_cpu_backend_is_bit_identical_run_after_run():
+    deltas = make(9, 100_003, torch.float32, seed=11)
+    a = fastagg.fedexp_step(deltas, eps=1e-3, backend="cpu")
+    b = fastagg.fedexp_step(deltas, eps=1e-3, backend="cpu")
+    for f in ("mean_flat", "sq_norms", "mean_sq_norm", "eta"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+def test_cpu_backend_is_bit_identical_across_thread_counts(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, fastagg, sys\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.randn(7, 300_001, generator=g)\n"
+        "r = fastagg.fedexp_step(x, eps=1e-3, backend='cpu')\n"
+        "torch.save({'m': r.mean_flat, 's': r.sq_norms, 'e': r.eta}, sys.argv[1])\n"
+    )
+    outs = []
+    for threads in (1, 2):
+        path = tmp_path / f"t{threads}.pt"
+        env = {**__import__("os").environ, "OMP_NUM_THREADS": str(threads)}
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env)
+        outs.append(torch.load(path))
+    for k in outs[0]:
+        assert torch.equal(outs[0][k], outs[1][k]), k

@@ -1,0 +1,78 @@
+"""The streaming accumulator and the from-sums step give the batched call's result."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastagg
+from fastagg.testing import assert_close, assert_unchanged, cpu_backends, snapshot, tolerance
+
+BACKENDS = cpu_backends()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("eps_mode", ["paper", "official"])
+def test_accumulator_equals_batched(backend, dtype, eps_mode):
+    g = torch.Generator().manual_seed(0)
+    m, d = 6, 5003
+    deltas = torch.randn(m, d, generator=g).to(dtype)
+    n = [120, 30, 0, 500, 7, 64]
+    w0 = torch.randn(d, generator=g).to(dtype)
+    p_batch, p_stream = w0.clone(), w0.clone()
+    batched = fastagg.fedexp_step(deltas, eps=1e-2, eps_mode=eps_mode, weights=n, params=p_batch, backend=backend)
+    acc = fastagg.Accumulator(like=w0, backend=backend)
+    for delta, weight in zip(deltas, n):
+        before = snapshot(delta)
+        assert acc.add(delta, weight=weight)
+        assert_unchanged(before, delta, "delta")
+    streamed = acc.fedexp_step(eps=1e-2, eps_mode=eps_mode, params=p_stream)
+    rt, at = tolerance(dtype, "mean")
+    assert_close(streamed.mean_flat, batched.mean_flat, rtol=rt, atol=at, name="mean")
+    rt, at = tolerance(dtype, "norm")
+    for f in ("sq_norms", "mean_sq_norm", "avg_sq_norm", "eta"):
+        assert_close(getattr(streamed, f), getattr(batched, f), rtol=rt, atol=at, name=f)
+    rt, at = tolerance(dtype, "params")
+    assert_close(p_stream, p_batch, rtol=rt, atol=at, name="params")
+    assert_close(streamed.eval_params, batched.eval_params, rtol=rt, atol=at, name="eval_params")
+    assert streamed.num_clients == m
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accumulator_per_layer_numpy_and_fedavg(backend):
+    rng = np.random.default_rng(1)
+    like = [np.zeros((4, 5), np.float32), np.zeros(3, np.float32)]
+    clients = [[rng.standard_normal((4, 5)).astype(np.float32), rng.standard_normal(3).astype(np.float32)]
+               for _ in range(4)]
+    acc = fastagg.Accumulator(like=like, backend=backend)
+    for c in clients:
+        acc.add(c, weight=2.0)
+    res = acc.fedavg_step(lr=1.0)
+    batched = fastagg.fedavg_step(clients, lr=1.0, backend=backend)
+    assert isinstance(res.mean[0], np.ndarray) and res.mean[0].shape == (4, 5)
+    for a, b in zip(res.mean, batched.mean):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    acc.reset()
+    assert acc.num_clients == 0 and float(np.abs(acc.weighted_sum[0]).max()) == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_from_sums_equals_batched(backend):
+    g = torch.Generator().manual_seed(2)
+    m, d = 5, 777
+    deltas = torch.randn(m, d, generator=g, dtype=torch.float64)
+    n = torch.tensor([3.0, 1.0, 4.0, 1.0, 5.0], dtype=torch.float64)
+    batched = fastagg.fedexp_step(deltas, eps=0.5, eps_mode="official", weights=n, backend=backend)
+    s = n @ deltas
+    sq = float((n * deltas.square().sum(1)).sum())
+    before = snapshot(s)
+    res = fastagg.fedexp_step_from_sums(s, sq, float(n.sum()), m, eps=0.5, eps_mode="official", backend=backend)
+    assert_unchanged(before, s, "weighted_sum")
+    for f in ("mean_flat", "mean_sq_norm", "avg_sq_norm", "eta", "update_flat"):
+        assert_close(getattr(res, f), getattr(batched, f), rtol=1e-12, atol=1e-12, name=f)
+    assert res.sq_norms is None
+    # a non-finite sum is refused like a non-finite client
+    s[3] = float("inf")
+    with pytest.raises(ValueError, match=r"weighted_sum\[0\] contain NaN or Inf"):
+        fastagg.fedexp_step_from_sums(s, sq, 14.0, m, eps=0.5, backend=backend)
