@@ -8,6 +8,8 @@
 // any thread count.
 #include "kernels.h"
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "convert.h"
@@ -16,7 +18,55 @@
 namespace fastagg {
 namespace {
 
-constexpr int64_t kStatsBlock = 4096;  // 16 KiB of float32 accumulators: stays in L1 while M rows stream by
+constexpr int64_t kStatsBlock = 8192;  // 32 KiB of float32 accumulators per thread; 8192-float runs per row
+                                       // keep 16 row streams prefetchable (4096 measured ~5% slower, M=16)
+
+// Folds rows i..i+R-1 of one block into acc and returns their squared norms in sq[0..R-1]. Four rows per
+// sweep load and store the accumulator once per four rows: per row-element that leaves one load and two
+// multiply-adds (measured: 38 -> see bench/RESULTS.md, 2-core AMD EPYC, portable SSE2 build).
+template <typename T, typename C, bool HasBase, int R>
+inline void fold_rows(const T* const* x, const C* w, const T* base, C* acc, int64_t n, C* sq) {
+  static_assert(R == 1 || R == 4, "fold_rows handles 1 or 4 rows");
+  if constexpr (R == 4) {
+    const T *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
+    const C w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+    C s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t j = 0; j < n; ++j) {
+      const C b = HasBase ? load<C>(base + j) : C(0);
+      const C v0 = load<C>(x0 + j) - b, v1 = load<C>(x1 + j) - b;
+      const C v2 = load<C>(x2 + j) - b, v3 = load<C>(x3 + j) - b;
+      acc[j] += (w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3);
+      s0 += v0 * v0;
+      s1 += v1 * v1;
+      s2 += v2 * v2;
+      s3 += v3 * v3;
+    }
+    sq[0] = s0, sq[1] = s1, sq[2] = s2, sq[3] = s3;
+  } else {
+    const T* x0 = x[0];
+    const C w0 = w[0];
+    C s0 = 0;
+#pragma omp simd reduction(+ : s0)
+    for (int64_t j = 0; j < n; ++j) {
+      const C v0 = load<C>(x0 + j) - (HasBase ? load<C>(base + j) : C(0));
+      acc[j] += w0 * v0;
+      s0 += v0 * v0;
+    }
+    sq[0] = s0;
+  }
+}
+
+// True when some element of x - base is NaN or Inf. Only rows whose squared norm came out non-finite are
+// rescanned (a finite row can overflow float32 squares): the hot loop carries no extra flag work.
+template <typename T, typename C, bool HasBase>
+bool has_nonfinite(const T* x, const T* base, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const C v = load<C>(x + j) - (HasBase ? load<C>(base + j) : C(0));
+    if (!(v - v == C(0))) return true;
+  }
+  return false;
+}
 
 template <typename T, bool HasBase>
 void round_stats_impl(const StatsArgs& a) {
@@ -29,38 +79,38 @@ void round_stats_impl(const StatsArgs& a) {
 
 #pragma omp parallel
   {
-    std::vector<C> acc(kStatsBlock);
+    std::vector<C> acc_buf(kStatsBlock);
+    std::vector<C> w(M);
+    std::vector<const T*> x(M);
+    for (int64_t i = 0; i < M; ++i) w[i] = static_cast<C>(a.weights[i]);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < nb; ++b) {
       const Block blk = blocks[b];
       const int64_t n = blk.len;
       const int64_t col0 = a.seg_off[blk.seg] + blk.start;
-      if (a.mean_init) std::copy_n(static_cast<const C*>(a.mean_init) + col0, n, acc.begin());
-      else std::fill(acc.begin(), acc.begin() + n, C(0));
+      C* acc = acc_buf.data();
+      if (a.mean_init) std::copy_n(static_cast<const C*>(a.mean_init) + col0, n, acc);
+      else std::fill(acc, acc + n, C(0));
       const T* base = HasBase ? as_ptr<const T>(a.base_ptrs[blk.seg]) + blk.start : nullptr;
-      for (int64_t i = 0; i < M; ++i) {
-        const T* x = as_ptr<const T>(a.row_ptrs[blk.seg * M + i]) + blk.start;
-        const C w = static_cast<C>(a.weights[i]);
-        C sq = 0, bad = 0;  // bad stays 0 unless some v - v is NaN (v NaN or Inf)
-        C* accp = acc.data();
-#pragma omp simd reduction(+ : sq, bad)
-        for (int64_t j = 0; j < n; ++j) {
-          C v = load<C>(x + j);
-          if constexpr (HasBase) v -= load<C>(base + j);
-          accp[j] += w * v;
-          sq += v * v;
-          bad += v - v;
-        }
-        part_sq[b * M + i] = static_cast<double>(sq);
-        part_bad[b * M + i] = !(bad == C(0));
+      for (int64_t i = 0; i < M; ++i) x[i] = as_ptr<const T>(a.row_ptrs[blk.seg * M + i]) + blk.start;
+      C sq[4];
+      int64_t i = 0;
+      for (; i + 4 <= M; i += 4) {
+        fold_rows<T, C, HasBase, 4>(x.data() + i, w.data() + i, base, acc, n, sq);
+        for (int r = 0; r < 4; ++r) part_sq[b * M + i + r] = static_cast<double>(sq[r]);
       }
+      for (; i < M; ++i) {
+        fold_rows<T, C, HasBase, 1>(x.data() + i, w.data() + i, base, acc, n, sq);
+        part_sq[b * M + i] = static_cast<double>(sq[0]);
+      }
+      for (i = 0; i < M; ++i)
+        part_bad[b * M + i] = !std::isfinite(part_sq[b * M + i]) && has_nonfinite<T, C, HasBase>(x[i], base, n);
       C* mean = static_cast<C*>(a.mean_out) + col0;
       C msq = 0;
-      const C* accp = acc.data();
 #pragma omp simd reduction(+ : msq)
       for (int64_t j = 0; j < n; ++j) {
-        mean[j] = accp[j];
-        msq += accp[j] * accp[j];
+        mean[j] = acc[j];
+        msq += acc[j] * acc[j];
       }
       part_mean_sq[b] = static_cast<double>(msq);
     }

@@ -19,6 +19,7 @@ import torch
 from . import rules
 from ._docs import share_docs
 from .backends import resolve
+from .flat import as_tensor
 from .rows import ClientRows, ParamRows, Segments, client_rows, compute_dtype, param_rows, with_base, check_params_match
 
 ON_NONFINITE = ("raise", "skip")
@@ -170,7 +171,7 @@ def _raise_nonfinite(stats: _Stats, eta: torch.Tensor, name: str) -> None:
 
 def finish_round(stats: _Stats, *, avg_sq: torch.Tensor, eta: torch.Tensor, params: ParamRows | None,
                  want_eval: bool, on_nonfinite: str, backend, form, numpy_out: bool, num_clients: int,
-                 per_client: bool = True, name: str = "deltas") -> RoundResult:
+                 per_client: bool = True, name: str = "deltas", eval_buf: torch.Tensor | None = None) -> RoundResult:
     """Decide finiteness, apply the step (apply pass), and package the result."""
     finite = rules.round_is_finite(stats.nonfinite, eta, stats.mean_sq)
     if on_nonfinite == "raise" and not bool(finite):  # the one host read of a "raise" call
@@ -179,7 +180,8 @@ def finish_round(stats: _Stats, *, avg_sq: torch.Tensor, eta: torch.Tensor, para
     if params is not None:
         eval_rows = None
         if want_eval:
-            eval_flat = torch.empty(params.segments.numel, dtype=params.dtype, device=params.device)
+            eval_flat = eval_buf if eval_buf is not None else \
+                torch.empty(params.segments.numel, dtype=params.dtype, device=params.device)
             eval_rows = ParamRows(params.segments.slice(eval_flat), params.segments, params.dtype, params.device,
                                   params.form, None)
             eval_params = params.form.unflatten(eval_flat)
@@ -214,17 +216,35 @@ def _prepare(deltas, models, params, name_hint: str = "deltas"):
     return rows, p, "deltas"
 
 
-def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool):
+def out_buffer(out: Any, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """A caller's preallocated output: a contiguous 1-D tensor (or numpy array) of the expected size and dtype."""
+    if out is None:
+        return None
+    t = as_tensor(out)
+    if t.ndim != 1 or t.numel() != numel or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D {dtype} buffer of {numel} elements on {device}; got "
+                         f"shape {tuple(t.shape)}, {t.dtype} on {t.device}")
+    return t
+
+
+def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool,
+         mean_out=None, eval_out=None):
     _check_on_nonfinite(on_nonfinite)
     rows, p, name = _prepare(deltas, models, params)
+    mean_buf = out_buffer(mean_out, "mean_out", rows.numel, compute_dtype(rows.dtype), rows.device)
+    eval_buf = None
+    if eval_out is not None:
+        if p is None:
+            raise TypeError("eval_out= needs params= (the evaluation model is computed from the updated params)")
+        eval_buf = out_buffer(eval_out, "eval_out", p.segments.numel, p.dtype, p.device)
     backend = resolve(backend_name, rows.device)
     coefs = normalized_weights(weights, rows.num_clients, rows.device)
-    stats = round_stats(rows, coefs, backend)
+    stats = round_stats(rows, coefs, backend, mean_out=mean_buf)
     avg_sq = (coefs * stats.sq_norms).sum()
     eta = eta_rule(avg_sq, stats.mean_sq, rows.num_clients)
     return finish_round(stats, avg_sq=avg_sq, eta=eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
                         backend=backend, form=rows.form, numpy_out=rows.form.numpy, num_clients=rows.num_clients,
-                        name=name)
+                        name=name, eval_buf=eval_buf)
 
 
 def _fedexp_rule(eps: Any, eps_mode: str) -> Callable:
@@ -243,7 +263,7 @@ def _fixed_rule(lr: Any) -> Callable:
 
 @share_docs
 def fedexp_step(deltas=None, eps=None, *, models=None, weights=None, params=None, eps_mode: str = "paper",
-                on_nonfinite: str = "raise", backend: str = "auto") -> RoundResult:
+                on_nonfinite: str = "raise", backend: str = "auto", mean_out=None, eval_out=None) -> RoundResult:
     """One FedExP server step (Jhunjhunwala et al., ICLR 2023, Algorithm 1, eq. 9)::
 
         mean   = sum_i p_i delta_i
@@ -260,6 +280,8 @@ def fedexp_step(deltas=None, eps=None, *, models=None, weights=None, params=None
         {eps_mode}
         {on_nonfinite}
         {backend}
+        {mean_out}
+        eval_out: optional preallocated flat buffer (``params``' dtype, d elements) for ``eval_params``.
 
     Returns:
         :class:`RoundResult` with ``eta``, ``update``, ``mean``, ``sq_norms``, ``mean_sq_norm``, ``avg_sq_norm``,
@@ -274,12 +296,13 @@ def fedexp_step(deltas=None, eps=None, *, models=None, weights=None, params=None
         w += res.update            # or: fastagg.fedexp_step(deltas, eps=1e-3, params=w)
     """
     rule = _fedexp_rule(eps, eps_mode)
-    return _run(deltas, models, weights, params, on_nonfinite, backend, rule, want_eval=True)
+    return _run(deltas, models, weights, params, on_nonfinite, backend, rule, want_eval=True, mean_out=mean_out,
+                eval_out=eval_out)
 
 
 @share_docs
 def fedavg_step(deltas=None, lr: float = 1.0, *, models=None, weights=None, params=None,
-                on_nonfinite: str = "raise", backend: str = "auto") -> RoundResult:
+                on_nonfinite: str = "raise", backend: str = "auto", mean_out=None) -> RoundResult:
     """One FedAvg server step::
 
         mean   = sum_i p_i delta_i
@@ -295,6 +318,7 @@ def fedavg_step(deltas=None, lr: float = 1.0, *, models=None, weights=None, para
         {params}
         {on_nonfinite}
         {backend}
+        {mean_out}
 
     {numerics}
 
@@ -302,7 +326,8 @@ def fedavg_step(deltas=None, lr: float = 1.0, *, models=None, weights=None, para
 
         fastagg.fedavg_step(deltas, lr=1.0, weights=num_examples, params=w)
     """
-    return _run(deltas, models, weights, params, on_nonfinite, backend, _fixed_rule(lr), want_eval=False)
+    return _run(deltas, models, weights, params, on_nonfinite, backend, _fixed_rule(lr), want_eval=False,
+                mean_out=mean_out)
 
 
 def step_from_sums(weighted_sum, weighted_sq_norm_sum, total_weight, num_clients, *, eta_rule: Callable,

@@ -1,0 +1,32 @@
+"""Print a pytest-benchmark JSON as a table: median, IQR, GB/s and the ratio to the group's plain read.
+
+    python bench/report.py bench/out.json
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+
+def main(path: str) -> None:
+    data = json.load(open(path))
+    print(f"machine: {data['machine_info'].get('cpu', {}).get('brand_raw', '?')}, "
+          f"{data['machine_info'].get('cpu', {}).get('count', '?')} cores; {data['datetime']}")
+    groups = defaultdict(list)
+    for b in data["benchmarks"]:
+        groups[b["group"]].append(b)
+    for group, rows in groups.items():
+        read = next((r for r in rows if r["name"].startswith("test_read") or r["name"].startswith("test_add_")), None)
+        base = read["stats"]["median"] if read else None
+        print(f"\n{group}")
+        print(f"{'benchmark':<34}{'median ms':>11}{'IQR ms':>9}{'GB/s':>8}{'x read':>8}")
+        for r in sorted(rows, key=lambda r: r["stats"]["median"]):
+            s = r["stats"]
+            gbs = r["extra_info"].get("bytes", 0) / s["median"] / 1e9
+            ratio = f"{s['median'] / base:>8.2f}" if base else ""
+            print(f"{r['name']:<34}{s['median'] * 1e3:>11.2f}{s['iqr'] * 1e3:>9.2f}{gbs:>8.1f}{ratio}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
