@@ -10,7 +10,7 @@ import fastagg
 from fastagg.testing import (DTYPES, assert_close, assert_unchanged, cpu_backends, snapshot, tolerance)
 
 BACKENDS = cpu_backends()
-SHAPES = [(1, 1), (3, 7), (16, 1023), (5, 278011)]
+SHAPES = [(1, 1), (3, 7), (16, 1023), (37, 301), (5, 278011)]  # 37: several client tiles
 
 
 def make(m, d, dtype, seed=0, scale=1.0):
@@ -237,3 +237,20 @@ def test_cpu_backend_is_bit_identical_across_thread_counts(tmp_path):
         outs.append(torch.load(path))
     for k in outs[0]:
         assert torch.equal(outs[0][k], outs[1][k]), k
+
+
+@pytest.mark.slow
+def test_cpu_64bit_offsets_beyond_2_31_elements():
+    """One client row of 2^31 + 5 float16 elements (4.3 GB; the float32 mean 8.6 GB): offsets past 2^31 must
+    not wrap. Values are chosen so every element's contribution is known exactly."""
+    d = 2**31 + 5
+    try:
+        x = torch.full((1, d), 0.5, dtype=torch.float16)
+        x[0, -3:] = 2.0  # the tail, beyond 2^31, must land at the tail of the mean
+        mean = torch.empty(d, dtype=torch.float32)
+    except RuntimeError as e:  # not enough memory on this machine
+        pytest.skip(f"needs ~13 GB of free memory: {e}")
+    res = fastagg.fedavg_step(x, lr=1.0, backend="cpu", mean_out=mean)
+    assert mean[-3:].tolist() == [2.0, 2.0, 2.0] and float(mean[2**31 - 1]) == 0.5
+    want = (d - 3) * 0.25 + 3 * 4.0
+    assert abs(float(res.sq_norms[0]) - want) <= 1e-6 * want

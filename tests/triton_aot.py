@@ -1,0 +1,120 @@
+"""Compile every Triton kernel ahead of time for NVIDIA GPUs, with no GPU present.
+
+Run as a script (without TRITON_INTERPRET): the launchers are driven with small CPU tensors, each kernel launch
+is captured instead of run, and the captured signature is compiled with ``triton.compile`` for the given
+targets down to a cubin (ptxas ships with triton). This checks that the real launch arguments type-check and
+compile on this triton version, which the interpreter cannot show.
+
+    python tests/triton_aot.py 90 80      # compute capabilities
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import importlib  # noqa: E402
+
+# the package re-exports the launchers under the modules' names: fetch the modules themselves
+stats_mod = importlib.import_module("fastagg.backends.triton.round_stats")
+apply_mod = importlib.import_module("fastagg.backends.triton.apply_update")
+
+TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16",
+         torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.bool: "i1"}
+
+captured = []
+
+
+class Capture:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            captured.append((self.fn, args, kwargs))
+        return launch
+
+
+def signature(fn, args, kwargs):
+    names = fn.arg_names
+    sig, const = {}, {}
+    for name, a in zip(names, args):
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + TYPES[a.dtype]
+        elif isinstance(a, bool):
+            sig[name] = "i1"
+        elif isinstance(a, int):
+            sig[name] = "i64"
+        elif isinstance(a, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {name}={a!r}")
+    options = {}
+    for name, v in kwargs.items():
+        if name in ("num_warps", "num_stages"):
+            options[name] = v
+        else:
+            sig[name] = "constexpr"
+            const[(names.index(name),)] = v
+    return sig, const, options
+
+
+def drive_launchers():
+    """Every launcher variant: dtypes, base/init, one or many segments, eval or not."""
+    from fastagg.rows import ParamRows, Segments, client_rows, compute_dtype, with_base, param_rows
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for per_layer in (False, True):
+            x = torch.zeros(3, 10, dtype=dtype)
+            deltas = [[r[:4], r[4:]] for r in x] if per_layer else x
+            rows = client_rows(deltas, name="deltas")
+            cdt = compute_dtype(dtype)
+            for base in (False, True):
+                r = with_base(rows, param_rows(torch.zeros(10, dtype=dtype))) if base else rows
+                for init in (None, torch.zeros(10, dtype=cdt)):
+                    stats_mod.round_stats(rows=r, weights=torch.ones(3, dtype=torch.float64), mean_init=init,
+                                          mean_out=torch.zeros(10, dtype=cdt),
+                                          sq_norms_out=torch.zeros(3, dtype=torch.float64),
+                                          nonfinite_out=torch.zeros(3, dtype=torch.bool),
+                                          mean_sq_out=torch.zeros((), dtype=torch.float64))
+            for pdt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+                params = [torch.zeros(4, dtype=pdt), torch.zeros(6, dtype=pdt)] if per_layer else torch.zeros(10, dtype=pdt)
+                p = param_rows(params)
+                for want_eval in (False, True):
+                    ev = None
+                    if want_eval:
+                        flat = torch.zeros(10, dtype=pdt)
+                        ev = ParamRows(p.segments.slice(flat), p.segments, pdt, p.device, p.form, None)
+                    apply_mod.apply_update(params=p, mean=torch.zeros(10, dtype=cdt),
+                                           eta=torch.ones((), dtype=torch.float64), finite=torch.ones((), dtype=torch.bool),
+                                           eval_out=ev, eval_scale=0.5)
+
+
+def main(capabilities):
+    for mod, name in ((stats_mod, "_round_stats_kernel"), (stats_mod, "_finalize_kernel"),
+                      (apply_mod, "_apply_update_kernel")):
+        setattr(mod, name, Capture(getattr(mod, name)))
+    drive_launchers()
+    seen = set()
+    for fn, args, kwargs in captured:
+        sig, const, options = signature(fn, args, kwargs)
+        key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in const.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        for cc in capabilities:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", cc, 32),
+                               options=options)
+            assert len(k.asm["cubin"]) > 0
+    print(f"compiled {len(seen)} kernel variants for sm_{', sm_'.join(map(str, capabilities))} "
+          f"with triton {triton.__version__}")
+
+
+if __name__ == "__main__":
+    main([int(c) for c in sys.argv[1:]] or [90])
