@@ -105,3 +105,14 @@ def assert_unchanged(before, after, name: str = "input") -> None:
     elif isinstance(before, list):
         for i, (b, a) in enumerate(zip(before, after)):
             assert_unchanged(b, a, f"{name}[{i}]")
+
+
+def assert_round_close(actual, expected, dtype: torch.dtype, *, per_client: bool = True) -> None:
+    """Two RoundResults agree at ``dtype``'s tolerances: mean, norms, eta and the update."""
+    rt, at = tolerance(dtype, "mean")
+    assert_close(actual.mean_flat, expected.mean_flat, rtol=rt, atol=at, name="mean")
+    nrt, nat = tolerance(dtype, "norm")
+    fields = ("sq_norms", "mean_sq_norm", "avg_sq_norm", "eta") if per_client else ("mean_sq_norm", "avg_sq_norm", "eta")
+    for f in fields:
+        assert_close(getattr(actual, f), getattr(expected, f), rtol=nrt, atol=nat, name=f)
+    assert_close(actual.update_flat, expected.update_flat, rtol=rt + nrt, atol=at, name="update")

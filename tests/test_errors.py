@@ -139,3 +139,28 @@ def test_numpy_read_only_deltas_are_fine():
     x = _readonly(np.random.default_rng(0).standard_normal((3, 10)).astype(np.float32))
     res = fastagg.fedexp_step(x, eps=1e-3)
     assert isinstance(res.mean, np.ndarray)
+
+
+def test_device_mismatch_names_the_client():
+    x = torch.randn(5)
+    with pytest.raises(ValueError, match=r"deltas\[1\] is on meta; expected cpu like deltas\[0\]"):
+        fastagg.fedexp_step([x, torch.empty(5, device="meta")], eps=1e-3)
+    with pytest.raises(ValueError, match=r"params is on meta; expected cpu like deltas"):
+        fastagg.fedexp_step([x, x], eps=1e-3, params=torch.empty(5, device="meta"))
+
+
+def test_env_report_says_what_is_active():
+    report = fastagg.env_report()
+    assert "cpu backend: compiled module" in report and "backend='auto': cpu tensors -> cpu" in report
+    assert str(cpu_backends()) in report
+
+
+def test_mean_out_and_eval_out_are_checked():
+    x = _x()
+    with pytest.raises(ValueError, match=r"mean_out must be a contiguous 1-D torch.float32 buffer of 10 elements"):
+        fastagg.fedexp_step(x, eps=1e-3, mean_out=torch.empty(9))
+    with pytest.raises(TypeError, match=r"eval_out= needs params="):
+        fastagg.fedexp_step(x, eps=1e-3, eval_out=torch.empty(10))
+    out = torch.empty(10)
+    res = fastagg.fedexp_step(x, eps=1e-3, mean_out=out)
+    assert res.mean_flat.data_ptr() == out.data_ptr()

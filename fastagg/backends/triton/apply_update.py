@@ -10,25 +10,15 @@ import triton
 import triton.language as tl
 
 from ...rows import ParamRows
-from .launch import apply_config, block_table
+from .launch import apply_config, block_columns, block_grid
 
 
 @triton.jit
 def _apply_update_kernel(param_ptrs, eval_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, eta_ptr,
                          finite_ptr, eval_scale, HAS_EVAL: tl.constexpr, SINGLE: tl.constexpr,
                          BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    if SINGLE:
-        seg = pid * 0
-        start = pid * BLOCK_D
-    else:
-        seg = tl.load(block_seg + pid)
-        start = tl.load(block_start + pid)
-    n = tl.load(seg_len + seg)
-    off = tl.load(seg_off + seg)
-    cols = start + tl.arange(0, BLOCK_D).to(tl.int64)
+    seg, cols, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D)
     finite = tl.load(finite_ptr).to(tl.int32) != 0
-    inb = cols < n
     mask = inb & finite
     acc = mean.dtype.element_ty
     elem = like.dtype.element_ty
@@ -51,13 +41,8 @@ def apply_update(*, params: ParamRows, mean: torch.Tensor, eta: torch.Tensor, fi
                  eval_out: ParamRows | None, eval_scale: float) -> None:
     device = mean.device
     cfg = apply_config(params.segments.numel)
-    single = len(params.segments) == 1
     lens, offs = params.segments.tables(device)
-    if single:
-        nb = triton.cdiv(params.segments.numel, cfg["BLOCK_D"])
-        bseg = bstart = lens
-    else:
-        bseg, bstart, nb = block_table(params.segments, cfg["BLOCK_D"], device)
+    bseg, bstart, nb, single = block_grid(params.segments, cfg["BLOCK_D"], device)
     if nb == 0:
         return
     param_ptrs = params.ptrs().to(device, non_blocking=True)

@@ -10,6 +10,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from ...rows import Segments
 
@@ -60,7 +62,27 @@ def _block_table_cpu(lens: tuple, block: int) -> torch.Tensor:
     return torch.tensor([seg, start], dtype=torch.int64)
 
 
-def block_table(segments: Segments, block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(segment of each block, first column of each block, number of blocks) for a segmented vector."""
+def block_grid(segments: Segments, block: int, device: torch.device) -> tuple:
+    """(segment of each block, first column of each block, number of blocks, single) for a segmented vector.
+
+    A single segment needs no table (``single`` is True and the two tables are placeholders).
+    """
+    lens, _ = segments.tables(device)
+    if len(segments) == 1:
+        return lens, lens, triton.cdiv(segments.numel, block), True
     t = _block_table_cpu(segments.lens, block).to(device)
-    return t[0], t[1], t.shape[1]
+    return t[0], t[1], t.shape[1], False
+
+
+@triton.jit
+def block_columns(block_seg, block_start, seg_len, seg_off, SINGLE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's block: (segment, its columns as int64, in-bounds mask, the segment's offset in flat d)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if SINGLE:
+        seg = pid * 0
+        start = pid * BLOCK_D
+    else:
+        seg = tl.load(block_seg + pid)
+        start = tl.load(block_start + pid)
+    cols = start + tl.arange(0, BLOCK_D).to(tl.int64)
+    return seg, cols, cols < tl.load(seg_len + seg), tl.load(seg_off + seg)

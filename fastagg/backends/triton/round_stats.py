@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ...rows import ClientRows
-from .launch import block_table, finalize_config, stats_config
+from .launch import block_columns, block_grid, finalize_config, stats_config
 
 
 @triton.jit
@@ -22,16 +22,7 @@ def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_l
                         HAS_BASE: tl.constexpr, HAS_INIT: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    if SINGLE:
-        seg = pid * 0
-        start = pid * BLOCK_D
-    else:
-        seg = tl.load(block_seg + pid)
-        start = tl.load(block_start + pid)
-    n = tl.load(seg_len + seg)
-    off = tl.load(seg_off + seg)
-    cols = start + tl.arange(0, BLOCK_D).to(tl.int64)
-    cmask = cols < n
+    seg, cols, cmask, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D)
     elem = like.dtype.element_ty
     if HAS_BASE:
         bptr = tl.load(base_ptrs + seg).to(tl.pointer_type(elem))
@@ -96,13 +87,8 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
     device = mean_out.device
     M = rows.num_clients
     cfg = stats_config(M, rows.numel)
-    single = len(rows.segments) == 1
     lens, offs = rows.segments.tables(device)
-    if single:
-        nb = triton.cdiv(rows.numel, cfg["BLOCK_D"])
-        bseg = bstart = lens  # unused
-    else:
-        bseg, bstart, nb = block_table(rows.segments, cfg["BLOCK_D"], device)
+    bseg, bstart, nb, single = block_grid(rows.segments, cfg["BLOCK_D"], device)
     part_sq = torch.empty((max(nb, 1), M), dtype=torch.float64, device=device)
     part_bad = torch.zeros((max(nb, 1), M), dtype=torch.int8, device=device)
     part_mean_sq = torch.zeros(max(nb, 1), dtype=torch.float64, device=device)
