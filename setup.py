@@ -6,7 +6,7 @@ setup(
     ext_modules=[
         Pybind11Extension(
             "fastagg._C",
-            ["csrc/bindings.cpp", "csrc/round_stats.cpp", "csrc/apply_update.cpp"],
+            ["csrc/bindings.cpp", "csrc/round_stats.cpp", "csrc/server_apply.cpp"],
             cxx_std=17,
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],

@@ -10,7 +10,8 @@
 #endif
 
 namespace py = pybind11;
-using fastagg::ApplyArgs;
+using fastagg::AdamArgs;
+using fastagg::MomentumArgs;
 using fastagg::StatsArgs;
 
 template <typename T> static T ptr(uintptr_t address) { return reinterpret_cast<T>(address); }
@@ -21,41 +22,78 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "round_stats",
       [](int64_t num_clients, int64_t num_segments, int dtype, uintptr_t row_ptrs, uintptr_t base_ptrs,
-         uintptr_t seg_len, uintptr_t seg_off, uintptr_t weights, uintptr_t mean_init, uintptr_t mean_out, uintptr_t sq_norms_out,
-         uintptr_t nonfinite_out, uintptr_t mean_sq_out) {
-        StatsArgs a{num_clients,
-                    num_segments,
-                    dtype,
-                    ptr<const uint64_t*>(row_ptrs),
-                    ptr<const uint64_t*>(base_ptrs),
-                    ptr<const int64_t*>(seg_len),
-                    ptr<const int64_t*>(seg_off),
-                    ptr<const double*>(weights),
-                    ptr<const void*>(mean_init),
-                    ptr<void*>(mean_out),
-                    ptr<double*>(sq_norms_out),
-                    ptr<uint8_t*>(nonfinite_out),
-                    ptr<double*>(mean_sq_out)};
+         uintptr_t seg_len, uintptr_t seg_off, uintptr_t weights, uintptr_t mean_init, uintptr_t aux,
+         double aux_coef, uintptr_t mean_out, uintptr_t sq_norms_out, uintptr_t nonfinite_out,
+         uintptr_t mean_sq_out) {
+        StatsArgs a{};
+        a.num_clients = num_clients;
+        a.num_segments = num_segments;
+        a.dtype = dtype;
+        a.row_ptrs = ptr<const uint64_t*>(row_ptrs);
+        a.base_ptrs = ptr<const uint64_t*>(base_ptrs);
+        a.seg_len = ptr<const int64_t*>(seg_len);
+        a.seg_off = ptr<const int64_t*>(seg_off);
+        a.weights = ptr<const double*>(weights);
+        a.mean_init = ptr<const void*>(mean_init);
+        a.aux = ptr<const void*>(aux);
+        a.aux_coef = aux_coef;
+        a.mean_out = ptr<void*>(mean_out);
+        a.sq_norms_out = ptr<double*>(sq_norms_out);
+        a.nonfinite_out = ptr<uint8_t*>(nonfinite_out);
+        a.mean_sq_out = ptr<double*>(mean_sq_out);
         fastagg::round_stats(a);
       },
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
-      "apply_update",
-      [](int64_t num_segments, int param_dtype, int mean_dtype, uintptr_t param_ptrs, uintptr_t eval_ptrs,
-         uintptr_t seg_len, uintptr_t seg_off, uintptr_t mean, uintptr_t eta, uintptr_t finite, double eval_scale) {
-        ApplyArgs a{num_segments,
-                    param_dtype,
-                    mean_dtype,
-                    ptr<const uint64_t*>(param_ptrs),
-                    ptr<const uint64_t*>(eval_ptrs),
-                    ptr<const int64_t*>(seg_len),
-                    ptr<const int64_t*>(seg_off),
-                    ptr<const void*>(mean),
-                    ptr<const double*>(eta),
-                    ptr<const uint8_t*>(finite),
-                    eval_scale};
-        fastagg::apply_update(a);
+      "momentum_apply",
+      [](int64_t num_segments, int param_dtype, int compute_dtype, uintptr_t param_ptrs, uintptr_t extra_ptrs,
+         uintptr_t seg_len, uintptr_t seg_off, uintptr_t mean, uintptr_t buf, uintptr_t lr, uintptr_t extra_coef,
+         uintptr_t extra_coef_skip, uintptr_t finite, double momentum, bool nesterov) {
+        MomentumArgs a{};
+        a.num_segments = num_segments;
+        a.param_dtype = param_dtype;
+        a.compute_dtype = compute_dtype;
+        a.param_ptrs = ptr<const uint64_t*>(param_ptrs);
+        a.extra_ptrs = ptr<const uint64_t*>(extra_ptrs);
+        a.seg_len = ptr<const int64_t*>(seg_len);
+        a.seg_off = ptr<const int64_t*>(seg_off);
+        a.mean = ptr<const void*>(mean);
+        a.buf = ptr<void*>(buf);
+        a.lr = ptr<const double*>(lr);
+        a.extra_coef = ptr<const double*>(extra_coef);
+        a.extra_coef_skip = ptr<const double*>(extra_coef_skip);
+        a.finite = ptr<const uint8_t*>(finite);
+        a.momentum = momentum;
+        a.nesterov = nesterov;
+        fastagg::momentum_apply(a);
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "adam_apply",
+      [](int64_t num_segments, int param_dtype, int compute_dtype, uintptr_t param_ptrs, uintptr_t seg_len,
+         uintptr_t seg_off, uintptr_t mean, uintptr_t m_buf, uintptr_t v_buf, uintptr_t vhat_buf, uintptr_t lr,
+         uintptr_t finite, int rule, double beta1, double beta2, double tau, double ams_eps) {
+        AdamArgs a{};
+        a.num_segments = num_segments;
+        a.param_dtype = param_dtype;
+        a.compute_dtype = compute_dtype;
+        a.param_ptrs = ptr<const uint64_t*>(param_ptrs);
+        a.seg_len = ptr<const int64_t*>(seg_len);
+        a.seg_off = ptr<const int64_t*>(seg_off);
+        a.mean = ptr<const void*>(mean);
+        a.m = ptr<void*>(m_buf);
+        a.v = ptr<void*>(v_buf);
+        a.vhat = ptr<void*>(vhat_buf);
+        a.lr = ptr<const double*>(lr);
+        a.finite = ptr<const uint8_t*>(finite);
+        a.rule = rule;
+        a.beta1 = beta1;
+        a.beta2 = beta2;
+        a.tau = tau;
+        a.ams_eps = ams_eps;
+        fastagg::adam_apply(a);
       },
       py::call_guard<py::gil_scoped_release>());
 

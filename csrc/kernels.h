@@ -15,27 +15,53 @@ struct StatsArgs {
   const int64_t* seg_off;     // [L]: offset of each segment in the flat mean
   const double* weights;      // [M]: coefficient of each row in the mean
   const void* mean_init;      // [d] in the compute type, or nullptr: mean_out = mean_init + sum_i ...
+  const void* aux;            // [d] in the compute type, or nullptr: mean_sq = ||mean + aux_coef * aux||^2
+  double aux_coef;
   void* mean_out;             // [d] in the compute type
   double* sq_norms_out;       // [M]
   uint8_t* nonfinite_out;     // [M]
   double* mean_sq_out;        // [1]
 };
 
-struct ApplyArgs {
+struct MomentumArgs {
   int64_t num_segments;
   int param_dtype;
-  int mean_dtype;             // kFloat32 or kFloat64
+  int compute_dtype;          // of mean and buf: kFloat32 or kFloat64
   const uint64_t* param_ptrs; // [L]
-  const uint64_t* eval_ptrs;  // [L] or nullptr
+  const uint64_t* extra_ptrs; // [L] (params' dtype) or nullptr
+  const int64_t* seg_len;
+  const int64_t* seg_off;     // offsets into the flat mean and buf
+  const void* mean;
+  void* buf;                  // momentum buffer or nullptr
+  const double* lr;           // device scalars
+  const double* extra_coef;
+  const double* extra_coef_skip;
+  const uint8_t* finite;
+  double momentum;
+  bool nesterov;
+};
+
+enum AdamRule : int { kAdam = 0, kYogi = 1, kAdagrad = 2, kAms = 3 };
+
+struct AdamArgs {
+  int64_t num_segments;
+  int param_dtype;
+  int compute_dtype;
+  const uint64_t* param_ptrs;
   const int64_t* seg_len;
   const int64_t* seg_off;
   const void* mean;
-  const double* eta;
+  void* m;                    // nullptr for Adagrad
+  void* v;
+  void* vhat;                 // AMS only
+  const double* lr;           // bias correction folded in
   const uint8_t* finite;
-  double eval_scale;
+  int rule;
+  double beta1, beta2, tau, ams_eps;
 };
 
 void round_stats(const StatsArgs& args);
-void apply_update(const ApplyArgs& args);
+void momentum_apply(const MomentumArgs& args);
+void adam_apply(const AdamArgs& args);
 
 }  // namespace fastagg

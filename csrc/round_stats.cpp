@@ -2,7 +2,7 @@
 //   mean[j]     = init[j] + sum_i w_i * (x_i[j] - base[j])   (init, base optional; base: full client models)
 //   sq_norms[i] = ||x_i - base||^2
 //   nonfinite[i] = any element of row i is NaN or Inf
-//   mean_sq     = ||mean||^2
+//   mean_sq     = ||mean + aux_coef * aux||^2       (aux optional; without it ||mean||^2)
 // Per-element math in the compute type (float32, float64 for float64 data); each block's
 // partial sums are finished in float64 in block order, so results are bit-identical for
 // any thread count.
@@ -107,10 +107,21 @@ void round_stats_impl(const StatsArgs& a) {
         part_bad[b * M + i] = !std::isfinite(part_sq[b * M + i]) && has_nonfinite<T, C, HasBase>(x[i], base, n);
       C* mean = static_cast<C*>(a.mean_out) + col0;
       C msq = 0;
+      if (a.aux) {  // ||mean + aux_coef * aux||^2, e.g. FedExP-M's momentum ||mean + beta v||^2
+        const C* aux = static_cast<const C*>(a.aux) + col0;
+        const C c = static_cast<C>(a.aux_coef);
 #pragma omp simd reduction(+ : msq)
-      for (int64_t j = 0; j < n; ++j) {
-        mean[j] = acc[j];
-        msq += acc[j] * acc[j];
+        for (int64_t j = 0; j < n; ++j) {
+          mean[j] = acc[j];
+          const C u = acc[j] + c * aux[j];
+          msq += u * u;
+        }
+      } else {
+#pragma omp simd reduction(+ : msq)
+        for (int64_t j = 0; j < n; ++j) {
+          mean[j] = acc[j];
+          msq += acc[j] * acc[j];
+        }
       }
       part_mean_sq[b] = static_cast<double>(msq);
     }

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import numbers
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from . import rules
+from ._checks import check_number, check_on_nonfinite, out_buffer
 from ._docs import share_docs
 from .backends import resolve
-from .flat import as_tensor
-from .rows import ClientRows, ParamRows, Segments, client_rows, compute_dtype, param_rows, with_base, check_params_match
-
-ON_NONFINITE = ("raise", "skip")
+from .passes import RoundStats, check_finite, client_stats, device_scalar, like_params, sum_stats
+from .rows import ParamRows, check_params_match, client_rows, compute_dtype, param_rows, with_base
 
 __all__ = ["RoundResult", "fedexp_step", "fedavg_step", "fedexp_step_from_sums"]
 
@@ -87,119 +84,10 @@ def _to_numpy(x):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# validation helpers
 
 
-def _check_on_nonfinite(on_nonfinite: str) -> None:
-    if on_nonfinite not in ON_NONFINITE:
-        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
-
-
-def _check_number(value: Any, name: str, *, minimum: float = 0.0, allow_equal: bool = True) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, np.ndarray) and value.size == 1:
-        value = value.item()
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    ok = math.isfinite(value) and (value >= minimum if allow_equal else value > minimum)
-    if not ok:
-        op = ">=" if allow_equal else ">"
-        raise ValueError(f"{name} must be a finite number {op} {minimum:g}, got {value!r}")
-    return value
-
-
-def normalized_weights(weights: Any, num_clients: int, device: torch.device) -> torch.Tensor:
-    """``p_i = n_i / sum_j n_j`` as float64 on ``device`` (``1/M`` each when ``weights`` is None)."""
-    if weights is None:
-        return torch.full((num_clients,), 1.0 / num_clients, dtype=torch.float64, device=device)
-    if isinstance(weights, torch.Tensor):
-        w = weights.detach().to(torch.float64)
-    else:
-        try:
-            w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"weights must be numbers, got {weights!r}") from e
-    if tuple(w.shape) != (num_clients,):
-        raise ValueError(f"weights must have shape ({num_clients},), got {tuple(w.shape)}")
-    host = w.cpu()
-    bad = (~torch.isfinite(host)) | (host < 0)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(f"weights[{i}] is {host[i].item()!r}; weights must be finite and >= 0")
-    total = host.sum()
-    if not total > 0:
-        raise ValueError("weights are all zero; at least one participant needs a positive weight")
-    return (w / w.sum()).to(device)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the two passes
-
-
-@dataclasses.dataclass
-class _Stats:
-    mean: torch.Tensor
-    sq_norms: torch.Tensor
-    nonfinite: torch.Tensor
-    mean_sq: torch.Tensor
-
-
-def round_stats(rows: ClientRows, coefs: torch.Tensor, backend, *, mean_init: torch.Tensor | None = None,
-                mean_out: torch.Tensor | None = None) -> _Stats:
-    """Run the stats pass: ``mean = init + sum_i coefs_i (x_i - base)``, per-row norms and flags, ``||mean||^2``."""
-    dev = rows.device
-    mean = mean_out if mean_out is not None else torch.empty(rows.numel, dtype=compute_dtype(rows.dtype), device=dev)
-    stats = _Stats(mean, torch.empty(rows.num_clients, dtype=torch.float64, device=dev),
-                   torch.empty(rows.num_clients, dtype=torch.bool, device=dev),
-                   torch.empty((), dtype=torch.float64, device=dev))
-    backend.round_stats(rows=rows, weights=coefs, mean_init=mean_init, mean_out=stats.mean,
-                        sq_norms_out=stats.sq_norms, nonfinite_out=stats.nonfinite, mean_sq_out=stats.mean_sq)
-    return stats
-
-
-def _raise_nonfinite(stats: _Stats, eta: torch.Tensor, name: str) -> None:
-    bad = stats.nonfinite.cpu().nonzero().flatten().tolist()
-    if bad:
-        shown = ", ".join(f"{name}[{i}]" for i in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-        raise ValueError(f"{shown} contain NaN or Inf; nothing was updated "
-                         "(on_nonfinite='skip' flags the round instead of raising)")
-    raise ValueError(f"the round's statistics overflowed (eta={eta.item()!r}, ||mean||^2={stats.mean_sq.item()!r}); "
-                     "nothing was updated")
-
-
-def finish_round(stats: _Stats, *, avg_sq: torch.Tensor, eta: torch.Tensor, params: ParamRows | None,
-                 want_eval: bool, on_nonfinite: str, backend, form, numpy_out: bool, num_clients: int,
-                 per_client: bool = True, name: str = "deltas", eval_buf: torch.Tensor | None = None) -> RoundResult:
-    """Decide finiteness, apply the step (apply pass), and package the result."""
-    finite = rules.round_is_finite(stats.nonfinite, eta, stats.mean_sq)
-    if on_nonfinite == "raise" and not bool(finite):  # the one host read of a "raise" call
-        _raise_nonfinite(stats, eta, name)
-    eval_params = None
-    if params is not None:
-        eval_rows = None
-        if want_eval:
-            eval_flat = eval_buf if eval_buf is not None else \
-                torch.empty(params.segments.numel, dtype=params.dtype, device=params.device)
-            eval_rows = ParamRows(params.segments.slice(eval_flat), params.segments, params.dtype, params.device,
-                                  params.form, None)
-            eval_params = params.form.unflatten(eval_flat)
-        backend.apply_update(params=params, mean=stats.mean, eta=eta, finite=finite, eval_out=eval_rows,
-                             eval_scale=0.5)
-        if params.form.numpy:
-            eval_params = _to_numpy(eval_params)
-    res = RoundResult(stats.mean, eta, stats.sq_norms if per_client else None, stats.mean_sq, avg_sq, finite,
-                      stats.nonfinite if per_client else None, num_clients, eval_params,
-                      None if form.kind == "flat" else form)
-    if numpy_out:
-        for f in ("mean_flat", "eta", "sq_norms", "mean_sq_norm", "avg_sq_norm", "finite", "nonfinite"):
-            setattr(res, f, _to_numpy(getattr(res, f)))
-    return res
-
-
-def _prepare(deltas, models, params, name_hint: str = "deltas"):
-    """Client rows (with the base attached for models=), the params rows, and the device."""
+def prepare(deltas, models, params):
+    """Client rows (with params attached as the base for ``models=``), params' rows, and the clients' name."""
     if (deltas is None) == (models is None):
         raise TypeError("pass exactly one of deltas= (client updates) or models= (full client models)")
     if models is not None:
@@ -216,21 +104,37 @@ def _prepare(deltas, models, params, name_hint: str = "deltas"):
     return rows, p, "deltas"
 
 
-def out_buffer(out: Any, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """A caller's preallocated output: a contiguous 1-D tensor (or numpy array) of the expected size and dtype."""
-    if out is None:
-        return None
-    t = as_tensor(out)
-    if t.ndim != 1 or t.numel() != numel or t.dtype != dtype or t.device != device or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous 1-D {dtype} buffer of {numel} elements on {device}; got "
-                         f"shape {tuple(t.shape)}, {t.dtype} on {t.device}")
-    return t
+def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows | None, want_eval: bool,
+                      on_nonfinite: str, backend, eval_buf: torch.Tensor | None = None) -> RoundResult:
+    """Check finiteness, run the apply pass ``w += eta * mean`` (and the evaluation model), package the result."""
+    finite = check_finite(stats, eta, on_nonfinite)
+    eval_params = None
+    if params is not None:
+        extra = None
+        if want_eval:
+            flat = eval_buf if eval_buf is not None else \
+                torch.empty(params.segments.numel, dtype=params.dtype, device=params.device)
+            extra = like_params(params, flat)
+            eval_params = params.form.unflatten(flat)
+            if params.form.numpy:
+                eval_params = _to_numpy(eval_params)
+        zero = device_scalar(0.0, eta)
+        backend.momentum_apply(params=params, mean=stats.mean, lr=eta, finite=finite, buf=None, momentum=0.0,
+                               nesterov=False, extra_out=extra, extra_coef=-0.5 * eta, extra_coef_skip=zero)
+    per_client = stats.sq_norms is not None
+    res = RoundResult(stats.mean, eta, stats.sq_norms, stats.mean_sq, stats.avg_sq, finite,
+                      stats.nonfinite if per_client else None, stats.num_clients, eval_params,
+                      None if stats.form.kind == "flat" else stats.form)
+    if stats.form.numpy:
+        for f in ("mean_flat", "eta", "sq_norms", "mean_sq_norm", "avg_sq_norm", "finite", "nonfinite"):
+            setattr(res, f, _to_numpy(getattr(res, f)))
+    return res
 
 
 def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool,
          mean_out=None, eval_out=None):
-    _check_on_nonfinite(on_nonfinite)
-    rows, p, name = _prepare(deltas, models, params)
+    check_on_nonfinite(on_nonfinite)
+    rows, p, name = prepare(deltas, models, params)
     mean_buf = out_buffer(mean_out, "mean_out", rows.numel, compute_dtype(rows.dtype), rows.device)
     eval_buf = None
     if eval_out is not None:
@@ -238,27 +142,26 @@ def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: 
             raise TypeError("eval_out= needs params= (the evaluation model is computed from the updated params)")
         eval_buf = out_buffer(eval_out, "eval_out", p.segments.numel, p.dtype, p.device)
     backend = resolve(backend_name, rows.device)
-    coefs = normalized_weights(weights, rows.num_clients, rows.device)
-    stats = round_stats(rows, coefs, backend, mean_out=mean_buf)
-    avg_sq = (coefs * stats.sq_norms).sum()
-    eta = eta_rule(avg_sq, stats.mean_sq, rows.num_clients)
-    return finish_round(stats, avg_sq=avg_sq, eta=eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
-                        backend=backend, form=rows.form, numpy_out=rows.form.numpy, num_clients=rows.num_clients,
-                        name=name, eval_buf=eval_buf)
+    stats = client_stats(rows, weights, backend, name=name, mean_out=mean_buf)
+    eta = eta_rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
+    return apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite, backend=backend,
+                             eval_buf=eval_buf)
 
 
-def _fedexp_rule(eps: Any, eps_mode: str) -> Callable:
+def fedexp_rule(eps: Any, eps_mode: str) -> Callable:
+    """``(avg_sq, mean_sq, M) -> eta`` for FedExP with validated ``eps`` and ``eps_mode``."""
     if eps is None:
         raise TypeError("fedexp_step needs eps (FedExP's denominator term, e.g. eps=1e-3)")
-    eps = _check_number(eps, "eps")
+    eps = check_number(eps, "eps")
     if eps_mode not in rules.EPS_MODES:
         raise ValueError(f"eps_mode must be one of {rules.EPS_MODES}, got {eps_mode!r}")
     return lambda avg_sq, mean_sq, m: rules.fedexp_eta(avg_sq, mean_sq, rules.effective_eps(eps, m, eps_mode))
 
 
-def _fixed_rule(lr: Any) -> Callable:
-    lr = _check_number(lr, "lr")
-    return lambda avg_sq, mean_sq, m: torch.full((), lr, dtype=torch.float64, device=mean_sq.device)
+def fixed_rule(lr: Any) -> Callable:
+    """``(avg_sq, mean_sq, M) -> lr`` as a device scalar."""
+    lr = check_number(lr, "lr")
+    return lambda avg_sq, mean_sq, m: device_scalar(lr, mean_sq)
 
 
 @share_docs
@@ -295,7 +198,7 @@ def fedexp_step(deltas=None, eps=None, *, models=None, weights=None, params=None
         res = fastagg.fedexp_step(deltas, eps=1e-3)
         w += res.update            # or: fastagg.fedexp_step(deltas, eps=1e-3, params=w)
     """
-    rule = _fedexp_rule(eps, eps_mode)
+    rule = fedexp_rule(eps, eps_mode)
     return _run(deltas, models, weights, params, on_nonfinite, backend, rule, want_eval=True, mean_out=mean_out,
                 eval_out=eval_out)
 
@@ -326,38 +229,30 @@ def fedavg_step(deltas=None, lr: float = 1.0, *, models=None, weights=None, para
 
         fastagg.fedavg_step(deltas, lr=1.0, weights=num_examples, params=w)
     """
-    return _run(deltas, models, weights, params, on_nonfinite, backend, _fixed_rule(lr), want_eval=False,
+    return _run(deltas, models, weights, params, on_nonfinite, backend, fixed_rule(lr), want_eval=False,
                 mean_out=mean_out)
 
 
 def step_from_sums(weighted_sum, weighted_sq_norm_sum, total_weight, num_clients, *, eta_rule: Callable,
-                   params=None, on_nonfinite: str = "raise", backend: str = "auto", want_eval: bool,
-                   name: str = "weighted_sum") -> RoundResult:
+                   params=None, on_nonfinite: str = "raise", backend: str = "auto", want_eval: bool) -> RoundResult:
     """The shared path of every from-sums step: ``mean = weighted_sum / total_weight`` in one stats pass."""
-    _check_on_nonfinite(on_nonfinite)
-    if not isinstance(num_clients, numbers.Integral) or isinstance(num_clients, bool) or num_clients < 1:
-        raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
-    total = _check_number(total_weight, "total_weight", minimum=0.0, allow_equal=False)
-    rows = client_rows([weighted_sum], name=name)
+    check_on_nonfinite(on_nonfinite)
+    resolved = {}
+
+    def backend_of(device):
+        resolved["b"] = resolve(backend, device)
+        return resolved["b"]
+
+    stats = sum_stats(weighted_sum, weighted_sq_norm_sum, total_weight, num_clients, backend_of)
     p = None
     if params is not None:
         p = param_rows(params)
-        check_params_match(p, rows, clients=name)
-    dev = rows.device
-    if isinstance(weighted_sq_norm_sum, torch.Tensor):
-        sq_sum = weighted_sq_norm_sum.detach().to(device=dev, dtype=torch.float64).reshape(())
-    else:
-        sq_sum = torch.tensor(_check_number(weighted_sq_norm_sum, "weighted_sq_norm_sum"), dtype=torch.float64,
-                              device=dev)
-    backend = resolve(backend, dev)
-    coefs = torch.full((1,), 1.0 / total, dtype=torch.float64, device=dev)
-    stats = round_stats(rows, coefs, backend)
-    avg_sq = sq_sum / total
-    stats.nonfinite = stats.nonfinite | ~torch.isfinite(avg_sq)
-    eta = eta_rule(avg_sq, stats.mean_sq, int(num_clients))
-    return finish_round(stats, avg_sq=avg_sq, eta=eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
-                        backend=backend, form=rows.form, numpy_out=rows.form.numpy, num_clients=int(num_clients),
-                        per_client=False, name=name)
+        if p.segments.numel != stats.mean.numel():
+            raise ValueError(f"params has {p.segments.numel} elements; expected {stats.mean.numel()} "
+                             "(the size of weighted_sum)")
+    eta = eta_rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
+    return apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
+                             backend=resolved["b"])
 
 
 @share_docs
@@ -388,6 +283,6 @@ def fedexp_step_from_sums(weighted_sum, weighted_sq_norm_sum, total_weight, num_
 
         fastagg.fedexp_step_from_sums(s, sq, 1500.0, 3, eps=1e-3, params=w)
     """
-    rule = _fedexp_rule(eps, eps_mode)
+    rule = fedexp_rule(eps, eps_mode)
     return step_from_sums(weighted_sum, weighted_sq_norm_sum, total_weight, num_clients, eta_rule=rule,
                           params=params, on_nonfinite=on_nonfinite, backend=backend, want_eval=True)

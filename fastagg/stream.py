@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from . import ops
+from ._checks import check_number, check_on_nonfinite
+from .passes import run_stats
 from ._docs import share_docs
 from .backends import resolve
 from .flat import Layout
@@ -83,8 +85,8 @@ class Accumulator:
         count). A delta with NaN/Inf raises ``ValueError`` (``on_nonfinite="raise"``) or is dropped
         (``"skip"``); either way the accumulator is unchanged. Returns True when the client was folded in.
         """
-        ops._check_on_nonfinite(on_nonfinite)
-        w = ops._check_number(weight, "weight")
+        check_on_nonfinite(on_nonfinite)
+        w = check_number(weight, "weight")
         rows = client_rows([delta], name="delta")
         if rows.numel != self._numel:
             raise ValueError(f"delta has {rows.numel} elements; expected {self._numel} like the accumulator's `like`")
@@ -93,14 +95,14 @@ class Accumulator:
         if rows.device != self.device:
             raise ValueError(f"delta is on {rows.device}; expected {self.device} like the accumulator's `like`")
         coef = torch.full((1,), w, dtype=torch.float64, device=self.device)
-        stats = ops.round_stats(rows, coef, self._backend, mean_init=self._sum, mean_out=self._scratch)
-        if bool(stats.nonfinite[0]):  # add()'s one host read
+        _, sq, bad, _ = run_stats(rows, coef, self._backend, mean_init=self._sum, mean_out=self._scratch)
+        if bool(bad[0]):  # add()'s one host read
             if on_nonfinite == "raise":
                 raise ValueError(f"delta (client {self.num_clients}) contains NaN or Inf; the accumulator is unchanged")
             return False
         self._sum, self._scratch = self._scratch, self._sum
-        self._sq_norms.append(stats.sq_norms[0])
-        self._weighted_sq = self._weighted_sq + w * stats.sq_norms[0]
+        self._sq_norms.append(sq[0])
+        self._weighted_sq = self._weighted_sq + w * sq[0]
         self.total_weight += w
         return True
 
@@ -135,12 +137,12 @@ class Accumulator:
             {params}
             {on_nonfinite}
         """
-        rule = ops._fedexp_rule(eps, eps_mode)
+        rule = ops.fedexp_rule(eps, eps_mode)
         return self._from_sums(rule, params=params, on_nonfinite=on_nonfinite, want_eval=True)
 
     def fedavg_step(self, lr: float = 1.0, *, params=None, on_nonfinite: str = "raise") -> ops.RoundResult:
         """FedAvg from the accumulated sums: ``params <- params + lr * weighted_sum / total_weight``."""
-        return self._from_sums(ops._fixed_rule(lr), params=params, on_nonfinite=on_nonfinite, want_eval=False)
+        return self._from_sums(ops.fixed_rule(lr), params=params, on_nonfinite=on_nonfinite, want_eval=False)
 
 
 __all__ = ["Accumulator"]

@@ -23,7 +23,8 @@ import importlib  # noqa: E402
 
 # the package re-exports the launchers under the modules' names: fetch the modules themselves
 stats_mod = importlib.import_module("fastagg.backends.triton.round_stats")
-apply_mod = importlib.import_module("fastagg.backends.triton.apply_update")
+momentum_mod = importlib.import_module("fastagg.backends.triton.momentum_apply")
+adam_mod = importlib.import_module("fastagg.backends.triton.adam_apply")
 
 TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16",
          torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.bool: "i1"}
@@ -66,39 +67,41 @@ def signature(fn, args, kwargs):
 
 
 def drive_launchers():
-    """Every launcher variant: dtypes, base/init, one or many segments, eval or not."""
-    from fastagg.rows import ParamRows, Segments, client_rows, compute_dtype, with_base, param_rows
+    """Every launcher variant: dtypes, base/init/aux, one or many segments, every apply-pass option."""
+    from fastagg.passes import like_params
+    from fastagg.rows import client_rows, compute_dtype, param_rows, with_base
 
+    f64 = dict(dtype=torch.float64)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        cdt = compute_dtype(dtype)
         for per_layer in (False, True):
             x = torch.zeros(3, 10, dtype=dtype)
-            deltas = [[r[:4], r[4:]] for r in x] if per_layer else x
-            rows = client_rows(deltas, name="deltas")
-            cdt = compute_dtype(dtype)
+            rows = client_rows([[r[:4], r[4:]] for r in x] if per_layer else x, name="deltas")
             for base in (False, True):
                 r = with_base(rows, param_rows(torch.zeros(10, dtype=dtype))) if base else rows
-                for init in (None, torch.zeros(10, dtype=cdt)):
-                    stats_mod.round_stats(rows=r, weights=torch.ones(3, dtype=torch.float64), mean_init=init,
-                                          mean_out=torch.zeros(10, dtype=cdt),
-                                          sq_norms_out=torch.zeros(3, dtype=torch.float64),
+                for init, aux in ((None, None), (torch.zeros(10, dtype=cdt), None), (None, torch.zeros(10, dtype=cdt))):
+                    stats_mod.round_stats(rows=r, weights=torch.ones(3, **f64), mean_init=init, aux=aux, aux_coef=0.9,
+                                          mean_out=torch.zeros(10, dtype=cdt), sq_norms_out=torch.zeros(3, **f64),
                                           nonfinite_out=torch.zeros(3, dtype=torch.bool),
-                                          mean_sq_out=torch.zeros((), dtype=torch.float64))
-            for pdt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-                params = [torch.zeros(4, dtype=pdt), torch.zeros(6, dtype=pdt)] if per_layer else torch.zeros(10, dtype=pdt)
-                p = param_rows(params)
-                for want_eval in (False, True):
-                    ev = None
-                    if want_eval:
-                        flat = torch.zeros(10, dtype=pdt)
-                        ev = ParamRows(p.segments.slice(flat), p.segments, pdt, p.device, p.form, None)
-                    apply_mod.apply_update(params=p, mean=torch.zeros(10, dtype=cdt),
-                                           eta=torch.ones((), dtype=torch.float64), finite=torch.ones((), dtype=torch.bool),
-                                           eval_out=ev, eval_scale=0.5)
+                                          mean_sq_out=torch.zeros((), **f64))
+            params = [torch.zeros(4, dtype=dtype), torch.zeros(6, dtype=dtype)] if per_layer else torch.zeros(10, dtype=dtype)
+            p = param_rows(params)
+            one, finite, mean = torch.ones((), **f64), torch.ones((), dtype=torch.bool), torch.zeros(10, dtype=cdt)
+            for buf in (None, torch.zeros(10, dtype=cdt)):
+                for extra in (None, like_params(p, torch.zeros(10, dtype=dtype))):
+                    for nesterov in (False, True):
+                        momentum_mod.momentum_apply(params=p, mean=mean, lr=one, finite=finite, buf=buf, momentum=0.9,
+                                                    nesterov=nesterov, extra_out=extra, extra_coef=one,
+                                                    extra_coef_skip=one)
+            for rule in ("adam", "yogi", "adagrad", "ams"):
+                adam_mod.adam_apply(params=p, mean=mean, finite=finite, m=torch.zeros(10, dtype=cdt),
+                                    v=torch.zeros(10, dtype=cdt), vhat=torch.zeros(10, dtype=cdt), rule=rule, lr=one,
+                                    beta1=0.9, beta2=0.99, tau=1e-3, ams_eps=1e-8)
 
 
 def main(capabilities):
     for mod, name in ((stats_mod, "_round_stats_kernel"), (stats_mod, "_finalize_kernel"),
-                      (apply_mod, "_apply_update_kernel")):
+                      (momentum_mod, "_momentum_apply_kernel"), (adam_mod, "_adam_apply_kernel")):
         setattr(mod, name, Capture(getattr(mod, name)))
     drive_launchers()
     seen = set()

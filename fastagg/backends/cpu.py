@@ -10,6 +10,7 @@ import torch
 from ..rows import DTYPE_CODE, ClientRows, ParamRows
 
 name = "cpu"
+ADAM_RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
 
 try:
     from .. import _C
@@ -30,25 +31,42 @@ def compiled():
     return _C
 
 
-def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None, mean_out: torch.Tensor,
-                sq_norms_out: torch.Tensor, nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
-    row_ptrs = rows.row_ptrs()
-    base_ptrs = rows.base_ptrs()
+def _addr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
+                aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
+                nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
+    row_ptrs, base_ptrs = rows.row_ptrs(), rows.base_ptrs()
     lens, offs = rows.segments.tables()
     compiled().round_stats(
-        rows.num_clients, len(rows.segments), DTYPE_CODE[rows.dtype], row_ptrs.data_ptr(),
-        0 if base_ptrs is None else base_ptrs.data_ptr(), lens.data_ptr(), offs.data_ptr(), weights.data_ptr(),
-        0 if mean_init is None else mean_init.data_ptr(), mean_out.data_ptr(), sq_norms_out.data_ptr(), nonfinite_out.data_ptr(), mean_sq_out.data_ptr(),
+        rows.num_clients, len(rows.segments), DTYPE_CODE[rows.dtype], row_ptrs.data_ptr(), _addr(base_ptrs),
+        lens.data_ptr(), offs.data_ptr(), weights.data_ptr(), _addr(mean_init), _addr(aux), float(aux_coef),
+        mean_out.data_ptr(), sq_norms_out.data_ptr(), nonfinite_out.data_ptr(), mean_sq_out.data_ptr(),
     )
 
 
-def apply_update(*, params: ParamRows, mean: torch.Tensor, eta: torch.Tensor, finite: torch.Tensor,
-                 eval_out: ParamRows | None, eval_scale: float) -> None:
+def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
+                   buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,
+                   extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None) -> None:
     lens, offs = params.segments.tables()
     param_ptrs = params.ptrs()
-    eval_ptrs = None if eval_out is None else eval_out.ptrs()
-    compiled().apply_update(
+    extra_ptrs = None if extra_out is None else extra_out.ptrs()
+    compiled().momentum_apply(
         len(params.segments), DTYPE_CODE[params.dtype], DTYPE_CODE[mean.dtype], param_ptrs.data_ptr(),
-        0 if eval_ptrs is None else eval_ptrs.data_ptr(), lens.data_ptr(), offs.data_ptr(), mean.data_ptr(),
-        eta.data_ptr(), finite.data_ptr(), float(eval_scale),
+        _addr(extra_ptrs), lens.data_ptr(), offs.data_ptr(), mean.data_ptr(), _addr(buf), lr.data_ptr(),
+        _addr(extra_coef), _addr(extra_coef_skip), finite.data_ptr(), float(momentum), bool(nesterov),
+    )
+
+
+def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m: torch.Tensor | None,
+               v: torch.Tensor, vhat: torch.Tensor | None, rule: str, lr: torch.Tensor, beta1: float, beta2: float,
+               tau: float, ams_eps: float) -> None:
+    lens, offs = params.segments.tables()
+    param_ptrs = params.ptrs()
+    compiled().adam_apply(
+        len(params.segments), DTYPE_CODE[params.dtype], DTYPE_CODE[mean.dtype], param_ptrs.data_ptr(),
+        lens.data_ptr(), offs.data_ptr(), mean.data_ptr(), _addr(m), v.data_ptr(), _addr(vhat), lr.data_ptr(),
+        finite.data_ptr(), ADAM_RULES[rule], float(beta1), float(beta2), float(tau), float(ams_eps),
     )

@@ -10,14 +10,19 @@ import torch
 from ..rows import ClientRows, ParamRows
 
 name = "reference"
+ADAM_RULES = ("adam", "yogi", "adagrad", "ams")
 
 
 @torch.no_grad()
-def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None, mean_out: torch.Tensor,
-                sq_norms_out: torch.Tensor, nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
-    """mean = init + sum_i w_i (x_i - base); sq_norms[i] = ||x_i - base||^2; nonfinite[i]; mean_sq = ||mean||^2.
+def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
+                aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
+                nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
+    """One read of the client rows::
 
-    ``init`` (a running sum, for the streaming accumulator) and ``base`` (full client models) are optional.
+        mean         = init + sum_i w_i (x_i - base)      (init: a running sum; base: full client models)
+        sq_norms[i]  = ||x_i - base||^2                   (squares in the compute dtype, summed in float64)
+        nonfinite[i] = x_i - base holds NaN or Inf
+        mean_sq      = ||mean + aux_coef * aux||^2        (aux optional: FedExP-M's ||mean + beta v||^2)
     """
     cdt = mean_out.dtype
     sq = torch.zeros(rows.num_clients, dtype=torch.float64, device=mean_out.device)
@@ -30,30 +35,77 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
         if mean_init is not None:
             seg_mean = mean_init[off : off + n] + seg_mean
         mean_out[off : off + n] = seg_mean
-        sq += x.square().double().sum(dim=1)  # squares in the compute dtype, like every backend
+        sq += x.square().double().sum(dim=1)
         bad |= ~torch.isfinite(x).all(dim=1)
-    mean_sq_out.copy_(mean_out.double().square().sum())
+    u = mean_out if aux is None else mean_out + aux_coef * aux
+    mean_sq_out.copy_(u.square().double().sum())
     sq_norms_out.copy_(sq)
     nonfinite_out.copy_(bad)
 
 
 @torch.no_grad()
-def apply_update(*, params: ParamRows, mean: torch.Tensor, eta: torch.Tensor, finite: torch.Tensor,
-                 eval_out: ParamRows | None, eval_scale: float) -> None:
-    """If finite: w <- w + eta * mean; eval = w_new - eval_scale * eta * mean (from w_new before rounding).
+def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
+                   buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,
+                   extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None) -> None:
+    """The momentum family's apply pass::
 
-    If not finite: w untouched, eval = w.
+        u = momentum * buf + mean        (u = mean without buf)
+        step = mean + momentum * u if nesterov else u
+        w <- w + lr * step;  buf <- u;  extra = w_new + extra_coef * u
+    Not finite: w and buf unchanged; extra = w + extra_coef_skip * buf (w without buf).
+    """
+    cdt = mean.dtype
+    ok = bool(finite)
+    for s, (off, n) in enumerate(zip(params.segments.offs, params.segments.lens)):
+        w = params.parts[s]
+        b = None if buf is None else buf[off : off + n]
+        if not ok:
+            if extra_out is not None:
+                e = w.to(cdt) if b is None else w.to(cdt) + extra_coef_skip.to(cdt) * b
+                extra_out.parts[s].copy_(e)
+            continue
+        m = mean[off : off + n]
+        u = m if b is None else momentum * b + m
+        step = m + momentum * u if nesterov else u
+        w_new = w.to(cdt) + lr.to(cdt) * step
+        w.copy_(w_new)
+        if b is not None:
+            b.copy_(u)
+        if extra_out is not None:
+            extra_out.parts[s].copy_(w_new + extra_coef.to(cdt) * u)
+
+
+@torch.no_grad()
+def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m: torch.Tensor | None,
+               v: torch.Tensor, vhat: torch.Tensor | None, rule: str, lr: torch.Tensor, beta1: float, beta2: float,
+               tau: float, ams_eps: float) -> None:
+    """The Adam family's apply pass (nothing when not finite)::
+
+        m <- b1 m + (1 - b1) mean                   (adagrad: m = mean, no buffer)
+        v <- b2 v + (1 - b2) mean^2                 (adam, ams)
+        v <- v - (1 - b2) mean^2 sign(v - mean^2)   (yogi)
+        v <- v + mean^2                             (adagrad)
+        vhat <- max(vhat, v, ams_eps)               (ams: the denominator uses vhat)
+        w <- w + lr * m / (sqrt(v or vhat) + tau)
     """
     if not bool(finite):
-        if eval_out is not None:
-            for e, w in zip(eval_out.parts, params.parts):
-                e.copy_(w)
         return
     cdt = mean.dtype
-    eta_c = eta.to(cdt)
+    g2 = mean * mean
+    m_new = mean if rule == "adagrad" else beta1 * m + (1 - beta1) * mean
+    if rule in ("adam", "ams"):
+        v_new = beta2 * v + (1 - beta2) * g2
+    elif rule == "yogi":
+        v_new = v - (1 - beta2) * g2 * torch.sign(v - g2)
+    else:
+        v_new = v + g2
+    denom_sq = v_new
+    if rule == "ams":
+        denom_sq = torch.maximum(torch.maximum(vhat, v_new), torch.full_like(v_new, ams_eps))
+        vhat.copy_(denom_sq)
+    if m is not None and rule != "adagrad":
+        m.copy_(m_new)
+    v.copy_(v_new)
+    step = lr.to(cdt) * m_new / (denom_sq.sqrt() + tau)
     for s, (off, n) in enumerate(zip(params.segments.offs, params.segments.lens)):
-        m = mean[off : off + n]
-        w_new = params.parts[s].to(cdt) + eta_c * m
-        params.parts[s].copy_(w_new)
-        if eval_out is not None:
-            eval_out.parts[s].copy_(w_new - (eval_scale * eta_c) * m)
+        params.parts[s].copy_(params.parts[s].to(cdt) + step[off : off + n])

@@ -2,9 +2,10 @@
 
 One module per primitive, each a private ``@triton.jit`` kernel and a launcher that does not validate.
 """
-from .apply_update import apply_update
+from .adam_apply import adam_apply
+from .momentum_apply import momentum_apply
 from .round_stats import round_stats
 
 name = "triton"
 
-__all__ = ["round_stats", "apply_update", "name"]
+__all__ = ["round_stats", "momentum_apply", "adam_apply", "name"]

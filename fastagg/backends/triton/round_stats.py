@@ -3,7 +3,7 @@
 Stage 1 (``_round_stats_kernel``, one program per column block): for each chunk of BLOCK_M clients, load a
 BLOCK_M x BLOCK_D tile through the row-pointer table, upcast, subtract the base (full models), accumulate
 sum_i w_i x_i for the block's mean, and write each client's partial squared norm and non-finite mark; then
-write the mean block and its partial ||mean||^2. Stage 2 (``_finalize_kernel``) adds the partials in block
+write the mean block and its partial ||mean||^2 (or ||mean + c*aux||^2). Stage 2 (``_finalize_kernel``) adds the partials in block
 order in float64. No atomics: the result is deterministic.
 """
 from __future__ import annotations
@@ -17,9 +17,10 @@ from .launch import block_columns, block_grid, finalize_config, stats_config
 
 
 @triton.jit
-def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, seg_off, weights, mean_init, mean_out,
+def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, seg_off, weights, mean_init,
+                        aux, aux_coef, mean_out,
                         part_sq, part_bad, part_mean_sq, M,
-                        HAS_BASE: tl.constexpr, HAS_INIT: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr,
+                        HAS_BASE: tl.constexpr, HAS_INIT: tl.constexpr, HAS_AUX: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     seg, cols, cmask, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D)
@@ -46,6 +47,8 @@ def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_l
         tl.store(part_sq + pid * M + ms, sq.to(tl.float64), mask=mmask)
         tl.store(part_bad + pid * M + ms, (bad != 0).to(tl.int8), mask=mmask)
     tl.store(mean_out + off + cols, acc, mask=cmask)
+    if HAS_AUX:  # ||mean + aux_coef * aux||^2 (FedExP-M's momentum norm) instead of ||mean||^2
+        acc += aux_coef * tl.load(aux + off + cols, mask=cmask, other=0.0).to(ACC)
     acc = tl.where(cmask, acc, 0.0)
     tl.store(part_mean_sq + pid, tl.sum(acc * acc).to(tl.float64))
 
@@ -82,8 +85,9 @@ def _row_ptrs(rows: ClientRows, device: torch.device) -> torch.Tensor:
     return rows.row_ptrs().to(device, non_blocking=True)
 
 
-def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None, mean_out: torch.Tensor,
-                sq_norms_out: torch.Tensor, nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
+def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
+                aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
+                nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
     device = mean_out.device
     M = rows.num_clients
     cfg = stats_config(M, rows.numel)
@@ -100,9 +104,10 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
     if nb > 0:
         _round_stats_kernel[(nb,)](
             row_ptrs, base_ptrs, rows.rows[0][0], bseg, bstart, lens, offs, weights,
-            mean_out if mean_init is None else mean_init, mean_out,
+            mean_out if mean_init is None else mean_init, mean_out if aux is None else aux, float(aux_coef), mean_out,
             part_sq, part_bad, part_mean_sq, M,
-            HAS_BASE=rows.base is not None, HAS_INIT=mean_init is not None, SINGLE=single, ACC=acc,
+            HAS_BASE=rows.base is not None, HAS_INIT=mean_init is not None, HAS_AUX=aux is not None,
+            SINGLE=single, ACC=acc,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
         )
     nb = max(nb, 1)

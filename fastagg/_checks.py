@@ -1,0 +1,76 @@
+"""Argument validation shared by the functional ops, the accumulator and the server optimizers."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+import torch
+
+from .flat import as_tensor
+
+ON_NONFINITE = ("raise", "skip")
+
+
+def check_on_nonfinite(on_nonfinite: str) -> None:
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+
+
+def check_number(value: Any, name: str, *, minimum: float = 0.0, allow_equal: bool = True) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    ok = math.isfinite(value) and (value >= minimum if allow_equal else value > minimum)
+    if not ok:
+        op = ">=" if allow_equal else ">"
+        raise ValueError(f"{name} must be a finite number {op} {minimum:g}, got {value!r}")
+    return value
+
+
+def normalized_weights(weights: Any, num_clients: int, device: torch.device) -> torch.Tensor:
+    """``p_i = n_i / sum_j n_j`` as float64 on ``device`` (``1/M`` each when ``weights`` is None)."""
+    if weights is None:
+        return torch.full((num_clients,), 1.0 / num_clients, dtype=torch.float64, device=device)
+    if isinstance(weights, torch.Tensor):
+        w = weights.detach().to(torch.float64)
+    else:
+        try:
+            w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"weights must be numbers, got {weights!r}") from e
+    if tuple(w.shape) != (num_clients,):
+        raise ValueError(f"weights must have shape ({num_clients},), got {tuple(w.shape)}")
+    host = w.cpu()
+    bad = (~torch.isfinite(host)) | (host < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"weights[{i}] is {host[i].item()!r}; weights must be finite and >= 0")
+    total = host.sum()
+    if not total > 0:
+        raise ValueError("weights are all zero; at least one participant needs a positive weight")
+    return (w / w.sum()).to(device)
+
+
+def check_prob(value: Any, name: str) -> float:
+    """A coefficient in [0, 1) (momentum, betas)."""
+    v = check_number(value, name)
+    if not v < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {v!r}")
+    return v
+
+
+def out_buffer(out: Any, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """A caller's preallocated output: a contiguous 1-D tensor (or numpy array) of the expected size and dtype."""
+    if out is None:
+        return None
+    t = as_tensor(out)
+    if t.ndim != 1 or t.numel() != numel or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D {dtype} buffer of {numel} elements on {device}; got "
+                         f"shape {tuple(t.shape)}, {t.dtype} on {t.device}")
+    return t

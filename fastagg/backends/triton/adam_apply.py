@@ -1,0 +1,74 @@
+"""Apply pass of the Adam family on the GPU (FedAdam, FedYogi, FedAdagrad, FedAMS)::
+
+    m <- b1 m + (1 - b1) mean                   (adagrad: m = mean, no buffer)
+    v <- b2 v + (1 - b2) mean^2                 (adam, ams)
+    v <- v - (1 - b2) mean^2 sign(v - mean^2)   (yogi)
+    v <- v + mean^2                             (adagrad)
+    vhat <- max(vhat, v, ams_eps)               (ams: the denominator uses vhat)
+    w <- w + lr * m / (sqrt(v or vhat) + tau)   (lr: a device scalar, bias correction folded in)
+
+Every store is masked off when the round is not finite.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...rows import ParamRows
+from .launch import apply_config, block_columns, block_grid
+
+RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
+
+
+@triton.jit
+def _adam_apply_kernel(param_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, m_buf, v_buf, vhat_buf,
+                       lr_ptr, finite_ptr, beta1, beta2, tau, ams_eps,
+                       RULE: tl.constexpr, SINGLE: tl.constexpr, BLOCK_D: tl.constexpr):
+    seg, cols, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D)
+    finite = tl.load(finite_ptr).to(tl.int32) != 0
+    mask = inb & finite
+    acc = mean.dtype.element_ty
+    elem = like.dtype.element_ty
+    lr = tl.load(lr_ptr).to(acc)
+    g = tl.load(mean + off + cols, mask=mask, other=0.0)
+    g2 = g * g
+    if RULE == 2:
+        m = g
+    else:
+        m = beta1 * tl.load(m_buf + off + cols, mask=mask, other=0.0) + (1.0 - beta1) * g
+        tl.store(m_buf + off + cols, m, mask=mask)
+    v = tl.load(v_buf + off + cols, mask=mask, other=0.0)
+    if RULE == 0 or RULE == 3:
+        v = beta2 * v + (1.0 - beta2) * g2
+    elif RULE == 1:
+        sign = (v > g2).to(acc) - (v < g2).to(acc)
+        v = v - (1.0 - beta2) * g2 * sign
+    else:
+        v = v + g2
+    tl.store(v_buf + off + cols, v, mask=mask)
+    denom_sq = v
+    if RULE == 3:
+        vhat = tl.load(vhat_buf + off + cols, mask=mask, other=0.0)
+        denom_sq = tl.maximum(tl.maximum(vhat, v), ams_eps)
+        tl.store(vhat_buf + off + cols, denom_sq, mask=mask)
+    wptr = tl.load(param_ptrs + seg).to(tl.pointer_type(elem))
+    w = tl.load(wptr + cols, mask=mask, other=0.0).to(acc)
+    w_new = w + lr * m / (tl.sqrt(denom_sq) + tau)
+    tl.store(wptr + cols, w_new.to(elem), mask=mask)
+
+
+def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m: torch.Tensor | None,
+               v: torch.Tensor, vhat: torch.Tensor | None, rule: str, lr: torch.Tensor, beta1: float, beta2: float,
+               tau: float, ams_eps: float) -> None:
+    device = mean.device
+    cfg = apply_config(params.segments.numel)
+    lens, offs = params.segments.tables(device)
+    bseg, bstart, nb, single = block_grid(params.segments, cfg["BLOCK_D"], device)
+    if nb == 0:
+        return
+    _adam_apply_kernel[(nb,)](
+        params.ptrs().to(device, non_blocking=True), params.parts[0], bseg, bstart, lens, offs, mean,
+        v if m is None else m, v, v if vhat is None else vhat, lr, finite, float(beta1), float(beta2), float(tau),
+        float(ams_eps), RULE=RULES[rule], SINGLE=single, BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+    )

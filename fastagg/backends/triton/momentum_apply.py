@@ -1,0 +1,72 @@
+"""Apply pass of the momentum family on the GPU (plain step, FedAvgM, Nesterov, FedACG, FedExP-M)::
+
+    u = momentum * buf + mean          (u = mean without buf)
+    step = mean + momentum * u if nesterov else u
+    w <- w + lr * step;  buf <- u;  extra = w_new + extra_coef * u       (extra: eval model or broadcast)
+
+lr, the extra coefficients and the round's finite flag are read from device memory: when the round is not
+finite, stores to w and buf are masked off and extra = w + extra_coef_skip * buf, so no host sync is needed.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...rows import ParamRows
+from .launch import apply_config, block_columns, block_grid
+
+
+@triton.jit
+def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, buf,
+                           lr_ptr, coef_ptr, coef_skip_ptr, finite_ptr, momentum,
+                           HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, NESTEROV: tl.constexpr,
+                           SINGLE: tl.constexpr, BLOCK_D: tl.constexpr):
+    seg, cols, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D)
+    finite = tl.load(finite_ptr).to(tl.int32) != 0
+    mask = inb & finite
+    acc = mean.dtype.element_ty
+    elem = like.dtype.element_ty
+    lr = tl.load(lr_ptr).to(acc)
+    wptr = tl.load(param_ptrs + seg).to(tl.pointer_type(elem))
+    w = tl.load(wptr + cols, mask=inb, other=0.0).to(acc)
+    m = tl.load(mean + off + cols, mask=mask, other=0.0)
+    if HAS_BUF:
+        b_old = tl.load(buf + off + cols, mask=inb, other=0.0)
+        u = momentum * b_old + m
+    else:
+        b_old = m * 0.0
+        u = m
+    if NESTEROV:
+        step = m + momentum * u
+    else:
+        step = u
+    w_new = w + lr * step
+    tl.store(wptr + cols, w_new.to(elem), mask=mask)
+    if HAS_BUF:
+        tl.store(buf + off + cols, u, mask=mask)
+    if HAS_EXTRA:
+        coef = tl.load(coef_ptr).to(acc)
+        coef_skip = tl.load(coef_skip_ptr).to(acc)
+        eptr = tl.load(extra_ptrs + seg).to(tl.pointer_type(elem))
+        extra = tl.where(mask, w_new + coef * u, w + coef_skip * b_old)
+        tl.store(eptr + cols, extra.to(elem), mask=inb)
+
+
+def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
+                   buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,
+                   extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None) -> None:
+    device = mean.device
+    cfg = apply_config(params.segments.numel)
+    lens, offs = params.segments.tables(device)
+    bseg, bstart, nb, single = block_grid(params.segments, cfg["BLOCK_D"], device)
+    if nb == 0:
+        return
+    param_ptrs = params.ptrs().to(device, non_blocking=True)
+    extra_ptrs = extra_out.ptrs().to(device, non_blocking=True) if extra_out is not None else param_ptrs
+    _momentum_apply_kernel[(nb,)](
+        param_ptrs, extra_ptrs, params.parts[0], bseg, bstart, lens, offs, mean, mean if buf is None else buf,
+        lr, lr if extra_coef is None else extra_coef, lr if extra_coef_skip is None else extra_coef_skip, finite,
+        float(momentum), HAS_BUF=buf is not None, HAS_EXTRA=extra_out is not None, NESTEROV=bool(nesterov),
+        SINGLE=single, BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+    )
