@@ -8,7 +8,7 @@ setup(
             "fastagg._C",
             ["csrc/bindings.cpp", "csrc/round_stats.cpp", "csrc/server_apply.cpp"],
             cxx_std=17,
-            extra_compile_args=["-O3", "-fopenmp"],
+            extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
         )
     ],

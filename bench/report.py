@@ -17,15 +17,15 @@ def main(path: str) -> None:
     for b in data["benchmarks"]:
         groups[b["group"]].append(b)
     for group, rows in groups.items():
-        read = next((r for r in rows if r["name"].startswith("test_read") or r["name"].startswith("test_add_")), None)
+        read = next((r for r in rows if r["name"].startswith("test_read")), None)
         base = read["stats"]["median"] if read else None
         print(f"\n{group}")
-        print(f"{'benchmark':<34}{'median ms':>11}{'IQR ms':>9}{'GB/s':>8}{'x read':>8}")
+        print(f"{'benchmark':<44}{'median ms':>11}{'IQR ms':>9}{'GB/s':>8}{'x read':>8}")
         for r in sorted(rows, key=lambda r: r["stats"]["median"]):
             s = r["stats"]
             gbs = r["extra_info"].get("bytes", 0) / s["median"] / 1e9
             ratio = f"{s['median'] / base:>8.2f}" if base else ""
-            print(f"{r['name']:<34}{s['median'] * 1e3:>11.2f}{s['iqr'] * 1e3:>9.2f}{gbs:>8.1f}{ratio}")
+            print(f"{r['name']:<44}{s['median'] * 1e3:>11.2f}{s['iqr'] * 1e3:>9.2f}{gbs:>8.1f}{ratio}")
 
 
 if __name__ == "__main__":

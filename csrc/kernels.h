@@ -35,7 +35,7 @@ struct MomentumArgs {
   void* buf;                  // momentum buffer or nullptr
   const double* lr;           // device scalars
   const double* extra_coef;
-  const double* extra_coef_skip;
+  const double* extra_coef_skip;  // nullptr: extra is left untouched when the round is not finite
   const uint8_t* finite;
   double momentum;
   bool nesterov;

@@ -17,7 +17,7 @@ constexpr int64_t kApplyBlock = 1 << 15;
 // Momentum family (plain step, FedAvgM, Nesterov, FedACG, FedExP-M):
 //   u = momentum * buf + mean (u = mean without buf);  step = nesterov ? mean + momentum * u : u
 //   w <- w + lr * step;  buf <- u;  extra = w_new + extra_coef * u
-// Not finite: w and buf unchanged, extra = w + extra_coef_skip * buf.
+// Not finite: w and buf unchanged; extra = w + extra_coef_skip * buf, or untouched without extra_coef_skip.
 template <typename P, typename C, bool HasBuf, bool HasExtra, bool Nesterov, bool Finite>
 void momentum_impl(const MomentumArgs& a) {
   const C lr = Finite ? static_cast<C>(*a.lr) : C(0);
@@ -108,7 +108,7 @@ template <typename F> void dispatch_param_and_compute(int param_dtype, int compu
 void momentum_apply(const MomentumArgs& a) {
   const bool finite = *a.finite;
   const bool has_extra = a.extra_ptrs != nullptr;
-  if (!finite && !has_extra) return;
+  if (!finite && (!has_extra || a.extra_coef_skip == nullptr)) return;
   dispatch_param_and_compute(a.param_dtype, a.compute_dtype, [&](auto ptag, auto ctag) {
     using P = decltype(ptag);
     using C = decltype(ctag);

@@ -11,11 +11,11 @@ import torch
 
 from . import ops
 from ._checks import check_number, check_on_nonfinite
-from .passes import run_stats
+from .passes import RoundStats, run_stats, sum_stats
 from ._docs import share_docs
 from .backends import resolve
 from .flat import Layout
-from .rows import client_rows, compute_dtype
+from .rows import client_rows, compute_dtype, param_rows
 
 
 class Accumulator:
@@ -112,15 +112,38 @@ class Accumulator:
         if not self.total_weight > 0:
             raise ValueError("the accumulator's total weight is 0: at least one client needs a positive weight")
 
-    def _from_sums(self, rule, *, params, on_nonfinite, want_eval) -> ops.RoundResult:
+    @property
+    def numel(self) -> int:
+        return self._numel
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self._sum.dtype
+
+    def round_stats(self, backend_of, *, aux=None, aux_coef: float = 0.0, mean_out=None) -> RoundStats:
+        """The stats pass over the accumulated sums (``mean = weighted_sum / total_weight``), with every added
+        client's squared norm. Used by the steps below and by the server optimizers."""
         self._check_ready()
-        res = ops.step_from_sums(self.weighted_sum, self._weighted_sq, self.total_weight, self.num_clients,
-                                 eta_rule=rule, params=params, on_nonfinite=on_nonfinite,
-                                 backend=self._backend_name, want_eval=want_eval)
-        res.sq_norms = self.sq_norms
+        stats = sum_stats(self.weighted_sum, self._weighted_sq, self.total_weight, self.num_clients, backend_of,
+                          name="accumulator", aux=aux, aux_coef=aux_coef, mean_out=mean_out)
+        stats.sq_norms = self.sq_norms
+        return stats
+
+    def _from_sums(self, rule, *, params, on_nonfinite, want_eval) -> ops.RoundResult:
+        check_on_nonfinite(on_nonfinite)
+        stats = self.round_stats(lambda device: self._backend)
+        p = None
+        if params is not None:
+            p = param_rows(params)
+            if p.segments.numel != self._numel:
+                raise ValueError(f"params has {p.segments.numel} elements; expected {self._numel} like the "
+                                 "accumulator's `like`")
+        eta = rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
+        res = ops.apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
+                                    backend=self._backend)
         res.nonfinite = torch.zeros(self.num_clients, dtype=torch.bool, device=self.device)
         if self._form.numpy:
-            res.sq_norms, res.nonfinite = res.sq_norms.numpy(), res.nonfinite.numpy()
+            res.sq_norms, res.nonfinite = self.sq_norms.numpy(), res.nonfinite.numpy()
         return res
 
     @share_docs

@@ -90,9 +90,10 @@ def drive_launchers():
             for buf in (None, torch.zeros(10, dtype=cdt)):
                 for extra in (None, like_params(p, torch.zeros(10, dtype=dtype))):
                     for nesterov in (False, True):
-                        momentum_mod.momentum_apply(params=p, mean=mean, lr=one, finite=finite, buf=buf, momentum=0.9,
-                                                    nesterov=nesterov, extra_out=extra, extra_coef=one,
-                                                    extra_coef_skip=one)
+                        for skip in (None, one):
+                            momentum_mod.momentum_apply(params=p, mean=mean, lr=one, finite=finite, buf=buf,
+                                                        momentum=0.9, nesterov=nesterov, extra_out=extra,
+                                                        extra_coef=one, extra_coef_skip=skip)
             for rule in ("adam", "yogi", "adagrad", "ams"):
                 adam_mod.adam_apply(params=p, mean=mean, finite=finite, m=torch.zeros(10, dtype=cdt),
                                     v=torch.zeros(10, dtype=cdt), vhat=torch.zeros(10, dtype=cdt), rule=rule, lr=one,

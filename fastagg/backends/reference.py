@@ -52,7 +52,8 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
         u = momentum * buf + mean        (u = mean without buf)
         step = mean + momentum * u if nesterov else u
         w <- w + lr * step;  buf <- u;  extra = w_new + extra_coef * u
-    Not finite: w and buf unchanged; extra = w + extra_coef_skip * buf (w without buf).
+    Not finite: w and buf unchanged; extra = w + extra_coef_skip * buf (w without buf), or left untouched when
+    extra_coef_skip is None.
     """
     cdt = mean.dtype
     ok = bool(finite)
@@ -60,7 +61,7 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
         w = params.parts[s]
         b = None if buf is None else buf[off : off + n]
         if not ok:
-            if extra_out is not None:
+            if extra_out is not None and extra_coef_skip is not None:
                 e = w.to(cdt) if b is None else w.to(cdt) + extra_coef_skip.to(cdt) * b
                 extra_out.parts[s].copy_(e)
             continue

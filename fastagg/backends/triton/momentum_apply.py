@@ -5,7 +5,8 @@
     w <- w + lr * step;  buf <- u;  extra = w_new + extra_coef * u       (extra: eval model or broadcast)
 
 lr, the extra coefficients and the round's finite flag are read from device memory: when the round is not
-finite, stores to w and buf are masked off and extra = w + extra_coef_skip * buf, so no host sync is needed.
+finite, stores to w and buf are masked off and extra = w + extra_coef_skip * buf (left untouched without
+extra_coef_skip), so no host sync is needed.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .launch import apply_config, block_columns, block_grid
 @triton.jit
 def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, buf,
                            lr_ptr, coef_ptr, coef_skip_ptr, finite_ptr, momentum,
-                           HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, NESTEROV: tl.constexpr,
+                           HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr,
                            SINGLE: tl.constexpr, BLOCK_D: tl.constexpr):
     seg, cols, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D)
     finite = tl.load(finite_ptr).to(tl.int32) != 0
@@ -47,10 +48,13 @@ def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start,
         tl.store(buf + off + cols, u, mask=mask)
     if HAS_EXTRA:
         coef = tl.load(coef_ptr).to(acc)
-        coef_skip = tl.load(coef_skip_ptr).to(acc)
         eptr = tl.load(extra_ptrs + seg).to(tl.pointer_type(elem))
-        extra = tl.where(mask, w_new + coef * u, w + coef_skip * b_old)
-        tl.store(eptr + cols, extra.to(elem), mask=inb)
+        if HAS_SKIP:
+            coef_skip = tl.load(coef_skip_ptr).to(acc)
+            extra = tl.where(mask, w_new + coef * u, w + coef_skip * b_old)
+            tl.store(eptr + cols, extra.to(elem), mask=inb)
+        else:
+            tl.store(eptr + cols, (w_new + coef * u).to(elem), mask=mask)
 
 
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
@@ -67,6 +71,7 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
     _momentum_apply_kernel[(nb,)](
         param_ptrs, extra_ptrs, params.parts[0], bseg, bstart, lens, offs, mean, mean if buf is None else buf,
         lr, lr if extra_coef is None else extra_coef, lr if extra_coef_skip is None else extra_coef_skip, finite,
-        float(momentum), HAS_BUF=buf is not None, HAS_EXTRA=extra_out is not None, NESTEROV=bool(nesterov),
+        float(momentum), HAS_BUF=buf is not None, HAS_EXTRA=extra_out is not None,
+        HAS_SKIP=extra_coef_skip is not None, NESTEROV=bool(nesterov),
         SINGLE=single, BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
     )

@@ -1,0 +1,581 @@
+"""Stateful server optimizers, shaped like torch optimizers, built on the fused two-pass round.
+
+Every ``step`` runs one stats pass over the client updates (or takes an :class:`~fastagg.Accumulator`'s sums),
+computes the rule's scalars on the device, and runs one apply pass that reads the mean, the rule's state and the
+params once and writes state and params once; the apply pass does nothing when a client was non-finite, and the
+scalar state (round counter, FedExP-M's numerator) is updated on the device only when the round was applied.
+
+Sign convention: ``delta_i = client model - the model the server broadcast``; the server adds its step.
+Names follow torch (``lr``, ``momentum``, ``nesterov``, ``betas``), defaults follow Flower 1.42's message-API
+strategies, so switching from Flower with the same settings gives the same numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from . import rules
+from ._checks import check_number, check_on_nonfinite, check_prob
+from .backends import resolve
+from .passes import RoundStats, check_finite, client_stats, device_scalar, like_params
+from .rows import ParamRows, client_rows, compute_dtype, param_rows
+from .stream import Accumulator
+
+FORMAT_VERSION = 1
+
+__all__ = ["ServerOptimizer", "FedAvg", "FedAvgM", "FedExP", "FedExPM", "ScaffoldExP", "FedACG", "FedAdam",
+           "FedYogi", "FedAdagrad", "FedAMS", "StepStats"]
+
+
+@dataclasses.dataclass
+class StepStats:
+    """The last step's statistics (device tensors): the step size ``eta`` (the effective learning rate for the
+    Adam family), ``mean_sq_norm`` (``||mean||^2``; FedExP-M: ``||v||^2``), ``avg_sq_norm``
+    (``sum_i p_i ||delta_i||^2``), per-client ``sq_norms``, ``finite`` and per-client ``nonfinite``."""
+
+    eta: torch.Tensor
+    mean_sq_norm: torch.Tensor
+    avg_sq_norm: torch.Tensor
+    sq_norms: torch.Tensor
+    finite: torch.Tensor
+    nonfinite: torch.Tensor
+    num_clients: int
+
+
+class ServerOptimizer:
+    """Base class: the global model as in-place views, lazily created flat state buffers (float32; float64 for
+    float64 params), a device round counter, ``state_dict`` / ``load_state_dict``.
+
+    Subclasses define ``_hyper`` (the hyperparameters a checkpoint carries) and ``_round(stats)``.
+    """
+
+    def __init__(self, params: Any, *, backend: str = "auto", on_nonfinite: str = "raise"):
+        if isinstance(params, Iterator):  # model.parameters()
+            params = list(params)
+        check_on_nonfinite(on_nonfinite)
+        self._p: ParamRows = param_rows(params)
+        self.layout = self._p.form
+        self.device = self._p.device
+        self.on_nonfinite = on_nonfinite
+        self._backend = resolve(backend, self.device)
+        self._cdt = compute_dtype(self._p.dtype)
+        self.state: dict[str, torch.Tensor] = {"step": torch.zeros((), dtype=torch.float64, device=self.device)}
+        self.last_stats: StepStats | None = None
+        self._extra: ParamRows | None = None  # eval model or broadcast point, in params' dtype
+        self._means: dict = {}  # reused mean buffers by dtype: a fresh 40 MB one costs ~17 ms of page faults
+
+    # -- hyperparameters and state ------------------------------------------------------------------------------
+    _hyper: tuple = ()
+
+    @property
+    def hyperparameters(self) -> dict:
+        return {k: getattr(self, k) for k in self._hyper}
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        """A flat state buffer (zeros on first use)."""
+        if name not in self.state:
+            self.state[name] = torch.zeros(self._p.segments.numel, dtype=self._cdt, device=self.device)
+        return self.state[name]
+
+    def _extra_out(self) -> ParamRows:
+        """The eval/broadcast buffer, a copy of the params until the first step writes it."""
+        if "extra" not in self.state:
+            flat = torch.empty(self._p.segments.numel, dtype=self._p.dtype, device=self.device)
+            for dst, src in zip(self._p.segments.slice(flat), self._p.parts):
+                dst.copy_(src)
+            self.state["extra"] = flat
+        if self._extra is None or self._extra.parts[0].data_ptr() != self.state["extra"].data_ptr():
+            self._extra = like_params(self._p, self.state["extra"])
+        return self._extra
+
+    def _user_form(self, flat: torch.Tensor) -> Any:
+        out = self.layout.unflatten(flat)
+        if self.layout.numpy:
+            out = out.numpy() if isinstance(out, torch.Tensor) else [t.numpy() for t in out]
+        return out
+
+    @property
+    def round(self) -> int:
+        """Rounds applied so far (a host read of the device counter)."""
+        return int(self.state["step"].item())
+
+    def state_dict(self) -> dict:
+        """Hyperparameters, the round counter, every buffer (cloned), a format version and the layout signature.
+        Like torch optimizers, the parameters themselves are not included: save the model alongside."""
+        return {
+            "format": FORMAT_VERSION,
+            "optimizer": type(self).__name__,
+            "hyperparameters": self.hyperparameters,
+            "layout": self.layout.signature(),
+            "state": {k: v.detach().clone() for k, v in self.state.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a checkpoint of the same optimizer class and parameter layout (hyperparameters included).
+
+        Raises ValueError naming the first difference (optimizer, format, layout entry, buffer shape); nothing is
+        changed then.
+        """
+        if not isinstance(state_dict, dict) or "optimizer" not in state_dict:
+            raise ValueError("not a fastagg optimizer state_dict (no 'optimizer' entry)")
+        if state_dict["optimizer"] != type(self).__name__:
+            raise ValueError(f"state_dict is from {state_dict['optimizer']}; this optimizer is {type(self).__name__}")
+        if state_dict.get("format") != FORMAT_VERSION:
+            raise ValueError(f"state_dict has format {state_dict.get('format')!r}; expected {FORMAT_VERSION}")
+        mine, theirs = self.layout.signature(), tuple(tuple(e) for e in state_dict["layout"])
+        for k, (a, b) in enumerate(zip(mine, theirs)):
+            if tuple(a) != (b[0], tuple(b[1]), b[2]):
+                raise ValueError(f"state_dict's parameter layout differs at entry {k}: {b[0] or k} has shape "
+                                 f"{tuple(b[1])} dtype {b[2]}; these params have shape {a[1]} dtype {a[2]}")
+        if len(mine) != len(theirs):
+            raise ValueError(f"state_dict's parameter layout has {len(theirs)} entries; these params have {len(mine)}")
+        hyper = state_dict["hyperparameters"]
+        if set(hyper) != set(self._hyper):
+            raise ValueError(f"state_dict's hyperparameters {sorted(hyper)} do not match {sorted(self._hyper)}")
+        for name, t in state_dict["state"].items():
+            want = () if t.dim() == 0 else (self._p.segments.numel,)
+            if tuple(t.shape) != want:
+                raise ValueError(f"state_dict buffer {name!r} has shape {tuple(t.shape)}; expected {want}")
+        for k, v in hyper.items():
+            setattr(self, k, v)
+        dtypes = {"step": torch.float64, "extra": self._p.dtype}
+        self.state = {k: v.detach().to(device=self.device, dtype=dtypes.get(k, v.dtype if v.dim() == 0 else self._cdt),
+                                       copy=True) for k, v in state_dict["state"].items()}
+        self._extra = None
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    def broadcast(self) -> Any:
+        """What clients start the round from (the params; FedACG: its look-ahead point)."""
+        return self._p.original
+
+    def eval_params(self) -> Any:
+        """The model to evaluate (the params; the FedExP family: the average of the last two iterates)."""
+        return self._p.original
+
+    def _aux(self):
+        """(vector, coefficient) whose combination with the mean the stats pass should measure, or (None, 0)."""
+        return None, 0.0
+
+    def _mean_buffer(self, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+        """The reused mean buffer of the stats pass over ``name`` (deltas, control_deltas, ...)."""
+        if numel != self._p.segments.numel:
+            return None  # a size error follows
+        if (name, dtype) not in self._means:
+            self._means[name, dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+        return self._means[name, dtype]
+
+    def _stats(self, deltas: Any, weights: Any, name: str = "deltas") -> RoundStats:
+        aux, aux_coef = self._aux()
+        if isinstance(deltas, Accumulator):
+            if weights is not None:
+                raise TypeError("weights= does not apply to an Accumulator: pass weights to its add()")
+            if deltas.device != self.device:
+                raise ValueError(f"the accumulator is on {deltas.device}; the params are on {self.device}")
+            stats = deltas.round_stats(lambda device: self._backend, aux=aux, aux_coef=aux_coef,
+                                       mean_out=self._mean_buffer(name, deltas.compute_dtype, deltas.numel))
+            d = stats.mean.numel()
+        else:
+            rows = client_rows(deltas, name=name)
+            d = rows.numel
+            if rows.device != self.device:
+                raise ValueError(f"{name} are on {rows.device}; the params are on {self.device}")
+        if d != self._p.segments.numel:
+            raise ValueError(f"{name} have {d} elements per client; the optimizer's params have "
+                             f"{self._p.segments.numel}")
+        if isinstance(deltas, Accumulator):
+            return stats
+        return client_stats(rows, weights, self._backend, name=name, aux=aux, aux_coef=aux_coef,
+                            mean_out=self._mean_buffer(name, compute_dtype(rows.dtype), rows.numel))
+
+    def step(self, deltas: Any, weights: Any = None) -> StepStats:
+        """Apply one server round.
+
+        Args:
+            deltas: the participating clients' updates measured from :meth:`broadcast` (any form
+                :func:`fastagg.fedexp_step` accepts), or an :class:`~fastagg.Accumulator` they were folded into.
+            weights: per-client weights (example counts), normalized over the participants; default uniform.
+
+        Returns the round's :class:`StepStats` (also kept as ``last_stats``). With ``on_nonfinite="raise"`` a
+        non-finite client raises ``ValueError`` and params and state stay exactly as they were.
+        """
+        stats = self._stats(deltas, weights)
+        eta, finite = self._round(stats)
+        self._advance(finite)
+        self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, finite, stats.nonfinite,
+                                    stats.num_clients)
+        return self.last_stats
+
+    def _advance(self, finite: torch.Tensor) -> None:
+        step = self.state["step"]
+        self.state["step"] = torch.where(finite, step + 1, step)
+
+    def _round(self, stats: RoundStats):
+        raise NotImplementedError
+
+    def _momentum(self, stats: RoundStats, lr: torch.Tensor, *, finite: torch.Tensor, buf: str | None = None,
+                  momentum: float = 0.0, nesterov: bool = False, extra_coef=None, extra_coef_skip=None) -> None:
+        self._backend.momentum_apply(
+            params=self._p, mean=stats.mean, lr=lr, finite=finite, buf=None if buf is None else self._buffer(buf),
+            momentum=momentum, nesterov=nesterov, extra_out=None if extra_coef is None else self._extra_out(),
+            extra_coef=extra_coef, extra_coef_skip=extra_coef_skip)
+
+    def __repr__(self) -> str:
+        hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters.items())
+        return f"{type(self).__name__}({hp}, d={self._p.segments.numel}, backend={self._backend.name!r})"
+
+
+class FedAvg(ServerOptimizer):
+    """FedAvg's server step ``w <- w + lr * mean`` (lr = 1: plain model averaging; Flower's FedAvg)."""
+
+    _hyper = ("lr",)
+
+    def __init__(self, params, lr: float = 1.0, **kw):
+        super().__init__(params, **kw)
+        self.lr = check_number(lr, "lr")
+
+    def _round(self, stats):
+        eta = device_scalar(self.lr, stats.mean)
+        finite = check_finite(stats, eta, self.on_nonfinite)
+        self._momentum(stats, eta, finite=finite)
+        return eta, finite
+
+
+class FedAvgM(ServerOptimizer):
+    """Server momentum (Flower's FedAvgM; Nesterov as torch SGD), with ``pg = -mean``::
+
+        v <- momentum * v + pg          (v starts at 0, so the first round has v = pg, as in Flower)
+        w <- w - lr * v                 (nesterov: w <- w - lr * (pg + momentum * v))
+
+    Defaults follow Flower: ``lr=1.0, momentum=0.0``. The buffer is stored as ``-v`` (local-minus-global sign).
+    """
+
+    _hyper = ("lr", "momentum", "nesterov")
+
+    def __init__(self, params, lr: float = 1.0, momentum: float = 0.0, nesterov: bool = False, **kw):
+        super().__init__(params, **kw)
+        self.lr = check_number(lr, "lr")
+        self.momentum = check_prob(momentum, "momentum")
+        self.nesterov = bool(nesterov)
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov=True needs momentum > 0")
+
+    def _round(self, stats):
+        eta = device_scalar(self.lr, stats.mean)
+        finite = check_finite(stats, eta, self.on_nonfinite)
+        buf = "momentum_buffer" if self.momentum > 0 else None
+        self._momentum(stats, eta, finite=finite, buf=buf, momentum=self.momentum, nesterov=self.nesterov)
+        return eta, finite
+
+
+class _FedExPFamily(ServerOptimizer):
+    """eps schedule and the evaluation model shared by FedExP, FedExP-M and SCAFFOLD-ExP."""
+
+    def _init_eps(self, eps, eps_mode, eps_decay):
+        if eps is None:
+            raise TypeError(f"{type(self).__name__} needs eps (FedExP's denominator term, e.g. eps=1e-3)")
+        self.eps = check_number(eps, "eps")
+        if eps_mode not in rules.EPS_MODES:
+            raise ValueError(f"eps_mode must be one of {rules.EPS_MODES}, got {eps_mode!r}")
+        self.eps_mode = eps_mode
+        self.eps_decay = check_number(eps_decay, "eps_decay", minimum=0.0, allow_equal=False)
+
+    def _eps_eff(self, num_clients: int) -> torch.Tensor:
+        """``eps * eps_decay^(t+1)`` in round t (0-based; the official schedule decays before round 0), times M in
+        the official convention."""
+        eps = rules.effective_eps(self.eps, num_clients, self.eps_mode)
+        if self.eps_decay == 1.0:
+            return device_scalar(eps, self.state["step"])
+        return eps * torch.pow(torch.as_tensor(self.eps_decay, dtype=torch.float64, device=self.device),
+                               self.state["step"] + 1)
+
+    def eval_params(self):
+        """``(w_prev + w) / 2``, the FedExP evaluation model (the params before the first step)."""
+        return self._user_form(self.state["extra"]) if "extra" in self.state else self._p.original
+
+    def _fedexp_apply(self, stats, eta, finite, *, buf=None, momentum=0.0):
+        self._momentum(stats, eta, finite=finite, buf=buf, momentum=momentum, extra_coef=-0.5 * eta)
+
+
+_EPS_DOC = """eps: FedExP's denominator term (squared-update-norm units, >= 0).
+        eps_mode: ``"paper"`` (``||mean||^2 + eps``) or ``"official"`` (``||mean||^2 + M * eps``).
+        eps_decay: per-round factor; round t (0-based) uses ``eps * eps_decay^(t+1)`` (the official code's
+            ``0.998**2``: pass ``eps_decay=0.998**2``). Default 1: constant."""
+
+
+class FedExP(_FedExPFamily):
+    """FedExP (Jhunjhunwala et al., ICLR 2023, Algorithm 1)::
+
+        eta = max(1, sum_i p_i ||delta_i||^2 / (2 (||mean||^2 + eps_t)))    (exact_projection: no factor 1/2)
+        w <- w + eta * mean;   eval_params() = w_new - (eta/2) mean
+
+    Args:
+        params: the global model (flat tensor, list of tensors, or ``model.parameters()``); updated in place.
+        {eps_doc}
+        exact_projection: the variant for exact local projections (paper Sec. 5, App. C.4.1): no factor 1/2.
+    """
+
+    _hyper = ("eps", "eps_mode", "eps_decay", "exact_projection")
+
+    def __init__(self, params, eps: float | None = None, eps_mode: str = "paper", eps_decay: float = 1.0,
+                 exact_projection: bool = False, **kw):
+        super().__init__(params, **kw)
+        self._init_eps(eps, eps_mode, eps_decay)
+        self.exact_projection = bool(exact_projection)
+
+    def _eta(self, stats):
+        scale = 1.0 if self.exact_projection else 0.5
+        return rules.fedexp_eta(stats.avg_sq, stats.mean_sq, self._eps_eff(stats.num_clients), scale=scale)
+
+    def _round(self, stats):
+        eta = self._eta(stats)
+        finite = check_finite(stats, eta, self.on_nonfinite)
+        self._fedexp_apply(stats, eta, finite)
+        return eta, finite
+
+
+class FedExPM(_FedExPFamily):
+    """FedExP with server momentum (paper 000, App. F, eq. 115)::
+
+        v <- mean + beta v;   A <- sum_i p_i ||delta_i||^2 + (beta/2) A      (v, A start at 0)
+        eta = A / (2 (||v||^2 + eps_t))     (no max(1, .); 0/0 -> 1)
+        w <- w + eta v;       eval_params() = w_new - (eta/2) v
+
+    ``||v||^2`` is measured in the stats pass (``||mean + beta v_old||^2``), so v is written once, in the apply
+    pass. The paper gives no beta; the official code uses 0.9.
+
+    Args:
+        params: the global model; updated in place.
+        {eps_doc}
+        beta: momentum coefficient in [0, 1).
+    """
+
+    _hyper = ("eps", "eps_mode", "eps_decay", "beta")
+
+    def __init__(self, params, eps: float | None = None, beta: float = 0.9, eps_mode: str = "paper",
+                 eps_decay: float = 1.0, **kw):
+        super().__init__(params, **kw)
+        self._init_eps(eps, eps_mode, eps_decay)
+        self.beta = check_prob(beta, "beta")
+        self.state["numerator"] = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def _aux(self):
+        return self._buffer("v"), self.beta
+
+    def _round(self, stats):
+        a_new = stats.avg_sq + (self.beta / 2) * self.state["numerator"]
+        eta = rules.fedexp_eta(a_new, stats.mean_sq, self._eps_eff(stats.num_clients), scale=0.5, floor=0.0)
+        finite = check_finite(stats, eta, self.on_nonfinite)
+        self._fedexp_apply(stats, eta, finite, buf="v", momentum=self.beta)
+        self.state["numerator"] = torch.where(finite, a_new, self.state["numerator"])
+        return eta, finite
+
+
+class ScaffoldExP(_FedExPFamily):
+    """SCAFFOLD with the FedExP server step size (paper 000, Algorithm 2)::
+
+        w <- w + eta * mean_i (y_i - w)           eta: FedExP's rule on the model updates
+        c <- c + (|S| / N) * mean_i (c_i_new - c_i)
+
+    The server control variate ``c`` (:attr:`control`) is kept incrementally from the participants' control
+    deltas; the server never holds an N x d matrix.
+
+    Args:
+        params: the global model; updated in place.
+        num_clients: N, the total number of clients.
+        {eps_doc}
+    """
+
+    _hyper = ("num_clients", "eps", "eps_mode", "eps_decay")
+
+    def __init__(self, params, num_clients: int, eps: float | None = None, eps_mode: str = "paper",
+                 eps_decay: float = 1.0, **kw):
+        super().__init__(params, **kw)
+        if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
+            raise ValueError(f"num_clients must be an integer >= 1 (N, all clients), got {num_clients!r}")
+        self.num_clients = num_clients
+        self._init_eps(eps, eps_mode, eps_decay)
+        self._control: ParamRows | None = None
+
+    @property
+    def control(self) -> torch.Tensor:
+        """The server control variate c (flat, float32; float64 for float64 params)."""
+        return self._buffer("control")
+
+    def step(self, deltas: Any, control_deltas: Any = None, weights: Any = None) -> StepStats:  # type: ignore[override]
+        """One round: ``deltas`` (y_i - w) with optional ``weights``, ``control_deltas`` (c_i_new - c_i, averaged
+        uniformly over the participants, as SCAFFOLD does). Either may be an Accumulator."""
+        if control_deltas is None:
+            raise TypeError("ScaffoldExP.step needs control_deltas (each participant's c_i_new - c_i)")
+        stats = self._stats(deltas, weights)
+        cstats = self._stats(control_deltas, None, name="control_deltas")
+        if cstats.num_clients != stats.num_clients:
+            raise ValueError(f"control_deltas has {cstats.num_clients} clients; deltas has {stats.num_clients}")
+        if stats.num_clients > self.num_clients:
+            raise ValueError(f"{stats.num_clients} participants; more than num_clients={self.num_clients}")
+        eta = rules.fedexp_eta(stats.avg_sq, stats.mean_sq, self._eps_eff(stats.num_clients))
+        finite = check_finite(stats, eta, self.on_nonfinite)
+        cfinite = check_finite(cstats, eta, self.on_nonfinite)
+        both = finite & cfinite
+        self._fedexp_apply(stats, eta, both)
+        if self._control is None:
+            self._control = like_params(self._p, self.control)
+        ratio = device_scalar(stats.num_clients / self.num_clients, eta)
+        self._backend.momentum_apply(params=self._control, mean=cstats.mean, lr=ratio, finite=both, buf=None,
+                                     momentum=0.0, nesterov=False, extra_out=None, extra_coef=None,
+                                     extra_coef_skip=None)
+        self._advance(both)
+        self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, both, stats.nonfinite,
+                                    stats.num_clients)
+        return self.last_stats
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._control = None
+
+
+class FedACG(ServerOptimizer):
+    """FedACG (Kim et al., Algorithm 2): the server broadcasts a momentum look-ahead::
+
+        b = w + lam m                   (m starts at 0: the first broadcast is w)
+        clients return delta_i = theta_i - b
+        m <- lam m + mean;   w <- w + m;   next b = w + lam m
+
+    One parameter ``lam`` is both the look-ahead and the momentum decay (default 0.85). The model to evaluate is
+    ``w`` (:meth:`eval_params`), not ``b`` (:meth:`broadcast`). The clients' regularizer ``(beta/2)||theta-b||^2``
+    belongs to the local step (``fastagg.client``).
+    """
+
+    _hyper = ("lam",)
+
+    def __init__(self, params, lam: float = 0.85, **kw):
+        super().__init__(params, **kw)
+        self.lam = check_prob(lam, "lam")
+
+    def broadcast(self):
+        """``b = w + lam m`` in the params' form (a buffer the step rewrites)."""
+        self._extra_out()
+        return self._user_form(self.state["extra"])
+
+    def _round(self, stats):
+        one = device_scalar(1.0, stats.mean)
+        finite = check_finite(stats, one, self.on_nonfinite)
+        lam = device_scalar(self.lam, stats.mean)
+        self._momentum(stats, one, finite=finite, buf="momentum", momentum=self.lam, extra_coef=lam)
+        return one, finite
+
+
+BIAS_CORRECTIONS = ("flower", "adam", None)
+
+
+class _AdamFamily(ServerOptimizer):
+    rule = "adam"
+
+    def _init_adam(self, lr, betas, tau, bias_correction):
+        self.lr = check_number(lr, "lr")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (b1, b2), got {betas!r}")
+        self.betas = (check_prob(betas[0], "betas[0]"), check_prob(betas[1], "betas[1]"))
+        self.tau = check_number(tau, "tau")
+        if bias_correction not in BIAS_CORRECTIONS:
+            raise ValueError(f"bias_correction must be one of {BIAS_CORRECTIONS}, got {bias_correction!r}")
+        self.bias_correction = bias_correction
+
+    def _lr(self, like: torch.Tensor) -> torch.Tensor:
+        """``lr * sqrt(1 - b2^k) / (1 - b1^k)``: Flower uses k = round + 1 with rounds counted from 1 (k = 2 in
+        the first round), Kingma & Ba k = round; without bias correction, lr."""
+        if self.bias_correction is None:
+            return device_scalar(self.lr, like)
+        k = self.state["step"] + (2.0 if self.bias_correction == "flower" else 1.0)
+        b1, b2 = self.betas
+        return self.lr * torch.sqrt(1 - torch.pow(torch.as_tensor(b2, dtype=torch.float64, device=self.device), k)) \
+            / (1 - torch.pow(torch.as_tensor(b1, dtype=torch.float64, device=self.device), k))
+
+    def _round(self, stats):
+        lr = self._lr(stats.mean)
+        finite = check_finite(stats, lr, self.on_nonfinite)
+        self._backend.adam_apply(
+            params=self._p, mean=stats.mean, finite=finite,
+            m=None if self.rule == "adagrad" else self._buffer("m"), v=self._buffer("v"),
+            vhat=self._buffer("vhat") if self.rule == "ams" else None, rule=self.rule, lr=lr,
+            beta1=self.betas[0], beta2=self.betas[1], tau=self.tau, ams_eps=getattr(self, "vhat_floor", 0.0))
+        return lr, finite
+
+
+class FedAdam(_AdamFamily):
+    """FedAdam (Reddi et al.; Flower's FedAdam)::
+
+        m <- b1 m + (1 - b1) mean;   v <- b2 v + (1 - b2) mean^2        (m, v start at 0)
+        w <- w + lr * sqrt(1 - b2^k) / (1 - b1^k) * m / (sqrt(v) + tau)
+
+    ``bias_correction="flower"`` (default): k = round + 1 with rounds from 1, as Flower 1.42; ``"adam"``: k = round
+    (Kingma & Ba); ``None``: none. Defaults are Flower's message API: ``lr=0.1, betas=(0.9, 0.99), tau=1e-3``.
+    """
+
+    _hyper = ("lr", "betas", "tau", "bias_correction")
+
+    def __init__(self, params, lr: float = 0.1, betas=(0.9, 0.99), tau: float = 1e-3,
+                 bias_correction: str | None = "flower", **kw):
+        super().__init__(params, **kw)
+        self._init_adam(lr, betas, tau, bias_correction)
+
+
+class FedYogi(_AdamFamily):
+    """FedYogi (Flower's FedYogi; no bias correction)::
+
+        m <- b1 m + (1 - b1) mean;   v <- v - (1 - b2) mean^2 sign(v - mean^2)     (m, v start at 0)
+        w <- w + lr * m / (sqrt(v) + tau)
+
+    Defaults (Flower): ``lr=1e-2, betas=(0.9, 0.99), tau=1e-3``.
+    """
+
+    rule = "yogi"
+    _hyper = ("lr", "betas", "tau")
+
+    def __init__(self, params, lr: float = 1e-2, betas=(0.9, 0.99), tau: float = 1e-3, **kw):
+        super().__init__(params, **kw)
+        self._init_adam(lr, betas, tau, None)
+
+
+class FedAdagrad(_AdamFamily):
+    """FedAdagrad (Flower's FedAdagrad: no first moment)::
+
+        v <- v + mean^2;   w <- w + lr * mean / (sqrt(v) + tau)      (v starts at 0)
+
+    Defaults (Flower's message API): ``lr=0.1, tau=1e-3``.
+    """
+
+    rule = "adagrad"
+    _hyper = ("lr", "tau")
+
+    def __init__(self, params, lr: float = 0.1, tau: float = 1e-3, **kw):
+        super().__init__(params, **kw)
+        self._init_adam(lr, (0.0, 0.0), tau, None)
+
+
+class FedAMS(_AdamFamily):
+    """FedAMS (Wang et al., 2022; paper 003's baseline)::
+
+        m, v as Adam;   vhat <- max(vhat, v, vhat_floor)       (vhat starts at 0)
+        w <- w + lr * m / (sqrt(vhat) + tau)
+
+    ``vhat_floor`` is the paper's "max stabilization factor" (tuned over 1e-8 ... 1 in paper 003). The FedCAMS
+    code adds bias corrections and 1e-8 to the denominator: ``bias_correction="adam", tau=1e-8``.
+    Defaults: ``lr=0.1, betas=(0.9, 0.99), vhat_floor=1e-8, tau=0, bias_correction=None``.
+    """
+
+    rule = "ams"
+    _hyper = ("lr", "betas", "tau", "vhat_floor", "bias_correction")
+
+    def __init__(self, params, lr: float = 0.1, betas=(0.9, 0.99), vhat_floor: float = 1e-8, tau: float = 0.0,
+                 bias_correction: str | None = None, **kw):
+        super().__init__(params, **kw)
+        self._init_adam(lr, betas, tau, bias_correction)
+        self.vhat_floor = check_number(vhat_floor, "vhat_floor")
+
+
+for _cls in (FedExP, FedExPM, ScaffoldExP):
+    _cls.__doc__ = _cls.__doc__.replace("{eps_doc}", _EPS_DOC)
+del _cls

@@ -1,0 +1,227 @@
+"""Server optimizers against the float64 oracle (tests/server_oracle.py) over several rounds with varying
+participants and weights, on every backend; checkpoints; the papers' identities; bad input and bad rounds."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastagg
+import server_oracle as oracle
+from fastagg import server
+from fastagg.testing import assert_close, cpu_backends
+
+BACKENDS = cpu_backends()
+D = 517
+PARTICIPANTS = [3, 5, 2, 4, 5, 3]
+
+CASES = {
+    "FedAvg": ("FedAvg", dict(lr=0.7)),
+    "FedAvgM": ("FedAvgM", dict(lr=0.7, momentum=0.9)),
+    "FedAvgM-nesterov": ("FedAvgM", dict(lr=0.5, momentum=0.9, nesterov=True)),
+    "FedExP": ("FedExP", dict(eps=1e-3)),
+    "FedExP-official-decay": ("FedExP", dict(eps=0.05, eps_mode="official", eps_decay=0.998 ** 2)),
+    "FedExPM": ("FedExPM", dict(eps=1e-3, beta=0.9)),
+    "FedACG": ("FedACG", dict(lam=0.85)),
+    "FedAdam": ("FedAdam", dict(lr=0.1, tau=1e-3)),
+    "FedAdam-textbook": ("FedAdam", dict(lr=0.1, tau=1e-3, bias_correction="adam")),
+    "FedYogi": ("FedYogi", dict(lr=0.01, tau=1e-3)),
+    "FedAdagrad": ("FedAdagrad", dict(lr=0.1, tau=1e-3)),
+    "FedAMS": ("FedAMS", dict(lr=0.1, vhat_floor=1e-8)),
+}
+
+
+def rounds(seed=0, d=D, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t, m in enumerate(PARTICIPANTS):
+        deltas = (0.1 * torch.randn(m, d, generator=g, dtype=torch.float64) + 0.02).to(dtype)
+        weights = None if t % 2 else torch.randint(1, 50, (m,), generator=g).tolist()
+        out.append((deltas, weights))
+    return out
+
+
+def make(cls_name, hyper, w, backend):
+    return getattr(server, cls_name)(w, backend=backend, **hyper)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_optimizer_matches_fp64_oracle_over_rounds(case, backend):
+    cls_name, hyper = CASES[case]
+    w0 = torch.randn(D, generator=torch.Generator().manual_seed(9))
+    w = w0.clone()
+    opt = make(cls_name, hyper, w, backend)
+    ref = getattr(oracle, cls_name)(w0, **hyper)
+    for t, (deltas, weights) in enumerate(rounds()):
+        assert_close(opt.broadcast(), ref.broadcast(), rtol=1e-5, atol=1e-5, name=f"broadcast, round {t}")
+        before = deltas.clone()
+        stats = opt.step(deltas, weights=weights)
+        assert torch.equal(before, deltas)
+        ref.step(deltas.double(), weights)
+        assert_close(w, ref.w, rtol=1e-5, atol=1e-5, name=f"params after round {t}")
+        if hasattr(ref, "eta"):
+            assert_close(stats.eta, ref.eta, rtol=1e-5, atol=0, name=f"eta, round {t}")
+        if cls_name.startswith("FedExP"):
+            assert_close(opt.eval_params(), ref.eval, rtol=1e-5, atol=1e-5, name=f"eval, round {t}")
+    assert opt.round == len(PARTICIPANTS)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scaffold_exp_matches_oracle(backend):
+    w0 = torch.randn(D, generator=torch.Generator().manual_seed(1))
+    w = w0.clone()
+    opt = server.ScaffoldExP(w, num_clients=10, eps=1e-3, backend=backend)
+    ref = oracle.ScaffoldExP(w0, num_clients=10, eps=1e-3)
+    g = torch.Generator().manual_seed(5)
+    for t, (deltas, weights) in enumerate(rounds()):
+        dc = 0.01 * torch.randn(deltas.shape[0], D, generator=g)
+        opt.step(deltas, dc, weights=weights)
+        ref.step(deltas.double(), weights, dc.double())
+        assert_close(w, ref.w, rtol=1e-5, atol=1e-5, name=f"params, round {t}")
+        assert_close(opt.control, ref.c, rtol=1e-5, atol=1e-7, name=f"control, round {t}")
+        assert_close(opt.eval_params(), ref.eval, rtol=1e-5, atol=1e-5, name=f"eval, round {t}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["FedExPM", "FedAdam", "FedACG", "FedAvgM-nesterov", "FedAMS"])
+def test_state_dict_round_trip_resumes_bit_for_bit(case, backend):
+    cls_name, hyper = CASES[case]
+    w0 = torch.randn(D)
+    straight = w0.clone()
+    opt = make(cls_name, hyper, straight, backend)
+    for deltas, weights in rounds():
+        opt.step(deltas, weights=weights)
+    resumed = w0.clone()
+    first = make(cls_name, hyper, resumed, backend)
+    for deltas, weights in rounds()[:3]:
+        first.step(deltas, weights=weights)
+    ckpt = first.state_dict()
+    second = make(cls_name, {**hyper}, resumed, backend)
+    second.load_state_dict(ckpt)
+    for deltas, weights in rounds()[3:]:
+        second.step(deltas, weights=weights)
+    assert torch.equal(straight, resumed)
+    assert torch.equal(torch.as_tensor(opt.eval_params()), torch.as_tensor(second.eval_params()))
+    assert second.round == opt.round == len(PARTICIPANTS)
+
+
+def test_load_state_dict_names_the_difference_and_changes_nothing():
+    w = torch.zeros(D)
+    opt = server.FedAdam(w)
+    opt.step(torch.randn(3, D))
+    ckpt = opt.state_dict()
+    other = server.FedYogi(torch.zeros(D))
+    with pytest.raises(ValueError, match="state_dict is from FedAdam; this optimizer is FedYogi"):
+        other.load_state_dict(ckpt)
+    smaller = server.FedAdam([torch.zeros(D - 1)])
+    with pytest.raises(ValueError, match=r"parameter layout differs at entry 0: 0 has shape \(517,\) dtype "
+                                         r"torch.float32; these params have shape \(516,\)"):
+        smaller.load_state_dict(ckpt)
+    layers = server.FedAdam([torch.zeros(500), torch.zeros(17)])
+    with pytest.raises(ValueError, match=r"has 1 entries; these params have 2|differs at entry 0"):
+        layers.load_state_dict(ckpt)
+    before = {k: v.clone() for k, v in smaller.state.items()}
+    assert all(torch.equal(before[k], smaller.state[k]) for k in before)
+    with pytest.raises(ValueError, match="not a fastagg optimizer state_dict"):
+        opt.load_state_dict({"state": {}})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fedacg_params_are_the_weighted_average_of_client_models(backend):
+    w = torch.randn(D)
+    opt = server.FedACG(w, lam=0.85, backend=backend)
+    g = torch.Generator().manual_seed(3)
+    for t, m in enumerate(PARTICIPANTS):
+        b = torch.as_tensor(opt.broadcast()).clone()
+        thetas = b + 0.1 * torch.randn(m, D, generator=g)  # the clients' models after local training
+        n = torch.randint(1, 20, (m,), generator=g).double()
+        opt.step(thetas - b, weights=n)
+        avg = (n / n.sum()) @ thetas.double()
+        assert_close(w, avg, rtol=1e-5, atol=1e-5, name=f"w_t vs average of client models, round {t}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fedexpm_recursive_numerator_equals_the_sum_form(backend):
+    beta = 0.9
+    opt = server.FedExPM(torch.zeros(D), eps=1e-3, beta=beta, backend=backend)
+    ms = []
+    for t, (deltas, weights) in enumerate(rounds()):
+        opt.step(deltas, weights=weights)
+        p = torch.full((deltas.shape[0],), 1 / deltas.shape[0], dtype=torch.float64) if weights is None else \
+            torch.tensor(weights, dtype=torch.float64) / sum(weights)
+        ms.append(float(p @ deltas.double().square().sum(1)))
+        sum_form = sum((beta / 2) ** (t - k) * ms[k] for k in range(t + 1))
+        assert_close(opt.state["numerator"], sum_form, rtol=1e-5, atol=0, name=f"A_t, round {t}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["FedExP", "FedExPM", "FedAdam", "FedACG"])
+def test_accumulator_step_equals_batched_step(case, backend):
+    cls_name, hyper = CASES[case]
+    w_batch, w_stream = torch.zeros(D), torch.zeros(D)
+    batched = make(cls_name, hyper, w_batch, backend)
+    streamed = make(cls_name, hyper, w_stream, backend)
+    acc = fastagg.Accumulator(like=w_stream, backend=backend)
+    for deltas, weights in rounds():
+        batched.step(deltas, weights=weights)
+        acc.reset()
+        for i, row in enumerate(deltas):
+            acc.add(row, weight=1.0 if weights is None else weights[i])
+        streamed.step(acc)
+        assert_close(w_stream, w_batch, rtol=1e-5, atol=1e-6, name="params")
+    assert_close(streamed.last_stats.eta, batched.last_stats.eta, rtol=1e-5, atol=0, name="eta")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_round_leaves_params_and_state_exactly_as_before(case, backend):
+    cls_name, hyper = CASES[case]
+    w = torch.randn(D)
+    opt = make(cls_name, hyper, w, backend)
+    deltas, weights = rounds()[0]
+    opt.step(deltas, weights=weights)
+    snap_w, snap_state = w.clone(), {k: v.clone() for k, v in opt.state.items()}
+    bad = deltas.clone()
+    bad[1, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"deltas\[1\] contain NaN or Inf"):
+        opt.step(bad, weights=weights)
+    with pytest.raises(ValueError, match=r"deltas have 516 elements per client; the optimizer's params have 517"):
+        opt.step(deltas[:, :-1], weights=weights)
+    opt.on_nonfinite = "skip"
+    stats = opt.step(bad, weights=weights)
+    assert not bool(stats.finite)
+    assert torch.equal(w, snap_w)
+    assert set(opt.state) == set(snap_state)
+    for k in snap_state:
+        assert torch.equal(opt.state[k], snap_state[k]), k
+
+
+def test_hyperparameter_errors():
+    w = torch.zeros(4)
+    for make_opt, pattern in [
+        (lambda: server.FedExP(w), r"FedExP needs eps"),
+        (lambda: server.FedExP(w, eps=-1), r"eps must be a finite number >= 0"),
+        (lambda: server.FedExP(w, eps=1, eps_mode="x"), r"eps_mode must be one of"),
+        (lambda: server.FedAvgM(w, momentum=1.0), r"momentum must be in \[0, 1\)"),
+        (lambda: server.FedAvgM(w, nesterov=True), r"nesterov=True needs momentum > 0"),
+        (lambda: server.FedAdam(w, betas=(0.9,)), r"betas must be a pair"),
+        (lambda: server.FedAdam(w, bias_correction="x"), r"bias_correction must be one of"),
+        (lambda: server.FedACG(w, lam=-0.1), r"lam must be a finite number >= 0"),
+        (lambda: server.ScaffoldExP(w, num_clients=0, eps=1), r"num_clients must be an integer >= 1"),
+        (lambda: server.FedAvg(w, on_nonfinite="x"), r"on_nonfinite must be one of"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=pattern):
+            make_opt()
+
+
+def test_module_parameters_and_numpy_params():
+    net = torch.nn.Linear(4, 3)
+    opt = server.FedAvgM(net.parameters(), lr=1.0, momentum=0.5)
+    before = [p.detach().clone() for p in net.parameters()]
+    opt.step(torch.ones(2, 15))
+    assert all(torch.allclose(p.detach(), b + 1) for p, b in zip(net.parameters(), before))
+    w = np.zeros(6, dtype=np.float32)
+    fx = server.FedExP(w, eps=0.0)
+    fx.step(np.ones((2, 6), dtype=np.float32))
+    assert float(w[0]) == 1.0 and isinstance(fx.eval_params(), np.ndarray)
