@@ -11,10 +11,10 @@ def weighted_mean(deltas, weights):
     return p, p @ deltas
 
 
-def fedexp_eta(p, deltas, mean, eps):
+def fedexp_eta(p, deltas, mean, eps, halve=True):
     avg = float(p @ deltas.square().sum(1))
     den = float(mean.square().sum()) + eps
-    return 1.0 if den == 0 else max(1.0, avg / (2 * den))
+    return 1.0 if den == 0 else max(1.0, avg / ((2 if halve else 1) * den))
 
 
 class Oracle:
@@ -50,7 +50,7 @@ class FedExP(Oracle):
         p, mean = weighted_mean(d, n)
         eps = self.h["eps"] * (d.shape[0] if self.h.get("eps_mode") == "official" else 1)
         eps *= self.h.get("eps_decay", 1.0) ** (self.t + 1)
-        self.eta = fedexp_eta(p, d, mean, eps)
+        self.eta = fedexp_eta(p, d, mean, eps, halve=not self.h.get("exact_projection", False))
         old = self.w
         self.w = self.w + self.eta * mean
         self.eval = (old + self.w) / 2

@@ -21,6 +21,7 @@ CASES = {
     "FedAvgM-nesterov": ("FedAvgM", dict(lr=0.5, momentum=0.9, nesterov=True)),
     "FedExP": ("FedExP", dict(eps=1e-3)),
     "FedExP-official-decay": ("FedExP", dict(eps=0.05, eps_mode="official", eps_decay=0.998 ** 2)),
+    "FedExP-exact-projection": ("FedExP", dict(eps=0.0, exact_projection=True)),
     "FedExPM": ("FedExPM", dict(eps=1e-3, beta=0.9)),
     "FedACG": ("FedACG", dict(lam=0.85)),
     "FedAdam": ("FedAdam", dict(lr=0.1, tau=1e-3)),
