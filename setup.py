@@ -6,7 +6,7 @@ setup(
     ext_modules=[
         Pybind11Extension(
             "fastagg._C",
-            ["csrc/bindings.cpp", "csrc/round_stats.cpp", "csrc/server_apply.cpp"],
+            ["csrc/bindings.cpp", "csrc/round_stats.cpp", "csrc/server_apply.cpp", "csrc/local_step.cpp"],
             cxx_std=17,
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],

@@ -11,6 +11,7 @@
 
 namespace py = pybind11;
 using fastagg::AdamArgs;
+using fastagg::LocalArgs;
 using fastagg::MomentumArgs;
 using fastagg::StatsArgs;
 
@@ -94,6 +95,42 @@ PYBIND11_MODULE(_C, m) {
         a.tau = tau;
         a.ams_eps = ams_eps;
         fastagg::adam_apply(a);
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "local_step",
+      [](int64_t num_rows, int64_t numel, int dtype, uintptr_t x_ptrs, uintptr_t g_ptrs, uintptr_t anchor_ptrs,
+         uintptr_t control, uintptr_t ci_ptrs, uintptr_t buf_ptrs, uintptr_t lr, uintptr_t loss, uintptr_t l_star,
+         uintptr_t sps_c, uintptr_t cap, uintptr_t first, double prox, double clip_norm, double weight_decay, double momentum,
+         double eta2, double tiny, int rule, int mode, uintptr_t step_out, uintptr_t sq_out) {
+        LocalArgs a{};
+        a.num_rows = num_rows;
+        a.numel = numel;
+        a.dtype = dtype;
+        a.x_ptrs = ptr<const uint64_t*>(x_ptrs);
+        a.g_ptrs = ptr<const uint64_t*>(g_ptrs);
+        a.anchor_ptrs = ptr<const uint64_t*>(anchor_ptrs);
+        a.control = ptr<const void*>(control);
+        a.ci_ptrs = ptr<const uint64_t*>(ci_ptrs);
+        a.buf_ptrs = ptr<const uint64_t*>(buf_ptrs);
+        a.lr = ptr<const double*>(lr);
+        a.loss = ptr<const double*>(loss);
+        a.l_star = ptr<const double*>(l_star);
+        a.sps_c = ptr<const double*>(sps_c);
+        a.cap = ptr<const double*>(cap);
+        a.first = ptr<const double*>(first);
+        a.prox = prox;
+        a.clip_norm = clip_norm;
+        a.weight_decay = weight_decay;
+        a.momentum = momentum;
+        a.eta2 = eta2;
+        a.tiny = tiny;
+        a.rule = rule;
+        a.mode = mode;
+        a.step_out = ptr<double*>(step_out);
+        a.sq_out = ptr<double*>(sq_out);
+        fastagg::local_step(a);
       },
       py::call_guard<py::gil_scoped_release>());
 

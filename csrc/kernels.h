@@ -60,7 +60,33 @@ struct AdamArgs {
   double beta1, beta2, tau, ams_eps;
 };
 
+enum LocalRule : int { kRuleFixed = 0, kRuleSps = 1 };
+enum LocalMode : int { kModeNone = 0, kModeHeavy = 1, kModeNesterov = 2, kModeMass = 3 };
+
+struct LocalArgs {
+  int64_t num_rows;             // M
+  int64_t numel;                // d
+  int dtype;                    // params, grads and anchor rows
+  const uint64_t* x_ptrs;       // [M] params rows (written)
+  const uint64_t* g_ptrs;       // [M]
+  const uint64_t* anchor_ptrs;  // [M] or nullptr (prox term)
+  const void* control;          // [d] server c in the compute type, or nullptr
+  const uint64_t* ci_ptrs;      // [M] client c_i rows (compute type), with control
+  const uint64_t* buf_ptrs;     // [M] momentum / MaSS rows (compute type), or nullptr
+  const double* lr;             // [M] (rule FIXED)
+  const double* loss;           // [M] (rule SPS) and its l_star, c, cap per row
+  const double* l_star;
+  const double* sps_c;
+  const double* cap;
+  const double* first;          // [M] (mode MASS): nonzero where b starts as x (w_0 = u_0), or nullptr
+  double prox, clip_norm, weight_decay, momentum, eta2, tiny;
+  int rule, mode;
+  double* step_out;             // [M]: the step taken (0: none)
+  double* sq_out;               // [M]: ||direction stepped along||^2
+};
+
 void round_stats(const StatsArgs& args);
+void local_step(const LocalArgs& args);
 void momentum_apply(const MomentumArgs& args);
 void adam_apply(const AdamArgs& args);
 

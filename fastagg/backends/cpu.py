@@ -70,3 +70,20 @@ def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m
         lens.data_ptr(), offs.data_ptr(), mean.data_ptr(), _addr(m), v.data_ptr(), _addr(vhat), lr.data_ptr(),
         finite.data_ptr(), ADAM_RULES[rule], float(beta1), float(beta2), float(tau), float(ams_eps),
     )
+
+
+LOCAL_RULES = {"fixed": 0, "sps": 1}
+LOCAL_MODES = {"none": 0, "heavy": 1, "nesterov": 2, "mass": 3}
+
+
+def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, first, prox: float, clip_norm: float,
+               weight_decay: float, momentum: float, eta2: float, tiny: float, rule: str, mode: str,
+               step_out: torch.Tensor, sq_out: torch.Tensor) -> None:
+    ptrs = {k: None if t is None else t.ptrs() for k, t in dict(x=x, g=g, a=anchor, ci=ci, b=buf).items()}
+    compiled().local_step(
+        x.index.numel(), x.base.shape[1], DTYPE_CODE[x.dtype], ptrs["x"].data_ptr(), ptrs["g"].data_ptr(),
+        _addr(ptrs["a"]), _addr(control), _addr(ptrs["ci"]), _addr(ptrs["b"]), lr.data_ptr(), loss.data_ptr(),
+        l_star.data_ptr(), sps_c.data_ptr(), cap.data_ptr(), _addr(first), float(prox), float(clip_norm), float(weight_decay),
+        float(momentum), float(eta2), float(tiny), LOCAL_RULES[rule], LOCAL_MODES[mode], step_out.data_ptr(),
+        sq_out.data_ptr(),
+    )

@@ -110,3 +110,59 @@ def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m
     step = lr.to(cdt) * m_new / (denom_sq.sqrt() + tau)
     for s, (off, n) in enumerate(zip(params.segments.offs, params.segments.lens)):
         params.parts[s].copy_(params.parts[s].to(cdt) + step[off : off + n])
+
+
+MODES = ("none", "heavy", "nesterov", "mass")
+
+
+@torch.no_grad()
+def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, first, prox: float, clip_norm: float,
+               weight_decay: float, momentum: float, eta2: float, tiny: float, rule: str, mode: str,
+               step_out: torch.Tensor, sq_out: torch.Tensor) -> None:
+    """Batched local step over M rows (x, g, anchor, ci, buf are RowTables; control a d-vector or None)::
+
+        dir = g + prox (x - anchor) + (c - c_i);   s = ||dir||^2 per row
+        scale = min(1, clip_norm / sqrt(s));       s2 = s scale^2
+        step = lr_i (rule "fixed")  or  min((f_i - l*_i) / (c_i s2), cap_i) (rule "sps")
+        rows with a non-finite s / loss / step, f <= l*, or s2 <= tiny take no step (step 0, nothing written)
+        d = scale dir + weight_decay x, then
+          none: x -= step d;  heavy: b = mu b + d, x -= step b;  nesterov: b = mu b + d, x -= step (d + mu b)
+          mass: w = x - step d, x = w + mu (w - b) + eta2 d, b = w   (b taken as x where first[i] != 0)
+    """
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    X = x.gather(cdt)
+    direction = g.gather(cdt)
+    if anchor is not None:
+        direction = direction + prox * (X - anchor.gather(cdt))
+    if control is not None:
+        direction = direction + (control.to(cdt)[None, :] - ci.gather(cdt))
+    s = direction.square().double().sum(dim=1)
+    scale = torch.ones_like(s)
+    if clip_norm > 0:
+        scale = torch.where(s > clip_norm ** 2, clip_norm / s.sqrt(), scale)
+    s2 = s * scale * scale
+    finite = torch.isfinite(s)
+    if rule == "fixed":
+        step = torch.where(finite, lr, torch.zeros_like(lr))
+    else:
+        ok = finite & torch.isfinite(loss) & (loss > l_star) & (s2 > tiny)
+        raw = torch.minimum((loss - l_star) / (sps_c * torch.where(ok, s2, torch.ones_like(s2))), cap)
+        step = torch.where(ok, raw, torch.zeros_like(raw))
+    step = torch.where(torch.isfinite(step) & (step > 0), step, torch.zeros_like(step))
+    step_out.copy_(step)
+    sq_out.copy_(s2)
+    active = step > 0
+    d = scale.to(cdt)[:, None] * direction + weight_decay * X
+    st = step.to(cdt)[:, None]
+    if mode == "none":
+        new_x = X - st * d
+    elif mode in ("heavy", "nesterov"):
+        b = momentum * buf.gather(cdt) + d
+        new_x = X - st * (d + momentum * b if mode == "nesterov" else b)
+        buf.scatter(b, active)
+    else:
+        w = X - st * d
+        b_old = buf.gather(cdt) if first is None else torch.where(first[:, None] != 0, X, buf.gather(cdt))
+        new_x = w + momentum * (w - b_old) + eta2 * d
+        buf.scatter(w, active)
+    x.scatter(new_x, active)

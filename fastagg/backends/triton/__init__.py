@@ -3,9 +3,10 @@
 One module per primitive, each a private ``@triton.jit`` kernel and a launcher that does not validate.
 """
 from .adam_apply import adam_apply
+from .local_step import local_step
 from .momentum_apply import momentum_apply
 from .round_stats import round_stats
 
 name = "triton"
 
-__all__ = ["round_stats", "momentum_apply", "adam_apply", "name"]
+__all__ = ["round_stats", "momentum_apply", "adam_apply", "local_step", "name"]

@@ -52,6 +52,13 @@ def apply_config(numel: int) -> dict:
     return dict(BLOCK_D=4096, num_warps=8)
 
 
+def local_config(numel: int) -> dict:
+    """One program per client row sweeping its d columns BLOCK at a time (twice: norm, then update)."""
+    if interpreting():
+        return dict(BLOCK=min(1 << 16, _pow2_at_least(numel)), num_warps=4)
+    return dict(BLOCK=min(4096, _pow2_at_least(numel)), num_warps=8 if numel >= 4096 else 4)
+
+
 @functools.lru_cache(maxsize=64)
 def _block_table_cpu(lens: tuple, block: int) -> torch.Tensor:
     seg, start = [], []

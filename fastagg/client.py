@@ -1,0 +1,382 @@
+"""Batched client local steps: M clients' parameters as rows of one ``[M, d]`` buffer, their mini-batch gradients
+``[M, d]`` and losses ``[M]``, updated by one fused call (Triton on GPU, C++ on CPU, plain torch as the oracle).
+
+Order inside one step (ALGORITHMS.md section 8)::
+
+    dir = grad + prox * (x - anchor) + (c - c_i)        # loss-side corrections: FedProx/FedACG, SCAFFOLD
+    dir = dir * min(1, clip_norm / ||dir||)             # a global per-client norm, complete before any update
+    dir = dir + weight_decay * x                        # after clipping, as torch optimizers do
+    then momentum (heavy-ball / Nesterov as torch SGD, or FedMaSS), then the step
+
+A client whose direction or loss is not finite, whose loss is at or below ``l_star`` (SPS rules), or whose squared
+direction norm is at or below ``min_sq_norm`` (SPS rules) takes no step this time: nothing of it is written, its
+returned step is 0, and its SPS state is not advanced. Other clients are unaffected. NaN never reaches ``params``.
+
+``params`` is the only argument written (and the population ``state``); per-client scalars may be Python numbers
+or ``[M]`` tensors; per-client vectors of the population (momentum buffers, SCAFFOLD ``c_i``, MaSS iterates) live
+in :class:`ClientState` as ``[N, d]`` and are read and written in place through ``client_ids``. Nothing is synced
+to the host. Math is float32 (float64 for float64 params); the returned steps are float64.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ._checks import check_number, check_prob
+from .backends import resolve
+from .rowtable import RowTable
+
+__all__ = ["ClientState", "sps_step", "decsps_step", "local_step", "mass_step", "CAPS"]
+
+CAPS = ("constant", "smooth", "smooth_prev_step")
+MIN_SQ_NORM = 1e-30
+
+
+class ClientState:
+    """Population-level per-client state on one device, created lazily by the steps that need it.
+
+    Vectors ``[N, d]`` (float32; float64 with ``dtype=torch.float64``): ``"momentum"`` (heavy-ball / Nesterov
+    buffers), ``"control"`` (SCAFFOLD's c_i), ``"mass"`` (FedMaSS's / paper 004 Nesterov's second sequence).
+    Scalars ``[N]`` float64: FedDecSPS's previous step and step count, the smoothed SPS caps.
+    A client that sits out a round keeps all of it.
+    """
+
+    def __init__(self, num_clients: int, dim: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        if not isinstance(num_clients, int) or num_clients < 1:
+            raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"ClientState dtype must be torch.float32 or torch.float64, got {dtype}")
+        self.num_clients, self.dim, self.dtype, self.device = num_clients, dim, dtype, torch.device(device)
+        self.vectors: dict[str, torch.Tensor] = {}
+        self.scalars: dict[str, torch.Tensor] = {}
+
+    def vector(self, name: str) -> torch.Tensor:
+        if name not in self.vectors:
+            self.vectors[name] = torch.zeros(self.num_clients, self.dim, dtype=self.dtype, device=self.device)
+        return self.vectors[name]
+
+    def scalar(self, name: str, init: float = 0.0) -> torch.Tensor:
+        if name not in self.scalars:
+            self.scalars[name] = torch.full((self.num_clients,), float(init), dtype=torch.float64, device=self.device)
+        return self.scalars[name]
+
+    def state_dict(self) -> dict:
+        return {"num_clients": self.num_clients, "dim": self.dim,
+                "vectors": {k: v.clone() for k, v in self.vectors.items()},
+                "scalars": {k: v.clone() for k, v in self.scalars.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if (sd["num_clients"], sd["dim"]) != (self.num_clients, self.dim):
+            raise ValueError(f"state is for {sd['num_clients']} clients x {sd['dim']}; this one is "
+                             f"{self.num_clients} x {self.dim}")
+        self.vectors = {k: v.to(self.device, self.dtype).clone() for k, v in sd["vectors"].items()}
+        self.scalars = {k: v.to(self.device).clone() for k, v in sd["scalars"].items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validation
+
+
+def _matrix(t: Any, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D [num_clients, num_params] tensor, got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} has dtype {t.dtype}; expected a floating dtype")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along the parameter dimension, got strides {t.stride()}")
+    return t
+
+
+def _per_client(value: Any, name: str, m: int, device, *, minimum: float | None = 0.0, positive: bool = False,
+                allow_nonfinite: bool = False) -> torch.Tensor:
+    """A Python number or an [M] tensor as float64 [M] on ``device``.
+
+    Numbers and CPU tensors are validated here. CUDA tensors are not read back (no host sync): an invalid value
+    there (negative, zero where a positive is needed, NaN) makes that client take no step, as the kernels
+    treat any step that is not finite and positive."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim == 0:
+            value = value.reshape(1).expand(m)
+        if tuple(value.shape) != (m,):
+            raise ValueError(f"{name} must be a number or have shape ({m},), got {tuple(value.shape)}")
+        if value.device != torch.device(device):
+            raise ValueError(f"{name} is on {value.device}; expected {device} like params")
+        t = value.detach().to(torch.float64)
+        if minimum is not None and not allow_nonfinite and t.device.type == "cpu":
+            bad = ~torch.isfinite(t) | ((t <= minimum) if positive else (t < minimum))
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                op = ">" if positive else ">="
+                raise ValueError(f"{name}[{i}] is {t[i].item()!r}; expected a finite number {op} {minimum:g}")
+        return t.contiguous()
+    v = check_number(value, name, minimum=minimum if minimum is not None else -math.inf, allow_equal=not positive)
+    return torch.full((m,), v, dtype=torch.float64, device=device)
+
+
+def _client_ids(ids: Any, m: int, state: ClientState | None, device) -> torch.Tensor:
+    """Validated on the host (range, duplicates): pass them as a CPU tensor and no device read is needed; they
+    are copied to ``device`` for the kernels."""
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 1 or ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError("client_ids must be a 1-D integer tensor")
+    if ids.numel() != m:
+        raise ValueError(f"client_ids has {ids.numel()} entries; params has {m} rows")
+    if ids.device.type != "cpu" and ids.device != torch.device(device):
+        raise ValueError(f"client_ids is on {ids.device}; expected the CPU or {device} like params")
+    if state is not None:
+        host = ids.cpu()
+        if m and (int(host.min()) < 0 or int(host.max()) >= state.num_clients):
+            raise ValueError(f"client_ids must be in [0, {state.num_clients}); got values in "
+                             f"[{int(host.min())}, {int(host.max())}]")
+        if torch.unique(host).numel() != m:
+            raise ValueError("client_ids has duplicates; each client may appear once per batch")
+    return ids.to(device=device, dtype=torch.int64, non_blocking=True)
+
+
+class _Batch:
+    """Validated arguments of one batched local step, as the backend primitive takes them."""
+
+    def __init__(self, params, grads, *, state, client_ids, prox, control, clip_norm, weight_decay, backend):
+        x = _matrix(params, "params")
+        g = _matrix(grads, "grads")
+        if g.shape != x.shape:
+            raise ValueError(f"grads has shape {tuple(g.shape)}; expected {tuple(x.shape)} like params")
+        if g.dtype != x.dtype:
+            raise TypeError(f"grads has dtype {g.dtype}; expected {x.dtype} like params")
+        if g.device != x.device:
+            raise ValueError(f"grads is on {g.device}; expected {x.device} like params")
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise TypeError(f"params has dtype {x.dtype}; expected float32, bfloat16, float16 or float64")
+        self.m, self.d, self.device = x.shape[0], x.shape[1], x.device
+        self.cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if state is not None:
+            if not isinstance(state, ClientState):
+                raise TypeError(f"state must be a fastagg.client.ClientState, got {type(state).__name__}")
+            if state.dim != self.d:
+                raise ValueError(f"state has dim {state.dim}; params has {self.d} columns")
+            if state.device != self.device:
+                raise ValueError(f"state is on {state.device}; expected {self.device} like params")
+            if state.dtype != self.cdt:
+                raise TypeError(f"state has dtype {state.dtype}; expected {self.cdt} for {x.dtype} params")
+        self.state = state
+        self.ids = None if client_ids is None else _client_ids(client_ids, self.m, state, self.device)
+        self.x, self.g = RowTable.rows(x), RowTable.rows(g)
+        self.anchor, self.prox = None, 0.0
+        if prox is not None:
+            anchor, mu = _pair(prox, "prox", "(anchor, mu)")
+            self.prox = check_number(mu, "prox mu")
+            self.anchor = self._vector_rows(anchor, "prox anchor", x.dtype)
+        self.control = self.ci = None
+        if control is not None:
+            c, ci = _pair(control, "control", "(c, c_i)")
+            if not isinstance(c, torch.Tensor) or tuple(c.shape) != (self.d,):
+                raise ValueError(f"control c must be a [{self.d}] tensor")
+            if c.dtype != self.cdt or c.device != self.device or not c.is_contiguous():
+                raise TypeError(f"control c must be a contiguous {self.cdt} tensor on {self.device}")
+            self.control = c
+            self.ci = self._population_rows(ci, "control c_i")
+        self.clip_norm = 0.0 if clip_norm is None else check_number(clip_norm, "clip_norm", allow_equal=False)
+        self.weight_decay = check_number(weight_decay, "weight_decay")
+        self.backend = resolve(backend, self.device)
+
+    def _vector_rows(self, t, name, dtype) -> RowTable:
+        """A [d] vector shared by every row, or [M, d] rows aligned with params."""
+        if not isinstance(t, torch.Tensor) or t.device != self.device or t.dtype != dtype:
+            raise TypeError(f"{name} must be a {dtype} tensor on {self.device}")
+        if tuple(t.shape) == (self.d,) and t.is_contiguous():
+            return RowTable.shared(t, self.m)
+        return RowTable.rows(_matrix(t, name)) if tuple(t.shape) == (self.m, self.d) else _bad_shape(
+            name, t, f"({self.d},) or ({self.m}, {self.d})")
+
+    def _population_rows(self, t, name) -> RowTable:
+        """[N, d] indexed by client_ids when client_ids is given, else [M, d] aligned with params."""
+        if not isinstance(t, torch.Tensor) or t.device != self.device or t.dtype != self.cdt:
+            raise TypeError(f"{name} must be a {self.cdt} tensor on {self.device}")
+        _matrix(t, name)
+        if self.ids is None:
+            if tuple(t.shape) != (self.m, self.d):
+                _bad_shape(name, t, f"({self.m}, {self.d}) (or [N, d] with client_ids)")
+            return RowTable.rows(t)
+        if t.shape[1] != self.d or (self.state is not None and t.shape[0] != self.state.num_clients):
+            _bad_shape(name, t, f"(num_clients, {self.d}) indexed by client_ids")
+        if int(self.ids.max()) >= t.shape[0]:
+            raise ValueError(f"client_ids reach {int(self.ids.max())}; {name} has {t.shape[0]} rows")
+        return RowTable(t, self.ids)
+
+    def state_rows(self, name: str) -> RowTable:
+        if self.state is None or self.ids is None:
+            raise TypeError(f"this step keeps per-client {name} vectors: pass state= and client_ids=")
+        return RowTable(self.state.vector(name), self.ids)
+
+    def run(self, *, rule: str, lr=None, loss=None, l_star=None, sps_c=None, cap=None, mode: str = "none",
+            buf: RowTable | None = None, momentum: float = 0.0, eta2: float = 0.0, first=None,
+            min_sq_norm: float = MIN_SQ_NORM) -> tuple[torch.Tensor, torch.Tensor]:
+        step = torch.empty(self.m, dtype=torch.float64, device=self.device)
+        sq = torch.empty(self.m, dtype=torch.float64, device=self.device)
+        dummy = step if lr is None else lr
+        self.backend.local_step(
+            x=self.x, g=self.g, anchor=self.anchor, control=self.control, ci=self.ci, buf=buf,
+            lr=dummy, loss=dummy if loss is None else loss, l_star=dummy if l_star is None else l_star,
+            sps_c=dummy if sps_c is None else sps_c, cap=dummy if cap is None else cap, first=first, prox=self.prox,
+            clip_norm=self.clip_norm, weight_decay=self.weight_decay, momentum=momentum, eta2=eta2,
+            tiny=min_sq_norm, rule=rule, mode=mode, step_out=step, sq_out=sq)
+        return step, sq
+
+
+def _pair(value, name, form):
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"{name} must be a pair {form}")
+    return value
+
+
+def _bad_shape(name, t, want):
+    raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want}")
+
+
+def _losses(losses, b: _Batch) -> torch.Tensor:
+    if not isinstance(losses, torch.Tensor) or tuple(losses.shape) != (b.m,):
+        raise ValueError(f"losses must be a tensor of shape ({b.m},), one mini-batch mean loss per client")
+    if losses.device != b.device:
+        raise ValueError(f"losses is on {losses.device}; expected {b.device} like params")
+    return losses.detach().to(torch.float64)  # non-finite losses are a per-client safeguard, not an error
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# public steps
+
+
+def sps_step(*, params, grads, losses, c: Any = 0.5, gamma_b: Any = 1.0, l_star: Any = 0.0, cap: str = "constant",
+             smooth_factor: Any = None, state: ClientState | None = None, client_ids=None, prox=None,
+             control=None, clip_norm=None, min_sq_norm: float = MIN_SQ_NORM, backend: str = "auto") -> torch.Tensor:
+    """FedSPS local step for every row (Mukherjee, Loizou, Stich; paper 003)::
+
+        gamma_i = min( (f_i - l_star) / (c ||dir_i||^2), cap_i );   x_i <- x_i - gamma_i dir_i
+
+    ``dir`` is the gradient after the optional prox/control corrections and clipping; ``f`` the same mini-batch's
+    mean loss. Caps: ``"constant"`` (``gamma_b``, default); ``"smooth"`` (paper 003's non-convex runs:
+    ``cap_t = smooth_factor * cap_{t-1}``, ``cap_0 = gamma_b``); ``"smooth_prev_step"`` (the SPS reference code:
+    ``cap_t = smooth_factor * gamma_{t-1}``, ``gamma_{-1} = gamma_b``). The smoothed caps keep per-client state
+    (``state``, ``client_ids``) that advances only when the client steps; ``smooth_factor = 2^(|B| / m_i)``.
+
+    With c = 0.5 and l_star = 0 on ``f(x) = (a/2) x^2``, one step lands exactly on 0 (when 1/a <= gamma_b).
+
+    Returns the step each client took, float64 ``[M]`` (0: the client took none; see the module docstring).
+    """
+    b = _Batch(params, grads, state=state, client_ids=client_ids, prox=prox, control=control, clip_norm=clip_norm,
+               weight_decay=0.0, backend=backend)
+    f = _losses(losses, b)
+    cc = _per_client(c, "c", b.m, b.device, positive=True)
+    gb = _per_client(gamma_b, "gamma_b", b.m, b.device, positive=True)
+    ls = _per_client(l_star, "l_star", b.m, b.device, minimum=None)
+    if cap not in CAPS:
+        raise ValueError(f"cap must be one of {CAPS}, got {cap!r}")
+    if cap == "constant":
+        gamma, _ = b.run(rule="sps", loss=f, l_star=ls, sps_c=cc, cap=gb, min_sq_norm=min_sq_norm)
+        return gamma
+    if smooth_factor is None:
+        raise TypeError(f"cap={cap!r} needs smooth_factor (2^(batch size / client samples))")
+    factor = _per_client(smooth_factor, "smooth_factor", b.m, b.device, positive=True)
+    if b.state is None or b.ids is None:
+        raise TypeError(f"cap={cap!r} keeps per-client state: pass state= and client_ids=")
+    key = "sps_cap" if cap == "smooth" else "sps_prev_gamma"
+    # gamma_b seeds a client's state the first time it is seen (a NaN marks "never seen")
+    mem = b.state.scalar(key, float("nan"))
+    stored = mem[b.ids]
+    prev = torch.where(torch.isnan(stored), gb, stored)
+    cap_now = prev if cap == "smooth" else factor * prev
+    gamma, _ = b.run(rule="sps", loss=f, l_star=ls, sps_c=cc, cap=cap_now, min_sq_norm=min_sq_norm)
+    took = gamma > 0
+    new = factor * prev if cap == "smooth" else gamma
+    mem[b.ids] = torch.where(took, new, stored)  # a client that took no step keeps its state exactly
+    return gamma
+
+
+def decsps_step(*, params, grads, losses, state: ClientState, client_ids, c0: Any = 0.5, gamma_b: Any = 1.0,
+                l_star: Any = 0.0, prox=None, control=None, clip_norm=None, min_sq_norm: float = MIN_SQ_NORM,
+                backend: str = "auto") -> torch.Tensor:
+    """FedDecSPS local step (paper 003), per client over its own local iterations t::
+
+        c_t = c0 sqrt(t + 1);   gamma_t = (1 / c_t) min( (f - l_star) / ||dir||^2, c_{t-1} gamma_{t-1} )
+        with c_{-1} = c0, gamma_{-1} = gamma_b;   x <- x - gamma_t dir
+
+    Steps are non-increasing per client. ``t`` and ``gamma_{t-1}`` live in ``state`` and advance only when the
+    client steps (a zero step is never stored; a client that sits out keeps them). Returns the steps, float64 [M].
+    """
+    if state is None or client_ids is None:
+        raise TypeError("decsps_step keeps per-client state: pass state= and client_ids=")
+    b = _Batch(params, grads, state=state, client_ids=client_ids, prox=prox, control=control, clip_norm=clip_norm,
+               weight_decay=0.0, backend=backend)
+    f = _losses(losses, b)
+    c0v = _per_client(c0, "c0", b.m, b.device, positive=True)
+    gb = _per_client(gamma_b, "gamma_b", b.m, b.device, positive=True)
+    ls = _per_client(l_star, "l_star", b.m, b.device, minimum=None)
+    steps, prev_mem = state.scalar("decsps_steps"), state.scalar("decsps_gamma", float("nan"))
+    t = steps[b.ids]
+    stored = prev_mem[b.ids]
+    prev = torch.where(torch.isnan(stored), gb, stored)
+    c_t = c0v * torch.sqrt(t + 1)
+    c_prev = torch.where(t == 0, c0v, c0v * torch.sqrt(t))
+    gamma, _ = b.run(rule="sps", loss=f, l_star=ls, sps_c=c_t, cap=c_prev * prev / c_t, min_sq_norm=min_sq_norm)
+    took = gamma > 0
+    prev_mem[b.ids] = torch.where(took, gamma, stored)  # a zero step is never stored
+    steps[b.ids] = t + took.to(torch.float64)
+    return gamma
+
+
+def local_step(*, params, grads, lr: Any, prox=None, control=None, clip_norm=None, weight_decay: float = 0.0,
+               momentum: float = 0.0, nesterov: bool = False, state: ClientState | None = None, client_ids=None,
+               backend: str = "auto") -> torch.Tensor:
+    """One plain local step for every row, in ALGORITHMS.md section 8's order::
+
+        d = clip(grad + prox (x - anchor) + (c - c_i)) + weight_decay x
+        b = momentum b + d;  x <- x - lr (d + momentum b if nesterov else b)      (torch SGD, dampening 0)
+        (momentum 0: x <- x - lr d)
+
+    ``prox=(anchor, mu)``: FedProx's ``mu (x - w_global)`` or FedACG's ``beta (x - b)`` (anchor [d] or [M, d]);
+    ``control=(c, c_i)``: SCAFFOLD's ``c - c_i`` (c [d]; c_i [N, d] indexed by ``client_ids``, or [M, d]).
+    Momentum buffers are per client in ``state`` (``client_ids`` select them). Returns the steps (lr, or 0 for a
+    client skipped as non-finite), float64 [M].
+    """
+    b = _Batch(params, grads, state=state, client_ids=client_ids, prox=prox, control=control, clip_norm=clip_norm,
+               weight_decay=weight_decay, backend=backend)
+    lr_t = _per_client(lr, "lr", b.m, b.device)
+    mu = check_prob(momentum, "momentum")
+    if nesterov and mu == 0:
+        raise ValueError("nesterov=True needs momentum > 0")
+    if mu == 0:
+        step, _ = b.run(rule="fixed", lr=lr_t)
+        return step
+    step, _ = b.run(rule="fixed", lr=lr_t, mode="nesterov" if nesterov else "heavy", buf=b.state_rows("momentum"),
+                    momentum=mu)
+    return step
+
+
+def mass_step(*, params, grads, state: ClientState, client_ids, eta1: Any, gam: float, eta2: float = 0.0,
+              prox=None, control=None, clip_norm=None, backend: str = "auto") -> torch.Tensor:
+    """FedMaSS local step (paper 004); with ``eta2 = 0`` it is paper 004's Nesterov FedAvg::
+
+        w_{t+1} = u_t - eta1 g(u_t);   u_{t+1} = w_{t+1} + gam (w_{t+1} - w_t) + eta2 g(u_t)
+
+    ``params`` holds u (the iterate that is averaged at synchronization); w_t is per-client state (neither
+    averaged nor reset), initialized to a client's params the first time it steps. For constant eta1, gam and
+    eta2 = 0 this equals torch's Nesterov SGD with lr = eta1, momentum = gam (tested).
+    Returns the steps (eta1, or 0 for a skipped client), float64 [M].
+    """
+    if state is None or client_ids is None:
+        raise TypeError("mass_step keeps per-client iterates: pass state= and client_ids=")
+    b = _Batch(params, grads, state=state, client_ids=client_ids, prox=prox, control=control, clip_norm=clip_norm,
+               weight_decay=0.0, backend=backend)
+    lr_t = _per_client(eta1, "eta1", b.m, b.device)
+    gam_v = check_number(gam, "gam")
+    eta2_v = check_number(eta2, "eta2", minimum=-math.inf)
+    started = state.scalar("mass_started")  # 1 once a client has stepped: its w_t is live
+    first = 1.0 - started[b.ids]
+    step, _ = b.run(rule="fixed", lr=lr_t, mode="mass", buf=b.state_rows("mass"), momentum=gam_v, eta2=eta2_v,
+                    first=first)
+    started[b.ids] = torch.where(step > 0, torch.ones_like(first), 1.0 - first)
+    return step
