@@ -17,7 +17,11 @@ using fastagg::StatsArgs;
 
 template <typename T> static T ptr(uintptr_t address) { return reinterpret_cast<T>(address); }
 
-PYBIND11_MODULE(_C, m) {
+#ifndef FASTAGG_MODULE
+#define FASTAGG_MODULE _C
+#endif
+
+PYBIND11_MODULE(FASTAGG_MODULE, m) {
   m.doc() = "fastagg compiled CPU kernels (OpenMP). Use fastagg.ops, not this module.";
 
   m.def(

@@ -15,7 +15,8 @@ def env_report() -> str:
     lines = [f"fastagg {__import__('fastagg').__version__}  python {platform.python_version()}  torch {torch.__version__}"]
     if cpu.IMPORT_ERROR is None:
         lines.append(f"cpu backend: compiled module {cpu._C.__file__} (OpenMP {cpu._C.openmp}, "
-                     f"{cpu._C.num_threads()} threads)")
+                     f"{cpu._C.num_threads()} threads; torch reports CPU capability "
+                     f"{torch.backends.cpu.get_cpu_capability()}; {cpu.ISA_ENV}=default forces the portable _C)")
     else:
         lines.append(f"cpu backend: NOT available: {cpu.IMPORT_ERROR}")
     if importlib.util.find_spec("triton") is not None:

@@ -5,6 +5,9 @@ Results are bit-identical run after run for a given input (block order is fixed,
 """
 from __future__ import annotations
 
+import importlib
+import os
+
 import torch
 
 from ..rows import DTYPE_CODE, ClientRows, ParamRows
@@ -12,8 +15,23 @@ from ..rows import DTYPE_CODE, ClientRows, ParamRows
 name = "cpu"
 ADAM_RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
 
+ISA_ENV = "FASTAGG_CPU_ISA"  # "default" forces the portable build
+
+
+def wanted_module() -> str:
+    """``_C_avx2`` on CPUs torch reports as AVX2/AVX512 capable (unless FASTAGG_CPU_ISA=default), else ``_C``."""
+    if os.environ.get(ISA_ENV, "").lower() == "default":
+        return "_C"
+    return "_C_avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "_C"
+
+
+def load(name: str):
+    return importlib.import_module(f"fastagg.{name}")
+
+
+MODULE_NAME = wanted_module()
 try:
-    from .. import _C
+    _C = load(MODULE_NAME)
 except ImportError as e:  # keep the cause; never fall back silently
     _C = None
     IMPORT_ERROR: ImportError | None = e
@@ -25,7 +43,7 @@ def compiled():
     """The compiled module, or an ImportError that says how to build it."""
     if _C is None:
         raise ImportError(
-            "fastagg's compiled CPU module (fastagg._C) is not importable: "
+            f"fastagg's compiled CPU module (fastagg.{MODULE_NAME}) is not importable: "
             f"{IMPORT_ERROR}. Rebuild it with `pip install --no-build-isolation -e .` in the source tree."
         ) from IMPORT_ERROR
     return _C
