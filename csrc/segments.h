@@ -24,4 +24,14 @@ inline std::vector<Block> make_blocks(int64_t num_segments, const int64_t* seg_l
 
 template <typename T> inline T* as_ptr(uint64_t address) { return reinterpret_cast<T*>(address); }
 
+// Runs f(block, col0) over every block of the segments in parallel (static schedule); col0 is the block's first
+// column in the flat vector.
+template <typename F>
+void parallel_blocks(int64_t num_segments, const int64_t* seg_len, const int64_t* seg_off, int64_t block, F&& f) {
+  const std::vector<Block> blocks = make_blocks(num_segments, seg_len, block);
+  const int64_t nb = static_cast<int64_t>(blocks.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nb; ++b) f(blocks[b], seg_off[blocks[b].seg] + blocks[b].start);
+}
+
 }  // namespace fastagg

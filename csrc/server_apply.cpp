@@ -23,12 +23,7 @@ void momentum_impl(const MomentumArgs& a) {
   const C lr = Finite ? static_cast<C>(*a.lr) : C(0);
   const C coef = HasExtra ? static_cast<C>(Finite ? *a.extra_coef : *a.extra_coef_skip) : C(0);
   const C mu = static_cast<C>(a.momentum);
-  const std::vector<Block> blocks = make_blocks(a.num_segments, a.seg_len, kApplyBlock);
-  const int64_t nb = static_cast<int64_t>(blocks.size());
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < nb; ++b) {
-    const Block blk = blocks[b];
-    const int64_t col0 = a.seg_off[blk.seg] + blk.start;
+  parallel_blocks(a.num_segments, a.seg_len, a.seg_off, kApplyBlock, [&](const Block& blk, int64_t col0) {
     P* w = as_ptr<P>(a.param_ptrs[blk.seg]) + blk.start;
     P* ex = HasExtra ? as_ptr<P>(a.extra_ptrs[blk.seg]) + blk.start : nullptr;
     const C* m = static_cast<const C*>(a.mean) + col0;
@@ -47,7 +42,7 @@ void momentum_impl(const MomentumArgs& a) {
         if constexpr (HasExtra) store(ex + j, HasBuf ? w0 + coef * buf[j] : w0);
       }
     }
-  }
+  });
 }
 
 // Adam family (FedAdam, FedYogi, FedAdagrad, FedAMS):
@@ -62,12 +57,7 @@ void adam_impl(const AdamArgs& a) {
   const C lr = static_cast<C>(*a.lr);
   const C b1 = static_cast<C>(a.beta1), b2 = static_cast<C>(a.beta2), tau = static_cast<C>(a.tau);
   const C ams_eps = static_cast<C>(a.ams_eps);
-  const std::vector<Block> blocks = make_blocks(a.num_segments, a.seg_len, kApplyBlock);
-  const int64_t nb = static_cast<int64_t>(blocks.size());
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < nb; ++b) {
-    const Block blk = blocks[b];
-    const int64_t col0 = a.seg_off[blk.seg] + blk.start;
+  parallel_blocks(a.num_segments, a.seg_len, a.seg_off, kApplyBlock, [&](const Block& blk, int64_t col0) {
     P* w = as_ptr<P>(a.param_ptrs[blk.seg]) + blk.start;
     const C* g = static_cast<const C*>(a.mean) + col0;
     C* m = Rule == kAdagrad ? nullptr : static_cast<C*>(a.m) + col0;
@@ -93,7 +83,7 @@ void adam_impl(const AdamArgs& a) {
       }
       store(w + j, load<C>(w + j) + lr * mj / (std::sqrt(denom_sq) + tau));
     }
-  }
+  });
 }
 
 template <typename F> void dispatch_param_and_compute(int param_dtype, int compute_dtype, F&& f) {

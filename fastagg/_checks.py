@@ -74,3 +74,20 @@ def out_buffer(out: Any, name: str, numel: int, dtype: torch.dtype, device: torc
         raise ValueError(f"{name} must be a contiguous 1-D {dtype} buffer of {numel} elements on {device}; got "
                          f"shape {tuple(t.shape)}, {t.dtype} on {t.device}")
     return t
+
+
+def expect_like(name: str, like: str, **pairs) -> None:
+    """Raise naming the first property of ``name`` that differs from ``like``'s.
+
+    Each keyword is a property -- ``numel``, ``shape``, ``dim`` (ValueError), ``dtype`` (TypeError) or ``device``
+    (ValueError) -- given as a ``(got, expected)`` pair, checked in the order given.
+    """
+    for prop, (got, want) in pairs.items():
+        if got == want:
+            continue
+        err = TypeError if prop == "dtype" else ValueError
+        if prop == "device":
+            raise err(f"{name} is on {got}; expected {want} like {like}")
+        if prop == "numel":
+            raise err(f"{name} has {got} elements; expected {want} like {like}")
+        raise err(f"{name} has {prop} {got}; expected {want} like {like}")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_number, check_prob
+from ._checks import check_number, check_prob, expect_like
 from .backends import resolve
 from .rowtable import RowTable
 
@@ -144,12 +144,8 @@ class _Batch:
     def __init__(self, params, grads, *, state, client_ids, prox, control, clip_norm, weight_decay, backend):
         x = _matrix(params, "params")
         g = _matrix(grads, "grads")
-        if g.shape != x.shape:
-            raise ValueError(f"grads has shape {tuple(g.shape)}; expected {tuple(x.shape)} like params")
-        if g.dtype != x.dtype:
-            raise TypeError(f"grads has dtype {g.dtype}; expected {x.dtype} like params")
-        if g.device != x.device:
-            raise ValueError(f"grads is on {g.device}; expected {x.device} like params")
+        expect_like("grads", "params", shape=(tuple(g.shape), tuple(x.shape)), dtype=(g.dtype, x.dtype),
+                    device=(g.device, x.device))
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise TypeError(f"params has dtype {x.dtype}; expected float32, bfloat16, float16 or float64")
         self.m, self.d, self.device = x.shape[0], x.shape[1], x.device
@@ -157,12 +153,8 @@ class _Batch:
         if state is not None:
             if not isinstance(state, ClientState):
                 raise TypeError(f"state must be a fastagg.client.ClientState, got {type(state).__name__}")
-            if state.dim != self.d:
-                raise ValueError(f"state has dim {state.dim}; params has {self.d} columns")
-            if state.device != self.device:
-                raise ValueError(f"state is on {state.device}; expected {self.device} like params")
-            if state.dtype != self.cdt:
-                raise TypeError(f"state has dtype {state.dtype}; expected {self.cdt} for {x.dtype} params")
+            expect_like("state", "params' columns and compute dtype", dim=(state.dim, self.d),
+                        device=(state.device, self.device), dtype=(state.dtype, self.cdt))
         self.state = state
         self.ids = None if client_ids is None else _client_ids(client_ids, self.m, state, self.device)
         self.x, self.g = RowTable.rows(x), RowTable.rows(g)
@@ -246,6 +238,14 @@ def _losses(losses, b: _Batch) -> torch.Tensor:
     return losses.detach().to(torch.float64)  # non-finite losses are a per-client safeguard, not an error
 
 
+def _sps_inputs(params, grads, losses, c, c_name, gamma_b, l_star, **batch):
+    """The validated batch, losses and per-client (c, gamma_b, l_star) of the SPS family."""
+    b = _Batch(params, grads, weight_decay=0.0, **batch)
+    return (b, _losses(losses, b), _per_client(c, c_name, b.m, b.device, positive=True),
+            _per_client(gamma_b, "gamma_b", b.m, b.device, positive=True),
+            _per_client(l_star, "l_star", b.m, b.device, minimum=None))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # public steps
 
@@ -267,12 +267,8 @@ def sps_step(*, params, grads, losses, c: Any = 0.5, gamma_b: Any = 1.0, l_star:
 
     Returns the step each client took, float64 ``[M]`` (0: the client took none; see the module docstring).
     """
-    b = _Batch(params, grads, state=state, client_ids=client_ids, prox=prox, control=control, clip_norm=clip_norm,
-               weight_decay=0.0, backend=backend)
-    f = _losses(losses, b)
-    cc = _per_client(c, "c", b.m, b.device, positive=True)
-    gb = _per_client(gamma_b, "gamma_b", b.m, b.device, positive=True)
-    ls = _per_client(l_star, "l_star", b.m, b.device, minimum=None)
+    b, f, cc, gb, ls = _sps_inputs(params, grads, losses, c, "c", gamma_b, l_star, state=state, client_ids=client_ids,
+                                   prox=prox, control=control, clip_norm=clip_norm, backend=backend)
     if cap not in CAPS:
         raise ValueError(f"cap must be one of {CAPS}, got {cap!r}")
     if cap == "constant":
@@ -309,12 +305,9 @@ def decsps_step(*, params, grads, losses, state: ClientState, client_ids, c0: An
     """
     if state is None or client_ids is None:
         raise TypeError("decsps_step keeps per-client state: pass state= and client_ids=")
-    b = _Batch(params, grads, state=state, client_ids=client_ids, prox=prox, control=control, clip_norm=clip_norm,
-               weight_decay=0.0, backend=backend)
-    f = _losses(losses, b)
-    c0v = _per_client(c0, "c0", b.m, b.device, positive=True)
-    gb = _per_client(gamma_b, "gamma_b", b.m, b.device, positive=True)
-    ls = _per_client(l_star, "l_star", b.m, b.device, minimum=None)
+    b, f, c0v, gb, ls = _sps_inputs(params, grads, losses, c0, "c0", gamma_b, l_star, state=state,
+                                     client_ids=client_ids, prox=prox, control=control, clip_norm=clip_norm,
+                                     backend=backend)
     steps, prev_mem = state.scalar("decsps_steps"), state.scalar("decsps_gamma", float("nan"))
     t = steps[b.ids]
     stored = prev_mem[b.ids]

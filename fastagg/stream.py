@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from . import ops
-from ._checks import check_number, check_on_nonfinite
+from ._checks import check_number, check_on_nonfinite, expect_like
 from .passes import RoundStats, run_stats, sum_stats
 from ._docs import share_docs
 from .backends import resolve
@@ -88,12 +88,8 @@ class Accumulator:
         check_on_nonfinite(on_nonfinite)
         w = check_number(weight, "weight")
         rows = client_rows([delta], name="delta")
-        if rows.numel != self._numel:
-            raise ValueError(f"delta has {rows.numel} elements; expected {self._numel} like the accumulator's `like`")
-        if rows.dtype != self._dtype:
-            raise TypeError(f"delta has dtype {rows.dtype}; expected {self._dtype} like the accumulator's `like`")
-        if rows.device != self.device:
-            raise ValueError(f"delta is on {rows.device}; expected {self.device} like the accumulator's `like`")
+        expect_like("delta", "the accumulator's `like`", numel=(rows.numel, self._numel),
+                    dtype=(rows.dtype, self._dtype), device=(rows.device, self.device))
         coef = torch.full((1,), w, dtype=torch.float64, device=self.device)
         _, sq, bad, _ = run_stats(rows, coef, self._backend, mean_init=self._sum, mean_out=self._scratch)
         if bool(bad[0]):  # add()'s one host read

@@ -228,7 +228,7 @@ BAD = {
                                TypeError, r"pass state= and client_ids="),
     "state dim": (lambda x, g, f, s: client.decsps_step(params=x, grads=g, losses=f, state=client.ClientState(9, 5),
                                                         client_ids=IDS), ValueError,
-                  r"state has dim 5; params has 1031 columns"),
+                  r"state has dim 5; expected 1031 like params' columns"),
     "anchor shape": (lambda x, g, f, s: client.local_step(params=x, grads=g, lr=0.1, prox=(x[0, :5], 0.1)),
                      ValueError, r"prox anchor has shape \(5,\)"),
     "negative mu": (lambda x, g, f, s: client.local_step(params=x, grads=g, lr=0.1, prox=(x[0], -0.1)), ValueError,
