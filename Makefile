@@ -1,4 +1,5 @@
-# The two quickstart commands (README): `make demo` runs the main job, `make test` the whole test suite.
+# The two quickstart commands (README): `make run` runs the main job (the simulator re-running the FedExP paper's
+# linear regression), `make test` the whole test suite. `make demo` times one aggregation round per backend.
 # Each creates .venv on first use and installs what it needs: the CPU build of torch 2.13.0 first (a bare
 # `torch` would pull the multi-GB CUDA build), then fastagg itself (editable: compiles fastagg._C).
 PYTHON ?= python3
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TRITON ?= triton==3.7.1
 
-.PHONY: demo test bench clean
+.PHONY: run demo test bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +16,9 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	$(PY) -m pip install -q $(TORCH) $(TRITON)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
+
+run: $(VENV)/.installed
+	$(PY) -m fastagg.sim --dataset fedexp-linreg --algorithm fedexp,fedavg --server-lr 10 --rounds 200 --out runs/fedexp-linreg
 
 demo: $(VENV)/.installed
 	$(PY) -m fastagg.demo

@@ -1,0 +1,245 @@
+"""The round loop: clients of a round train together as rows of one [M, d] buffer, then one server step."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from .. import client
+from . import algorithms, data as datasets, models
+
+METRIC_FIELDS = ["algorithm", "seed", "round", "train_loss", "train_loss_last", "test_loss", "test_acc", "eta"]
+
+
+@dataclasses.dataclass
+class Config:
+    """Every setting of a run; ``None`` means the data set's paper default (``resolved()`` fills them in)."""
+
+    dataset: str = "fedexp-linreg"
+    model: str | None = None
+    algorithms: tuple = ("fedexp",)
+    rounds: int | None = None
+    clients: int | None = None
+    participation: float | None = None
+    local_steps: int | None = None
+    batch_size: int | None = None  # 0: full batch
+    lr: float | None = None
+    lr_decay: float = 1.0  # per round
+    weight_decay: float = 0.0
+    clip_norm: float | None = None
+    server_lr: float | None = None
+    server_momentum: float = 0.9
+    weighting: str = "examples"
+    eps: float | None = None
+    eps_mode: str = "paper"
+    eps_decay: float = 1.0
+    fedexpm_beta: float = 0.9
+    lam: float = 0.85
+    acg_beta: float = 0.01
+    prox_mu: float = 0.01
+    tau: float = 1e-3
+    sps_c: float = 0.5
+    gamma_b: float = 1.0
+    nesterov_momentum: float = 0.1
+    mass_gam: float = 0.1
+    mass_eta2: float = 0.0
+    seeds: tuple = (0,)
+    device: str = "cpu"
+    backend: str = "auto"
+    dtype: str | None = None  # float64 for fedexp-linreg, float32 otherwise
+    out: str | None = None
+
+    def resolved(self, data: datasets.FederatedData) -> "Config":
+        d = data.defaults
+        c = dataclasses.replace(self)
+        for field in ("model", "rounds", "participation", "local_steps", "batch_size", "lr", "eps"):
+            if getattr(c, field) is None:
+                setattr(c, field, d.get(field, {"eps": 1e-3}.get(field)))
+        if c.dtype is None:
+            c.dtype = "float64" if data.name == "fedexp-linreg" else "float32"
+        c.clients = data.num_clients
+        c.algorithms, c.seeds = tuple(c.algorithms), tuple(c.seeds)
+        return c
+
+    def check(self) -> None:
+        """Impossible settings fail before any work starts."""
+        if not 0 < self.participation <= 1:
+            raise ValueError(f"participation must be in (0, 1], got {self.participation}")
+        for name in ("rounds", "local_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.batch_size < 0:
+            raise ValueError(f"batch_size must be >= 0 (0 = full batch), got {self.batch_size}")
+        for name in ("lr", "weight_decay", "lr_decay", "eps", "prox_mu", "acg_beta", "tau"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.weighting not in ("examples", "uniform"):
+            raise ValueError(f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
+        for name in self.algorithms:
+            algorithms.resolve(name, self)
+
+
+@dataclasses.dataclass
+class History:
+    """Rows of metrics (one per algorithm, seed and round; round 0 is the initial model) and the resolved config."""
+
+    config: Config
+    rows: list
+    stopped: str | None = None
+
+    def series(self, algorithm: str, field: str, seed: int | None = None) -> list:
+        return [r[field] for r in self.rows if r["algorithm"] == algorithm and (seed is None or r["seed"] == seed)]
+
+    def rounds_to(self, algorithm: str, field: str, target: float, seed: int = 0) -> int | None:
+        """First round whose ``field`` is at or below ``target`` (None if never)."""
+        for r in self.rows:
+            if r["algorithm"] == algorithm and r["seed"] == seed and r[field] <= target:
+                return r["round"]
+        return None
+
+
+def _batch(data, ids, batch_size, gen):
+    if batch_size == 0:
+        x, y, counts = data.x[ids], data.y[ids], data.counts[ids]
+        mask = (torch.arange(x.shape[1], device=x.device)[None, :] < counts[:, None]).to(data.x.dtype)
+        return x, y, mask
+    counts = data.counts[ids].to(torch.float64)
+    idx = (torch.rand(len(ids), batch_size, generator=gen, dtype=torch.float64) * counts[:, None].cpu()).long()
+    idx = idx.to(data.x.device)
+    rows = ids[:, None].expand_as(idx)
+    return data.x[rows, idx], data.y[rows, idx], torch.ones(idx.shape, dtype=data.x.dtype, device=data.x.device)
+
+
+def _local_steps(alg, cfg, model, data, ids, x, anchor, state, lr, gen):
+    """cfg.local_steps fused steps of every participant at once (x: [M, d], updated in place)."""
+    kw = dict(backend=cfg.backend, clip_norm=cfg.clip_norm)
+    for _ in range(cfg.local_steps):
+        xb, yb, mask = _batch(data, ids, cfg.batch_size, gen)
+        losses, grads = model.loss_grad(x, xb, yb, mask)
+        rule = alg.client_rule
+        if rule == "sps":
+            client.sps_step(params=x, grads=grads, losses=losses, c=cfg.sps_c, gamma_b=cfg.gamma_b, **kw)
+        elif rule == "decsps":
+            client.decsps_step(params=x, grads=grads, losses=losses, state=state, client_ids=ids.cpu(),
+                               c0=cfg.sps_c, gamma_b=cfg.gamma_b, **kw)
+        elif rule in ("nesterov", "mass"):
+            gam = cfg.nesterov_momentum if rule == "nesterov" else cfg.mass_gam
+            eta2 = 0.0 if rule == "nesterov" else cfg.mass_eta2
+            client.mass_step(params=x, grads=grads, state=state, client_ids=ids.cpu(), eta1=lr, gam=gam, eta2=eta2,
+                             **kw)
+        else:
+            prox = None
+            if rule == "prox":
+                prox = (anchor, cfg.prox_mu)
+            elif rule == "acg":
+                prox = (anchor, cfg.acg_beta)
+            client.local_step(params=x, grads=grads, lr=lr, prox=prox, weight_decay=cfg.weight_decay, **kw)
+
+
+def _evaluate(model, data, w):
+    loss = float(model.loss(w, data))
+    acc = float(model.accuracy(w, data)) if hasattr(model, "accuracy") else float("nan")
+    return loss, acc
+
+
+def run_one(cfg: Config, data, algorithm: str, seed: int, progress=None) -> tuple[list, str | None]:
+    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    d = data.to(device, dtype)
+    model = models.make(cfg.model, d)
+    alg = algorithms.resolve(algorithm, cfg)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.zeros(model.dim, dtype=dtype, device=device)
+    opt = alg.server_cls(w, backend=cfg.backend, on_nonfinite="raise", **alg.server_kwargs)
+    n = d.num_clients
+    m = max(1, int(round(cfg.participation * n)))
+    needs_state = alg.client_rule in ("decsps", "nesterov", "mass")
+    state = client.ClientState(n, model.dim, dtype=dtype, device=device) if needs_state else None
+    rows, stopped = [], None
+
+    def record(t, eta):
+        eval_w = torch.as_tensor(opt.eval_params())
+        loss, acc = _evaluate(model, d, eval_w)
+        last, _ = _evaluate(model, d, w) if eval_w is not w else (loss, acc)
+        rows.append(dict(algorithm=algorithm, seed=seed, round=t, train_loss=loss, train_loss_last=last,
+                         test_loss=float("nan"), test_acc=acc, eta=eta))
+        return loss
+
+    record(0, float("nan"))
+    for t in range(1, cfg.rounds + 1):
+        ids = torch.sort(torch.randperm(n, generator=gen)[:m]).values.to(device)
+        anchor = torch.as_tensor(opt.broadcast()).clone()
+        x = anchor.expand(m, -1).clone()
+        lr = cfg.lr * cfg.lr_decay ** (t - 1)
+        _local_steps(alg, cfg, model, d, ids, x, anchor, state, lr, gen)
+        weights = None
+        if cfg.weighting == "examples" and algorithm not in algorithms.UNWEIGHTED:
+            weights = d.counts[ids].to(torch.float64)
+        try:
+            opt.step(x - anchor, weights=weights)
+        except ValueError as e:
+            stopped = f"round {t}: {e}"
+            break
+        loss = record(t, float(opt.last_stats.eta))
+        if progress:
+            progress(algorithm, seed, t, cfg.rounds, loss)
+        if not math.isfinite(loss):
+            stopped = f"round {t}: the training loss is {loss}"
+            break
+    return rows, stopped
+
+
+def run(config: Config, *, verbose: bool = False) -> History:
+    """Run every algorithm and seed of ``config``; returns the metrics (and writes them when ``config.out``)."""
+    data = datasets.load(config.dataset)
+    cfg = config.resolved(data)
+    cfg.check()
+    if cfg.out:
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(os.path.join(cfg.out, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    progress = _progress if verbose else None
+    rows, stopped = [], None
+    writer = None
+    out_file = open(os.path.join(cfg.out, "metrics.csv"), "w", newline="") if cfg.out else None
+    try:
+        if out_file:
+            writer = csv.DictWriter(out_file, fieldnames=METRIC_FIELDS)
+            writer.writeheader()
+        for algorithm in cfg.algorithms:
+            for seed in cfg.seeds:
+                t0 = time.perf_counter()
+                new, stop = run_one(cfg, data, algorithm, seed, progress)
+                rows += new
+                if writer:
+                    writer.writerows(new)
+                    out_file.flush()
+                if verbose:
+                    last = new[-1]
+                    print(f"\r{algorithm:>16} seed {seed}: {last['round']} rounds, train loss "
+                          f"{last['train_loss']:.4g} (last iterate {last['train_loss_last']:.4g}), "
+                          f"{time.perf_counter() - t0:.1f} s" + (f"  STOPPED {stop}" if stop else ""), flush=True)
+                stopped = stopped or stop
+    except KeyboardInterrupt:
+        stopped = "interrupted (Ctrl-C); metrics so far are kept"
+    finally:
+        if out_file:
+            out_file.close()
+    return History(cfg, rows, stopped)
+
+
+def _progress(algorithm, seed, t, total, loss):
+    if t == total or t % max(1, total // 50) == 0:
+        bar = "#" * int(30 * t / total)
+        sys.stderr.write(f"\r{algorithm:>16} seed {seed} [{bar:<30}] round {t}/{total} loss {loss:.4g}")
+        sys.stderr.flush()
