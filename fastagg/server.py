@@ -26,7 +26,7 @@ from .stream import Accumulator
 
 FORMAT_VERSION = 1
 
-__all__ = ["ServerOptimizer", "FedAvg", "FedAvgM", "FedExP", "FedExPM", "ScaffoldExP", "FedACG", "FedAdam",
+__all__ = ["ServerOptimizer", "FedAvg", "FedAvgM", "FedExP", "FedExPM", "Scaffold", "ScaffoldExP", "FedACG", "FedAdam",
            "FedYogi", "FedAdagrad", "FedAMS", "StepStats"]
 
 
@@ -373,7 +373,80 @@ class FedExPM(_FedExPFamily):
         return eta, finite
 
 
-class ScaffoldExP(_FedExPFamily):
+class _ControlVariate:
+    """SCAFFOLD's server side, shared by Scaffold and ScaffoldExP::
+
+        w <- w + eta * mean_i (y_i - w)                  (eta: the subclass's rule, _server_eta)
+        c <- c + (|S| / N) * mean_i (c_i_new - c_i)      (uniform mean over the participants)
+
+    The control variate ``c`` (:attr:`control`) is kept incrementally; the server never holds an N x d matrix.
+    """
+
+    def _init_control(self, num_clients):
+        if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
+            raise ValueError(f"num_clients must be an integer >= 1 (N, all clients), got {num_clients!r}")
+        self.num_clients = num_clients
+        self._control: ParamRows | None = None
+
+    @property
+    def control(self) -> torch.Tensor:
+        """The server control variate c (flat, float32; float64 for float64 params)."""
+        return self._buffer("control")
+
+    def step(self, deltas: Any, control_deltas: Any = None, weights: Any = None) -> StepStats:  # type: ignore[override]
+        """One round: ``deltas`` (y_i - w) with optional ``weights``, ``control_deltas`` (c_i_new - c_i, averaged
+        uniformly over the participants, as SCAFFOLD does). Either may be an Accumulator."""
+        if control_deltas is None:
+            raise TypeError(f"{type(self).__name__}.step needs control_deltas (each participant's c_i_new - c_i)")
+        stats = self._stats(deltas, weights)
+        cstats = self._stats(control_deltas, None, name="control_deltas")
+        if cstats.num_clients != stats.num_clients:
+            raise ValueError(f"control_deltas has {cstats.num_clients} clients; deltas has {stats.num_clients}")
+        if stats.num_clients > self.num_clients:
+            raise ValueError(f"{stats.num_clients} participants; more than num_clients={self.num_clients}")
+        eta = self._server_eta(stats)
+        both = check_finite(stats, eta, self.on_nonfinite) & check_finite(cstats, eta, self.on_nonfinite)
+        self._server_apply(stats, eta, both)
+        if self._control is None:
+            self._control = like_params(self._p, self.control)
+        ratio = device_scalar(stats.num_clients / self.num_clients, eta)
+        self._backend.momentum_apply(params=self._control, mean=cstats.mean, lr=ratio, finite=both, buf=None,
+                                     momentum=0.0, nesterov=False, extra_out=None, extra_coef=None,
+                                     extra_coef_skip=None)
+        self._advance(both)
+        self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, both, stats.nonfinite,
+                                    stats.num_clients)
+        return self.last_stats
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._control = None
+
+
+class Scaffold(_ControlVariate, ServerOptimizer):
+    """SCAFFOLD's server (Karimireddy et al.): ``w <- w + lr * mean_i (y_i - w)``, ``c`` as in ScaffoldExP.
+
+    Args:
+        params: the global model; updated in place.
+        num_clients: N, the total number of clients.
+        lr: the global step size eta_g (default 1).
+    """
+
+    _hyper = ("num_clients", "lr")
+
+    def __init__(self, params, num_clients: int, lr: float = 1.0, **kw):
+        super().__init__(params, **kw)
+        self._init_control(num_clients)
+        self.lr = check_number(lr, "lr")
+
+    def _server_eta(self, stats):
+        return device_scalar(self.lr, stats.mean)
+
+    def _server_apply(self, stats, eta, finite):
+        self._momentum(stats, eta, finite=finite)
+
+
+class ScaffoldExP(_ControlVariate, _FedExPFamily):
     """SCAFFOLD with the FedExP server step size (paper 000, Algorithm 2)::
 
         w <- w + eta * mean_i (y_i - w)           eta: FedExP's rule on the model updates
@@ -393,47 +466,14 @@ class ScaffoldExP(_FedExPFamily):
     def __init__(self, params, num_clients: int, eps: float | None = None, eps_mode: str = "paper",
                  eps_decay: float = 1.0, **kw):
         super().__init__(params, **kw)
-        if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
-            raise ValueError(f"num_clients must be an integer >= 1 (N, all clients), got {num_clients!r}")
-        self.num_clients = num_clients
+        self._init_control(num_clients)
         self._init_eps(eps, eps_mode, eps_decay)
-        self._control: ParamRows | None = None
 
-    @property
-    def control(self) -> torch.Tensor:
-        """The server control variate c (flat, float32; float64 for float64 params)."""
-        return self._buffer("control")
+    def _server_eta(self, stats):
+        return rules.fedexp_eta(stats.avg_sq, stats.mean_sq, self._eps_eff(stats.num_clients))
 
-    def step(self, deltas: Any, control_deltas: Any = None, weights: Any = None) -> StepStats:  # type: ignore[override]
-        """One round: ``deltas`` (y_i - w) with optional ``weights``, ``control_deltas`` (c_i_new - c_i, averaged
-        uniformly over the participants, as SCAFFOLD does). Either may be an Accumulator."""
-        if control_deltas is None:
-            raise TypeError("ScaffoldExP.step needs control_deltas (each participant's c_i_new - c_i)")
-        stats = self._stats(deltas, weights)
-        cstats = self._stats(control_deltas, None, name="control_deltas")
-        if cstats.num_clients != stats.num_clients:
-            raise ValueError(f"control_deltas has {cstats.num_clients} clients; deltas has {stats.num_clients}")
-        if stats.num_clients > self.num_clients:
-            raise ValueError(f"{stats.num_clients} participants; more than num_clients={self.num_clients}")
-        eta = rules.fedexp_eta(stats.avg_sq, stats.mean_sq, self._eps_eff(stats.num_clients))
-        finite = check_finite(stats, eta, self.on_nonfinite)
-        cfinite = check_finite(cstats, eta, self.on_nonfinite)
-        both = finite & cfinite
-        self._fedexp_apply(stats, eta, both)
-        if self._control is None:
-            self._control = like_params(self._p, self.control)
-        ratio = device_scalar(stats.num_clients / self.num_clients, eta)
-        self._backend.momentum_apply(params=self._control, mean=cstats.mean, lr=ratio, finite=both, buf=None,
-                                     momentum=0.0, nesterov=False, extra_out=None, extra_coef=None,
-                                     extra_coef_skip=None)
-        self._advance(both)
-        self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, both, stats.nonfinite,
-                                    stats.num_clients)
-        return self.last_stats
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._control = None
+    def _server_apply(self, stats, eta, finite):
+        self._fedexp_apply(stats, eta, finite)
 
 
 class FedACG(ServerOptimizer):

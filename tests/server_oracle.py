@@ -80,7 +80,7 @@ class ScaffoldExP(Oracle):
         if self.t == 0:
             self.c = torch.zeros_like(self.w)
         p, mean = weighted_mean(d, n)
-        self.eta = fedexp_eta(p, d, mean, self.h["eps"])
+        self.eta = self.h["lr"] if "lr" in self.h else fedexp_eta(p, d, mean, self.h["eps"])
         old = self.w
         self.w = self.w + self.eta * mean
         self.eval = (old + self.w) / 2

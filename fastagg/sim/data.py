@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import torch
 
-__all__ = ["FederatedData", "fedexp_linreg", "synthetic", "quadratic", "DATASETS", "load"]
+__all__ = ["FederatedData", "fedexp_linreg", "synthetic", "quadratic", "digits", "dirichlet_split", "DATASETS", "load"]
 
 
 @dataclasses.dataclass
@@ -22,6 +22,8 @@ class FederatedData:
     task: str                  # "least_squares" | "classification" | "quadratic"
     num_classes: int = 0
     defaults: dict = dataclasses.field(default_factory=dict)  # the paper's settings for this data set
+    test_x: torch.Tensor | None = None  # held-out test set [n_test, f] (one pool, not split by client)
+    test_y: torch.Tensor | None = None
 
     @property
     def num_clients(self) -> int:
@@ -33,7 +35,10 @@ class FederatedData:
 
     def to(self, device, dtype) -> "FederatedData":
         y = self.y.to(device) if self.task == "classification" else self.y.to(device, dtype)
-        return dataclasses.replace(self, x=self.x.to(device, dtype), y=y, counts=self.counts.to(device))
+        test = {}
+        if self.test_x is not None:
+            test = dict(test_x=self.test_x.to(device, dtype), test_y=self.test_y.to(device))
+        return dataclasses.replace(self, x=self.x.to(device, dtype), y=y, counts=self.counts.to(device), **test)
 
 
 def _pad(xs: list, ys: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,7 +104,46 @@ def quadratic(a: float = 2.0) -> FederatedData:
                                                     lr=0.1, model="linear", rounds=50))
 
 
-DATASETS = {"fedexp-linreg": fedexp_linreg, "synthetic": synthetic, "quadratic": quadratic}
+def dirichlet_split(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.RandomState,
+                    min_size: int = 1) -> list:
+    """Per class, client proportions from Dirichlet(alpha); that class's samples are dealt accordingly. Redrawn
+    until every client holds at least ``min_size`` samples. Returns each client's sample indices."""
+    classes = np.unique(labels)
+    for _ in range(1000):
+        parts = [[] for _ in range(num_clients)]
+        for c in classes:
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            cuts = (np.cumsum(rng.dirichlet(alpha * np.ones(num_clients))) * len(idx)).astype(int)[:-1]
+            for k, chunk in enumerate(np.split(idx, cuts)):
+                parts[k].extend(chunk.tolist())
+        if min(len(p) for p in parts) >= min_size:
+            return [np.array(sorted(p)) for p in parts]
+    raise ValueError(f"no Dirichlet({alpha}) split of {len(labels)} samples gives each of {num_clients} clients "
+                     f"{min_size} samples; use fewer clients or a larger alpha")
+
+
+def digits(num_clients: int = 20, alpha: float = 0.3, seed: int = 0, test_fraction: float = 0.2,
+           min_size: int = 8) -> FederatedData:
+    """scikit-learn's bundled digits (1797 8x8 images, 10 classes; no download), pixels scaled to [0, 1]; a
+    stratified ``test_fraction`` is held out, the rest split across clients by a Dirichlet(alpha) label partition
+    (alpha = 0.3 as in the FedExP/FedACG experiments)."""
+    from sklearn.datasets import load_digits
+
+    ds = load_digits()
+    x, y = ds.data / 16.0, ds.target.astype(np.int64)
+    rng = np.random.RandomState(seed)
+    test = np.concatenate([rng.permutation(np.flatnonzero(y == c))[: int(round(test_fraction * (y == c).sum()))]
+                           for c in range(10)])
+    train = np.setdiff1d(np.arange(len(y)), test)
+    parts = dirichlet_split(y[train], num_clients, alpha, rng, min_size)
+    xp, yp, counts = _pad([x[train][p] for p in parts], [y[train][p] for p in parts])
+    return FederatedData("digits", xp, yp, counts, "classification", num_classes=10,
+                         defaults=dict(participation=0.25, batch_size=20, local_steps=5, lr=0.05, model="mlp",
+                                       rounds=300),
+                         test_x=torch.from_numpy(x[test]), test_y=torch.from_numpy(y[test]))
+
+
+DATASETS = {"fedexp-linreg": fedexp_linreg, "synthetic": synthetic, "quadratic": quadratic, "digits": digits}
 
 
 def load(name: str, **kwargs) -> FederatedData:

@@ -78,13 +78,77 @@ class Softmax(Model):
         mask = _mask(data)
         return ((pred == data.y).to(w.dtype) * mask).sum() / mask.sum()
 
+    def test_metrics(self, w, x, y):
+        W, b = self._split(w)
+        logp = torch.log_softmax(x @ W + b, dim=1)
+        return -logp.gather(1, y.unsqueeze(1)).mean(), (logp.argmax(1) == y).to(w.dtype).mean()
+
+
+class MLP(Model):
+    """One hidden ReLU layer (``hidden`` units) and a softmax output; mean cross-entropy over the batch. Forward and
+    backward are written out with batched matrix products (every client's MLP at once)."""
+
+    def __init__(self, data: FederatedData, hidden: int = 64, seed: int = 0):
+        self.f, self.h, self.c = data.num_features, hidden, data.num_classes
+        self.sizes = [self.f * self.h, self.h, self.h * self.c, self.c]
+        self.dim = sum(self.sizes)
+        self.seed = seed
+
+    def init(self, dtype, device) -> torch.Tensor:
+        """He-style initial weights (zeros would leave the hidden units identical)."""
+        g = torch.Generator().manual_seed(self.seed)
+        w1 = torch.randn(self.f, self.h, generator=g, dtype=torch.float64) * (2.0 / self.f) ** 0.5
+        w2 = torch.randn(self.h, self.c, generator=g, dtype=torch.float64) * (1.0 / self.h) ** 0.5
+        flat = torch.cat([w1.flatten(), torch.zeros(self.h, dtype=torch.float64), w2.flatten(),
+                          torch.zeros(self.c, dtype=torch.float64)])
+        return flat.to(device, dtype)
+
+    def _split(self, w):
+        w1, b1, w2, b2 = torch.split(w, self.sizes, dim=-1)
+        return (w1.unflatten(-1, (self.f, self.h)), b1, w2.unflatten(-1, (self.h, self.c)), b2)
+
+    def _forward(self, w, x):
+        w1, b1, w2, b2 = self._split(w)
+        pre = x @ w1 + b1.unsqueeze(-2)  # batched over clients when w is [M, d], broadcast when it is [d]
+        hid = torch.relu(pre)
+        return pre, hid, hid @ w2 + b2.unsqueeze(-2)
+
+    def loss_grad(self, w, x, y, mask):
+        _, b1, w2, _ = self._split(w)
+        pre, hid, logits = self._forward(w, x)
+        logp = torch.log_softmax(logits, dim=2)
+        n = mask.sum(1).clamp_min(1)
+        nll = -(logp.gather(2, y.unsqueeze(2)).squeeze(2) * mask).sum(1) / n
+        err = (logp.exp() - torch.nn.functional.one_hot(y, self.c).to(w.dtype)) * (mask / n.unsqueeze(1)).unsqueeze(2)
+        g_w2 = torch.bmm(hid.transpose(1, 2), err)
+        back = torch.bmm(err, w2.transpose(1, 2)) * (pre > 0).to(w.dtype)
+        g_w1 = torch.bmm(x.transpose(1, 2), back)
+        return nll, torch.cat([g_w1.flatten(1), back.sum(1), g_w2.flatten(1), err.sum(1)], dim=1)
+
+    def _logp(self, w, x):
+        return torch.log_softmax(self._forward(w, x)[2], dim=-1)
+
+    def loss(self, w, data):
+        logp = self._logp(w, data.x)
+        mask = _mask(data)
+        return -(logp.gather(2, data.y.unsqueeze(2)).squeeze(2) * mask).sum() / mask.sum()
+
+    def accuracy(self, w, data):
+        pred = self._logp(w, data.x).argmax(2)
+        mask = _mask(data)
+        return ((pred == data.y).to(w.dtype) * mask).sum() / mask.sum()
+
+    def test_metrics(self, w, x, y):
+        logp = self._logp(w, x)
+        return -logp.gather(1, y.unsqueeze(1)).mean(), (logp.argmax(1) == y).to(w.dtype).mean()
+
 
 def _mask(data: FederatedData) -> torch.Tensor:
     n = data.x.shape[1]
     return (torch.arange(n, device=data.x.device)[None, :] < data.counts[:, None]).to(data.x.dtype)
 
 
-MODELS = {"linear": LeastSquares, "quadratic": Quadratic, "softmax": Softmax}
+MODELS = {"linear": LeastSquares, "quadratic": Quadratic, "softmax": Softmax, "mlp": MLP}
 
 
 def make(name: str, data: FederatedData) -> Model:
@@ -92,8 +156,8 @@ def make(name: str, data: FederatedData) -> Model:
         return Quadratic(data)
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
-    if name == "softmax" and data.task != "classification":
-        raise ValueError(f"model 'softmax' needs a classification dataset; {data.name} is {data.task}")
+    if name in ("softmax", "mlp") and data.task != "classification":
+        raise ValueError(f"model {name!r} needs a classification dataset; {data.name} is {data.task}")
     if name == "linear" and data.task != "least_squares":
         raise ValueError(f"model 'linear' is least squares; {data.name} is {data.task} (use --model softmax)")
     return MODELS[name](data)

@@ -120,7 +120,7 @@ def _batch(data, ids, batch_size, gen):
     return data.x[rows, idx], data.y[rows, idx], torch.ones(idx.shape, dtype=data.x.dtype, device=data.x.device)
 
 
-def _local_steps(alg, cfg, model, data, ids, x, anchor, state, lr, gen):
+def _local_steps(alg, cfg, model, data, ids, x, anchor, state, lr, gen, control=None):
     """cfg.local_steps fused steps of every participant at once (x: [M, d], updated in place)."""
     kw = dict(backend=cfg.backend, clip_norm=cfg.clip_norm)
     for _ in range(cfg.local_steps):
@@ -143,13 +143,21 @@ def _local_steps(alg, cfg, model, data, ids, x, anchor, state, lr, gen):
                 prox = (anchor, cfg.prox_mu)
             elif rule == "acg":
                 prox = (anchor, cfg.acg_beta)
-            client.local_step(params=x, grads=grads, lr=lr, prox=prox, weight_decay=cfg.weight_decay, **kw)
+            ctrl = None
+            if rule == "scaffold":  # direction g - c_i + c
+                ctrl = (control, state.vector("control"))
+                kw["client_ids"] = ids.cpu()
+            client.local_step(params=x, grads=grads, lr=lr, prox=prox, control=ctrl, weight_decay=cfg.weight_decay,
+                              **kw)
 
 
 def _evaluate(model, data, w):
+    """(train loss, test loss, test accuracy); NaN where the data set has no test set."""
     loss = float(model.loss(w, data))
-    acc = float(model.accuracy(w, data)) if hasattr(model, "accuracy") else float("nan")
-    return loss, acc
+    if data.test_x is None or not hasattr(model, "test_metrics"):
+        return loss, float("nan"), float("nan")
+    test_loss, test_acc = model.test_metrics(w, data.test_x, data.test_y)
+    return loss, float(test_loss), float(test_acc)
 
 
 def run_one(cfg: Config, data, algorithm: str, seed: int, progress=None) -> tuple[list, str | None]:
@@ -159,20 +167,20 @@ def run_one(cfg: Config, data, algorithm: str, seed: int, progress=None) -> tupl
     alg = algorithms.resolve(algorithm, cfg)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    w = torch.zeros(model.dim, dtype=dtype, device=device)
+    w = model.init(dtype, device) if hasattr(model, "init") else torch.zeros(model.dim, dtype=dtype, device=device)
     opt = alg.server_cls(w, backend=cfg.backend, on_nonfinite="raise", **alg.server_kwargs)
     n = d.num_clients
     m = max(1, int(round(cfg.participation * n)))
-    needs_state = alg.client_rule in ("decsps", "nesterov", "mass")
+    needs_state = alg.client_rule in ("decsps", "nesterov", "mass", "scaffold")
     state = client.ClientState(n, model.dim, dtype=dtype, device=device) if needs_state else None
     rows, stopped = [], None
 
     def record(t, eta):
         eval_w = torch.as_tensor(opt.eval_params())
-        loss, acc = _evaluate(model, d, eval_w)
-        last, _ = _evaluate(model, d, w) if eval_w is not w else (loss, acc)
+        loss, test_loss, test_acc = _evaluate(model, d, eval_w)
+        last = float(model.loss(w, d)) if eval_w is not w else loss
         rows.append(dict(algorithm=algorithm, seed=seed, round=t, train_loss=loss, train_loss_last=last,
-                         test_loss=float("nan"), test_acc=acc, eta=eta))
+                         test_loss=test_loss, test_acc=test_acc, eta=eta))
         return loss
 
     record(0, float("nan"))
@@ -181,15 +189,21 @@ def run_one(cfg: Config, data, algorithm: str, seed: int, progress=None) -> tupl
         anchor = torch.as_tensor(opt.broadcast()).clone()
         x = anchor.expand(m, -1).clone()
         lr = cfg.lr * cfg.lr_decay ** (t - 1)
-        _local_steps(alg, cfg, model, d, ids, x, anchor, state, lr, gen)
+        control = opt.control if alg.client_rule == "scaffold" else None
+        _local_steps(alg, cfg, model, d, ids, x, anchor, state, lr, gen, control)
         weights = None
         if cfg.weighting == "examples" and algorithm not in algorithms.UNWEIGHTED:
             weights = d.counts[ids].to(torch.float64)
+        extra = ()
+        if control is not None:  # SCAFFOLD option II: c_i_new = c_i - c + (w - y_i) / (K lr)
+            extra = ((anchor - x) / (cfg.local_steps * lr) - control,)
         try:
-            opt.step(x - anchor, weights=weights)
+            opt.step(x - anchor, *extra, weights=weights)
         except ValueError as e:
             stopped = f"round {t}: {e}"
             break
+        if extra:
+            state.vector("control")[ids] += extra[0]
         loss = record(t, float(opt.last_stats.eta))
         if progress:
             progress(algorithm, seed, t, cfg.rounds, loss)
