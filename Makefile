@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH) $(TRITON)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,sim]'
 	touch $@
 
 run: $(VENV)/.installed

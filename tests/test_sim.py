@@ -47,7 +47,7 @@ def test_command_line_writes_outputs_and_is_repeatable(tmp_path):
                         "--rounds", "3", "--participation", "0.3", "--seeds", "0,1", "--out", str(out)], check=True,
                        capture_output=True)
         outs.append((out / "metrics.csv").read_text())
-        assert (out / "config.json").exists()
+        assert (out / "config.json").exists() and (out / "loss.png").stat().st_size > 1000
     assert outs[0] == outs[1]
     rows = list(csv.DictReader(outs[0].splitlines()))
     assert {r["algorithm"] for r in rows} == {"fedexp", "fedsps"} and {r["seed"] for r in rows} == {"0", "1"}

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         print(f"stopped: {history.stopped}", file=sys.stderr)
         return 1
     if cfg.out:
-        print(f"wrote {cfg.out}/config.json and {cfg.out}/metrics.csv")
+        print(f"wrote {cfg.out}/config.json, metrics.csv and the PNG plots")
     return 0
 
 

@@ -249,7 +249,12 @@ def run(config: Config, *, verbose: bool = False) -> History:
     finally:
         if out_file:
             out_file.close()
-    return History(cfg, rows, stopped)
+    history = History(cfg, rows, stopped)
+    if cfg.out and rows:
+        from .plots import plot
+
+        plot(history, cfg.out)
+    return history
 
 
 def _progress(algorithm, seed, t, total, loss):
