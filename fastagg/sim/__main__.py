@@ -16,7 +16,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastagg-sim", description="Federated learning simulator: the clients of a "
                                 "round train together as rows of one [M, d] buffer with fastagg's fused kernels.")
     p.add_argument("--dataset", default="fedexp-linreg", choices=sorted(data.DATASETS))
-    p.add_argument("--model", help="linear | softmax (default: the data set's)")
+    p.add_argument("--model", help="linear | softmax | mlp (default: the data set's)")
+    p.add_argument("--clients", type=int, help="number of clients (digits, synthetic)")
+    p.add_argument("--dirichlet", type=float, help="digits: Dirichlet label-split alpha (0 = IID; default 0.3)")
+    p.add_argument("--config", help="a JSON file of settings (keys as in config.json); flags given override it")
     p.add_argument("--algorithm", default="fedexp", help=f"comma-separated: {', '.join(sorted(algorithms.ALGORITHMS))}")
     p.add_argument("--rounds", type=int)
     p.add_argument("--participation", type=float, help="fraction of clients per round")
@@ -49,8 +52,20 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    if a.config:
+        import json
+
+        p = parser()
+        p.set_defaults(**{k: v for k, v in json.load(open(a.config)).items() if k not in ("algorithms", "seeds")})
+        base = json.load(open(a.config))
+        a = p.parse_args(argv)
+        if "algorithms" in base and "--algorithm" not in (argv or sys.argv):
+            a.algorithm = ",".join(base["algorithms"])
+        if "seeds" in base and "--seeds" not in (argv or sys.argv):
+            a.seeds = ",".join(str(s) for s in base["seeds"])
     seeds = (a.seed,) if a.seed is not None else tuple(int(s) for s in a.seeds.split(","))
-    cfg = Config(dataset=a.dataset, model=a.model, algorithms=tuple(a.algorithm.split(",")), rounds=a.rounds,
+    cfg = Config(dataset=a.dataset, clients=a.clients, dirichlet=a.dirichlet, model=a.model,
+                 algorithms=tuple(a.algorithm.split(",")), rounds=a.rounds,
                  participation=a.participation, local_steps=a.local_steps, batch_size=a.batch_size, lr=a.lr,
                  lr_decay=a.lr_decay, weight_decay=a.weight_decay, clip_norm=a.clip_norm, server_lr=a.server_lr,
                  server_momentum=a.server_momentum, weighting=a.weighting, eps=a.eps, eps_mode=a.eps_mode,

@@ -74,6 +74,18 @@ def fedexp_linreg() -> FederatedData:
                                        model="linear", rounds=200))
 
 
+def synthetic_iid(num_clients: int = 10, alpha: float = 1.0, beta: float = 1.0, seed: int = 0) -> FederatedData:
+    """Synthetic(alpha, beta)'s 30 clients' samples pooled and split IID across ``num_clients`` (linear speedup:
+    N clients sharing the same data)."""
+    base = synthetic(alpha, beta, 30, seed)
+    keep = torch.arange(base.x.shape[1])[None, :] < base.counts[:, None]
+    x, y = base.x[keep].numpy(), base.y[keep].numpy()
+    parts = dirichlet_split(y, num_clients, 0, np.random.RandomState(seed))
+    xp, yp, counts = _pad([x[p] for p in parts], [y[p] for p in parts])
+    return dataclasses.replace(base, name=f"synthetic-iid({alpha:g},{beta:g})x{num_clients}", x=xp, y=yp,
+                               counts=counts, defaults={**base.defaults, "clients": num_clients})
+
+
 def synthetic(alpha: float = 1.0, beta: float = 1.0, num_clients: int = 30, seed: int = 0) -> FederatedData:
     """Synthetic(alpha, beta) of FedProx: per client u ~ N(0, alpha), B ~ N(0, beta), W ~ N(u, 1) [10 x 60],
     b ~ N(u, 1), v ~ N(B, 1), x ~ N(v, diag(j^-1.2)), label argmax(W x + b); int(lognormal(4, 2)) + 50 samples."""
@@ -107,7 +119,10 @@ def quadratic(a: float = 2.0) -> FederatedData:
 def dirichlet_split(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.RandomState,
                     min_size: int = 1) -> list:
     """Per class, client proportions from Dirichlet(alpha); that class's samples are dealt accordingly. Redrawn
-    until every client holds at least ``min_size`` samples. Returns each client's sample indices."""
+    until every client holds at least ``min_size`` samples. ``alpha = 0`` means IID: a random equal split.
+    Returns each client's sample indices."""
+    if alpha == 0:
+        return [np.sort(p) for p in np.array_split(rng.permutation(len(labels)), num_clients)]
     classes = np.unique(labels)
     for _ in range(1000):
         parts = [[] for _ in range(num_clients)]
@@ -143,10 +158,24 @@ def digits(num_clients: int = 20, alpha: float = 0.3, seed: int = 0, test_fracti
                          test_x=torch.from_numpy(x[test]), test_y=torch.from_numpy(y[test]))
 
 
-DATASETS = {"fedexp-linreg": fedexp_linreg, "synthetic": synthetic, "quadratic": quadratic, "digits": digits}
+DATASETS = {"fedexp-linreg": fedexp_linreg, "synthetic": synthetic, "synthetic-iid": synthetic_iid,
+            "quadratic": quadratic, "digits": digits}
 
 
-def load(name: str, **kwargs) -> FederatedData:
+def load(name: str, *, clients: int | None = None, dirichlet: float | None = None) -> FederatedData:
+    """A data set by name; ``clients`` and ``dirichlet`` (digits' label-split alpha, 0 = IID) where it has them."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}")
+    kwargs = {}
+    fixed = {"fedexp-linreg": 20, "quadratic": 2}
+    if clients is not None:
+        if name in fixed:
+            if clients != fixed[name]:
+                raise ValueError(f"{name} has {fixed[name]} clients; got --clients {clients}")
+        else:
+            kwargs["num_clients"] = clients
+    if dirichlet is not None:
+        if name != "digits":
+            raise ValueError(f"--dirichlet applies to digits only, not {name}")
+        kwargs["alpha"] = dirichlet
     return DATASETS[name](**kwargs)

@@ -23,6 +23,7 @@ class Config:
     """Every setting of a run; ``None`` means the data set's paper default (``resolved()`` fills them in)."""
 
     dataset: str = "fedexp-linreg"
+    dirichlet: float | None = None  # digits: label-split alpha (0 = IID); default 0.3
     model: str | None = None
     algorithms: tuple = ("fedexp",)
     rounds: int | None = None
@@ -161,6 +162,7 @@ def _evaluate(model, data, w):
 
 
 def run_one(cfg: Config, data, algorithm: str, seed: int, progress=None) -> tuple[list, str | None]:
+    """One algorithm and seed: the metrics rows (round 0 = the initial model) and why it stopped early, if it did."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     d = data.to(device, dtype)
     model = models.make(cfg.model, d)
@@ -215,7 +217,7 @@ def run_one(cfg: Config, data, algorithm: str, seed: int, progress=None) -> tupl
 
 def run(config: Config, *, verbose: bool = False) -> History:
     """Run every algorithm and seed of ``config``; returns the metrics (and writes them when ``config.out``)."""
-    data = datasets.load(config.dataset)
+    data = datasets.load(config.dataset, clients=config.clients, dirichlet=config.dirichlet)
     cfg = config.resolved(data)
     cfg.check()
     if cfg.out:
