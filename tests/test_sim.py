@@ -75,3 +75,38 @@ def test_reproduce_script_writes_its_report(tmp_path):
     assert reproduce.main(["--quick", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "REPRODUCTION.md").read_text()
     assert text.count("## ") == 5 and text.count("reproduced**") == 5
+
+
+def test_resume_continues_a_stopped_run_to_the_same_metrics(tmp_path, monkeypatch):
+    from fastagg.sim import runner
+
+    base = dict(dataset="digits", algorithms=("fedexp", "feddecsps"), rounds=6, seeds=(0, 1), participation=0.3)
+    straight = run(Config(**base))
+    out = tmp_path / "run"
+    calls = {"n": 0}
+    real = runner.run_one
+
+    def interrupting(*args, **kw):  # Ctrl-C in the middle of the third (algorithm, seed) run
+        calls["n"] += 1
+        if calls["n"] == 3:
+            orig = kw["on_round"]
+
+            def on_round(snap):
+                orig(snap)
+                if snap["round"] == 3:
+                    raise KeyboardInterrupt
+            kw["on_round"] = on_round
+        return real(*args, **kw)
+
+    monkeypatch.setattr(runner, "run_one", interrupting)
+    first = run(Config(**base, out=str(out)))
+    assert first.stopped and "interrupted" in first.stopped
+    monkeypatch.setattr(runner, "run_one", real)
+    resumed = run(Config(out=str(out)), resume=True)
+    key = lambda r: (r["algorithm"], r["seed"], r["round"])
+    assert sorted(map(key, resumed.rows)) == sorted(map(key, straight.rows))
+    got = {key(r): r for r in resumed.rows}
+    for r in straight.rows:
+        assert got[key(r)]["train_loss"] == r["train_loss"], key(r)
+    csv_rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
+    assert len(csv_rows) == len(straight.rows)

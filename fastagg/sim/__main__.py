@@ -46,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"])
     p.add_argument("--dtype", choices=["float32", "float64"])
-    p.add_argument("--out", help="folder for config.json and metrics.csv")
+    p.add_argument("--out", help="folder for config.json, metrics.csv, checkpoint.pt and the plots")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     return p
 
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
                  sps_c=a.sps_c, gamma_b=a.gamma_b, seeds=seeds, device=a.device, backend=a.backend, dtype=a.dtype,
                  out=a.out)
     try:
-        history = run(cfg, verbose=True)
+        history = run(cfg, verbose=True, resume=a.resume)
     except ValueError as e:
         print(f"fastagg-sim: {e}", file=sys.stderr)
         return 2

@@ -161,13 +161,18 @@ def _evaluate(model, data, w):
     return loss, float(test_loss), float(test_acc)
 
 
-def run_one(cfg: Config, data, algorithm: str, seed: int, progress=None) -> tuple[list, str | None]:
-    """One algorithm and seed: the metrics rows (round 0 = the initial model) and why it stopped early, if it did."""
+CHECKPOINT = "checkpoint.pt"
+
+
+def run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row=None, on_round=None, resume: dict | None = None,
+            progress=None) -> str | None:
+    """One algorithm and seed. Every metrics row (round 0 = the initial model) goes to ``on_row`` as soon as it is
+    measured; ``on_round(snapshot)`` receives a checkpoint after every round; ``resume`` is such a snapshot to
+    continue from. Returns why the run stopped early, or None."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     d = data.to(device, dtype)
     model = models.make(cfg.model, d)
     alg = algorithms.resolve(algorithm, cfg)
-    torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     w = model.init(dtype, device) if hasattr(model, "init") else torch.zeros(model.dim, dtype=dtype, device=device)
     opt = alg.server_cls(w, backend=cfg.backend, on_nonfinite="raise", **alg.server_kwargs)
@@ -175,18 +180,27 @@ def run_one(cfg: Config, data, algorithm: str, seed: int, progress=None) -> tupl
     m = max(1, int(round(cfg.participation * n)))
     needs_state = alg.client_rule in ("decsps", "nesterov", "mass", "scaffold")
     state = client.ClientState(n, model.dim, dtype=dtype, device=device) if needs_state else None
-    rows, stopped = [], None
 
     def record(t, eta):
         eval_w = torch.as_tensor(opt.eval_params())
         loss, test_loss, test_acc = _evaluate(model, d, eval_w)
         last = float(model.loss(w, d)) if eval_w is not w else loss
-        rows.append(dict(algorithm=algorithm, seed=seed, round=t, train_loss=loss, train_loss_last=last,
-                         test_loss=test_loss, test_acc=test_acc, eta=eta))
+        if on_row:
+            on_row(dict(algorithm=algorithm, seed=seed, round=t, train_loss=loss, train_loss_last=last,
+                        test_loss=test_loss, test_acc=test_acc, eta=eta))
         return loss
 
-    record(0, float("nan"))
-    for t in range(1, cfg.rounds + 1):
+    start = 1
+    if resume is not None:
+        w.copy_(resume["params"])
+        opt.load_state_dict(resume["optimizer"])
+        if state is not None:
+            state.load_state_dict(resume["clients"])
+        gen.set_state(resume["generator"])
+        start = resume["round"] + 1
+    else:
+        record(0, float("nan"))
+    for t in range(start, cfg.rounds + 1):
         ids = torch.sort(torch.randperm(n, generator=gen)[:m]).values.to(device)
         anchor = torch.as_tensor(opt.broadcast()).clone()
         x = anchor.expand(m, -1).clone()
@@ -202,52 +216,89 @@ def run_one(cfg: Config, data, algorithm: str, seed: int, progress=None) -> tupl
         try:
             opt.step(x - anchor, *extra, weights=weights)
         except ValueError as e:
-            stopped = f"round {t}: {e}"
-            break
+            return f"round {t}: {e}"
         if extra:
             state.vector("control")[ids] += extra[0]
         loss = record(t, float(opt.last_stats.eta))
+        if on_round:
+            on_round(dict(algorithm=algorithm, seed=seed, round=t, params=w.clone(), optimizer=opt.state_dict(),
+                          clients=None if state is None else state.state_dict(), generator=gen.get_state()))
         if progress:
             progress(algorithm, seed, t, cfg.rounds, loss)
         if not math.isfinite(loss):
-            stopped = f"round {t}: the training loss is {loss}"
-            break
-    return rows, stopped
+            return f"round {t}: the training loss is {loss}"
+    return None
 
 
-def run(config: Config, *, verbose: bool = False) -> History:
-    """Run every algorithm and seed of ``config``; returns the metrics (and writes them when ``config.out``)."""
+def run(config: Config, *, verbose: bool = False, resume: bool = False) -> History:
+    """Run every algorithm and seed of ``config``; returns the metrics. With ``config.out``, writes config.json,
+    metrics.csv (row by row: a run that stops keeps every metric so far), a checkpoint after every round and the
+    plots. ``resume=True`` continues the run in ``config.out`` from its checkpoint (its config.json wins)."""
+    if resume:
+        if not config.out or not os.path.exists(os.path.join(config.out, CHECKPOINT)):
+            raise ValueError(f"nothing to resume: no {CHECKPOINT} in {config.out!r}")
+        with open(os.path.join(config.out, "config.json")) as f:
+            saved = json.load(f)
+        config = Config(**{**saved, "algorithms": tuple(saved["algorithms"]), "seeds": tuple(saved["seeds"])})
     data = datasets.load(config.dataset, clients=config.clients, dirichlet=config.dirichlet)
     cfg = config.resolved(data)
     cfg.check()
+    ckpt = {"rows": [], "done": [], "current": None}
+    if resume:
+        ckpt = torch.load(os.path.join(cfg.out, CHECKPOINT), weights_only=False)
+    rows = list(ckpt["rows"])
+    out_file = writer = None
     if cfg.out:
         os.makedirs(cfg.out, exist_ok=True)
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
+        out_file = open(os.path.join(cfg.out, "metrics.csv"), "w", newline="")
+        writer = csv.DictWriter(out_file, fieldnames=METRIC_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+    def on_row(row):
+        rows.append(row)
+        if writer:
+            writer.writerow(row)
+            out_file.flush()
+
+    def on_round(snapshot):
+        if cfg.out:
+            ckpt["current"] = snapshot
+            ckpt["rows"] = rows
+            tmp = os.path.join(cfg.out, CHECKPOINT + ".tmp")
+            torch.save(ckpt, tmp)
+            os.replace(tmp, os.path.join(cfg.out, CHECKPOINT))
+
     progress = _progress if verbose else None
-    rows, stopped = [], None
-    writer = None
-    out_file = open(os.path.join(cfg.out, "metrics.csv"), "w", newline="") if cfg.out else None
+    stopped = None
     try:
-        if out_file:
-            writer = csv.DictWriter(out_file, fieldnames=METRIC_FIELDS)
-            writer.writeheader()
         for algorithm in cfg.algorithms:
             for seed in cfg.seeds:
+                if [algorithm, seed] in ckpt["done"]:
+                    continue
+                current = ckpt["current"]
+                snap = current if current and (current["algorithm"], current["seed"]) == (algorithm, seed) else None
                 t0 = time.perf_counter()
-                new, stop = run_one(cfg, data, algorithm, seed, progress)
-                rows += new
-                if writer:
-                    writer.writerows(new)
-                    out_file.flush()
+                stop = run_one(cfg, data, algorithm, seed, on_row=on_row, on_round=on_round, resume=snap,
+                               progress=progress)
+                ckpt["done"].append([algorithm, seed])
+                ckpt["current"] = None
                 if verbose:
-                    last = new[-1]
+                    last = [r for r in rows if r["algorithm"] == algorithm and r["seed"] == seed][-1]
                     print(f"\r{algorithm:>16} seed {seed}: {last['round']} rounds, train loss "
                           f"{last['train_loss']:.4g} (last iterate {last['train_loss_last']:.4g}), "
                           f"{time.perf_counter() - t0:.1f} s" + (f"  STOPPED {stop}" if stop else ""), flush=True)
-                stopped = stopped or stop
+                if stop:
+                    stopped = f"{algorithm} seed {seed} stopped at {stop}"
+                    break
+            if stopped:
+                break
     except KeyboardInterrupt:
-        stopped = "interrupted (Ctrl-C); metrics so far are kept"
+        last = rows[-1] if rows else None
+        where = f" after round {last['round']} of {last['algorithm']} seed {last['seed']}" if last else ""
+        stopped = f"interrupted (Ctrl-C){where}; every metric so far is in metrics.csv; --resume continues"
     finally:
         if out_file:
             out_file.close()
