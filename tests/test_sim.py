@@ -110,3 +110,20 @@ def test_resume_continues_a_stopped_run_to_the_same_metrics(tmp_path, monkeypatc
         assert got[key(r)]["train_loss"] == r["train_loss"], key(r)
     csv_rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
     assert len(csv_rows) == len(straight.rows)
+
+
+def test_npz_dataset_with_and_without_client_ids(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((300, 4, 4)), rng.integers(0, 3, 300)
+    np.savez(tmp_path / "split.npz", x=x, y=y, client=np.arange(300) % 6)
+    np.savez(tmp_path / "plain.npz", x=x, y=y)
+    h = run(Config(dataset=f"npz:{tmp_path / 'split.npz'}", algorithms=("fedavg",), rounds=3))
+    assert h.config.clients == 6 and h.series("fedavg", "train_loss")[-1] < h.series("fedavg", "train_loss")[0]
+    h = run(Config(dataset=f"npz:{tmp_path / 'plain.npz'}", clients=5, dirichlet=0.5, algorithms=("fedexp",),
+                   rounds=2))
+    assert h.config.clients == 5
+    out = subprocess.run([sys.executable, "-m", "fastagg.sim", "--dataset", f"npz:{tmp_path / 'missing.npz'}"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "cannot read npz data set" in out.stderr

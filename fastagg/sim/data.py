@@ -162,8 +162,41 @@ DATASETS = {"fedexp-linreg": fedexp_linreg, "synthetic": synthetic, "synthetic-i
             "quadratic": quadratic, "digits": digits}
 
 
+def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int = 0) -> FederatedData:
+    """A user's arrays: ``x`` [n, features...] (flattened), ``y`` [n] (integer class labels, or floats for least
+    squares), optional ``client`` [n] (each sample's client id, 0..N-1); without it a Dirichlet(alpha) label split
+    over ``num_clients`` (alpha 0: IID; float targets are split IID)."""
+    try:
+        arrays = np.load(path)
+        x, y = np.asarray(arrays["x"], dtype=np.float64), np.asarray(arrays["y"])
+        owner = np.asarray(arrays["client"]) if "client" in arrays.files else None
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read npz data set {path!r} (needs arrays 'x' and 'y', optional 'client'): {e}") from e
+    x = x.reshape(len(x), -1)
+    if len(y) != len(x):
+        raise ValueError(f"{path}: x has {len(x)} samples but y has {len(y)}")
+    classification = np.issubdtype(y.dtype, np.integer)
+    rng = np.random.RandomState(seed)
+    if owner is not None:
+        ids = np.unique(owner)
+        parts = [np.flatnonzero(owner == k) for k in ids]
+    else:
+        parts = dirichlet_split(y if classification else np.zeros(len(y)), num_clients,
+                                alpha if classification else 0.0, rng)
+    xp, yp, counts = _pad([x[p] for p in parts], [y[p].astype(np.int64 if classification else np.float64)
+                                                  for p in parts])
+    task = "classification" if classification else "least_squares"
+    return FederatedData(f"npz:{path}", xp, yp, counts, task, num_classes=int(y.max()) + 1 if classification else 0,
+                         defaults=dict(participation=1.0, batch_size=20, local_steps=5, lr=0.05, rounds=100,
+                                       model="softmax" if classification else "linear"))
+
+
 def load(name: str, *, clients: int | None = None, dirichlet: float | None = None) -> FederatedData:
-    """A data set by name; ``clients`` and ``dirichlet`` (digits' label-split alpha, 0 = IID) where it has them."""
+    """A data set by name (or ``npz:PATH``); ``clients`` and ``dirichlet`` (label-split alpha, 0 = IID) where the
+    data set has them."""
+    if name.startswith("npz:"):
+        kwargs = {k: v for k, v in (("num_clients", clients), ("alpha", dirichlet)) if v is not None}
+        return from_npz(name[4:], **kwargs)
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}")
     kwargs = {}
@@ -176,6 +209,6 @@ def load(name: str, *, clients: int | None = None, dirichlet: float | None = Non
             kwargs["num_clients"] = clients
     if dirichlet is not None:
         if name != "digits":
-            raise ValueError(f"--dirichlet applies to digits only, not {name}")
+            raise ValueError(f"--dirichlet applies to digits and npz data only, not {name}")
         kwargs["alpha"] = dirichlet
     return DATASETS[name](**kwargs)
