@@ -40,8 +40,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--acg-beta", type=float, default=0.01, help="FedACG's local regularizer")
     p.add_argument("--prox-mu", type=float, default=0.01, help="FedProx")
     p.add_argument("--tau", type=float, default=1e-3, help="Adam family's adaptivity constant")
-    p.add_argument("--sps-c", type=float, default=0.5)
-    p.add_argument("--gamma-b", type=float, default=1.0)
+    p.add_argument("--sps-c", type=float, default=0.5, help="FedSPS c / FedDecSPS c0")
+    p.add_argument("--gamma-b", type=float, default=1.0, help="FedSPS / FedDecSPS step cap")
+    p.add_argument("--fedexpm-beta", type=float, default=0.9, help="FedExP-M server momentum")
+    p.add_argument("--nesterov-momentum", type=float, default=0.1, help="paper 004's b_t (nesterov-fedavg)")
+    p.add_argument("--mass-gam", type=float, default=0.1, help="FedMaSS gamma")
+    p.add_argument("--mass-eta2", type=float, default=0.0, help="FedMaSS eta2")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--device", default="cpu")
@@ -72,7 +76,8 @@ def main(argv=None) -> int:
                  lr_decay=a.lr_decay, weight_decay=a.weight_decay, clip_norm=a.clip_norm, server_lr=a.server_lr,
                  server_momentum=a.server_momentum, weighting=a.weighting, eps=a.eps, eps_mode=a.eps_mode,
                  eps_decay=a.eps_decay, lam=a.lam, acg_beta=a.acg_beta, prox_mu=a.prox_mu, tau=a.tau,
-                 sps_c=a.sps_c, gamma_b=a.gamma_b, seeds=seeds, device=a.device, backend=a.backend, dtype=a.dtype,
+                 sps_c=a.sps_c, gamma_b=a.gamma_b, fedexpm_beta=a.fedexpm_beta, nesterov_momentum=a.nesterov_momentum,
+                 mass_gam=a.mass_gam, mass_eta2=a.mass_eta2, seeds=seeds, device=a.device, backend=a.backend, dtype=a.dtype,
                  out=a.out)
     try:
         history = run(cfg, verbose=True, resume=a.resume)

@@ -37,6 +37,10 @@ class Quadratic(Model):
     def __init__(self, data: FederatedData):
         self.dim = 1
 
+    def init(self, dtype, device) -> torch.Tensor:
+        """x0 = 1 (the minimizer is 0)."""
+        return torch.ones(1, dtype=dtype, device=device)
+
     def loss_grad(self, w, x, y, mask):
         a = x[:, 0, 0]
         return 0.5 * a * w[:, 0].square(), (a * w[:, 0]).unsqueeze(1)
