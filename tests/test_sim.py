@@ -127,3 +127,9 @@ def test_npz_dataset_with_and_without_client_ids(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fastagg.sim", "--dataset", f"npz:{tmp_path / 'missing.npz'}"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "cannot read npz data set" in out.stderr
+
+
+def test_cnn_on_digits_learns():
+    h = run(Config(dataset="digits", model="cnn", algorithms=("fedavg",), rounds=5, participation=0.5))
+    losses = h.series("fedavg", "train_loss")
+    assert losses[-1] < losses[0] and h.series("fedavg", "test_acc")[-1] > 0.2

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fastagg.sim.data import FederatedData
-from fastagg.sim.models import MLP, LeastSquares, Softmax
+from fastagg.sim.models import MLP, LeastSquares, SmallCNN, Softmax
 
 
 def _data(task):
@@ -43,4 +43,26 @@ def test_batched_loss_and_gradient_match_autograd(cls, task):
         (gref,) = torch.autograd.grad(ref, wi)
         torch.testing.assert_close(losses[i], ref.detach(), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(li[0].detach(), ref.detach(), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(grads[i], gref, rtol=1e-9, atol=1e-12)
+
+
+def test_cnn_batched_gradients_match_per_client_autograd():
+    g = torch.Generator().manual_seed(2)
+    data = FederatedData("img", torch.rand(3, 7, 64, generator=g, dtype=torch.float64),
+                         torch.randint(0, 10, (3, 7), generator=g), torch.tensor([7, 4, 2]), "classification",
+                         num_classes=10)
+    model = SmallCNN(data)
+    w = model.init(torch.float64, "cpu").expand(3, -1).clone() + 0.01 * torch.randn(3, model.dim, generator=g,
+                                                                                    dtype=torch.float64)
+    mask = (torch.arange(7)[None, :] < data.counts[:, None]).double()
+    losses, grads = model.loss_grad(w, data.x, data.y, mask)
+    net = model.module.double()
+    for i in range(3):
+        n = int(data.counts[i])
+        torch.nn.utils.vector_to_parameters(w[i], net.parameters())
+        net.zero_grad()
+        ref = torch.nn.functional.cross_entropy(net(data.x[i, :n].view(n, 1, 8, 8)), data.y[i, :n])
+        ref.backward()
+        gref = torch.cat([p.grad.flatten() for p in net.parameters()])
+        torch.testing.assert_close(losses[i], ref.detach(), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(grads[i], gref, rtol=1e-9, atol=1e-12)

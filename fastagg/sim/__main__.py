@@ -17,7 +17,7 @@ def parser() -> argparse.ArgumentParser:
                                 "round train together as rows of one [M, d] buffer with fastagg's fused kernels.")
     p.add_argument("--dataset", default="fedexp-linreg",
                    help=f"{', '.join(sorted(data.DATASETS))}, or npz:PATH (arrays x, y, optional client)")
-    p.add_argument("--model", help="linear | softmax | mlp (default: the data set's)")
+    p.add_argument("--model", help="linear | softmax | mlp | cnn (default: the data set's)")
     p.add_argument("--clients", type=int, help="number of clients (digits, synthetic)")
     p.add_argument("--dirichlet", type=float, help="digits: Dirichlet label-split alpha (0 = IID; default 0.3)")
     p.add_argument("--config", help="a JSON file of settings (keys as in config.json); flags given override it")

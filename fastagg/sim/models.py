@@ -147,12 +147,75 @@ class MLP(Model):
         return -logp.gather(1, y.unsqueeze(1)).mean(), (logp.argmax(1) == y).to(w.dtype).mean()
 
 
+class Functional(Model):
+    """Any ``nn.Module`` classifier as a batched model: ``torch.func.vmap`` over ``functional_call`` and
+    ``grad_and_value`` gives every client's mean cross-entropy and gradient in one call (one flat row per client)."""
+
+    def __init__(self, data: FederatedData, module: torch.nn.Module, input_shape: tuple):
+        self.module, self.input_shape, self.c = module, input_shape, data.num_classes
+        params = dict(module.named_parameters())
+        self.names = list(params)
+        self.shapes = [p.shape for p in params.values()]
+        self.sizes = [p.numel() for p in params.values()]
+        self.dim = sum(self.sizes)
+
+    def init(self, dtype, device) -> torch.Tensor:
+        return torch.cat([p.detach().flatten() for p in self.module.parameters()]).to(device, dtype)
+
+    def _params(self, w):
+        return {n: t.view(s) for n, t, s in zip(self.names, torch.split(w, self.sizes), self.shapes)}
+
+    def _logits(self, w, x):
+        return torch.func.functional_call(self.module, self._params(w), (x.reshape(-1, *self.input_shape),))
+
+    def _client_loss(self, w, x, y, mask):
+        ce = torch.nn.functional.cross_entropy(self._logits(w, x), y, reduction="none")
+        return (ce * mask).sum() / mask.sum().clamp_min(1)
+
+    def loss_grad(self, w, x, y, mask):
+        self.module.to(w.dtype)
+        grads, losses = torch.func.vmap(torch.func.grad_and_value(self._client_loss))(w, x, y, mask)
+        return losses.detach(), grads.detach()
+
+    def _all(self, w, data):
+        self.module.to(w.dtype)
+        keep = _mask(data).bool()
+        return self._logits(w, data.x[keep]), data.y[keep]
+
+    @torch.no_grad()
+    def loss(self, w, data):
+        logits, y = self._all(w, data)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+    @torch.no_grad()
+    def accuracy(self, w, data):
+        logits, y = self._all(w, data)
+        return (logits.argmax(1) == y).to(w.dtype).mean()
+
+    @torch.no_grad()
+    def test_metrics(self, w, x, y):
+        self.module.to(w.dtype)
+        logits = self._logits(w, x)
+        return torch.nn.functional.cross_entropy(logits, y), (logits.argmax(1) == y).to(w.dtype).mean()
+
+
+def SmallCNN(data: FederatedData, seed: int = 0) -> Functional:
+    """conv 3x3 (8 channels) - ReLU - max-pool 2 - linear, for square single-channel images (digits: 8x8)."""
+    side = int(round(data.num_features ** 0.5))
+    if side * side != data.num_features:
+        raise ValueError(f"model 'cnn' needs square single-channel images; {data.name} has {data.num_features} features")
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                              torch.nn.Flatten(), torch.nn.Linear(8 * (side // 2) ** 2, data.num_classes))
+    return Functional(data, net, (1, side, side))
+
+
 def _mask(data: FederatedData) -> torch.Tensor:
     n = data.x.shape[1]
     return (torch.arange(n, device=data.x.device)[None, :] < data.counts[:, None]).to(data.x.dtype)
 
 
-MODELS = {"linear": LeastSquares, "quadratic": Quadratic, "softmax": Softmax, "mlp": MLP}
+MODELS = {"linear": LeastSquares, "quadratic": Quadratic, "softmax": Softmax, "mlp": MLP, "cnn": SmallCNN}
 
 
 def make(name: str, data: FederatedData) -> Model:
@@ -160,7 +223,7 @@ def make(name: str, data: FederatedData) -> Model:
         return Quadratic(data)
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
-    if name in ("softmax", "mlp") and data.task != "classification":
+    if name in ("softmax", "mlp", "cnn") and data.task != "classification":
         raise ValueError(f"model {name!r} needs a classification dataset; {data.name} is {data.task}")
     if name == "linear" and data.task != "least_squares":
         raise ValueError(f"model 'linear' is least squares; {data.name} is {data.task} (use --model softmax)")
