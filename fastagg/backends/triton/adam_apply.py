@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...rows import ParamRows
-from .launch import apply_config, block_columns, block_grid
+from .launch import apply_block, apply_launch
 
 RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
 
@@ -25,13 +25,10 @@ RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
 def _adam_apply_kernel(param_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, m_buf, v_buf, vhat_buf,
                        lr_ptr, finite_ptr, beta1, beta2, tau, ams_eps,
                        RULE: tl.constexpr, SINGLE: tl.constexpr, BLOCK_D: tl.constexpr):
-    seg, cols, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D)
-    finite = tl.load(finite_ptr).to(tl.int32) != 0
-    mask = inb & finite
+    seg, cols, inb, off, mask, lr, g = apply_block(block_seg, block_start, seg_len, seg_off, finite_ptr, lr_ptr,
+                                                   mean, SINGLE, BLOCK_D)
     acc = mean.dtype.element_ty
     elem = like.dtype.element_ty
-    lr = tl.load(lr_ptr).to(acc)
-    g = tl.load(mean + off + cols, mask=mask, other=0.0)
     g2 = g * g
     if RULE == 2:
         m = g
@@ -61,14 +58,11 @@ def _adam_apply_kernel(param_ptrs, like, block_seg, block_start, seg_len, seg_of
 def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m: torch.Tensor | None,
                v: torch.Tensor, vhat: torch.Tensor | None, rule: str, lr: torch.Tensor, beta1: float, beta2: float,
                tau: float, ams_eps: float) -> None:
-    device = mean.device
-    cfg = apply_config(params.segments.numel)
-    lens, offs = params.segments.tables(device)
-    bseg, bstart, nb, single = block_grid(params.segments, cfg["BLOCK_D"], device)
+    nb, blocks, launch = apply_launch(params.segments, mean.device)
     if nb == 0:
         return
     _adam_apply_kernel[(nb,)](
-        params.ptrs().to(device, non_blocking=True), params.parts[0], bseg, bstart, lens, offs, mean,
+        params.ptrs().to(mean.device, non_blocking=True), params.parts[0], *blocks, mean,
         v if m is None else m, v, v if vhat is None else vhat, lr, finite, float(beta1), float(beta2), float(tau),
-        float(ams_eps), RULE=RULES[rule], SINGLE=single, BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+        float(ams_eps), RULE=RULES[rule], **launch,
     )

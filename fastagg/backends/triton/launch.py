@@ -81,6 +81,14 @@ def block_grid(segments: Segments, block: int, device: torch.device) -> tuple:
     return t[0], t[1], t.shape[1], False
 
 
+def apply_launch(segments: Segments, device: torch.device) -> tuple:
+    """(number of programs, the four block-table arguments, the launch keywords) of an apply pass."""
+    cfg = apply_config(segments.numel)
+    lens, offs = segments.tables(device)
+    bseg, bstart, nb, single = block_grid(segments, cfg["BLOCK_D"], device)
+    return nb, (bseg, bstart, lens, offs), dict(SINGLE=single, BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"])
+
+
 @triton.jit
 def block_columns(block_seg, block_start, seg_len, seg_off, SINGLE: tl.constexpr, BLOCK_D: tl.constexpr):
     """This program's block: (segment, its columns as int64, in-bounds mask, the segment's offset in flat d)."""
@@ -93,3 +101,14 @@ def block_columns(block_seg, block_start, seg_len, seg_off, SINGLE: tl.constexpr
         start = tl.load(block_start + pid)
     cols = start + tl.arange(0, BLOCK_D).to(tl.int64)
     return seg, cols, cols < tl.load(seg_len + seg), tl.load(seg_off + seg)
+
+
+@triton.jit
+def apply_block(block_seg, block_start, seg_len, seg_off, finite_ptr, lr_ptr, mean, SINGLE: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """What every apply pass starts with: this program's block, the in-bounds mask, the write mask (in bounds and
+    the round finite), the step size in the mean's dtype and the block of the mean (zeros where not written)."""
+    seg, cols, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D)
+    mask = inb & (tl.load(finite_ptr).to(tl.int32) != 0)
+    lr = tl.load(lr_ptr).to(mean.dtype.element_ty)
+    return seg, cols, inb, off, mask, lr, tl.load(mean + off + cols, mask=mask, other=0.0)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ...rows import ParamRows
-from .launch import apply_config, block_columns, block_grid
+from .launch import apply_block, apply_launch
 
 
 @triton.jit
@@ -23,15 +23,12 @@ def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start,
                            lr_ptr, coef_ptr, coef_skip_ptr, finite_ptr, momentum,
                            HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr,
                            SINGLE: tl.constexpr, BLOCK_D: tl.constexpr):
-    seg, cols, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D)
-    finite = tl.load(finite_ptr).to(tl.int32) != 0
-    mask = inb & finite
+    seg, cols, inb, off, mask, lr, m = apply_block(block_seg, block_start, seg_len, seg_off, finite_ptr, lr_ptr,
+                                                   mean, SINGLE, BLOCK_D)
     acc = mean.dtype.element_ty
     elem = like.dtype.element_ty
-    lr = tl.load(lr_ptr).to(acc)
     wptr = tl.load(param_ptrs + seg).to(tl.pointer_type(elem))
     w = tl.load(wptr + cols, mask=inb, other=0.0).to(acc)
-    m = tl.load(mean + off + cols, mask=mask, other=0.0)
     if HAS_BUF:
         b_old = tl.load(buf + off + cols, mask=inb, other=0.0)
         u = momentum * b_old + m
@@ -60,18 +57,14 @@ def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start,
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
                    buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,
                    extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None) -> None:
-    device = mean.device
-    cfg = apply_config(params.segments.numel)
-    lens, offs = params.segments.tables(device)
-    bseg, bstart, nb, single = block_grid(params.segments, cfg["BLOCK_D"], device)
+    nb, blocks, launch = apply_launch(params.segments, mean.device)
     if nb == 0:
         return
-    param_ptrs = params.ptrs().to(device, non_blocking=True)
-    extra_ptrs = extra_out.ptrs().to(device, non_blocking=True) if extra_out is not None else param_ptrs
+    param_ptrs = params.ptrs().to(mean.device, non_blocking=True)
+    extra_ptrs = extra_out.ptrs().to(mean.device, non_blocking=True) if extra_out is not None else param_ptrs
     _momentum_apply_kernel[(nb,)](
-        param_ptrs, extra_ptrs, params.parts[0], bseg, bstart, lens, offs, mean, mean if buf is None else buf,
+        param_ptrs, extra_ptrs, params.parts[0], *blocks, mean, mean if buf is None else buf,
         lr, lr if extra_coef is None else extra_coef, lr if extra_coef_skip is None else extra_coef_skip, finite,
         float(momentum), HAS_BUF=buf is not None, HAS_EXTRA=extra_out is not None,
-        HAS_SKIP=extra_coef_skip is not None, NESTEROV=bool(nesterov),
-        SINGLE=single, BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+        HAS_SKIP=extra_coef_skip is not None, NESTEROV=bool(nesterov), **launch,
     )
