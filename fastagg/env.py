@@ -28,6 +28,6 @@ def env_report() -> str:
         lines.append("triton: not installed (GPU backend unavailable)")
     cuda = torch.cuda.is_available()
     lines.append(f"CUDA: {torch.cuda.get_device_name(0) if cuda else 'not available'}")
-    lines.append(f"backend='auto': cpu tensors -> cpu" + (", cuda tensors -> triton" if cuda else ""))
+    lines.append("backend='auto': cpu tensors -> cpu" + (", cuda tensors -> triton" if cuda else ""))
     lines.append(f"explicit backends for cpu tensors: {available('cpu')}")
     return "\n".join(lines)

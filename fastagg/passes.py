@@ -11,6 +11,7 @@ optimizers:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import torch
@@ -62,8 +63,6 @@ def sum_stats(weighted_sum: Any, weighted_sq_norm_sum: Any, total_weight: Any, n
 
     ``backend_of(device)`` resolves the backend once the sum's device is known.
     """
-    import numbers
-
     if not isinstance(num_clients, numbers.Integral) or isinstance(num_clients, bool) or num_clients < 1:
         raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
     total = check_number(total_weight, "total_weight", minimum=0.0, allow_equal=False)

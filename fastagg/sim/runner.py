@@ -8,7 +8,6 @@ import math
 import os
 import sys
 import time
-from typing import Any
 
 import torch
 
