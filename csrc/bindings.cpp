@@ -3,6 +3,9 @@
 // while a kernel runs.
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+#include <vector>
+
 #include "kernels.h"
 
 #ifdef _OPENMP
@@ -13,9 +16,20 @@ namespace py = pybind11;
 using fastagg::AdamArgs;
 using fastagg::LocalArgs;
 using fastagg::MomentumArgs;
+using fastagg::PerRow;
 using fastagg::StatsArgs;
 
 template <typename T> static T ptr(uintptr_t address) { return reinterpret_cast<T>(address); }
+
+// Addresses of num_rows rows: base + stride * (index ? index[r] : r); empty when base is 0 (no such table).
+static std::vector<uint64_t> row_addresses(int64_t num_rows, uintptr_t base, int64_t stride, uintptr_t index) {
+  std::vector<uint64_t> out;
+  if (!base) return out;
+  out.resize(num_rows);
+  const int64_t* idx = ptr<const int64_t*>(index);
+  for (int64_t r = 0; r < num_rows; ++r) out[r] = base + static_cast<uint64_t>(stride * (idx ? idx[r] : r));
+  return out;
+}
 
 #ifndef FASTAGG_MODULE
 #define FASTAGG_MODULE _C
@@ -102,27 +116,37 @@ PYBIND11_MODULE(FASTAGG_MODULE, m) {
       },
       py::call_guard<py::gil_scoped_release>());
 
+  // Row tables arrive as (address, row stride in bytes, address of an int64 index or 0): row i is at
+  // address + stride * (index ? index[i] : i). Per-row scalars as (address of float64 [M] or 0, value).
   m.def(
       "local_step",
-      [](int64_t num_rows, int64_t numel, int dtype, uintptr_t x_ptrs, uintptr_t g_ptrs, uintptr_t anchor_ptrs,
-         uintptr_t control, uintptr_t ci_ptrs, uintptr_t buf_ptrs, uintptr_t lr, uintptr_t loss, uintptr_t l_star,
-         uintptr_t sps_c, uintptr_t cap, uintptr_t first, double prox, double clip_norm, double weight_decay, double momentum,
-         double eta2, double tiny, int rule, int mode, uintptr_t step_out, uintptr_t sq_out) {
+      [](int64_t num_rows, int64_t numel, int dtype, uintptr_t x, int64_t x_stride, uintptr_t x_index, uintptr_t g,
+         int64_t g_stride, uintptr_t g_index, uintptr_t anchor, int64_t anchor_stride, uintptr_t anchor_index,
+         uintptr_t control, uintptr_t ci, int64_t ci_stride, uintptr_t ci_index, uintptr_t buf, int64_t buf_stride,
+         uintptr_t buf_index, uintptr_t lr, double lr_value, uintptr_t loss, double loss_value, uintptr_t l_star,
+         double l_star_value, uintptr_t sps_c, double sps_c_value, uintptr_t cap, double cap_value, uintptr_t first,
+         double prox, double clip_norm, double weight_decay, double momentum, double eta2, double tiny, int rule,
+         int mode, uintptr_t step_out, uintptr_t sq_out) {
+        const auto xs = row_addresses(num_rows, x, x_stride, x_index);
+        const auto gs = row_addresses(num_rows, g, g_stride, g_index);
+        const auto as = row_addresses(num_rows, anchor, anchor_stride, anchor_index);
+        const auto cis = row_addresses(num_rows, ci, ci_stride, ci_index);
+        const auto bs = row_addresses(num_rows, buf, buf_stride, buf_index);
         LocalArgs a{};
         a.num_rows = num_rows;
         a.numel = numel;
         a.dtype = dtype;
-        a.x_ptrs = ptr<const uint64_t*>(x_ptrs);
-        a.g_ptrs = ptr<const uint64_t*>(g_ptrs);
-        a.anchor_ptrs = ptr<const uint64_t*>(anchor_ptrs);
+        a.x_ptrs = xs.data();
+        a.g_ptrs = gs.data();
+        a.anchor_ptrs = anchor ? as.data() : nullptr;
         a.control = ptr<const void*>(control);
-        a.ci_ptrs = ptr<const uint64_t*>(ci_ptrs);
-        a.buf_ptrs = ptr<const uint64_t*>(buf_ptrs);
-        a.lr = ptr<const double*>(lr);
-        a.loss = ptr<const double*>(loss);
-        a.l_star = ptr<const double*>(l_star);
-        a.sps_c = ptr<const double*>(sps_c);
-        a.cap = ptr<const double*>(cap);
+        a.ci_ptrs = ci ? cis.data() : nullptr;
+        a.buf_ptrs = buf ? bs.data() : nullptr;
+        a.lr = PerRow{ptr<const double*>(lr), lr_value};
+        a.loss = PerRow{ptr<const double*>(loss), loss_value};
+        a.l_star = PerRow{ptr<const double*>(l_star), l_star_value};
+        a.sps_c = PerRow{ptr<const double*>(sps_c), sps_c_value};
+        a.cap = PerRow{ptr<const double*>(cap), cap_value};
         a.first = ptr<const double*>(first);
         a.prox = prox;
         a.clip_norm = clip_norm;

@@ -63,6 +63,13 @@ struct AdamArgs {
 enum LocalRule : int { kRuleFixed = 0, kRuleSps = 1 };
 enum LocalMode : int { kModeNone = 0, kModeHeavy = 1, kModeNesterov = 2, kModeMass = 3 };
 
+// A per-row scalar: values[i], or one value for every row when values is nullptr.
+struct PerRow {
+  const double* values;
+  double value;
+  double operator[](int64_t i) const { return values ? values[i] : value; }
+};
+
 struct LocalArgs {
   int64_t num_rows;             // M
   int64_t numel;                // d
@@ -73,11 +80,8 @@ struct LocalArgs {
   const void* control;          // [d] server c in the compute type, or nullptr
   const uint64_t* ci_ptrs;      // [M] client c_i rows (compute type), with control
   const uint64_t* buf_ptrs;     // [M] momentum / MaSS rows (compute type), or nullptr
-  const double* lr;             // [M] (rule FIXED)
-  const double* loss;           // [M] (rule SPS) and its l_star, c, cap per row
-  const double* l_star;
-  const double* sps_c;
-  const double* cap;
+  PerRow lr;                    // rule FIXED
+  PerRow loss, l_star, sps_c, cap;  // rule SPS
   const double* first;          // [M] (mode MASS): nonzero where b starts as x (w_0 = u_0), or nullptr
   double prox, clip_norm, weight_decay, momentum, eta2, tiny;
   int rule, mode;

@@ -12,6 +12,7 @@
 //     NESTEROV: b = mu b + d;  x -= step * (d + mu b)                 (torch SGD nesterov)
 //     MASS:     w = x - step * d;  x = w + mu (w - b) + eta2 * d;  b = w   (FedMaSS; eta2 = 0: paper 004's Nesterov;
 //               b is taken as x on a row's first step, w_0 = u_0)
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -29,9 +30,13 @@ namespace {
 
 constexpr int64_t kLocalBlock = 4096;
 constexpr int kLanes = 16;
-// Few long rows are swept by all threads together (one barrier per row); otherwise one thread per row. Measured on
-// the 2-core VM, M = 100 x d = 1e5: both schedules 4.2-4.6 ms (the shared split gained nothing from keeping each
-// thread's half-row in L2), so the shared one is kept only for batches too small to occupy every thread.
+// Sweep 1 reads kNormStreams blocks at once, sweep 2 updates kUpdateStreams blocks at once (for_block_groups).
+// Measured on the 2-core VM, M = 100 x d = 1e5 fp32 (bench/RESULTS.md): one stream per sweep 1.29x of X.add_(G),
+// 4 + 2 streams 1.0x; more norm streams than 4 gained nothing and spill the 16-lane accumulators.
+constexpr int kNormStreams = 4;
+constexpr int kUpdateStreams = 2;
+constexpr int64_t kUpdateChunk = 64;  // elements of one stream updated before moving to the next
+// Fewer than 4 rows per thread, each of at least this size: all threads sweep each row together (rows_shared).
 constexpr int64_t kSharedRowBytes = 1 << 16;
 
 template <typename P, typename C, bool HasAnchor, bool HasControl>
@@ -50,7 +55,15 @@ struct Direction {
   }
 };
 
-// The row pieces both schedules share: a block's squared-norm partial, the row's scalars, a block's update.
+template <typename C>
+struct Coefs {
+  C step, scale, wd, mu, eta2, keep, move;
+  Coefs(double st, double sc, const LocalArgs& a)
+      : step(static_cast<C>(st)), scale(static_cast<C>(sc)), wd(static_cast<C>(a.weight_decay)),
+        mu(static_cast<C>(a.momentum)), eta2(static_cast<C>(a.eta2)), keep(C(1) - step * wd), move(step * scale) {}
+};
+
+// One row: its blocks' squared-norm partials (sweep 1) and its update (sweep 2), over any range of its blocks.
 template <typename P, typename C, bool HasAnchor, bool HasControl, int Mode>
 struct Row {
   using Dir = Direction<P, C, HasAnchor, HasControl>;
@@ -58,6 +71,7 @@ struct Row {
   Dir dir;
   C* buf;
   bool first;
+  int64_t numel;
 
   Row(const LocalArgs& a, int64_t i)
       : x(as_ptr<P>(a.x_ptrs[i])),
@@ -65,9 +79,11 @@ struct Row {
             HasControl ? static_cast<const C*>(a.control) : nullptr,
             HasControl ? as_ptr<const C>(a.ci_ptrs[i]) : nullptr, static_cast<C>(a.prox)},
         buf(Mode != kModeNone ? as_ptr<C>(a.buf_ptrs[i]) : nullptr),
-        first(Mode == kModeMass && a.first != nullptr && a.first[i] != 0) {}
+        first(Mode == kModeMass && a.first != nullptr && a.first[i] != 0),
+        numel(a.numel) {}
 
-  // Sixteen independent lanes: a single accumulator chains every add on its latency.
+  // Sixteen independent lanes per block (a single accumulator chains every add on its latency); the lanes are
+  // summed in order, then the short tail. group_sq gives each of its blocks exactly this sum.
   double block_sq(int64_t b0, int64_t end) const {
     C lanes[kLanes] = {};
     int64_t j = b0;
@@ -87,32 +103,74 @@ struct Row {
     return static_cast<double>(part);
   }
 
-  void update_block(int64_t b0, int64_t end, double step, double scale, const LocalArgs& a) {
-    const C st = static_cast<C>(step), sc = static_cast<C>(scale), wd = static_cast<C>(a.weight_decay);
-    const C mu = static_cast<C>(a.momentum), eta2 = static_cast<C>(a.eta2);
-    const C keep = C(1) - st * wd, move = st * sc;
+  void group_sq(const int64_t* starts, double* part) const {
+    C lanes[kNormStreams][kLanes] = {};
+    for (int64_t j = 0; j < kLocalBlock; j += kLanes) {
+      for (int s = 0; s < kNormStreams; ++s) {
+        const int64_t o = starts[s] + j;
 #pragma omp simd
-    for (int64_t j = b0; j < end; ++j) {
-      const C xj = load<C>(x + j);
-      if constexpr (Mode == kModeNone) {
-        store(x + j, keep * xj - move * dir(j));  // = x - step (scale dir + wd x), two multiplies
-      } else {
-        const C dj = sc * dir(j) + wd * xj;
-        if constexpr (Mode == kModeHeavy) {
-          const C bj = mu * buf[j] + dj;
-          buf[j] = bj;
-          store(x + j, xj - st * bj);
-        } else if constexpr (Mode == kModeNesterov) {
-          const C bj = mu * buf[j] + dj;
-          buf[j] = bj;
-          store(x + j, xj - st * (dj + mu * bj));
-        } else {
-          const C w = xj - st * dj;
-          store(x + j, w + mu * (w - (first ? xj : buf[j])) + eta2 * dj);
-          buf[j] = w;
+        for (int k = 0; k < kLanes; ++k) {
+          const C v = dir(o + k);
+          lanes[s][k] += v * v;
         }
       }
     }
+    for (int s = 0; s < kNormStreams; ++s) {
+      C sum = 0;
+      for (int k = 0; k < kLanes; ++k) sum += lanes[s][k];
+      part[starts[s] / kLocalBlock] = static_cast<double>(sum);
+    }
+  }
+
+  // part[b] = squared norm of block b, for blocks [b0, b1).
+  void sq_blocks(int64_t b0, int64_t b1, double* part) const {
+    for_block_groups<kNormStreams>(
+        b0, b1, kLocalBlock, numel, [&](const int64_t* starts) { group_sq(starts, part); },
+        [&](int64_t start, int64_t stop) { part[start / kLocalBlock] = block_sq(start, stop); });
+  }
+
+  inline void update_at(int64_t j, const Coefs<C>& k) {
+    const C xj = load<C>(x + j);
+    if constexpr (Mode == kModeNone) {
+      store(x + j, k.keep * xj - k.move * dir(j));  // = x - step (scale dir + wd x), two multiplies
+    } else {
+      const C dj = k.scale * dir(j) + k.wd * xj;
+      if constexpr (Mode == kModeHeavy) {
+        const C bj = k.mu * buf[j] + dj;
+        buf[j] = bj;
+        store(x + j, xj - k.step * bj);
+      } else if constexpr (Mode == kModeNesterov) {
+        const C bj = k.mu * buf[j] + dj;
+        buf[j] = bj;
+        store(x + j, xj - k.step * (dj + k.mu * bj));
+      } else {
+        const C w = xj - k.step * dj;
+        store(x + j, w + k.mu * (w - (first ? xj : buf[j])) + k.eta2 * dj);
+        buf[j] = w;
+      }
+    }
+  }
+
+  void update_range(int64_t b0, int64_t end, const Coefs<C>& k) {
+#pragma omp simd
+    for (int64_t j = b0; j < end; ++j) update_at(j, k);
+  }
+
+  void update_group(const int64_t* starts, const Coefs<C>& k) {
+    for (int64_t j = 0; j < kLocalBlock; j += kUpdateChunk) {
+      for (int s = 0; s < kUpdateStreams; ++s) {
+        const int64_t o = starts[s] + j;
+#pragma omp simd
+        for (int64_t e = 0; e < kUpdateChunk; ++e) update_at(o + e, k);
+      }
+    }
+  }
+
+  void update_blocks(int64_t b0, int64_t b1, double step, double scale, const LocalArgs& a) {
+    const Coefs<C> k(step, scale, a);
+    for_block_groups<kUpdateStreams>(
+        b0, b1, kLocalBlock, numel, [&](const int64_t* starts) { update_group(starts, k); },
+        [&](int64_t start, int64_t stop) { update_range(start, stop, k); });
   }
 };
 
@@ -140,25 +198,52 @@ inline void record(const LocalArgs& a, int64_t i, double step, double s, double 
   a.sq_out[i] = s * scale * scale;
 }
 
-// One thread per row (short rows).
+inline double sum_in_order(const double* part, int64_t n) {
+  double s = 0;
+  for (int64_t b = 0; b < n; ++b) s += part[b];
+  return s;
+}
+
+inline int thread_count() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+inline int thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+// One thread per row (short rows, or enough rows to occupy every thread). Sweep 2 finds most of the row's gradient
+// still in the core's caches. (Splitting 400 KB rows across both cores of the 2-core VM, so each core's share of
+// the gradient fits its 512 KiB L2 whole, measured the same: 1.08-1.11x of X.add_(G) either way, M = 100.)
 template <typename P, typename C, bool HasAnchor, bool HasControl, int Mode>
 void rows_per_thread(const LocalArgs& a) {
-  const int64_t d = a.numel;
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < a.num_rows; ++i) {
-    Row<P, C, HasAnchor, HasControl, Mode> row(a, i);
-    double s = 0;
-    for (int64_t b0 = 0; b0 < d; b0 += kLocalBlock) s += row.block_sq(b0, std::min(d, b0 + kLocalBlock));
-    double scale;
-    const double step = row_step(a, i, s, &scale);
-    record(a, i, step, s, scale);
-    if (step == 0) continue;
-    for (int64_t b0 = 0; b0 < d; b0 += kLocalBlock) row.update_block(b0, std::min(d, b0 + kLocalBlock), step, scale, a);
+  const int64_t d = a.numel, nb = (d + kLocalBlock - 1) / kLocalBlock;
+#pragma omp parallel
+  {
+    std::vector<double> part(nb);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < a.num_rows; ++i) {
+      Row<P, C, HasAnchor, HasControl, Mode> row(a, i);
+      row.sq_blocks(0, nb, part.data());
+      const double s = sum_in_order(part.data(), nb);
+      double scale;
+      const double step = row_step(a, i, s, &scale);
+      record(a, i, step, s, scale);
+      if (step != 0) row.update_blocks(0, nb, step, scale, a);
+    }
   }
 }
 
-// All threads on each row (long rows): the same static split of the row's blocks in both sweeps, so each thread
-// updates the blocks whose gradient it just read. Block partials are summed in block order: the result does not
+// All threads on each row (few long rows): each thread takes the same range of the row's blocks in both sweeps, so
+// it updates the blocks whose gradient it just read. Block partials are summed in block order: the result does not
 // depend on the thread count. Partials alternate between two buffers, so a thread that runs ahead into the next
 // row cannot overwrite what a slower one is still summing.
 template <typename P, typename C, bool HasAnchor, bool HasControl, int Mode>
@@ -167,20 +252,18 @@ void rows_shared(const LocalArgs& a) {
   std::vector<double> parts(2 * nb);
 #pragma omp parallel
   {
+    const int64_t threads = thread_count(), t = thread_index();
+    const int64_t b0 = nb * t / threads, b1 = nb * (t + 1) / threads;
     for (int64_t i = 0; i < a.num_rows; ++i) {
       Row<P, C, HasAnchor, HasControl, Mode> row(a, i);
       double* part = parts.data() + (i % 2) * nb;
-#pragma omp for schedule(static)
-      for (int64_t b = 0; b < nb; ++b) part[b] = row.block_sq(b * kLocalBlock, std::min(d, (b + 1) * kLocalBlock));
-      double s = 0;
-      for (int64_t b = 0; b < nb; ++b) s += part[b];
+      row.sq_blocks(b0, b1, part);
+#pragma omp barrier
+      const double s = sum_in_order(part, nb);
       double scale;
       const double step = row_step(a, i, s, &scale);
-#pragma omp single nowait
-      record(a, i, step, s, scale);
-      if (step == 0) continue;
-#pragma omp for schedule(static) nowait
-      for (int64_t b = 0; b < nb; ++b) row.update_block(b * kLocalBlock, std::min(d, (b + 1) * kLocalBlock), step, scale, a);
+      if (t == 0) record(a, i, step, s, scale);
+      if (step != 0) row.update_blocks(b0, b1, step, scale, a);
     }
   }
 }

@@ -26,7 +26,7 @@ import torch
 
 from ._checks import check_number, check_prob, expect_like
 from .backends import resolve
-from .rowtable import RowTable
+from .rowtable import RowTable, PerRow
 
 __all__ = ["ClientState", "sps_step", "decsps_step", "local_step", "mass_step", "CAPS"]
 
@@ -94,8 +94,9 @@ def _matrix(t: Any, name: str) -> torch.Tensor:
 
 
 def _per_client(value: Any, name: str, m: int, device, *, minimum: float | None = 0.0, positive: bool = False,
-                allow_nonfinite: bool = False) -> torch.Tensor:
-    """A Python number or an [M] tensor as float64 [M] on ``device``.
+                allow_nonfinite: bool = False) -> PerRow:
+    """A Python number (returned as a float: the kernels take it for every row) or an [M] tensor (returned as
+    contiguous float64 [M] on ``device``).
 
     Numbers and CPU tensors are validated here. CUDA tensors are not read back (no host sync): an invalid value
     there (negative, zero where a positive is needed, NaN) makes that client take no step, as the kernels
@@ -115,8 +116,7 @@ def _per_client(value: Any, name: str, m: int, device, *, minimum: float | None 
                 op = ">" if positive else ">="
                 raise ValueError(f"{name}[{i}] is {t[i].item()!r}; expected a finite number {op} {minimum:g}")
         return t.contiguous()
-    v = check_number(value, name, minimum=minimum if minimum is not None else -math.inf, allow_equal=not positive)
-    return torch.full((m,), v, dtype=torch.float64, device=device)
+    return check_number(value, name, minimum=minimum if minimum is not None else -math.inf, allow_equal=not positive)
 
 
 def _client_ids(ids: Any, m: int, state: ClientState | None, device) -> torch.Tensor:
@@ -181,7 +181,7 @@ class _Batch:
         if not isinstance(t, torch.Tensor) or t.device != self.device or t.dtype != dtype:
             raise TypeError(f"{name} must be a {dtype} tensor on {self.device}")
         if tuple(t.shape) == (self.d,) and t.is_contiguous():
-            return RowTable.shared(t, self.m)
+            return RowTable.broadcast(t, self.m)
         return RowTable.rows(_matrix(t, name)) if tuple(t.shape) == (self.m, self.d) else _bad_shape(
             name, t, f"({self.d},) or ({self.m}, {self.d})")
 
@@ -198,23 +198,24 @@ class _Batch:
             _bad_shape(name, t, f"(num_clients, {self.d}) indexed by client_ids")
         if int(self.ids.max()) >= t.shape[0]:
             raise ValueError(f"client_ids reach {int(self.ids.max())}; {name} has {t.shape[0]} rows")
-        return RowTable(t, self.ids)
+        return RowTable.select(t, self.ids)
 
     def state_rows(self, name: str) -> RowTable:
         if self.state is None or self.ids is None:
             raise TypeError(f"this step keeps per-client {name} vectors: pass state= and client_ids=")
-        return RowTable(self.state.vector(name), self.ids)
+        return RowTable.select(self.state.vector(name), self.ids)
 
     def run(self, *, rule: str, lr=None, loss=None, l_star=None, sps_c=None, cap=None, mode: str = "none",
             buf: RowTable | None = None, momentum: float = 0.0, eta2: float = 0.0, first=None,
             min_sq_norm: float = MIN_SQ_NORM) -> tuple[torch.Tensor, torch.Tensor]:
         step = torch.empty(self.m, dtype=torch.float64, device=self.device)
         sq = torch.empty(self.m, dtype=torch.float64, device=self.device)
-        dummy = step if lr is None else lr
+        unused = 0.0  # per-row scalars the rule does not read
         self.backend.local_step(
             x=self.x, g=self.g, anchor=self.anchor, control=self.control, ci=self.ci, buf=buf,
-            lr=dummy, loss=dummy if loss is None else loss, l_star=dummy if l_star is None else l_star,
-            sps_c=dummy if sps_c is None else sps_c, cap=dummy if cap is None else cap, first=first, prox=self.prox,
+            lr=unused if lr is None else lr, loss=unused if loss is None else loss,
+            l_star=unused if l_star is None else l_star, sps_c=unused if sps_c is None else sps_c,
+            cap=unused if cap is None else cap, first=first, prox=self.prox,
             clip_norm=self.clip_norm, weight_decay=self.weight_decay, momentum=momentum, eta2=eta2,
             tiny=min_sq_norm, rule=rule, mode=mode, step_out=step, sq_out=sq)
         return step, sq
@@ -235,7 +236,10 @@ def _losses(losses, b: _Batch) -> torch.Tensor:
         raise ValueError(f"losses must be a tensor of shape ({b.m},), one mini-batch mean loss per client")
     if losses.device != b.device:
         raise ValueError(f"losses is on {losses.device}; expected {b.device} like params")
-    return losses.detach().to(torch.float64)  # non-finite losses are a per-client safeguard, not an error
+    # non-finite losses are a per-client safeguard, not an error; the kernels read a contiguous float64 [M]
+    if losses.dtype == torch.float64 and losses.is_contiguous() and not losses.requires_grad:
+        return losses
+    return losses.detach().to(torch.float64).contiguous()
 
 
 def _sps_inputs(params, grads, losses, c, c_name, gamma_b, l_star, **batch):

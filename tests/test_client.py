@@ -284,18 +284,42 @@ def test_cpu_local_step_bit_identical_across_thread_counts(tmp_path):
         "from fastagg import client\n"
         "g = torch.Generator().manual_seed(0)\n"
         "outs = {}\n"
-        "for m, d in ((3, 50_000), (40, 3_000)):\n"
+        "for m, d in ((3, 50_000), (40, 3_000), (12, 70_000), (5, 70_001)):\n"
         "    x = torch.randn(m, d, generator=g); gr = torch.randn(m, d, generator=g)\n"
         "    f = torch.rand(m, generator=g, dtype=torch.float64) + 1\n"
         "    outs[m] = (client.sps_step(params=x, grads=gr, losses=f, clip_norm=30.0, backend='cpu'), x)\n"
         "torch.save(outs, sys.argv[1])\n"
     )
     results = []
-    for threads in (1, 2):
+    for threads in (1, 2, 3):
         path = tmp_path / f"t{threads}.pt"
         subprocess.run([sys.executable, "-c", script, str(path)], check=True,
                        env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         results.append(torch.load(path))
-    for m in results[0]:
-        for a, b in zip(results[0][m], results[1][m]):
-            assert torch.equal(a, b), m
+    for other in results[1:]:
+        for m in results[0]:
+            for a, b in zip(results[0][m], other[m]):
+                assert torch.equal(a, b), m
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_per_client_tensors_are_read_by_row(backend):
+    """Losses, caps and learning rates that are views with a stride (a column of a table) give the same steps as
+    contiguous copies: the kernels read them by row, not as raw memory."""
+    p = problem()
+    table = torch.stack([p["losses"], torch.full((M,), -7.0, dtype=torch.float64)], dim=1)  # column 0 = losses
+    caps = torch.stack([torch.full((M,), 9.0, dtype=torch.float64), torch.tensor([0.7, 0.01, 0.3, 0.05],
+                                                                                  dtype=torch.float64)], dim=1)
+    lrs = torch.stack([torch.tensor([0.1, 0.2, 0.05, 0.0], dtype=torch.float64), torch.ones(M, dtype=torch.float64)], 1)
+    for strided, contiguous in (
+        (dict(losses=table[:, 0], gamma_b=caps[:, 1]), dict(losses=table[:, 0].clone(), gamma_b=caps[:, 1].clone())),
+    ):
+        x1, x2 = p["x"].clone(), p["x"].clone()
+        g1 = client.sps_step(params=x1, grads=p["grads"], backend=backend, **strided)
+        g2 = client.sps_step(params=x2, grads=p["grads"], backend=backend, **contiguous)
+        assert torch.equal(g1, g2) and torch.equal(x1, x2)
+        assert bool((g1 > 0).all())
+    x1, x2 = p["x"].clone(), p["x"].clone()
+    s1 = client.local_step(params=x1, grads=p["grads"], lr=lrs[:, 0], backend=backend)
+    s2 = client.local_step(params=x2, grads=p["grads"], lr=lrs[:, 0].clone(), backend=backend)
+    assert torch.equal(s1, s2) and torch.equal(x1, x2)

@@ -98,7 +98,7 @@ def drive_launchers():
                                                         momentum=0.9, nesterov=nesterov, extra_out=extra,
                                                         extra_coef=one, extra_coef_skip=skip)
             xs = torch.zeros(3, 10, dtype=dtype)
-            rows, shared = RowTable.rows(xs), RowTable.shared(torch.zeros(10, dtype=dtype), 3)
+            rows, shared = RowTable.rows(xs), RowTable.broadcast(torch.zeros(10, dtype=dtype), 3)
             vec = torch.zeros(3, **f64)
             for anchor, control, ci in ((None, None, None), (shared, torch.zeros(10, dtype=cdt),
                                                              RowTable.rows(torch.zeros(3, 10, dtype=cdt)))):

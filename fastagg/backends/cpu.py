@@ -97,11 +97,19 @@ LOCAL_MODES = {"none": 0, "heavy": 1, "nesterov": 2, "mass": 3}
 def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, first, prox: float, clip_norm: float,
                weight_decay: float, momentum: float, eta2: float, tiny: float, rule: str, mode: str,
                step_out: torch.Tensor, sq_out: torch.Tensor) -> None:
-    ptrs = {k: None if t is None else t.ptrs() for k, t in dict(x=x, g=g, a=anchor, ci=ci, b=buf).items()}
     compiled().local_step(
-        x.index.numel(), x.base.shape[1], DTYPE_CODE[x.dtype], ptrs["x"].data_ptr(), ptrs["g"].data_ptr(),
-        _addr(ptrs["a"]), _addr(control), _addr(ptrs["ci"]), _addr(ptrs["b"]), lr.data_ptr(), loss.data_ptr(),
-        l_star.data_ptr(), sps_c.data_ptr(), cap.data_ptr(), _addr(first), float(prox), float(clip_norm), float(weight_decay),
+        x.num_rows, x.base.shape[1], DTYPE_CODE[x.dtype], *x.addressing(), *g.addressing(), *_table(anchor),
+        _addr(control), *_table(ci), *_table(buf), *_per_row(lr), *_per_row(loss), *_per_row(l_star),
+        *_per_row(sps_c), *_per_row(cap), _addr(first), float(prox), float(clip_norm), float(weight_decay),
         float(momentum), float(eta2), float(tiny), LOCAL_RULES[rule], LOCAL_MODES[mode], step_out.data_ptr(),
         sq_out.data_ptr(),
     )
+
+
+def _table(t) -> tuple[int, int, int]:
+    return (0, 0, 0) if t is None else t.addressing()
+
+
+def _per_row(v) -> tuple[int, float]:
+    """(address of a float64 [M] tensor, 0.0), or (0, the number every row uses)."""
+    return (v.data_ptr(), 0.0) if isinstance(v, torch.Tensor) else (0, float(v))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..rows import ClientRows, ParamRows
+from ..rowtable import per_row_tensor
 
 name = "reference"
 ADAM_RULES = ("adam", "yogi", "adagrad", "ams")
@@ -119,7 +120,8 @@ MODES = ("none", "heavy", "nesterov", "mass")
 def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, first, prox: float, clip_norm: float,
                weight_decay: float, momentum: float, eta2: float, tiny: float, rule: str, mode: str,
                step_out: torch.Tensor, sq_out: torch.Tensor) -> None:
-    """Batched local step over M rows (x, g, anchor, ci, buf are RowTables; control a d-vector or None)::
+    """Batched local step over M rows (x, g, anchor, ci, buf are RowTables; control a d-vector or None; lr, loss,
+    l_star, sps_c, cap numbers for every row or float64 [M] tensors)::
 
         dir = g + prox (x - anchor) + (c - c_i);   s = ||dir||^2 per row
         scale = min(1, clip_norm / sqrt(s));       s2 = s scale^2
@@ -129,6 +131,8 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
           none: x -= step d;  heavy: b = mu b + d, x -= step b;  nesterov: b = mu b + d, x -= step (d + mu b)
           mass: w = x - step d, x = w + mu (w - b) + eta2 d, b = w   (b taken as x where first[i] != 0)
     """
+    m = x.num_rows
+    lr, loss, l_star, sps_c, cap = (per_row_tensor(v, m, x.base.device) for v in (lr, loss, l_star, sps_c, cap))
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     X = x.gather(cdt)
     direction = g.gather(cdt)

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...rowtable import per_row_tensor
 from .launch import local_config
 
 RULES = {"fixed": 0, "sps": 1}
@@ -99,9 +100,10 @@ def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like,
 def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, first, prox: float, clip_norm: float,
                weight_decay: float, momentum: float, eta2: float, tiny: float, rule: str, mode: str,
                step_out, sq_out) -> None:
-    M, d = x.index.numel(), x.base.shape[1]
+    M, d = x.num_rows, x.base.shape[1]
     if M == 0:
         return
+    lr, loss, l_star, sps_c, cap = (per_row_tensor(v, M, x.base.device) for v in (lr, loss, l_star, sps_c, cap))
     cfg = local_config(d)
     xp = x.ptrs()
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
