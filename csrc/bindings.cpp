@@ -126,7 +126,7 @@ PYBIND11_MODULE(FASTAGG_MODULE, m) {
          uintptr_t buf_index, uintptr_t lr, double lr_value, uintptr_t loss, double loss_value, uintptr_t l_star,
          double l_star_value, uintptr_t sps_c, double sps_c_value, uintptr_t cap, double cap_value, uintptr_t first,
          double prox, double clip_norm, double weight_decay, double momentum, double eta2, double tiny, int rule,
-         int mode, uintptr_t step_out, uintptr_t sq_out) {
+         int mode, uintptr_t step_out) {
         const auto xs = row_addresses(num_rows, x, x_stride, x_index);
         const auto gs = row_addresses(num_rows, g, g_stride, g_index);
         const auto as = row_addresses(num_rows, anchor, anchor_stride, anchor_index);
@@ -157,7 +157,6 @@ PYBIND11_MODULE(FASTAGG_MODULE, m) {
         a.rule = rule;
         a.mode = mode;
         a.step_out = ptr<double*>(step_out);
-        a.sq_out = ptr<double*>(sq_out);
         fastagg::local_step(a);
       },
       py::call_guard<py::gil_scoped_release>());

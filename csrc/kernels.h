@@ -86,7 +86,6 @@ struct LocalArgs {
   double prox, clip_norm, weight_decay, momentum, eta2, tiny;
   int rule, mode;
   double* step_out;             // [M]: the step taken (0: none)
-  double* sq_out;               // [M]: ||direction stepped along||^2
 };
 
 void round_stats(const StatsArgs& args);

@@ -174,7 +174,7 @@ struct Row {
   }
 };
 
-// The row's clip scale and step from its squared direction norm s; writes step_out / sq_out. Returns the step.
+// The row's clip scale and step from its squared direction norm s.
 inline double row_step(const LocalArgs& a, int64_t i, double s, double* scale_out) {
   double scale = 1.0;
   if (a.clip_norm > 0 && s > a.clip_norm * a.clip_norm) scale = a.clip_norm / std::sqrt(s);
@@ -193,10 +193,6 @@ inline double row_step(const LocalArgs& a, int64_t i, double s, double* scale_ou
   return step;
 }
 
-inline void record(const LocalArgs& a, int64_t i, double step, double s, double scale) {
-  a.step_out[i] = step;
-  a.sq_out[i] = s * scale * scale;
-}
 
 inline double sum_in_order(const double* part, int64_t n) {
   double s = 0;
@@ -236,7 +232,7 @@ void rows_per_thread(const LocalArgs& a) {
       const double s = sum_in_order(part.data(), nb);
       double scale;
       const double step = row_step(a, i, s, &scale);
-      record(a, i, step, s, scale);
+      a.step_out[i] = step;
       if (step != 0) row.update_blocks(0, nb, step, scale, a);
     }
   }
@@ -262,7 +258,7 @@ void rows_shared(const LocalArgs& a) {
       const double s = sum_in_order(part, nb);
       double scale;
       const double step = row_step(a, i, s, &scale);
-      if (t == 0) record(a, i, step, s, scale);
+      if (t == 0) a.step_out[i] = step;
       if (step != 0) row.update_blocks(b0, b1, step, scale, a);
     }
   }

@@ -19,6 +19,10 @@ def check_on_nonfinite(on_nonfinite: str) -> None:
 
 
 def check_number(value: Any, name: str, *, minimum: float = 0.0, allow_equal: bool = True) -> float:
+    if type(value) is float or type(value) is int:  # the common case, without the ABC checks below
+        value = float(value)
+        if math.isfinite(value) and (value >= minimum if allow_equal else value > minimum):
+            return value
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, np.ndarray) and value.size == 1:

@@ -207,9 +207,9 @@ class _Batch:
 
     def run(self, *, rule: str, lr=None, loss=None, l_star=None, sps_c=None, cap=None, mode: str = "none",
             buf: RowTable | None = None, momentum: float = 0.0, eta2: float = 0.0, first=None,
-            min_sq_norm: float = MIN_SQ_NORM) -> tuple[torch.Tensor, torch.Tensor]:
+            min_sq_norm: float = MIN_SQ_NORM) -> torch.Tensor:
+        """Runs the backend's local step; returns the step each row took (float64 [M], 0: none)."""
         step = torch.empty(self.m, dtype=torch.float64, device=self.device)
-        sq = torch.empty(self.m, dtype=torch.float64, device=self.device)
         unused = 0.0  # per-row scalars the rule does not read
         self.backend.local_step(
             x=self.x, g=self.g, anchor=self.anchor, control=self.control, ci=self.ci, buf=buf,
@@ -217,8 +217,8 @@ class _Batch:
             l_star=unused if l_star is None else l_star, sps_c=unused if sps_c is None else sps_c,
             cap=unused if cap is None else cap, first=first, prox=self.prox,
             clip_norm=self.clip_norm, weight_decay=self.weight_decay, momentum=momentum, eta2=eta2,
-            tiny=min_sq_norm, rule=rule, mode=mode, step_out=step, sq_out=sq)
-        return step, sq
+            tiny=min_sq_norm, rule=rule, mode=mode, step_out=step)
+        return step
 
 
 def _pair(value, name, form):
@@ -276,7 +276,7 @@ def sps_step(*, params, grads, losses, c: Any = 0.5, gamma_b: Any = 1.0, l_star:
     if cap not in CAPS:
         raise ValueError(f"cap must be one of {CAPS}, got {cap!r}")
     if cap == "constant":
-        gamma, _ = b.run(rule="sps", loss=f, l_star=ls, sps_c=cc, cap=gb, min_sq_norm=min_sq_norm)
+        gamma = b.run(rule="sps", loss=f, l_star=ls, sps_c=cc, cap=gb, min_sq_norm=min_sq_norm)
         return gamma
     if smooth_factor is None:
         raise TypeError(f"cap={cap!r} needs smooth_factor (2^(batch size / client samples))")
@@ -289,7 +289,7 @@ def sps_step(*, params, grads, losses, c: Any = 0.5, gamma_b: Any = 1.0, l_star:
     stored = mem[b.ids]
     prev = torch.where(torch.isnan(stored), gb, stored)
     cap_now = prev if cap == "smooth" else factor * prev
-    gamma, _ = b.run(rule="sps", loss=f, l_star=ls, sps_c=cc, cap=cap_now, min_sq_norm=min_sq_norm)
+    gamma = b.run(rule="sps", loss=f, l_star=ls, sps_c=cc, cap=cap_now, min_sq_norm=min_sq_norm)
     took = gamma > 0
     new = factor * prev if cap == "smooth" else gamma
     mem[b.ids] = torch.where(took, new, stored)  # a client that took no step keeps its state exactly
@@ -318,7 +318,7 @@ def decsps_step(*, params, grads, losses, state: ClientState, client_ids, c0: An
     prev = torch.where(torch.isnan(stored), gb, stored)
     c_t = c0v * torch.sqrt(t + 1)
     c_prev = torch.where(t == 0, c0v, c0v * torch.sqrt(t))
-    gamma, _ = b.run(rule="sps", loss=f, l_star=ls, sps_c=c_t, cap=c_prev * prev / c_t, min_sq_norm=min_sq_norm)
+    gamma = b.run(rule="sps", loss=f, l_star=ls, sps_c=c_t, cap=c_prev * prev / c_t, min_sq_norm=min_sq_norm)
     took = gamma > 0
     prev_mem[b.ids] = torch.where(took, gamma, stored)  # a zero step is never stored
     steps[b.ids] = t + took.to(torch.float64)
@@ -346,9 +346,9 @@ def local_step(*, params, grads, lr: Any, prox=None, control=None, clip_norm=Non
     if nesterov and mu == 0:
         raise ValueError("nesterov=True needs momentum > 0")
     if mu == 0:
-        step, _ = b.run(rule="fixed", lr=lr_t)
+        step = b.run(rule="fixed", lr=lr_t)
         return step
-    step, _ = b.run(rule="fixed", lr=lr_t, mode="nesterov" if nesterov else "heavy", buf=b.state_rows("momentum"),
+    step = b.run(rule="fixed", lr=lr_t, mode="nesterov" if nesterov else "heavy", buf=b.state_rows("momentum"),
                     momentum=mu)
     return step
 
@@ -373,7 +373,7 @@ def mass_step(*, params, grads, state: ClientState, client_ids, eta1: Any, gam: 
     eta2_v = check_number(eta2, "eta2", minimum=-math.inf)
     started = state.scalar("mass_started")  # 1 once a client has stepped: its w_t is live
     first = 1.0 - started[b.ids]
-    step, _ = b.run(rule="fixed", lr=lr_t, mode="mass", buf=b.state_rows("mass"), momentum=gam_v, eta2=eta2_v,
+    step = b.run(rule="fixed", lr=lr_t, mode="mass", buf=b.state_rows("mass"), momentum=gam_v, eta2=eta2_v,
                     first=first)
     started[b.ids] = torch.where(step > 0, torch.ones_like(first), 1.0 - first)
     return step

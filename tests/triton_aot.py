@@ -108,7 +108,7 @@ def drive_launchers():
                         local_mod.local_step(x=rows, g=rows, anchor=anchor, control=control, ci=ci, buf=buf,
                                              lr=vec, loss=vec, l_star=vec, sps_c=vec, cap=vec, first=first,
                                              prox=0.1, clip_norm=1.0, weight_decay=0.0, momentum=0.9, eta2=0.0,
-                                             tiny=1e-30, rule=rule, mode=mode, step_out=vec, sq_out=vec)
+                                             tiny=1e-30, rule=rule, mode=mode, step_out=vec)
             for rule in ("adam", "yogi", "adagrad", "ams"):
                 adam_mod.adam_apply(params=p, mean=mean, finite=finite, m=torch.zeros(10, dtype=cdt),
                                     v=torch.zeros(10, dtype=cdt), vhat=torch.zeros(10, dtype=cdt), rule=rule, lr=one,

@@ -40,7 +40,22 @@ def available(device: torch.device | str) -> list[str]:
 
 
 def resolve(backend: str, device: torch.device) -> ModuleType:
-    """The backend module that runs a call on ``device``."""
+    """The backend module that runs a call on ``device``. This runs on every call of every step, so answers are
+    remembered per backend name and device type, except Triton on CPU tensors (it depends on TRITON_INTERPRET)."""
+    key = (backend, device.type)
+    module = _RESOLVED.get(key)
+    if module is None:
+        module = _resolve(backend, device)
+        if device.type != "cpu" or module.__name__ != _TRITON_MODULE:
+            _RESOLVED[key] = module
+    return module
+
+
+_RESOLVED: dict[tuple[str, str], ModuleType] = {}
+_TRITON_MODULE = __name__ + ".triton"
+
+
+def _resolve(backend: str, device: torch.device) -> ModuleType:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":

@@ -96,13 +96,12 @@ LOCAL_MODES = {"none": 0, "heavy": 1, "nesterov": 2, "mass": 3}
 
 def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, first, prox: float, clip_norm: float,
                weight_decay: float, momentum: float, eta2: float, tiny: float, rule: str, mode: str,
-               step_out: torch.Tensor, sq_out: torch.Tensor) -> None:
+               step_out: torch.Tensor) -> None:
     compiled().local_step(
         x.num_rows, x.base.shape[1], DTYPE_CODE[x.dtype], *x.addressing(), *g.addressing(), *_table(anchor),
         _addr(control), *_table(ci), *_table(buf), *_per_row(lr), *_per_row(loss), *_per_row(l_star),
         *_per_row(sps_c), *_per_row(cap), _addr(first), float(prox), float(clip_norm), float(weight_decay),
         float(momentum), float(eta2), float(tiny), LOCAL_RULES[rule], LOCAL_MODES[mode], step_out.data_ptr(),
-        sq_out.data_ptr(),
     )
 
 

@@ -119,7 +119,7 @@ MODES = ("none", "heavy", "nesterov", "mass")
 @torch.no_grad()
 def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, first, prox: float, clip_norm: float,
                weight_decay: float, momentum: float, eta2: float, tiny: float, rule: str, mode: str,
-               step_out: torch.Tensor, sq_out: torch.Tensor) -> None:
+               step_out: torch.Tensor) -> None:
     """Batched local step over M rows (x, g, anchor, ci, buf are RowTables; control a d-vector or None; lr, loss,
     l_star, sps_c, cap numbers for every row or float64 [M] tensors)::
 
@@ -154,7 +154,6 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
         step = torch.where(ok, raw, torch.zeros_like(raw))
     step = torch.where(torch.isfinite(step) & (step > 0), step, torch.zeros_like(step))
     step_out.copy_(step)
-    sq_out.copy_(s2)
     active = step > 0
     d = scale.to(cdt)[:, None] * direction + weight_decay * X
     st = step.to(cdt)[:, None]

@@ -31,7 +31,7 @@ def _direction(x_row, g_row, a_row, control, ci_row, cols, mask, prox, ACC: tl.c
 
 @triton.jit
 def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, lr, loss, l_star,
-                       sps_c, cap, first_ptr, step_out, sq_out, d, prox, clip_norm, weight_decay, momentum, eta2, tiny,
+                       sps_c, cap, first_ptr, step_out, d, prox, clip_norm, weight_decay, momentum, eta2, tiny,
                        ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, HAS_FIRST: tl.constexpr,
                        RULE: tl.constexpr,
                        MODE: tl.constexpr, BLOCK: tl.constexpr):
@@ -66,7 +66,6 @@ def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like,
         step = tl.where(ok, raw, 0.0)
     step = tl.where((step - step == 0) & (step > 0), step, 0.0)
     tl.store(step_out + i, step)
-    tl.store(sq_out + i, s2)
     limit = tl.where(step > 0, d, 0)  # a row that takes no step masks off its whole sweep 2
 
     st = step.to(ACC)
@@ -99,7 +98,7 @@ def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like,
 
 def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, first, prox: float, clip_norm: float,
                weight_decay: float, momentum: float, eta2: float, tiny: float, rule: str, mode: str,
-               step_out, sq_out) -> None:
+               step_out) -> None:
     M, d = x.num_rows, x.base.shape[1]
     if M == 0:
         return
@@ -110,7 +109,7 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
     _local_step_kernel[(M,)](
         xp, g.ptrs(), xp if anchor is None else anchor.ptrs(), x.base if control is None else control,
         xp if ci is None else ci.ptrs(), xp if buf is None else buf.ptrs(), x.base, lr, loss, l_star,
-        sps_c, cap, lr if first is None else first, step_out, sq_out, d, float(prox), float(clip_norm), float(weight_decay), float(momentum),
+        sps_c, cap, lr if first is None else first, step_out, d, float(prox), float(clip_norm), float(weight_decay), float(momentum),
         float(eta2), float(tiny), ACC=acc, HAS_ANCHOR=anchor is not None, HAS_CONTROL=control is not None,
         HAS_FIRST=first is not None, RULE=RULES[rule], MODE=MODES[mode], BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
     )
