@@ -49,7 +49,7 @@ RULES = {
 
 def run_steps(fn, kwargs_of, p, dtype, backend, steps=3):
     cdt = torch.float64 if dtype == torch.float64 else torch.float32
-    state = client.ClientState(N, D, dtype=cdt)
+    state = client.ClientState(N, p["x"].shape[1], dtype=cdt)
     x = p["x"].to(dtype).clone()
     outs = []
     for t in range(steps):
@@ -62,8 +62,19 @@ def run_steps(fn, kwargs_of, p, dtype, backend, steps=3):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rule", list(RULES))
 def test_rule_matches_fp64_reference(rule, dtype, backend):
+    check_rule_against_reference(rule, dtype, backend, problem(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rule", list(RULES))
+def test_rule_on_long_rows_matches_fp64_reference_cpu(rule, dtype):
+    """Rows of 9 full blocks and a tail take the C++ kernel's interleaved block groups (4 blocks per norm group,
+    2 per update group, the rest one by one): every rule against the fp64 reference."""
+    check_rule_against_reference(rule, dtype, "cpu", problem(dtype, d=9 * 4096 + 123))
+
+
+def check_rule_against_reference(rule, dtype, backend, p):
     fn, kwargs_of = RULES[rule]
-    p = problem(dtype)
     p64 = {k: v.double() for k, v in p.items()}
     got_x, got_steps, got_state = run_steps(fn, kwargs_of, p, dtype, backend)
     ref_x, ref_steps, ref_state = run_steps(fn, kwargs_of, p64, torch.float64, "reference")
