@@ -10,6 +10,7 @@ the interpreter's working set (bench/RESULTS.md).
 from __future__ import annotations
 
 import dataclasses
+from typing import Union
 
 import torch
 
@@ -68,7 +69,7 @@ class RowTable:
         self.base[sel if self.index is None else self.index[sel]] = values[sel].to(self.base.dtype)
 
 
-PerRow = "float | torch.Tensor"
+PerRow = Union[float, torch.Tensor]  # a number for every row, or float64 [M]
 
 
 def per_row_tensor(value, num_rows: int, device) -> torch.Tensor:
