@@ -24,8 +24,12 @@ constexpr int64_t kStatsBlock = 8192;  // 32 KiB of float32 accumulators per thr
 // Folds rows i..i+R-1 of one block into acc and returns their squared norms in sq[0..R-1]. Four rows per
 // sweep load and store the accumulator once per four rows: per row-element that leaves one load and two
 // multiply-adds (measured: 38 -> see bench/RESULTS.md, 2-core AMD EPYC, portable SSE2 build).
-template <typename T, typename C, bool HasBase, int R>
-inline void fold_rows(const T* const* x, const C* w, const T* base, C* acc, int64_t n, C* sq) {
+// The first fold of a block starts from `start` (the mean's initial value, or nullptr: zero) instead of acc, so
+// the initial value is read in the same sweep as the rows, not in a pass of its own (Accumulator.add: M = 1).
+// The last fold of a block writes the mean itself (dst = mean), so no separate pass copies acc out.
+template <typename T, typename C, bool HasBase, int R, bool First>
+inline void fold_rows(const T* const* x, const C* w, const T* base, const C* acc, C* dst, const C* start, int64_t n,
+                      C* sq) {
   static_assert(R == 1 || R == 4, "fold_rows handles 1 or 4 rows");
   if constexpr (R == 4) {
     const T *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
@@ -36,7 +40,8 @@ inline void fold_rows(const T* const* x, const C* w, const T* base, C* acc, int6
       const C b = HasBase ? load<C>(base + j) : C(0);
       const C v0 = load<C>(x0 + j) - b, v1 = load<C>(x1 + j) - b;
       const C v2 = load<C>(x2 + j) - b, v3 = load<C>(x3 + j) - b;
-      acc[j] += (w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3);
+      const C a0 = First ? (start ? start[j] : C(0)) : acc[j];
+      dst[j] = a0 + ((w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3));
       s0 += v0 * v0;
       s1 += v1 * v1;
       s2 += v2 * v2;
@@ -50,7 +55,8 @@ inline void fold_rows(const T* const* x, const C* w, const T* base, C* acc, int6
 #pragma omp simd reduction(+ : s0)
     for (int64_t j = 0; j < n; ++j) {
       const C v0 = load<C>(x0 + j) - (HasBase ? load<C>(base + j) : C(0));
-      acc[j] += w0 * v0;
+      const C a0 = First ? (start ? start[j] : C(0)) : acc[j];
+      dst[j] = a0 + w0 * v0;
       s0 += v0 * v0;
     }
     sq[0] = s0;
@@ -89,39 +95,43 @@ void round_stats_impl(const StatsArgs& a) {
       const int64_t n = blk.len;
       const int64_t col0 = a.seg_off[blk.seg] + blk.start;
       C* acc = acc_buf.data();
-      if (a.mean_init) std::copy_n(static_cast<const C*>(a.mean_init) + col0, n, acc);
-      else std::fill(acc, acc + n, C(0));
+      C* mean = static_cast<C*>(a.mean_out) + col0;
+      const C* start = a.mean_init ? static_cast<const C*>(a.mean_init) + col0 : nullptr;
+      if (M == 0) {
+        if (start) std::copy_n(start, n, mean);
+        else std::fill(mean, mean + n, C(0));
+      }
       const T* base = HasBase ? as_ptr<const T>(a.base_ptrs[blk.seg]) + blk.start : nullptr;
       for (int64_t i = 0; i < M; ++i) x[i] = as_ptr<const T>(a.row_ptrs[blk.seg * M + i]) + blk.start;
       C sq[4];
       int64_t i = 0;
-      for (; i + 4 <= M; i += 4) {
-        fold_rows<T, C, HasBase, 4>(x.data() + i, w.data() + i, base, acc, n, sq);
+      const int64_t M4 = M / 4 * 4;
+      for (; i < M4; i += 4) {
+        C* dst = i + 4 == M ? mean : acc;
+        if (i == 0) fold_rows<T, C, HasBase, 4, true>(x.data() + i, w.data() + i, base, acc, dst, start, n, sq);
+        else fold_rows<T, C, HasBase, 4, false>(x.data() + i, w.data() + i, base, acc, dst, start, n, sq);
         for (int r = 0; r < 4; ++r) part_sq[b * M + i + r] = static_cast<double>(sq[r]);
       }
       for (; i < M; ++i) {
-        fold_rows<T, C, HasBase, 1>(x.data() + i, w.data() + i, base, acc, n, sq);
+        C* dst = i + 1 == M ? mean : acc;
+        if (i == 0) fold_rows<T, C, HasBase, 1, true>(x.data() + i, w.data() + i, base, acc, dst, start, n, sq);
+        else fold_rows<T, C, HasBase, 1, false>(x.data() + i, w.data() + i, base, acc, dst, start, n, sq);
         part_sq[b * M + i] = static_cast<double>(sq[0]);
       }
       for (i = 0; i < M; ++i)
         part_bad[b * M + i] = !std::isfinite(part_sq[b * M + i]) && has_nonfinite<T, C, HasBase>(x[i], base, n);
-      C* mean = static_cast<C*>(a.mean_out) + col0;
-      C msq = 0;
+      C msq = 0;  // over the block of the mean just written (still in cache)
       if (a.aux) {  // ||mean + aux_coef * aux||^2, e.g. FedExP-M's momentum ||mean + beta v||^2
         const C* aux = static_cast<const C*>(a.aux) + col0;
         const C c = static_cast<C>(a.aux_coef);
 #pragma omp simd reduction(+ : msq)
         for (int64_t j = 0; j < n; ++j) {
-          mean[j] = acc[j];
-          const C u = acc[j] + c * aux[j];
+          const C u = mean[j] + c * aux[j];
           msq += u * u;
         }
       } else {
 #pragma omp simd reduction(+ : msq)
-        for (int64_t j = 0; j < n; ++j) {
-          mean[j] = acc[j];
-          msq += acc[j] * acc[j];
-        }
+        for (int64_t j = 0; j < n; ++j) msq += mean[j] * mean[j];
       }
       part_mean_sq[b] = static_cast<double>(msq);
     }
