@@ -65,12 +65,17 @@ def test_rule_matches_fp64_reference(rule, dtype, backend):
     check_rule_against_reference(rule, dtype, backend, problem(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+LONG_ROW_CASES = [(b, dt) for b in BACKENDS if b != "reference"
+                  for dt in ((torch.float32, torch.bfloat16) if b == "cpu" else (torch.float32,))]
+
+
+@pytest.mark.parametrize("backend,dtype", LONG_ROW_CASES, ids=str)
 @pytest.mark.parametrize("rule", list(RULES))
-def test_rule_on_long_rows_matches_fp64_reference_cpu(rule, dtype):
-    """Rows of 9 full blocks and a tail take the C++ kernel's interleaved block groups (4 blocks per norm group,
-    2 per update group, the rest one by one): every rule against the fp64 reference."""
-    check_rule_against_reference(rule, dtype, "cpu", problem(dtype, d=9 * 4096 + 123))
+def test_rule_on_long_rows_matches_fp64_reference(rule, backend, dtype):
+    """Rows of 9 full 4096-blocks and a tail take the C++ kernel's interleaved block groups (4 blocks per norm
+    group, 2 per update group, the rest one by one) and the Triton path that splits rows into chunks of columns
+    (pass 1 partial norms, pass 2 every chunk's step and update): every rule against the fp64 reference."""
+    check_rule_against_reference(rule, dtype, backend, problem(dtype, d=9 * 4096 + 123))
 
 
 def check_rule_against_reference(rule, dtype, backend, p):

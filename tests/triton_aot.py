@@ -73,7 +73,6 @@ def drive_launchers():
 
     from fastagg.rowtable import RowTable
 
-    local_mod = importlib.import_module("fastagg.backends.triton.local_step")
     f64 = dict(dtype=torch.float64)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         cdt = compute_dtype(dtype)
@@ -97,28 +96,33 @@ def drive_launchers():
                             momentum_mod.momentum_apply(params=p, mean=mean, lr=one, finite=finite, buf=buf,
                                                         momentum=0.9, nesterov=nesterov, extra_out=extra,
                                                         extra_coef=one, extra_coef_skip=skip)
-            xs = torch.zeros(3, 10, dtype=dtype)
-            rows, shared = RowTable.rows(xs), RowTable.broadcast(torch.zeros(10, dtype=dtype), 3)
-            vec = torch.zeros(3, **f64)
-            for anchor, control, ci in ((None, None, None), (shared, torch.zeros(10, dtype=cdt),
-                                                             RowTable.rows(torch.zeros(3, 10, dtype=cdt)))):
-                for rule in ("fixed", "sps"):
-                    for mode, first in (("none", None), ("heavy", None), ("nesterov", None), ("mass", vec)):
-                        buf = None if mode == "none" else RowTable.rows(torch.zeros(3, 10, dtype=cdt))
-                        local_mod.local_step(x=rows, g=rows, anchor=anchor, control=control, ci=ci, buf=buf,
-                                             lr=vec, loss=vec, l_star=vec, sps_c=vec, cap=vec, first=first,
-                                             prox=0.1, clip_norm=1.0, weight_decay=0.0, momentum=0.9, eta2=0.0,
-                                             tiny=1e-30, rule=rule, mode=mode, step_out=vec)
+            for d in (10, 40_000):  # one program per row; rows split into chunks (local_config)
+                xs = torch.zeros(3, d, dtype=dtype)
+                rows, shared = RowTable.rows(xs), RowTable.broadcast(torch.zeros(d, dtype=dtype), 3)
+                vec = torch.zeros(3, **f64)
+                for anchor, control, ci in ((None, None, None), (shared, torch.zeros(d, dtype=cdt),
+                                                                 RowTable.rows(torch.zeros(3, d, dtype=cdt)))):
+                    for rule in ("fixed", "sps"):
+                        for mode, first in (("none", None), ("heavy", None), ("nesterov", None), ("mass", vec)):
+                            buf = None if mode == "none" else RowTable.rows(torch.zeros(3, d, dtype=cdt))
+                            local_mod.local_step(x=rows, g=rows, anchor=anchor, control=control, ci=ci, buf=buf,
+                                                 lr=vec, loss=vec, l_star=vec, sps_c=vec, cap=vec, first=first,
+                                                 prox=0.1, clip_norm=1.0, weight_decay=0.0, momentum=0.9, eta2=0.0,
+                                                 tiny=1e-30, rule=rule, mode=mode, step_out=vec)
             for rule in ("adam", "yogi", "adagrad", "ams"):
                 adam_mod.adam_apply(params=p, mean=mean, finite=finite, m=torch.zeros(10, dtype=cdt),
                                     v=torch.zeros(10, dtype=cdt), vhat=torch.zeros(10, dtype=cdt), rule=rule, lr=one,
                                     beta1=0.9, beta2=0.99, tau=1e-3, ams_eps=1e-8)
 
 
+local_mod = importlib.import_module("fastagg.backends.triton.local_step")
+
+
 def main(capabilities):
     for mod, name in ((stats_mod, "_round_stats_kernel"), (stats_mod, "_finalize_kernel"),
                       (momentum_mod, "_momentum_apply_kernel"), (adam_mod, "_adam_apply_kernel"),
-                      (importlib.import_module("fastagg.backends.triton.local_step"), "_local_step_kernel")):
+                      (local_mod, "_local_step_kernel"), (local_mod, "_chunk_sq_kernel"),
+                      (local_mod, "_chunk_update_kernel")):
         setattr(mod, name, Capture(getattr(mod, name)))
     drive_launchers()
     seen = set()

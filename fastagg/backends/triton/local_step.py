@@ -1,8 +1,13 @@
-"""Batched local steps on the GPU: one program per client row, two sweeps over its columns.
+"""Batched local steps on the GPU: two sweeps over each client row's columns.
 
 Sweep 1 sums ||dir||^2 (float32 per block, float64 across blocks, in order); the row's scalars (clip scale, the
 fixed or SPS step, the safeguards) are computed in-program; sweep 2 applies the step with stores masked off for a
 row that takes none. See ``backends/reference.py::local_step`` for the exact rule.
+
+Many short rows: one program per row does both sweeps (``_local_step_kernel``). Few long rows (say 100 clients on
+a GPU with 132 SMs) would leave SMs idle that way, so rows are cut into fixed chunks of columns and each
+(row, chunk) is a program: pass 1 writes the chunks' partial norms, pass 2 has every chunk's program sum its row's
+partials in the same order, take the row's step and update its chunk (``local_config`` picks).
 """
 from __future__ import annotations
 
@@ -30,28 +35,31 @@ def _direction(x_row, g_row, a_row, control, ci_row, cols, mask, prox, ACC: tl.c
 
 
 @triton.jit
-def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, lr, loss, l_star,
-                       sps_c, cap, first_ptr, step_out, d, prox, clip_norm, weight_decay, momentum, eta2, tiny,
-                       ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, HAS_FIRST: tl.constexpr,
-                       RULE: tl.constexpr,
-                       MODE: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)
+def _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC: tl.constexpr):
+    """Row i's addresses in each table."""
     elem = like.dtype.element_ty
-    x_row = tl.load(x_ptrs + i).to(tl.pointer_type(elem))
-    g_row = tl.load(g_ptrs + i).to(tl.pointer_type(elem))
-    a_row = tl.load(a_ptrs + i).to(tl.pointer_type(elem))
-    ci_row = tl.load(ci_ptrs + i).to(tl.pointer_type(ACC))
-    b_row = tl.load(buf_ptrs + i).to(tl.pointer_type(ACC))
-    offs = tl.arange(0, BLOCK).to(tl.int64)
+    return (tl.load(x_ptrs + i).to(tl.pointer_type(elem)), tl.load(g_ptrs + i).to(tl.pointer_type(elem)),
+            tl.load(a_ptrs + i).to(tl.pointer_type(elem)), tl.load(ci_ptrs + i).to(tl.pointer_type(ACC)),
+            tl.load(buf_ptrs + i).to(tl.pointer_type(ACC)))
 
+
+@triton.jit
+def _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr,
+            HAS_CONTROL: tl.constexpr, BLOCK: tl.constexpr):
+    """||dir||^2 over columns [c0, c1): float32 block sums, float64 across blocks, in order."""
+    offs = tl.arange(0, BLOCK).to(tl.int64)
     s = tl.zeros([1], dtype=tl.float64)
-    for b0 in range(0, d, BLOCK):
+    for b0 in range(c0, c1, BLOCK):
         cols = b0 + offs
-        mask = cols < d
+        mask = cols < c1
         v = _direction(x_row, g_row, a_row, control, ci_row, cols, mask, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
         s += tl.sum(v * v).to(tl.float64)
-    s = tl.sum(s)
+    return tl.sum(s)
 
+
+@triton.jit
+def _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE: tl.constexpr):
+    """The row's (step, clip scale) from its squared direction norm s, with the safeguards (step 0: none)."""
     clip = clip_norm
     scale = tl.where((clip > 0) & (s > clip * clip), clip / tl.sqrt(tl.where(s > 0, s, 1.0)), 1.0)
     s2 = s * scale * scale
@@ -65,12 +73,20 @@ def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like,
         raw = tl.minimum((f - ls) / (tl.load(sps_c + i) * tl.where(ok, s2, 1.0)), tl.load(cap + i))
         step = tl.where(ok, raw, 0.0)
     step = tl.where((step - step == 0) & (step > 0), step, 0.0)
-    tl.store(step_out + i, step)
-    limit = tl.where(step > 0, d, 0)  # a row that takes no step masks off its whole sweep 2
+    return step, scale
 
+
+@triton.jit
+def _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, c1, step, scale, prox,
+            weight_decay, momentum, eta2, ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr,
+            HAS_FIRST: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Sweep 2 over columns [c0, c1); a row that takes no step (step 0) masks off every store."""
+    elem = like.dtype.element_ty
+    offs = tl.arange(0, BLOCK).to(tl.int64)
+    limit = tl.where(step > 0, c1, 0)
     st = step.to(ACC)
     sc = scale.to(ACC)
-    for b0 in range(0, d, BLOCK):
+    for b0 in range(c0, c1, BLOCK):
         cols = b0 + offs
         mask = cols < limit
         xv = tl.load(x_row + cols, mask=mask, other=0.0).to(ACC)
@@ -96,6 +112,57 @@ def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like,
         tl.store(x_row + cols, new_x.to(elem), mask=mask)
 
 
+@triton.jit
+def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, lr, loss, l_star,
+                       sps_c, cap, first_ptr, step_out, d, prox, clip_norm, weight_decay, momentum, eta2, tiny,
+                       ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, HAS_FIRST: tl.constexpr,
+                       RULE: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: sweep 1, the row's step, sweep 2."""
+    i = tl.program_id(0).to(tl.int64)
+    x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC)
+    s = _sq_sum(x_row, g_row, a_row, control, ci_row, 0, d, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK)
+    step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE)
+    tl.store(step_out + i, step)
+    _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, 0, d, step, scale, prox, weight_decay,
+            momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK)
+
+
+@triton.jit
+def _chunk_sq_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, partial, d, prox,
+                     ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """Split rows, pass 1: program (i, c) writes ||dir||^2 of row i's chunk c to partial[i, c]."""
+    i = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC)
+    c0 = c * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, d)
+    s = _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK)
+    tl.store(partial + i * tl.num_programs(1) + c, s)
+
+
+@triton.jit
+def _chunk_update_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, partial, lr, loss, l_star,
+                         sps_c, cap, first_ptr, step_out, d, prox, clip_norm, weight_decay, momentum, eta2, tiny,
+                         ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr,
+                         HAS_FIRST: tl.constexpr, RULE: tl.constexpr, MODE: tl.constexpr, CHUNK: tl.constexpr,
+                         CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """Split rows, pass 2: every program of row i sums the row's chunk partials (the same fixed order in each),
+    takes the row's step, and updates its own chunk; chunk 0 reports the step."""
+    i = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    n = tl.num_programs(1)
+    k = tl.arange(0, CHUNKS_P2)
+    s = tl.sum(tl.load(partial + i * n + k, mask=k < n, other=0.0))
+    step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE)
+    if c == 0:
+        tl.store(step_out + i, step)
+    x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC)
+    c0 = c * CHUNK
+    _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, tl.minimum(c0 + CHUNK, d), step,
+            scale, prox, weight_decay, momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK)
+
+
 def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, first, prox: float, clip_norm: float,
                weight_decay: float, momentum: float, eta2: float, tiny: float, rule: str, mode: str,
                step_out) -> None:
@@ -103,13 +170,23 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
     if M == 0:
         return
     lr, loss, l_star, sps_c, cap = (per_row_tensor(v, M, x.base.device) for v in (lr, loss, l_star, sps_c, cap))
-    cfg = local_config(d)
+    cfg = local_config(M, d)
     xp = x.ptrs()
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
-    _local_step_kernel[(M,)](
-        xp, g.ptrs(), xp if anchor is None else anchor.ptrs(), x.base if control is None else control,
-        xp if ci is None else ci.ptrs(), xp if buf is None else buf.ptrs(), x.base, lr, loss, l_star,
-        sps_c, cap, lr if first is None else first, step_out, d, float(prox), float(clip_norm), float(weight_decay), float(momentum),
-        float(eta2), float(tiny), ACC=acc, HAS_ANCHOR=anchor is not None, HAS_CONTROL=control is not None,
-        HAS_FIRST=first is not None, RULE=RULES[rule], MODE=MODES[mode], BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
-    )
+    rows = (xp, g.ptrs(), xp if anchor is None else anchor.ptrs(), x.base if control is None else control,
+            xp if ci is None else ci.ptrs(), xp if buf is None else buf.ptrs(), x.base)
+    flags = dict(ACC=acc, HAS_ANCHOR=anchor is not None, HAS_CONTROL=control is not None)
+    step_flags = dict(HAS_FIRST=first is not None, RULE=RULES[rule], MODE=MODES[mode])
+    scalars = (lr, loss, l_star, sps_c, cap, lr if first is None else first, step_out, d, float(prox),
+               float(clip_norm), float(weight_decay), float(momentum), float(eta2), float(tiny))
+    if cfg["CHUNK"] is None:
+        _local_step_kernel[(M,)](*rows, *scalars, **flags, **step_flags, BLOCK=cfg["BLOCK"],
+                                 num_warps=cfg["num_warps"])
+        return
+    chunks = triton.cdiv(d, cfg["CHUNK"])
+    partial = torch.empty(M, chunks, dtype=torch.float64, device=x.base.device)
+    _chunk_sq_kernel[(M, chunks)](*rows, partial, d, float(prox), **flags, CHUNK=cfg["CHUNK"], BLOCK=cfg["BLOCK"],
+                                  num_warps=cfg["num_warps"])
+    _chunk_update_kernel[(M, chunks)](*rows, partial, *scalars, **flags, **step_flags, CHUNK=cfg["CHUNK"],
+                                      CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK=cfg["BLOCK"],
+                                      num_warps=cfg["num_warps"])
