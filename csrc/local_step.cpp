@@ -31,8 +31,8 @@ namespace {
 constexpr int64_t kLocalBlock = 4096;
 constexpr int kLanes = 16;
 // Sweep 1 reads kNormStreams blocks at once, sweep 2 updates kUpdateStreams blocks at once (for_block_groups).
-// Measured on the 2-core VM, M = 100 x d = 1e5 fp32 (bench/RESULTS.md): one stream per sweep 1.29x of X.add_(G),
-// 4 + 2 streams 1.0x; more norm streams than 4 gained nothing and spill the 16-lane accumulators.
+// Measured on the 2-core VM, M = 100 x d = 1e5 fp32 (bench/RESULTS.md), the kernel alone: one stream per sweep
+// 1.29-1.38x of X.add_(G), 4 + 2 streams 1.04-1.12x; 8 norm or 4 update streams measured the same as 4 and 2.
 constexpr int kNormStreams = 4;
 constexpr int kUpdateStreams = 2;
 constexpr int64_t kUpdateChunk = 64;  // elements of one stream updated before moving to the next
