@@ -1,8 +1,9 @@
 """Batched client local steps on the CPU.
 
 Bandwidth-bound shape: M = 100 clients x d = 10^5 float32. fastagg's FedSPS step (two sweeps per row: norm, then
-update; the row stays in L2 between them) against a plain ``X.add_(G)`` (read G, read X, write X: the same
-unavoidable bytes) and the best batched plain-torch SPS we could write.
+update, with most of the gradient row still cached for the second) against a plain ``X.add_(G)`` (read G, read X,
+write X: the same unavoidable bytes) and the best batched plain-torch SPS we could write. Quote
+``test_interleaved_ratios``: its ratios come from calls interleaved in one loop.
 Dispatch-bound shape: M = 1000 x d = 10^3 (a simulator with small models): against a per-client Python loop of
 plain torch calls. Shapes: FASTAGG_BENCH_CLIENT_SCALE (default 1) divides M for CI smoke runs.
 """
