@@ -135,7 +135,7 @@ def _client_ids(ids: Any, m: int, state: ClientState | None, device) -> torch.Te
                              f"[{int(host.min())}, {int(host.max())}]")
         if torch.unique(host).numel() != m:
             raise ValueError("client_ids has duplicates; each client may appear once per batch")
-    return ids.to(device=device, dtype=torch.int64, non_blocking=True)
+    return ids.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()  # the kernels index by row
 
 
 class _Batch:

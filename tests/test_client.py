@@ -320,8 +320,8 @@ def test_cpu_local_step_bit_identical_across_thread_counts(tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_per_client_tensors_are_read_by_row(backend):
-    """Losses, caps and learning rates that are views with a stride (a column of a table) give the same steps as
-    contiguous copies: the kernels read them by row, not as raw memory."""
+    """Losses, caps, learning rates and client ids that are views with a stride (a column of a table) give the same
+    steps and state as contiguous copies: the kernels read them by row, not as raw memory."""
     p = problem()
     table = torch.stack([p["losses"], torch.full((M,), -7.0, dtype=torch.float64)], dim=1)  # column 0 = losses
     caps = torch.stack([torch.full((M,), 9.0, dtype=torch.float64), torch.tensor([0.7, 0.01, 0.3, 0.05],
@@ -335,6 +335,14 @@ def test_strided_per_client_tensors_are_read_by_row(backend):
         g2 = client.sps_step(params=x2, grads=p["grads"], backend=backend, **contiguous)
         assert torch.equal(g1, g2) and torch.equal(x1, x2)
         assert bool((g1 > 0).all())
+    ids_table = torch.stack([IDS, torch.tensor([1, 3, 4, 6])], dim=1)  # column 0 = IDS, a strided view
+    runs = []
+    for ids in (ids_table[:, 0], IDS.clone()):
+        x, state = p["x"].clone(), client.ClientState(N, D)
+        runs.append((client.local_step(params=x, grads=p["grads"], lr=0.1, momentum=0.9, state=state,
+                                       client_ids=ids, backend=backend), x, state.vectors["momentum"]))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
     x1, x2 = p["x"].clone(), p["x"].clone()
     s1 = client.local_step(params=x1, grads=p["grads"], lr=lrs[:, 0], backend=backend)
     s2 = client.local_step(params=x2, grads=p["grads"], lr=lrs[:, 0].clone(), backend=backend)
