@@ -16,19 +16,19 @@ import triton
 import triton.language as tl
 
 from ...rows import ParamRows
-from .launch import apply_block, apply_launch
+from .launch import address_table, apply_launch, block_columns, table_address
 
 RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
 
 
 @triton.jit
-def _adam_apply_kernel(param_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, m_buf, v_buf, vhat_buf,
-                       lr_ptr, finite_ptr, beta1, beta2, tau, ams_eps,
-                       RULE: tl.constexpr, SINGLE: tl.constexpr, BLOCK_D: tl.constexpr):
-    seg, cols, inb, off, mask, lr, g = apply_block(block_seg, block_start, seg_len, seg_off, finite_ptr, lr_ptr,
-                                                   mean, SINGLE, BLOCK_D)
+def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, finite, beta1, beta2, tau, ams_eps,
+                RULE: tl.constexpr):
+    """One block; ``inb`` is a constant all-true mask for a block wholly inside its segment."""
     acc = mean.dtype.element_ty
-    elem = like.dtype.element_ty
+    mask = inb & finite
+    lr = tl.load(lr_ptr).to(acc)
+    g = tl.load(mean + off + cols, mask=mask, other=0.0)
     g2 = g * g
     if RULE == 2:
         m = g
@@ -49,20 +49,36 @@ def _adam_apply_kernel(param_ptrs, like, block_seg, block_start, seg_len, seg_of
         vhat = tl.load(vhat_buf + off + cols, mask=mask, other=0.0)
         denom_sq = tl.maximum(tl.maximum(vhat, v), ams_eps)
         tl.store(vhat_buf + off + cols, denom_sq, mask=mask)
-    wptr = tl.load(param_ptrs + seg).to(tl.pointer_type(elem))
     w = tl.load(wptr + cols, mask=mask, other=0.0).to(acc)
     w_new = w + lr * m / (tl.sqrt(denom_sq) + tau)
-    tl.store(wptr + cols, w_new.to(elem), mask=mask)
+    tl.store(wptr + cols, w_new.to(wptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adam_apply_kernel(param_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, m_buf, v_buf, vhat_buf,
+                       lr_ptr, finite_ptr, beta1, beta2, tau, ams_eps,
+                       RULE: tl.constexpr, SINGLE: tl.constexpr, ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    seg, _, cols, full, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, OFF_MULT)
+    finite = tl.load(finite_ptr).to(tl.int32) != 0
+    wptr = table_address(param_ptrs, seg, like, ALIGNED)
+    if full:
+        _adam_block(wptr, cols, tl.full([BLOCK_D], 1, tl.int1), off, mean, m_buf, v_buf, vhat_buf, lr_ptr, finite,
+                    beta1, beta2, tau, ams_eps, RULE)
+    else:
+        _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, finite, beta1, beta2, tau, ams_eps,
+                    RULE)
 
 
 def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m: torch.Tensor | None,
                v: torch.Tensor, vhat: torch.Tensor | None, rule: str, lr: torch.Tensor, beta1: float, beta2: float,
                tau: float, ams_eps: float) -> None:
-    nb, blocks, launch = apply_launch(params.segments, mean.device)
+    addresses = [t.data_ptr() for t in params.parts]
+    nb, blocks, launch = apply_launch(params.segments, mean.device, mean.element_size(), addresses)
     if nb == 0:
         return
     _adam_apply_kernel[(nb,)](
-        params.ptrs().to(mean.device, non_blocking=True), params.parts[0], *blocks, mean,
+        address_table(addresses, mean.device), params.parts[0], *blocks, mean,
         v if m is None else m, v, v if vhat is None else vhat, lr, finite, float(beta1), float(beta2), float(tau),
         float(ams_eps), RULE=RULES[rule], **launch,
     )

@@ -1,8 +1,16 @@
-"""Launch configuration for the Triton kernels, one helper per kernel family.
+"""Launch configuration for the Triton kernels, one helper per kernel family, and the alignment facts the
+kernels are compiled with.
 
 Heuristics, not autotune: the apply kernel updates parameters in place, and an autotune rerun would apply
 the step twice. Under ``TRITON_INTERPRET=1`` each program instance costs ~5-8 ms regardless of its block
 (numpy runs the block), so the interpreter gets few, large blocks (about 64-128 programs).
+
+Vector width. The kernels reach client rows and parameter segments through address tables loaded from memory,
+so Triton cannot see that an address is 16-byte aligned, nor that a block lies wholly inside its segment (the
+segment length is loaded too): every access would be a 4-byte one. Each launcher therefore checks on the host
+that every address it puts in a table is a multiple of 16 bytes (``ALIGNED``) and that every segment offset into
+the flat buffers (mean, state) is too (``OFF_ALIGNED``), and the kernels state it with ``tl.multiple_of``; a block
+wholly inside its segment takes an unmasked path. Both are facts checked per call, never assumed.
 """
 from __future__ import annotations
 
@@ -20,6 +28,31 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+ALIGN = 16  # bytes: one 128-bit access
+HINTS = os.environ.get("FASTAGG_TRITON_HINTS", "1") != "0"  # off: plain 4-byte accesses (bench/ compares both)
+
+
+def addresses_aligned(addresses) -> bool:
+    """Every address (ints) is a multiple of ALIGN bytes (False when hints are off)."""
+    return HINTS and all(a % ALIGN == 0 for a in addresses)
+
+
+def rows_aligned(t: torch.Tensor) -> bool:
+    """Every row of a 2-D tensor (unit stride along dim 1) starts on an ALIGN-byte boundary."""
+    step = t.stride(0) * t.element_size() if t.shape[0] > 1 else 0
+    return addresses_aligned((t.data_ptr(), step))
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets_aligned(offs: tuple, element_size: int) -> bool:
+    return all(o * element_size % ALIGN == 0 for o in offs)
+
+
+def offsets_aligned(segments: Segments, element_size: int) -> bool:
+    """Every segment starts on an ALIGN-byte boundary of a flat buffer of ``element_size``-byte elements."""
+    return HINTS and _offsets_aligned(segments.offs, element_size)
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -29,15 +62,20 @@ def _interpreter_block(numel: int, lo: int, hi: int) -> int:
 
 
 def stats_config(num_clients: int, numel: int) -> dict:
-    """BLOCK_M clients x BLOCK_D columns per tile.
+    """BLOCK_M clients x BLOCK_D columns per tile (the program loops over client chunks, so any M runs without
+    spilling; the next chunk's tile is loaded before the current one is reduced).
 
-    GPU: 8 x 2048 fp32 tiles (64 KiB in flight per program, 64 registers a thread at 8 warps), looping over
-    client chunks, so any M runs without spilling. Not yet measured on a GPU: revisit with bench/ there.
+    GPU: 2 clients x 2048 columns at 4 warps: the fastest of eight tiles at both measured shapes on an H200
+    (bench/RESULTS.md: 0.96 of copy bandwidth at M = 16, d = 1e8 and 0.91 at M = 100, d = 1e7; the first guess, 8 x
+    2048 at 8 warps, ran at 0.44). More clients per tile means more per-row reductions, each a barrier, and more
+    registers. Short vectors get narrower blocks (at least about 264 programs, two per SM) with more clients per
+    tile.
     """
     if interpreting():
         return dict(BLOCK_M=min(16, _pow2_at_least(num_clients)), BLOCK_D=_interpreter_block(numel, 1024, 1 << 16),
                     num_warps=4)
-    return dict(BLOCK_M=min(8, _pow2_at_least(num_clients)), BLOCK_D=2048, num_warps=8)
+    block_d = min(2048, max(512, _pow2_at_least(-(-numel // 264))))
+    return dict(BLOCK_M=min(16, _pow2_at_least(num_clients), 4096 // block_d), BLOCK_D=block_d, num_warps=4)
 
 
 def finalize_config(num_clients: int, num_blocks: int) -> dict:
@@ -53,23 +91,24 @@ def apply_config(numel: int) -> dict:
 
 
 def local_config(num_rows: int, numel: int) -> dict:
-    """Client local steps: BLOCK columns per loop step; CHUNK columns per program when rows are split (None: one
-    program per row).
+    """Client local steps: the schedule (local_step.py: ``row`` or ``chunks``), BLOCK columns per block, CHUNK
+    columns per program of the ``chunks`` schedule.
 
-    GPU: rows are split into 16384-column chunks (4 blocks) unless there are enough rows to fill the SMs many times
-    over (>= 1024) or a row is at most two chunks. The split depends only on the shape, never on the device, so a
-    shape always sums in the same order. Not yet measured on a GPU: revisit with bench/ there.
+    GPU: a row of at most two 4096-column blocks is one program; longer rows are cut into 16384-column chunks
+    (measured on an H200 at M = 1000, d = 1e5 and M = 100, d = 1e6: 0.68-0.69 of copy bandwidth by the step's
+    unavoidable bytes, against 0.41-0.65 for one program per row). The choice depends only on the shape, never on
+    the device, so a shape always sums in the same order.
     Interpreter: big blocks (each program costs ms); rows above 16384 columns are split into 8192-column chunks so
     the CPU tests run the split kernels too.
     """
     if interpreting():
         if numel > 16384:
-            return dict(BLOCK=8192, CHUNK=8192, num_warps=4)
-        return dict(BLOCK=min(1 << 16, _pow2_at_least(numel)), CHUNK=None, num_warps=4)
+            return dict(schedule="chunks", BLOCK=8192, CHUNK=8192, num_warps=4)
+        return dict(schedule="row", BLOCK=min(1 << 16, _pow2_at_least(numel)), CHUNK=None, num_warps=4)
     block = min(4096, _pow2_at_least(numel))
-    chunk = 4 * block
-    split = num_rows < 1024 and numel > 2 * chunk
-    return dict(BLOCK=block, CHUNK=chunk if split else None, num_warps=8 if numel >= 4096 else 4)
+    if numel <= 2 * block:
+        return dict(schedule="row", BLOCK=block, CHUNK=None, num_warps=8 if numel >= 4096 else 4)
+    return dict(schedule="chunks", BLOCK=block, CHUNK=4 * block, num_warps=8)
 
 
 @functools.lru_cache(maxsize=64)
@@ -82,46 +121,91 @@ def _block_table_cpu(lens: tuple, block: int) -> torch.Tensor:
     return torch.tensor([seg, start], dtype=torch.int64)
 
 
-def block_grid(segments: Segments, block: int, device: torch.device) -> tuple:
-    """(segment of each block, first column of each block, number of blocks, single) for a segmented vector.
-
-    A single segment needs no table (``single`` is True and the two tables are placeholders).
-    """
-    lens, _ = segments.tables(device)
-    if len(segments) == 1:
-        return lens, lens, triton.cdiv(segments.numel, block), True
-    t = _block_table_cpu(segments.lens, block).to(device)
-    return t[0], t[1], t.shape[1], False
-
-
-def apply_launch(segments: Segments, device: torch.device) -> tuple:
-    """(number of programs, the four block-table arguments, the launch keywords) of an apply pass."""
-    cfg = apply_config(segments.numel)
+@functools.lru_cache(maxsize=128)
+def _device_tables(segments: Segments, block: int, device: torch.device) -> tuple:
     lens, offs = segments.tables(device)
-    bseg, bstart, nb, single = block_grid(segments, cfg["BLOCK_D"], device)
-    return nb, (bseg, bstart, lens, offs), dict(SINGLE=single, BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"])
+    if len(segments) == 1:
+        return lens, offs, lens, lens, triton.cdiv(segments.numel, block), True
+    t = _block_table_cpu(segments.lens, block).to(device)
+    return lens, offs, t[0], t[1], t.shape[1], False
+
+
+_CAPTURED: dict = {}  # tables a CUDA graph was captured with: never freed, or a replay would read freed memory
+
+
+def _kept(cached, key: tuple, device: torch.device):
+    """``cached`` (a cache's value), pinned for the process's lifetime when a CUDA graph is being captured on this
+    device (the graph holds raw addresses; the LRU cache could otherwise free the table under it)."""
+    if device.type == "cuda" and key not in _CAPTURED and torch.cuda.is_current_stream_capturing():
+        _CAPTURED[key] = cached
+    return cached
+
+
+def segment_tables(segments: Segments, block: int, device: torch.device) -> tuple:
+    """(lens, offs, segment of each block, first column of each block, number of blocks, single) on ``device``.
+
+    Built once per shape and device and kept (a few int64 per block): a call never copies from the host once its
+    shape has been seen, which is what lets a CUDA graph capture a step after one eager warm-up step. A single
+    segment needs no block table (``single`` is True and the two block tables are placeholders).
+    """
+    device = torch.device(device)
+    return _kept(_device_tables(segments, block, device), ("segments", segments, block, device), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _address_table(addresses: tuple, device: torch.device) -> torch.Tensor:
+    return torch.tensor(addresses, dtype=torch.int64).to(device)
+
+
+def address_table(addresses, device: torch.device) -> torch.Tensor:
+    """The int64 addresses as a tensor on ``device``, kept per distinct table (its content is its key, so a kept
+    table can never be stale): the same buffers on later calls, or in a CUDA graph capture after one eager
+    warm-up call, copy nothing from the host."""
+    addresses, device = tuple(addresses), torch.device(device)
+    return _kept(_address_table(addresses, device), ("addresses", addresses, device), device)
+
+
+def off_mult(segments: Segments, element_size: int) -> int:
+    """The OFF_MULT a kernel may assume for flat buffers of ``element_size``-byte elements (1: none)."""
+    return ALIGN // element_size if len(segments) == 1 or offsets_aligned(segments, element_size) else 1
+
+
+def apply_launch(segments: Segments, device: torch.device, flat_element_size: int, addresses) -> tuple:
+    """(number of programs, the four block-table arguments, the launch keywords) of an apply pass whose flat
+    buffers (mean, state) have ``flat_element_size``-byte elements and whose tables hold ``addresses``."""
+    cfg = apply_config(segments.numel)
+    lens, offs, bseg, bstart, nb, single = segment_tables(segments, cfg["BLOCK_D"], device)
+    return nb, (bseg, bstart, lens, offs), dict(SINGLE=single, BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+                                                OFF_MULT=off_mult(segments, flat_element_size),
+                                                ALIGNED=addresses_aligned(addresses))
 
 
 @triton.jit
-def block_columns(block_seg, block_start, seg_len, seg_off, SINGLE: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's block: (segment, its columns as int64, in-bounds mask, the segment's offset in flat d)."""
+def table_address(table, idx, like, ALIGNED: tl.constexpr):
+    """``table[idx]`` (int64 addresses) as pointers to ``like``'s element type, 16-byte aligned when ALIGNED."""
+    p = tl.load(table + idx).to(tl.pointer_type(like.dtype.element_ty))
+    if ALIGNED:  # on the pointer itself: a hint on the loaded integer does not survive the cast
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
+def block_columns(block_seg, block_start, seg_len, seg_off, SINGLE: tl.constexpr, BLOCK_D: tl.constexpr,
+                  OFF_MULT: tl.constexpr):
+    """This program's block: (segment, its first column, its columns as int64, whether the block lies wholly inside
+    the segment, the in-bounds mask, the segment's offset in flat d). OFF_MULT: a known divisor of every segment
+    offset."""
     pid = tl.program_id(0).to(tl.int64)
     if SINGLE:
         seg = pid * 0
         start = pid * BLOCK_D
+        off = pid * 0
     else:
         seg = tl.load(block_seg + pid)
-        start = tl.load(block_start + pid)
+        start = tl.multiple_of(tl.load(block_start + pid), BLOCK_D)  # blocks start at multiples of BLOCK_D
+        off = tl.load(seg_off + seg)
+        if OFF_MULT > 1:
+            off = tl.multiple_of(off, OFF_MULT)
+    n = tl.load(seg_len + seg)
     cols = start + tl.arange(0, BLOCK_D).to(tl.int64)
-    return seg, cols, cols < tl.load(seg_len + seg), tl.load(seg_off + seg)
-
-
-@triton.jit
-def apply_block(block_seg, block_start, seg_len, seg_off, finite_ptr, lr_ptr, mean, SINGLE: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """What every apply pass starts with: this program's block, the in-bounds mask, the write mask (in bounds and
-    the round finite), the step size in the mean's dtype and the block of the mean (zeros where not written)."""
-    seg, cols, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D)
-    mask = inb & (tl.load(finite_ptr).to(tl.int32) != 0)
-    lr = tl.load(lr_ptr).to(mean.dtype.element_ty)
-    return seg, cols, inb, off, mask, lr, tl.load(mean + off + cols, mask=mask, other=0.0)
+    return seg, start, cols, start + BLOCK_D <= n, cols < n, off

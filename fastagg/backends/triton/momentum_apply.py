@@ -15,19 +15,18 @@ import triton
 import triton.language as tl
 
 from ...rows import ParamRows
-from .launch import apply_block, apply_launch
+from .launch import address_table, apply_launch, block_columns, table_address
 
 
 @triton.jit
-def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, buf,
-                           lr_ptr, coef_ptr, coef_skip_ptr, finite_ptr, momentum,
-                           HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr,
-                           SINGLE: tl.constexpr, BLOCK_D: tl.constexpr):
-    seg, cols, inb, off, mask, lr, m = apply_block(block_seg, block_start, seg_len, seg_off, finite_ptr, lr_ptr,
-                                                   mean, SINGLE, BLOCK_D)
+def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_skip_ptr, finite, momentum,
+                    HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr):
+    """One block; ``inb`` is a constant all-true mask for a block wholly inside its segment."""
     acc = mean.dtype.element_ty
-    elem = like.dtype.element_ty
-    wptr = tl.load(param_ptrs + seg).to(tl.pointer_type(elem))
+    elem = wptr.dtype.element_ty
+    mask = inb & finite
+    lr = tl.load(lr).to(acc)
+    m = tl.load(mean + off + cols, mask=mask, other=0.0)
     w = tl.load(wptr + cols, mask=inb, other=0.0).to(acc)
     if HAS_BUF:
         b_old = tl.load(buf + off + cols, mask=inb, other=0.0)
@@ -45,7 +44,6 @@ def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start,
         tl.store(buf + off + cols, u, mask=mask)
     if HAS_EXTRA:
         coef = tl.load(coef_ptr).to(acc)
-        eptr = tl.load(extra_ptrs + seg).to(tl.pointer_type(elem))
         if HAS_SKIP:
             coef_skip = tl.load(coef_skip_ptr).to(acc)
             extra = tl.where(mask, w_new + coef * u, w + coef_skip * b_old)
@@ -54,14 +52,33 @@ def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start,
             tl.store(eptr + cols, (w_new + coef * u).to(elem), mask=mask)
 
 
+@triton.jit
+def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, buf,
+                           lr_ptr, coef_ptr, coef_skip_ptr, finite_ptr, momentum,
+                           HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr,
+                           SINGLE: tl.constexpr, ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr, BLOCK_D: tl.constexpr):
+    seg, _, cols, full, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, OFF_MULT)
+    finite = tl.load(finite_ptr).to(tl.int32) != 0
+    wptr = table_address(param_ptrs, seg, like, ALIGNED)
+    eptr = table_address(extra_ptrs, seg, like, ALIGNED)
+    if full:
+        _momentum_block(wptr, eptr, cols, tl.full([BLOCK_D], 1, tl.int1), off, mean, buf, lr_ptr, coef_ptr,
+                        coef_skip_ptr, finite, momentum, HAS_BUF, HAS_EXTRA, HAS_SKIP, NESTEROV)
+    else:
+        _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr_ptr, coef_ptr, coef_skip_ptr, finite, momentum,
+                        HAS_BUF, HAS_EXTRA, HAS_SKIP, NESTEROV)
+
+
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
                    buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,
                    extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None) -> None:
-    nb, blocks, launch = apply_launch(params.segments, mean.device)
+    addresses = [t.data_ptr() for t in params.parts]
+    extra_addresses = [t.data_ptr() for t in extra_out.parts] if extra_out is not None else addresses
+    nb, blocks, launch = apply_launch(params.segments, mean.device, mean.element_size(), addresses + extra_addresses)
     if nb == 0:
         return
-    param_ptrs = params.ptrs().to(mean.device, non_blocking=True)
-    extra_ptrs = extra_out.ptrs().to(mean.device, non_blocking=True) if extra_out is not None else param_ptrs
+    param_ptrs = address_table(addresses, mean.device)
+    extra_ptrs = address_table(extra_addresses, mean.device) if extra_out is not None else param_ptrs
     _momentum_apply_kernel[(nb,)](
         param_ptrs, extra_ptrs, params.parts[0], *blocks, mean, mean if buf is None else buf,
         lr, lr if extra_coef is None else extra_coef, lr if extra_coef_skip is None else extra_coef_skip, finite,
