@@ -1,13 +1,18 @@
-"""Batched local steps on the GPU: two sweeps over each client row's columns.
+"""Batched local steps on the GPU. A row's step needs its whole direction norm before any update, so each row is
+read in two sweeps: sweep 1 sums ||dir||^2 (float32 per block, float64 across blocks, in order); the row's scalars
+(clip scale, the fixed or SPS step, the safeguards) are computed in-program; sweep 2 applies the step with stores
+masked off for a row that takes none. See ``backends/reference.py::local_step`` for the exact rule.
 
-Sweep 1 sums ||dir||^2 (float32 per block, float64 across blocks, in order); the row's scalars (clip scale, the
-fixed or SPS step, the safeguards) are computed in-program; sweep 2 applies the step with stores masked off for a
-row that takes none. See ``backends/reference.py::local_step`` for the exact rule.
+Two schedules (``launch.local_config`` picks by shape; each sums a shape in one fixed order):
 
-Many short rows: one program per row does both sweeps (``_local_step_kernel``). Few long rows (say 100 clients on
-a GPU with 132 SMs) would leave SMs idle that way, so rows are cut into fixed chunks of columns and each
-(row, chunk) is a program: pass 1 writes the chunks' partial norms, pass 2 has every chunk's program sum its row's
-partials in the same order, take the row's step and update its chunk (``local_config`` picks).
+- ``row``: one program per row does both sweeps (``_local_step_kernel``). Rows of one block.
+- ``chunks``: longer rows are cut into chunks of columns and each (chunk, row) is a program: pass 1 writes the
+  chunks' partial norms, pass 2 has every chunk's program sum its row's partials in the same order, take the
+  row's step and update its chunk. The direction is read twice.
+
+Blocks wholly inside the row take an unmasked path; with 16-byte-aligned rows they compile to 16-byte accesses
+(launch.py). Tried and removed (bench/RESULTS.md): persistent teams of programs that held a row's direction in
+registers across a per-row barrier, so it is read once; on an H200 they ran slower than ``chunks``.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ...rowtable import per_row_tensor
-from .launch import local_config
+from .launch import addresses_aligned, local_config
 
 RULES = {"fixed": 0, "sps": 1}
 MODES = {"none": 0, "heavy": 1, "nesterov": 2, "mass": 3}
@@ -35,24 +40,37 @@ def _direction(x_row, g_row, a_row, control, ci_row, cols, mask, prox, ACC: tl.c
 
 
 @triton.jit
-def _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC: tl.constexpr):
+def _row_address(table, i, elem, ALIGNED: tl.constexpr):
+    p = tl.load(table + i).to(tl.pointer_type(elem))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
+def _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC: tl.constexpr, ALIGNED: tl.constexpr):
     """Row i's addresses in each table."""
     elem = like.dtype.element_ty
-    return (tl.load(x_ptrs + i).to(tl.pointer_type(elem)), tl.load(g_ptrs + i).to(tl.pointer_type(elem)),
-            tl.load(a_ptrs + i).to(tl.pointer_type(elem)), tl.load(ci_ptrs + i).to(tl.pointer_type(ACC)),
-            tl.load(buf_ptrs + i).to(tl.pointer_type(ACC)))
+    return (_row_address(x_ptrs, i, elem, ALIGNED), _row_address(g_ptrs, i, elem, ALIGNED),
+            _row_address(a_ptrs, i, elem, ALIGNED), _row_address(ci_ptrs, i, ACC, ALIGNED),
+            _row_address(buf_ptrs, i, ACC, ALIGNED))
 
 
 @triton.jit
 def _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr,
             HAS_CONTROL: tl.constexpr, BLOCK: tl.constexpr):
-    """||dir||^2 over columns [c0, c1): float32 block sums, float64 across blocks, in order."""
+    """||dir||^2 over columns [c0, c1): float32 block sums, float64 across blocks, in order. Full blocks first
+    (unmasked), then the ragged tail: the same blocks in the same order as a masked loop."""
     offs = tl.arange(0, BLOCK).to(tl.int64)
     s = tl.zeros([1], dtype=tl.float64)
-    for b0 in range(c0, c1, BLOCK):
-        cols = b0 + offs
-        mask = cols < c1
-        v = _direction(x_row, g_row, a_row, control, ci_row, cols, mask, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
+    end_full = c0 + (c1 - c0) // BLOCK * BLOCK
+    all_in = tl.full([BLOCK], 1, tl.int1)
+    for b0 in range(c0, end_full, BLOCK):
+        v = _direction(x_row, g_row, a_row, control, ci_row, b0 + offs, all_in, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
+        s += tl.sum(v * v).to(tl.float64)
+    if end_full < c1:
+        cols = end_full + offs
+        v = _direction(x_row, g_row, a_row, control, ci_row, cols, cols < c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
         s += tl.sum(v * v).to(tl.float64)
     return tl.sum(s)
 
@@ -77,49 +95,64 @@ def _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE: tl.cons
 
 
 @triton.jit
+def _update_block(x_row, b_row, like, first_ptr, i, cols, mask, xv, dir, st, sc, weight_decay, momentum, eta2,
+                  ACC: tl.constexpr, HAS_FIRST: tl.constexpr, MODE: tl.constexpr):
+    """Sweep 2 on one block, given the block's params ``xv`` and direction ``dir``; ``mask`` is off everywhere for
+    a row that takes no step."""
+    dv = sc * dir + weight_decay * xv
+    if MODE == 0:
+        new_x = xv - st * dv
+    elif MODE == 1:
+        bv = momentum * tl.load(b_row + cols, mask=mask, other=0.0) + dv
+        tl.store(b_row + cols, bv, mask=mask)
+        new_x = xv - st * bv
+    elif MODE == 2:
+        bv = momentum * tl.load(b_row + cols, mask=mask, other=0.0) + dv
+        tl.store(b_row + cols, bv, mask=mask)
+        new_x = xv - st * (dv + momentum * bv)
+    else:
+        w = xv - st * dv
+        b_old = tl.load(b_row + cols, mask=mask, other=0.0)
+        if HAS_FIRST:  # a row's first step: w_0 = u_0
+            b_old = tl.where(tl.load(first_ptr + i) != 0, xv, b_old)
+        new_x = w + momentum * (w - b_old) + eta2 * dv
+        tl.store(b_row + cols, w, mask=mask)
+    tl.store(x_row + cols, new_x.to(like.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, c1, step, scale, prox,
             weight_decay, momentum, eta2, ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr,
             HAS_FIRST: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
-    """Sweep 2 over columns [c0, c1); a row that takes no step (step 0) masks off every store."""
-    elem = like.dtype.element_ty
+    """Sweep 2 over columns [c0, c1): full blocks unmasked (but for the step), then the tail."""
     offs = tl.arange(0, BLOCK).to(tl.int64)
-    limit = tl.where(step > 0, c1, 0)
     st = step.to(ACC)
     sc = scale.to(ACC)
-    for b0 in range(c0, c1, BLOCK):
+    stepping = tl.full([BLOCK], 1, tl.int1) & ((step > 0).to(tl.int32) != 0)  # (int compare: the interpreter)
+    end_full = c0 + (c1 - c0) // BLOCK * BLOCK
+    for b0 in range(c0, end_full, BLOCK):
         cols = b0 + offs
-        mask = cols < limit
+        dv = _direction(x_row, g_row, a_row, control, ci_row, cols, stepping, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
+        xv = tl.load(x_row + cols, mask=stepping, other=0.0).to(ACC)
+        _update_block(x_row, b_row, like, first_ptr, i, cols, stepping, xv, dv, st, sc, weight_decay, momentum,
+                      eta2, ACC, HAS_FIRST, MODE)
+    if end_full < c1:
+        cols = end_full + offs
+        mask = stepping & (cols < c1)
+        dv = _direction(x_row, g_row, a_row, control, ci_row, cols, mask, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
         xv = tl.load(x_row + cols, mask=mask, other=0.0).to(ACC)
-        dv = sc * _direction(x_row, g_row, a_row, control, ci_row, cols, mask, prox, ACC, HAS_ANCHOR,
-                             HAS_CONTROL) + weight_decay * xv
-        if MODE == 0:
-            new_x = xv - st * dv
-        elif MODE == 1:
-            bv = momentum * tl.load(b_row + cols, mask=mask, other=0.0) + dv
-            tl.store(b_row + cols, bv, mask=mask)
-            new_x = xv - st * bv
-        elif MODE == 2:
-            bv = momentum * tl.load(b_row + cols, mask=mask, other=0.0) + dv
-            tl.store(b_row + cols, bv, mask=mask)
-            new_x = xv - st * (dv + momentum * bv)
-        else:
-            w = xv - st * dv
-            b_old = tl.load(b_row + cols, mask=mask, other=0.0)
-            if HAS_FIRST:  # a row's first step: w_0 = u_0
-                b_old = tl.where(tl.load(first_ptr + i) != 0, xv, b_old)
-            new_x = w + momentum * (w - b_old) + eta2 * dv
-            tl.store(b_row + cols, w, mask=mask)
-        tl.store(x_row + cols, new_x.to(elem), mask=mask)
+        _update_block(x_row, b_row, like, first_ptr, i, cols, mask, xv, dv, st, sc, weight_decay, momentum, eta2,
+                      ACC, HAS_FIRST, MODE)
 
 
 @triton.jit
 def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, lr, loss, l_star,
                        sps_c, cap, first_ptr, step_out, d, prox, clip_norm, weight_decay, momentum, eta2, tiny,
                        ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, HAS_FIRST: tl.constexpr,
-                       RULE: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
+                       RULE: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: sweep 1, the row's step, sweep 2."""
     i = tl.program_id(0).to(tl.int64)
-    x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC)
+    x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
     s = _sq_sum(x_row, g_row, a_row, control, ci_row, 0, d, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK)
     step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE)
     tl.store(step_out + i, step)
@@ -129,38 +162,49 @@ def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like,
 
 @triton.jit
 def _chunk_sq_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, partial, d, prox,
-                     ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, CHUNK: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """Split rows, pass 1: program (i, c) writes ||dir||^2 of row i's chunk c to partial[i, c]."""
-    i = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC)
+                     ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, ALIGNED: tl.constexpr,
+                     CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Split rows, pass 1: program (c, i) writes ||dir||^2 of row i's chunk c to partial[i, c]. (Chunks on grid
+    axis 0, which takes 2^31 - 1 programs; axis 1 takes 65535.)"""
+    c = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64)
+    x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
     c0 = c * CHUNK
     c1 = tl.minimum(c0 + CHUNK, d)
     s = _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK)
-    tl.store(partial + i * tl.num_programs(1) + c, s)
+    tl.store(partial + i * tl.num_programs(0) + c, s)
 
 
 @triton.jit
 def _chunk_update_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, partial, lr, loss, l_star,
                          sps_c, cap, first_ptr, step_out, d, prox, clip_norm, weight_decay, momentum, eta2, tiny,
                          ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr,
-                         HAS_FIRST: tl.constexpr, RULE: tl.constexpr, MODE: tl.constexpr, CHUNK: tl.constexpr,
-                         CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_FIRST: tl.constexpr, RULE: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr,
+                         CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr):
     """Split rows, pass 2: every program of row i sums the row's chunk partials (the same fixed order in each),
     takes the row's step, and updates its own chunk; chunk 0 reports the step."""
-    i = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    n = tl.num_programs(1)
+    c = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64)
+    n = tl.num_programs(0)
     k = tl.arange(0, CHUNKS_P2)
     s = tl.sum(tl.load(partial + i * n + k, mask=k < n, other=0.0))
     step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE)
     if c == 0:
         tl.store(step_out + i, step)
-    x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC)
+    x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
     c0 = c * CHUNK
     _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, tl.minimum(c0 + CHUNK, d), step,
             scale, prox, weight_decay, momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK)
+
+
+def _rows_aligned(*tables) -> bool:
+    """Every row of every RowTable starts on a 16-byte boundary."""
+    out = []
+    for t in tables:
+        if t is None:
+            continue
+        out += [t.base.data_ptr(), t.row_stride_bytes()]
+    return addresses_aligned(out)
 
 
 def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, first, prox: float, clip_norm: float,
@@ -169,24 +213,27 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
     M, d = x.num_rows, x.base.shape[1]
     if M == 0:
         return
-    lr, loss, l_star, sps_c, cap = (per_row_tensor(v, M, x.base.device) for v in (lr, loss, l_star, sps_c, cap))
+    device = x.base.device
+    lr, loss, l_star, sps_c, cap = (per_row_tensor(v, M, device) for v in (lr, loss, l_star, sps_c, cap))
     cfg = local_config(M, d)
     xp = x.ptrs()
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
     rows = (xp, g.ptrs(), xp if anchor is None else anchor.ptrs(), x.base if control is None else control,
             xp if ci is None else ci.ptrs(), xp if buf is None else buf.ptrs(), x.base)
-    flags = dict(ACC=acc, HAS_ANCHOR=anchor is not None, HAS_CONTROL=control is not None)
+    flags = dict(ACC=acc, HAS_ANCHOR=anchor is not None, HAS_CONTROL=control is not None,
+                 ALIGNED=_rows_aligned(x, g, anchor, ci, buf))
     step_flags = dict(HAS_FIRST=first is not None, RULE=RULES[rule], MODE=MODES[mode])
     scalars = (lr, loss, l_star, sps_c, cap, lr if first is None else first, step_out, d, float(prox),
                float(clip_norm), float(weight_decay), float(momentum), float(eta2), float(tiny))
-    if cfg["CHUNK"] is None:
+    schedule = cfg["schedule"]
+    if schedule == "row" or M > 65535:  # the chunk kernels put rows on grid axis 1 (at most 65535)
         _local_step_kernel[(M,)](*rows, *scalars, **flags, **step_flags, BLOCK=cfg["BLOCK"],
                                  num_warps=cfg["num_warps"])
         return
     chunks = triton.cdiv(d, cfg["CHUNK"])
-    partial = torch.empty(M, chunks, dtype=torch.float64, device=x.base.device)
-    _chunk_sq_kernel[(M, chunks)](*rows, partial, d, float(prox), **flags, CHUNK=cfg["CHUNK"], BLOCK=cfg["BLOCK"],
+    partial = torch.empty(M, chunks, dtype=torch.float64, device=device)
+    _chunk_sq_kernel[(chunks, M)](*rows, partial, d, float(prox), **flags, CHUNK=cfg["CHUNK"], BLOCK=cfg["BLOCK"],
                                   num_warps=cfg["num_warps"])
-    _chunk_update_kernel[(M, chunks)](*rows, partial, *scalars, **flags, **step_flags, CHUNK=cfg["CHUNK"],
+    _chunk_update_kernel[(chunks, M)](*rows, partial, *scalars, **flags, **step_flags, CHUNK=cfg["CHUNK"],
                                       CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK=cfg["BLOCK"],
                                       num_warps=cfg["num_warps"])
