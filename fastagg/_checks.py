@@ -13,6 +13,16 @@ from .flat import as_tensor
 ON_NONFINITE = ("raise", "skip")
 
 
+def canonical_device(device) -> torch.device:
+    """The device as tensors on it report it: ``"cuda"`` -> ``cuda:<current>``, ``"cpu:0"`` -> ``cpu``."""
+    d = torch.device(device)
+    if d.type == "cpu":
+        return torch.device("cpu")
+    if d.index is None:
+        return torch.empty(0, device=d).device
+    return d
+
+
 def check_on_nonfinite(on_nonfinite: str) -> None:
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
@@ -37,8 +47,14 @@ def check_number(value: Any, name: str, *, minimum: float = 0.0, allow_equal: bo
     return value
 
 
-def normalized_weights(weights: Any, num_clients: int, device: torch.device) -> torch.Tensor:
-    """``p_i = n_i / sum_j n_j`` as float64 on ``device`` (``1/M`` each when ``weights`` is None)."""
+def normalized_weights(weights: Any, num_clients: int, device: torch.device, *, sync: bool = True) -> torch.Tensor:
+    """``p_i = n_i / sum_j n_j`` as float64 on ``device`` (``1/M`` each when ``weights`` is None).
+
+    Weights are checked on the host (finite, >= 0, not all zero; a ValueError names the first bad one). With
+    ``sync=False`` a tensor already on a GPU is checked on the device instead, without a host read (so the step
+    can be captured in a CUDA graph): invalid weights make every coefficient NaN, so the round is not finite and
+    is skipped like a round with a NaN client.
+    """
     if weights is None:
         return torch.full((num_clients,), 1.0 / num_clients, dtype=torch.float64, device=device)
     if isinstance(weights, torch.Tensor):
@@ -50,6 +66,12 @@ def normalized_weights(weights: Any, num_clients: int, device: torch.device) -> 
             raise TypeError(f"weights must be numbers, got {weights!r}") from e
     if tuple(w.shape) != (num_clients,):
         raise ValueError(f"weights must have shape ({num_clients},), got {tuple(w.shape)}")
+    if not sync and w.device.type != "cpu":
+        if w.device != torch.device(device):
+            raise ValueError(f"weights are on {w.device}; expected {device} like the client updates")
+        total = w.sum()
+        ok = torch.isfinite(w).all() & (w >= 0).all() & (total > 0)
+        return torch.where(ok, w / total, torch.full_like(w, float("nan")))
     host = w.cpu()
     bad = (~torch.isfinite(host)) | (host < 0)
     if bool(bad.any()):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_number, check_prob, expect_like
+from ._checks import canonical_device, check_number, check_prob, expect_like
 from .backends import resolve
 from .rowtable import RowTable, PerRow
 
@@ -51,7 +51,8 @@ class ClientState:
             raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"ClientState dtype must be torch.float32 or torch.float64, got {dtype}")
-        self.num_clients, self.dim, self.dtype, self.device = num_clients, dim, dtype, torch.device(device)
+        self.num_clients, self.dim, self.dtype = num_clients, dim, dtype
+        self.device = canonical_device(device)  # "cuda" is cuda:0 here, as the params' tensors say
         self.vectors: dict[str, torch.Tensor] = {}
         self.scalars: dict[str, torch.Tensor] = {}
 

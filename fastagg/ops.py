@@ -142,7 +142,7 @@ def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: 
             raise TypeError("eval_out= needs params= (the evaluation model is computed from the updated params)")
         eval_buf = out_buffer(eval_out, "eval_out", p.segments.numel, p.dtype, p.device)
     backend = resolve(backend_name, rows.device)
-    stats = client_stats(rows, weights, backend, name=name, mean_out=mean_buf)
+    stats = client_stats(rows, weights, backend, name=name, mean_out=mean_buf, sync=on_nonfinite == "raise")
     eta = eta_rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
     return apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite, backend=backend,
                              eval_buf=eval_buf)

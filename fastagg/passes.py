@@ -50,9 +50,9 @@ def run_stats(rows: ClientRows, coefs: torch.Tensor, backend, *, mean_init=None,
 
 
 def client_stats(rows: ClientRows, weights: Any, backend, *, name: str, aux=None, aux_coef: float = 0.0,
-                 mean_out=None) -> RoundStats:
-    """Stats of M client rows with weights normalized over the participants."""
-    coefs = normalized_weights(weights, rows.num_clients, rows.device)
+                 mean_out=None, sync: bool = True) -> RoundStats:
+    """Stats of M client rows with weights normalized over the participants (``sync``: see normalized_weights)."""
+    coefs = normalized_weights(weights, rows.num_clients, rows.device, sync=sync)
     mean, sq, bad, msq = run_stats(rows, coefs, backend, aux=aux, aux_coef=aux_coef, mean_out=mean_out)
     return RoundStats(mean, sq, bad, msq, (coefs * sq).sum(), rows.num_clients, rows.form, name)
 

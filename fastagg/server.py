@@ -188,6 +188,7 @@ class ServerOptimizer:
         if isinstance(deltas, Accumulator):
             return stats
         return client_stats(rows, weights, self._backend, name=name, aux=aux, aux_coef=aux_coef,
+                            sync=self.on_nonfinite == "raise",
                             mean_out=self._mean_buffer(name, compute_dtype(rows.dtype), rows.numel))
 
     def step(self, deltas: Any, weights: Any = None) -> StepStats:
@@ -210,7 +211,7 @@ class ServerOptimizer:
 
     def _advance(self, finite: torch.Tensor) -> None:
         step = self.state["step"]
-        self.state["step"] = torch.where(finite, step + 1, step)
+        step.copy_(torch.where(finite, step + 1, step))  # in place: a captured CUDA graph replays into it
 
     def _round(self, stats: RoundStats):
         raise NotImplementedError
@@ -288,8 +289,7 @@ class _FedExPFamily(ServerOptimizer):
         eps = rules.effective_eps(self.eps, num_clients, self.eps_mode)
         if self.eps_decay == 1.0:
             return device_scalar(eps, self.state["step"])
-        return eps * torch.pow(torch.as_tensor(self.eps_decay, dtype=torch.float64, device=self.device),
-                               self.state["step"] + 1)
+        return eps * torch.pow(self.eps_decay, self.state["step"] + 1)
 
     def eval_params(self):
         """``(w_prev + w) / 2``, the FedExP evaluation model (the params before the first step)."""
@@ -369,7 +369,7 @@ class FedExPM(_FedExPFamily):
         eta = rules.fedexp_eta(a_new, stats.mean_sq, self._eps_eff(stats.num_clients), scale=0.5, floor=0.0)
         finite = check_finite(stats, eta, self.on_nonfinite)
         self._fedexp_apply(stats, eta, finite, buf="v", momentum=self.beta)
-        self.state["numerator"] = torch.where(finite, a_new, self.state["numerator"])
+        self.state["numerator"].copy_(torch.where(finite, a_new, self.state["numerator"]))
         return eta, finite
 
 
@@ -530,8 +530,7 @@ class _AdamFamily(ServerOptimizer):
             return device_scalar(self.lr, like)
         k = self.state["step"] + (2.0 if self.bias_correction == "flower" else 1.0)
         b1, b2 = self.betas
-        return self.lr * torch.sqrt(1 - torch.pow(torch.as_tensor(b2, dtype=torch.float64, device=self.device), k)) \
-            / (1 - torch.pow(torch.as_tensor(b1, dtype=torch.float64, device=self.device), k))
+        return self.lr * torch.sqrt(1 - torch.pow(b2, k)) / (1 - torch.pow(b1, k))
 
     def _round(self, stats):
         lr = self._lr(stats.mean)

@@ -347,3 +347,15 @@ def test_strided_per_client_tensors_are_read_by_row(backend):
     s1 = client.local_step(params=x1, grads=p["grads"], lr=lrs[:, 0], backend=backend)
     s2 = client.local_step(params=x2, grads=p["grads"], lr=lrs[:, 0].clone(), backend=backend)
     assert torch.equal(s1, s2) and torch.equal(x1, x2)
+
+
+def test_client_state_device_spelled_without_index():
+    """A state made with device="cpu:0" (or "cuda" on a GPU) works with params whose tensors report "cpu"
+    ("cuda:0"): devices are compared as tensors report them, not as the user spelled them."""
+    m, d = 3, 10
+    state = client.ClientState(m, d, device="cpu:0")
+    assert state.device == torch.device("cpu")
+    x, g = torch.zeros(m, d), torch.ones(m, d)
+    client.local_step(params=x, grads=g, lr=0.1, momentum=0.9, state=state, client_ids=torch.arange(m),
+                      backend="reference")
+    assert torch.allclose(x, torch.full((m, d), -0.1))
