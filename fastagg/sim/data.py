@@ -10,7 +10,8 @@ import functools
 import numpy as np
 import torch
 
-__all__ = ["FederatedData", "fedexp_linreg", "synthetic", "quadratic", "digits", "dirichlet_split", "DATASETS", "load"]
+__all__ = ["FederatedData", "fedexp_linreg", "synthetic", "quadratic", "digits", "cifar_synthetic", "dirichlet_split",
+           "DATASETS", "load"]
 
 
 @dataclasses.dataclass
@@ -158,8 +159,31 @@ def digits(num_clients: int = 20, alpha: float = 0.3, seed: int = 0, test_fracti
                          test_x=torch.from_numpy(x[test]), test_y=torch.from_numpy(y[test]))
 
 
+def cifar_synthetic(num_clients: int = 1000, per_client: int = 50, seed: int = 0,
+                    test_size: int = 1000) -> FederatedData:
+    """CIFAR-10-shaped synthetic images for pfl-research's CIFAR-10 benchmark workload without a download: 32x32x3
+    standard-normal pixels (channels first, flattened to 3072 features), ``per_client`` images per client (50 x
+    1000 clients = CIFAR-10's 50,000 training images), labels from a fixed random linear teacher on 4x4-pooled
+    pixels (so a model can learn them), a held-out test set. Defaults: 50 clients a round, batch 10, 5 local steps
+    (one local epoch), the pfl CNN."""
+    g = torch.Generator().manual_seed(seed)
+    n = num_clients * per_client + test_size
+    x = torch.randn(n, 3, 32, 32, generator=g)
+    teacher = torch.randn(3 * 8 * 8, 10, generator=g, dtype=torch.float64)
+    pooled = torch.nn.functional.avg_pool2d(x, 4).flatten(1).double()
+    y = (pooled @ teacher).argmax(1)
+    x = x.flatten(1)
+    train = num_clients * per_client
+    return FederatedData("cifar-synthetic", x[:train].view(num_clients, per_client, -1),
+                         y[:train].view(num_clients, per_client),
+                         torch.full((num_clients,), per_client, dtype=torch.int64), "classification", num_classes=10,
+                         defaults=dict(participation=50 / num_clients if num_clients >= 50 else 1.0, batch_size=10,
+                                       local_steps=5, lr=0.05, model="pfl-cnn", rounds=100),
+                         test_x=x[train:], test_y=y[train:])
+
+
 DATASETS = {"fedexp-linreg": fedexp_linreg, "synthetic": synthetic, "synthetic-iid": synthetic_iid,
-            "quadratic": quadratic, "digits": digits}
+            "quadratic": quadratic, "digits": digits, "cifar-synthetic": cifar_synthetic}
 
 
 def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int = 0) -> FederatedData:

@@ -158,6 +158,8 @@ class Functional(Model):
         self.shapes = [p.shape for p in params.values()]
         self.sizes = [p.numel() for p in params.values()]
         self.dim = sum(self.sizes)
+        # dropout draws its own mask per client in training; evaluation runs the module in eval mode
+        self.randomness = "different" if any(isinstance(m, torch.nn.Dropout) for m in module.modules()) else "error"
 
     def init(self, dtype, device) -> torch.Tensor:
         return torch.cat([p.detach().flatten() for p in self.module.parameters()]).to(device, dtype)
@@ -173,12 +175,13 @@ class Functional(Model):
         return (ce * mask).sum() / mask.sum().clamp_min(1)
 
     def loss_grad(self, w, x, y, mask):
-        self.module.to(w.dtype)
-        grads, losses = torch.func.vmap(torch.func.grad_and_value(self._client_loss))(w, x, y, mask)
+        self.module.to(w.dtype).train()
+        grads, losses = torch.func.vmap(torch.func.grad_and_value(self._client_loss),
+                                        randomness=self.randomness)(w, x, y, mask)
         return losses.detach(), grads.detach()
 
     def _all(self, w, data):
-        self.module.to(w.dtype)
+        self.module.to(w.dtype).eval()
         keep = _mask(data).bool()
         return self._logits(w, data.x[keep]), data.y[keep]
 
@@ -194,7 +197,7 @@ class Functional(Model):
 
     @torch.no_grad()
     def test_metrics(self, w, x, y):
-        self.module.to(w.dtype)
+        self.module.to(w.dtype).eval()
         logits = self._logits(w, x)
         return torch.nn.functional.cross_entropy(logits, y), (logits.argmax(1) == y).to(w.dtype).mean()
 
@@ -210,12 +213,37 @@ def SmallCNN(data: FederatedData, seed: int = 0) -> Functional:
     return Functional(data, net, (1, side, side))
 
 
+def pfl_cnn_module(in_channels: int = 3, side: int = 32, num_classes: int = 10, seed: int = 0) -> torch.nn.Module:
+    """pfl-research's ``simple_cnn`` (benchmarks/model/pytorch/cnn.py) for channels-first images: conv 3x3 (32) -
+    ReLU - conv 3x3 (64) - ReLU - max-pool 2 - dropout 0.25 - linear 128 - ReLU - dropout 0.5 - linear, Glorot
+    uniform weights (1.63 M parameters at 32x32x3)."""
+    torch.manual_seed(seed)
+    flat = ((side - 4) // 2) ** 2 * 64
+    net = torch.nn.Sequential(torch.nn.Conv2d(in_channels, 32, 3), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3),
+                              torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Dropout(0.25), torch.nn.Flatten(),
+                              torch.nn.Linear(flat, 128), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                              torch.nn.Linear(128, num_classes))
+    for m in net.modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+            torch.nn.init.xavier_uniform_(m.weight)
+    return net
+
+
+def PflCNN(data: FederatedData, seed: int = 0) -> Functional:
+    """pfl-research's CIFAR-10 benchmark CNN (``pfl_cnn_module``) on 3-channel square images."""
+    side = int(round((data.num_features / 3) ** 0.5))
+    if 3 * side * side != data.num_features:
+        raise ValueError(f"model 'pfl-cnn' needs square 3-channel images; {data.name} has {data.num_features} features")
+    return Functional(data, pfl_cnn_module(3, side, data.num_classes, seed), (3, side, side))
+
+
 def _mask(data: FederatedData) -> torch.Tensor:
     n = data.x.shape[1]
     return (torch.arange(n, device=data.x.device)[None, :] < data.counts[:, None]).to(data.x.dtype)
 
 
-MODELS = {"linear": LeastSquares, "quadratic": Quadratic, "softmax": Softmax, "mlp": MLP, "cnn": SmallCNN}
+MODELS = {"linear": LeastSquares, "quadratic": Quadratic, "softmax": Softmax, "mlp": MLP, "cnn": SmallCNN,
+          "pfl-cnn": PflCNN}
 
 
 def make(name: str, data: FederatedData) -> Model:
@@ -223,7 +251,7 @@ def make(name: str, data: FederatedData) -> Model:
         return Quadratic(data)
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
-    if name in ("softmax", "mlp", "cnn") and data.task != "classification":
+    if name in ("softmax", "mlp", "cnn", "pfl-cnn") and data.task != "classification":
         raise ValueError(f"model {name!r} needs a classification dataset; {data.name} is {data.task}")
     if name == "linear" and data.task != "least_squares":
         raise ValueError(f"model 'linear' is least squares; {data.name} is {data.task} (use --model softmax)")
