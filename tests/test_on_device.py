@@ -1,12 +1,14 @@
-"""The Triton kernels on the device they are for, against the float64 reference computed on the CPU.
+"""The Triton kernels on the device they are for, against the float64 reference.
 
-On a machine with a CUDA GPU this runs the compiled kernels on the GPU (`pytest tests/test_on_device.py`, the
-device check of bench/device_check.sh). Without one, conftest sets TRITON_INTERPRET=1 and the same checks run
-the kernels through the interpreter on CPU tensors, so these tests stay tested where CI runs. Shapes are chosen
-to cross the kernels' paths on a GPU: several column blocks and a ragged tail, client tiles over M > 8, and
-client rows long enough to be split into column chunks as well as many short rows.
+On a machine with a CUDA GPU this runs the compiled kernels on the GPU (the device check of
+bench/device_check.sh) over every kernel family, input dtype and input form, M from 1 to 1000, and one
+2^31 + 5-element row. Without one, conftest sets TRITON_INTERPRET=1 and the same checks run the kernels through
+the interpreter on CPU tensors at smaller sizes, so these tests stay tested where CI runs. The GPU-only cases
+(a CUDA graph capture, the 2^31 + 5-element row, a step with no host sync) say so.
 """
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -17,71 +19,281 @@ from fastagg.testing import assert_close, tolerance
 
 # Without CUDA the root conftest has set TRITON_INTERPRET=1, so the triton backend runs on CPU tensors.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (what it checks does not exist in the interpreter)")
+
+local_mod = importlib.import_module("fastagg.backends.triton.local_step")
+
+INPUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+# (M, d): one client and one element, short ragged rows, many clients, long rows crossing many column blocks.
+ROUND_SHAPES = [(1, 1), (1, 4099), (7, 5), (33, 70_001), (1000, 3001), (1000, 1)] if ON_GPU else \
+    [(1, 1), (7, 5), (3, 9000), (37, 130)]
 
 
 def _randn(*shape, seed, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
-def test_fedexp_round_on_device(dtype):
-    m, d = 11, 70_001
+def _forms(x: torch.Tensor, form: str):
+    """``x`` ([M, d], on the device) as a matrix, a list of flat rows, or per-layer lists (three ragged layers)."""
+    if form == "matrix":
+        return x
+    if form == "list":
+        return list(x.unbind(0))
+    d = x.shape[1]
+    cuts = [0, d // 3, d // 3 + (d - d // 3) // 2, d] if d >= 3 else [0, d]
+    return [[r[a:b] for a, b in zip(cuts, cuts[1:])] for r in x.unbind(0)]
+
+
+def _layers(w: torch.Tensor, form: str):
+    """params in the form matching ``_forms``: flat, or the same layer cut (as separate tensors)."""
+    if form != "per-layer":
+        return w
+    d = w.numel()
+    cuts = [0, d // 3, d // 3 + (d - d // 3) // 2, d] if d >= 3 else [0, d]
+    return [w[a:b].clone() for a, b in zip(cuts, cuts[1:])]
+
+
+def _flat(p) -> torch.Tensor:
+    return p if isinstance(p, torch.Tensor) else torch.cat([t.reshape(-1) for t in p])
+
+
+@pytest.mark.parametrize("form", ["matrix", "list", "per-layer"])
+@pytest.mark.parametrize("m,d", ROUND_SHAPES, ids=[f"M{m}-d{d}" for m, d in ROUND_SHAPES])
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+def test_fedexp_round_on_device(dtype, m, d, form):
     deltas = 0.1 * _randn(m, d, seed=1, dtype=dtype)
     params = _randn(d, seed=2, dtype=dtype)
     weights = list(range(1, m + 1))
-    w_dev = params.to(DEVICE, copy=True)
-    got = fastagg.fedexp_step(deltas.to(DEVICE), eps=1e-3, weights=weights, params=w_dev, backend="triton")
+    x_dev = deltas.to(DEVICE)
+    w_dev = _layers(params.to(DEVICE, copy=True), form)
+    got = fastagg.fedexp_step(_forms(x_dev, form), eps=1e-3, weights=weights, params=w_dev, backend="triton")
     ref_params = params.double()
     ref = fastagg.fedexp_step(deltas.double(), eps=1e-3, weights=weights, params=ref_params, backend="reference")
-    for what, a, b, kind in (("mean", got.mean_flat, ref.mean_flat, "mean"), ("sq_norms", got.sq_norms, ref.sq_norms, "norm"),
-                             ("eta", got.eta, ref.eta, "norm"), ("params", w_dev, ref_params.to(dtype), "params"),
-                             ("eval", got.eval_params, ref.eval_params.to(dtype), "params")):
+    for what, a, b, kind in (("mean", got.mean_flat, ref.mean_flat, "mean"),
+                             ("sq_norms", got.sq_norms, ref.sq_norms, "norm"), ("eta", got.eta, ref.eta, "norm"),
+                             ("params", _flat(w_dev), ref_params.to(dtype), "params"),
+                             ("eval", _flat(got.eval_params), ref.eval_params.to(dtype), "params")):
         rtol, atol = tolerance(dtype, kind)
+        if kind == "mean" and m > 16:  # float32 sums of M terms: the error grows like sqrt(M) ulps of max|x|
+            atol *= (m / 16) ** 0.5
         assert_close(a.cpu(), b, rtol=rtol, atol=atol, name=what)
 
 
-@pytest.mark.parametrize("name,hyper", [("FedAvgM", dict(lr=0.5, momentum=0.9, nesterov=True)),
-                                        ("FedExPM", dict(eps=1e-3, beta=0.9)), ("FedACG", dict(lam=0.85)),
-                                        ("FedAdam", dict(lr=0.1, tau=1e-3)), ("FedAMS", dict(lr=0.1))])
-def test_server_optimizer_on_device(name, hyper):
-    d = 50_003
-    w0 = _randn(d, seed=3)
-    w_dev, w_ref = w0.to(DEVICE, copy=True), w0.double()
+SERVER_CASES = {
+    "FedAvg": dict(lr=0.7), "FedAvgM": dict(lr=0.5, momentum=0.9, nesterov=True), "FedExP": dict(eps=1e-3),
+    "FedExPM": dict(eps=1e-3, beta=0.9), "FedACG": dict(lam=0.85), "FedAdam": dict(lr=0.1, tau=1e-3),
+    "FedYogi": dict(lr=0.01, tau=1e-3), "FedAdagrad": dict(lr=0.1, tau=1e-3), "FedAMS": dict(lr=0.1),
+    "Scaffold": dict(num_clients=20), "ScaffoldExP": dict(num_clients=20, eps=1e-3),
+}
+
+
+@pytest.mark.parametrize("layers", ["flat", "per-layer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(SERVER_CASES))
+def test_server_optimizer_on_device(name, dtype, layers):
+    d = 50_003 if ON_GPU else 5_003
+    w0 = _randn(d, seed=3, dtype=dtype)
+    form = "per-layer" if layers == "per-layer" else "matrix"
+    w_dev, w_ref = _layers(w0.to(DEVICE, copy=True), form), w0.double()
+    hyper = SERVER_CASES[name]
     opt = getattr(server, name)(w_dev, backend="triton", **hyper)
     ref = getattr(server, name)(w_ref, backend="reference", **hyper)
+    rtol, atol = tolerance(dtype, "params")
     for t, m in enumerate((3, 9, 5)):
-        deltas = 0.1 * _randn(m, d, seed=10 + t) + 0.01
-        opt.step(deltas.to(DEVICE), weights=list(range(1, m + 1)))
-        ref.step(deltas.double(), weights=list(range(1, m + 1)))
-        assert_close(w_dev.cpu(), w_ref, rtol=1e-5, atol=1e-5, name=f"{name} params, round {t}")
+        deltas = (0.1 * _randn(m, d, seed=10 + t) + 0.01).to(dtype)
+        weights = list(range(1, m + 1))
+        extra = ((0.05 * _randn(m, d, seed=20 + t)).to(dtype),) if name.startswith("Scaffold") else ()
+        opt.step(_forms(deltas.to(DEVICE), form), *(_forms(e.to(DEVICE), form) for e in extra), weights=weights)
+        ref.step(deltas.double(), *(e.double() for e in extra), weights=weights)
+        # params of dtype are rounded after every step: allow one ulp per round
+        assert_close(_flat(w_dev).cpu(), w_ref, rtol=rtol * (t + 1), atol=atol * (t + 1),
+                     name=f"{name} params, round {t}")
+        assert_close(_flat(opt.eval_params()).cpu(), ref.eval_params(), rtol=rtol * (t + 1), atol=atol * (t + 1),
+                     name=f"{name} eval params, round {t}")
 
 
-@pytest.mark.parametrize("m,d", [(64, 1_000), (3, 70_000)], ids=["many short rows", "few long rows (chunks)"])
-def test_client_steps_on_device(m, d):
+SCHEDULES = ["row", "chunks"]
+CLIENT_SHAPES = [(64, 1_000), (3, 70_001), (1000, 5_000)] if ON_GPU else [(16, 1_000), (3, 20_001)]
+
+
+def _forced(schedule: str, block: int):
+    def config(num_rows, numel):
+        return dict(schedule=schedule, BLOCK=block, CHUNK=4 * block if schedule == "chunks" else None,
+                    num_warps=8 if block >= 4096 else 4)
+    return config
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m,d", CLIENT_SHAPES, ids=[f"M{m}-d{d}" for m, d in CLIENT_SHAPES])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_client_steps_on_device(schedule, m, d, dtype, monkeypatch):
+    """Every client rule family through each schedule, against the float64 reference, three rounds of steps with
+    state; rows whose loss is at l_star take no step (nothing of them written)."""
+    block = 4096 if ON_GPU else 8192
+    if schedule == "row" and d > 16 * block:
+        block = 16384
+    monkeypatch.setattr(local_mod, "local_config", _forced(schedule, block))
     x0 = _randn(m, d, seed=4)
     grads = [_randn(m, d, seed=5 + t) for t in range(3)]
     losses = 1.0 + torch.rand(m, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    losses[m // 2] = 0.0  # at l_star: that client takes no SPS step
     ids = torch.arange(m)
     anchor = _randn(d, seed=7)
 
-    def run(device, dtype, backend):
-        x = x0.to(device, dtype, copy=True)
-        state = client.ClientState(m, d, dtype=dtype, device=device)
+    def run(device, dt, backend):
+        x = x0.to(device, dt, copy=True)
+        cdt = torch.float64 if dt == torch.float64 else torch.float32
+        state = client.ClientState(m, d, dtype=cdt, device=device)
         steps = []
         for g in grads:
-            g = g.to(device, dtype)
+            g = g.to(device, dt)
             steps.append(client.sps_step(params=x, grads=g, losses=losses.to(device), c=0.5, gamma_b=0.3,
-                                         prox=(anchor.to(device, dtype), 0.01), clip_norm=30.0, backend=backend))
+                                         prox=(anchor.to(device, dt), 0.01), clip_norm=30.0, backend=backend))
             steps.append(client.local_step(params=x, grads=g, lr=0.05, momentum=0.9, nesterov=True, state=state,
                                            client_ids=ids, weight_decay=1e-3, backend=backend))
             steps.append(client.mass_step(params=x, grads=g, state=state, client_ids=ids, eta1=0.05, gam=0.5,
                                           eta2=0.01, backend=backend))
         return x.cpu(), [s.cpu() for s in steps], {k: v.cpu() for k, v in state.vectors.items()}
 
-    got_x, got_steps, got_state = run(DEVICE, torch.float32, "triton")
-    ref_x, ref_steps, ref_state = run("cpu", torch.float64, "reference")
+    got_x, got_steps, got_state = run(DEVICE, dtype, "triton")
+    # the reference sees the same quantized values: it runs in float64 on the dtype's inputs
+    ref_x, ref_steps, ref_state = run("cpu", torch.float64, "reference") if dtype == torch.float32 else \
+        _reference_in(dtype, run)
     for t, (a, b) in enumerate(zip(got_steps, ref_steps)):
         assert_close(a, b, rtol=1e-4, atol=1e-7, name=f"steps {t}")
-    assert_close(got_x, ref_x, rtol=1e-4, atol=1e-5, name="params")
+    assert got_steps[0][m // 2] == 0.0
+    rtol, atol = (1e-4, 1e-5) if dtype == torch.float32 else tolerance(dtype, "params")
+    assert_close(got_x, ref_x, rtol=rtol * 9, atol=atol * 9, name="params")  # 9 steps, one rounding each
     for k, v in ref_state.items():
-        assert_close(got_state[k], v, rtol=1e-4, atol=1e-5, name=f"state {k}")
+        assert_close(got_state[k], v, rtol=1e-4 if dtype == torch.float32 else rtol * 9,
+                     atol=1e-5 if dtype == torch.float32 else atol * 9, name=f"state {k}")
+
+
+def _reference_in(dtype, run):
+    """The reference backend run on ``dtype`` params on the CPU (the same per-step rounding of params)."""
+    return run("cpu", dtype, "reference")
+
+
+@gpu_only
+def test_server_step_replays_in_a_cuda_graph():
+    """A whole server step (stats pass, step size, apply pass) is captured once with on_nonfinite="skip" and
+    replayed for 3 rounds; params, state and statistics equal eager steps bit for bit. A round with a NaN client
+    replays as skipped (params unchanged), as eagerly."""
+    d, m = 300_007, 8
+    rounds = [(0.1 * _randn(m, d, seed=40 + t)).cuda() for t in range(4)]
+    rounds[3][2, 5] = float("nan")
+    weights = [torch.arange(1.0, m + 1, device="cuda") * (t + 1) for t in range(4)]
+    for name in ("FedAdam", "FedExPM", "FedAvgM"):
+        hyper = {"FedAdam": dict(lr=0.1), "FedExPM": dict(eps=1e-3), "FedAvgM": dict(momentum=0.9)}[name]
+        w_eager = _randn(d, seed=41).cuda()
+        w_graph = w_eager.clone()
+        eager = getattr(server, name)(w_eager, on_nonfinite="skip", **hyper)
+        graphed = getattr(server, name)(w_graph, on_nonfinite="skip", **hyper)
+        static_x = rounds[0].clone()
+        static_w = weights[0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compiles, allocates state, builds the kept tables
+            graphed.step(static_x, weights=static_w)
+        torch.cuda.current_stream().wait_stream(side)
+        eager.step(rounds[0], weights=weights[0])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            stats = graphed.step(static_x, weights=static_w)
+        for t in (1, 2, 3):
+            static_x.copy_(rounds[t])
+            static_w.copy_(weights[t])
+            graph.replay()
+            ref = eager.step(rounds[t], weights=weights[t])
+            torch.cuda.synchronize()
+            assert torch.equal(w_graph, w_eager), f"{name}: params differ after replay {t}"
+            for k, v in eager.state.items():
+                assert torch.equal(graphed.state[k], v), f"{name}: state {k!r} differs after replay {t}"
+            assert torch.equal(stats.eta, ref.eta) and torch.equal(stats.finite, ref.finite)
+        assert not bool(stats.finite)  # the last round held a NaN: skipped in both
+
+
+def test_server_state_stays_in_place_across_steps():
+    """What makes graph replay correct, checked on any device: a step writes every state tensor in place (a captured
+    graph replays into the addresses it saw), and the reused buffers keep their addresses."""
+    d = 1_003
+    for name, hyper in (("FedAdam", dict(lr=0.1)), ("FedExPM", dict(eps=1e-3)), ("FedAvgM", dict(momentum=0.9)),
+                        ("FedAMS", {}), ("FedACG", {})):
+        opt = getattr(server, name)(_randn(d, seed=1).to(DEVICE), on_nonfinite="skip", backend="triton", **hyper)
+        opt.step((0.1 * _randn(4, d, seed=2)).to(DEVICE))
+        where = {k: v.data_ptr() for k, v in opt.state.items()}
+        for t in range(3):
+            opt.step((0.1 * _randn(4, d, seed=3 + t)).to(DEVICE))
+        assert {k: v.data_ptr() for k, v in opt.state.items()} == where, name
+        assert opt.round == 4
+
+
+@gpu_only
+def test_device_weights_need_no_host_sync():
+    """With on_nonfinite="skip" and weights already on the GPU, a step reads nothing back to the host (torch's
+    sync debug mode raises on any synchronizing call); invalid weights skip the round."""
+    d, m = 10_001, 4
+    w = _randn(d, seed=1).cuda()
+    opt = server.FedAdam(w, on_nonfinite="skip")
+    x = (0.1 * _randn(m, d, seed=2)).cuda()
+    weights = torch.tensor([1.0, 2.0, 3.0, 4.0], device="cuda")
+    negative = torch.tensor([1.0, -2.0, 3.0, 4.0], device="cuda")
+    opt.step(x, weights=weights)  # warm-up: kernel compiles and cached tables
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step(x, weights=weights)
+        before = w.clone()
+        stats = opt.step(x, weights=negative)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not bool(stats.finite) and torch.equal(w, before)
+
+
+BIG = 2 ** 31 + 5
+
+
+def _chunked(fn, n, step=1 << 28):
+    """sum over column chunks of fn(a, b) (float64 scalars), to check 2^31-element buffers without fp64 copies."""
+    return sum(fn(a, min(n, a + step)) for a in range(0, n, step))
+
+
+@gpu_only
+def test_64bit_offsets_on_device():
+    """One row of 2^31 + 5 float32 elements (8.6 GB, offsets past int32) through the stats pass, the momentum apply
+    pass (params and eval model), an Adam-family apply pass and the client step; elements past 2^31 are checked
+    by value and whole buffers by float64 sums computed chunk by chunk."""
+    free = torch.cuda.mem_get_info()[0]
+    assert free > 48e9, f"needs ~48 GB of free GPU memory, {free / 1e9:.0f} GB free"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, BIG, device="cuda", generator=g)
+    x[0, -3:] = torch.tensor([1.5, -2.0, 4.0], device="cuda")
+    res_head = x[0, :5].cpu().double()
+    w = torch.zeros(BIG, device="cuda")
+    w[-3:] = 10.0
+    res = fastagg.fedexp_step(x, eps=0.0, params=w, on_nonfinite="skip")
+    sq = _chunked(lambda a, b: x[0, a:b].double().square().sum().item(), BIG)
+    assert_close(res.sq_norms.cpu(), torch.tensor([sq]), rtol=tolerance(torch.float32, "norm")[0], atol=0,
+                 name="||x||^2")
+    assert float(res.eta) == 1.0  # one client: avg = ||mean||^2, eta = max(1, 1/2)
+    assert res.mean_flat[-3:].tolist() == [1.5, -2.0, 4.0]
+    assert w[-3:].tolist() == [11.5, 8.0, 14.0]  # w + eta * mean
+    assert res.eval_params[-3:].tolist() == [10.75, 9.0, 12.0]  # w_new - eta/2 * mean
+    # w was 0 before its last three elements and eta = 1, weight 1: w_new == x exactly there
+    assert _chunked(lambda a, b: float(not torch.equal(w[a:b], x[0, a:b])), BIG - 3) == 0
+    del res
+    opt = server.FedAdagrad(w, lr=0.5, tau=1.0, on_nonfinite="skip")
+    opt.step(x)
+    # adagrad from v = 0: w += lr * g / (|g| + tau)
+    expect = [11.5 + 0.5 * 1.5 / 2.5, 8.0 - 0.5 * 2.0 / 3.0, 14.0 + 0.5 * 4.0 / 5.0]
+    assert_close(w[-3:].cpu(), torch.tensor(expect), rtol=1e-6, atol=1e-6, name="adagrad tail")
+    del opt
+    torch.cuda.empty_cache()
+    grads = torch.full_like(x, 1e-3)
+    grads[0, -1] = 2.0
+    steps = client.local_step(params=x, grads=grads, lr=0.5)
+    assert steps.tolist() == [0.5]
+    assert_close(x[0, -3:].cpu(), torch.tensor([1.5 - 0.5e-3, -2.0 - 0.5e-3, 4.0 - 1.0]), rtol=1e-6, atol=0,
+                 name="client step tail")
+    assert_close(x[0, :5].cpu(), res_head - 0.5e-3, rtol=1e-6, atol=1e-6, name="client step head")

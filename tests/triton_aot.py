@@ -96,7 +96,10 @@ def drive_launchers():
                             momentum_mod.momentum_apply(params=p, mean=mean, lr=one, finite=finite, buf=buf,
                                                         momentum=0.9, nesterov=nesterov, extra_out=extra,
                                                         extra_coef=one, extra_coef_skip=skip)
-            for d in (10, 40_000):  # one program per row; rows split into chunks (local_config)
+            for d, schedule in ((10, "row"), (40_000, "row"), (40_000, "chunks")):
+                block = min(4096, triton.next_power_of_2(d))
+                local_mod.local_config = lambda m, n, s=schedule, b=block: dict(
+                    schedule=s, BLOCK=b, CHUNK=4 * b if s == "chunks" else None, num_warps=8)
                 xs = torch.zeros(3, d, dtype=dtype)
                 rows, shared = RowTable.rows(xs), RowTable.broadcast(torch.zeros(d, dtype=dtype), 3)
                 vec = torch.zeros(3, **f64)
@@ -118,12 +121,17 @@ def drive_launchers():
 local_mod = importlib.import_module("fastagg.backends.triton.local_step")
 
 
-def main(capabilities):
+def capture_launches():
+    """Replace every kernel by a Capture."""
     for mod, name in ((stats_mod, "_round_stats_kernel"), (stats_mod, "_finalize_kernel"),
                       (momentum_mod, "_momentum_apply_kernel"), (adam_mod, "_adam_apply_kernel"),
                       (local_mod, "_local_step_kernel"), (local_mod, "_chunk_sq_kernel"),
                       (local_mod, "_chunk_update_kernel")):
         setattr(mod, name, Capture(getattr(mod, name)))
+
+
+def main(capabilities):
+    capture_launches()
     drive_launchers()
     seen = set()
     for fn, args, kwargs in captured:
