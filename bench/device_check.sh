@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# The GPU check, as one run on a lent GPU machine (repo root; its stack: torch, triton, pybind11, pytest,
+# The GPU check, as one run on a lent GPU machine (repo root; its own stack: torch, triton, pytest, pytest-xdist,
 # pytest-benchmark preinstalled, no network):
-#     bash bench/device_check.sh
-# Builds fastagg, runs the Triton kernels on the GPU against the float64 reference (tests/test_on_device.py),
-# then times them against a device-to-device copy and torch (bench/gpu_round.py). Output also goes to
-# $OUT/device_check.txt when OUT is set. Paste the numbers, with the card's name, into bench/RESULTS.md.
-set -euo pipefail
-log="${OUT:-/tmp}/device_check.txt"
+#     bash bench/device_check.sh [gpu_bench sections, default all]
+# 1. the Triton kernels on the GPU against the float64 reference (tests/test_on_device.py: every kernel family,
+#    fp32/bf16/fp16/fp64, list/[M, d]/per-layer input, M 1..1000, one 2^31+5-element row, a CUDA graph replay);
+# 2. bench/gpu_bench.py: every kernel against a device-to-device copy timed in the same run, and against torch.
+# fastagg is imported from the checkout (PYTHONPATH): the GPU checks need no C++ build, and skipping it saves
+# device time (`pip install --no-build-isolation --no-deps -e .` also works there). Everything lands in $OUT:
+# device_check.txt (the whole log), pytest.txt, gpu_bench.md / .json (the tables for bench/RESULTS.md).
+set -uo pipefail
+OUT="${OUT:-/tmp/fastagg-device}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+SECTIONS="${1:-copy,round,server,client,sim,sweep,compile}"
+TEST_LIMIT="${TEST_LIMIT:-300}" BENCH_LIMIT="${BENCH_LIMIT:-420}"  # seconds
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  pip install -q --no-build-isolation --no-deps -e .
-  python -m pytest -q tests/test_on_device.py
-  python bench/gpu_round.py --params 100000000
-} 2>&1 | tee "$log"
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader
+  python3 -c "import torch, triton; print('python', __import__('sys').version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+  start=$(date +%s)
+  # correctness first; a kernel that hangs is killed with its worker (thread timeout) and reported
+  timeout "$TEST_LIMIT" python3 -m pytest -q -p no:cacheprovider tests/test_on_device.py -n 12 --timeout 150 \
+      --timeout-method=thread -ra 2>&1 | tee "$OUT/pytest.txt"
+  echo "== pytest: $(( $(date +%s) - start )) s"
+  start=$(date +%s)
+  timeout "$BENCH_LIMIT" python3 bench/gpu_bench.py --out "$OUT" --sections "$SECTIONS"
+  echo "== gpu_bench: $(( $(date +%s) - start )) s"
+} 2>&1 | tee "$OUT/device_check.txt"

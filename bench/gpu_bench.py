@@ -1,0 +1,541 @@
+"""GPU throughput of every fastagg Triton path against the card's copy bandwidth and against torch, in one run.
+
+    python bench/gpu_bench.py --out DIR [--sections copy,round,...] [--quick | --dry-run]
+
+Every time is the median of ``triton.testing.do_bench`` (CUDA events; the L2 is flushed before every rep), with
+buffers far above the L2. Bandwidth counts bytes read plus bytes written, for the copy too, so "x copy" is the
+fraction of the card's copy bandwidth a kernel reaches. Writes DIR/gpu_bench.md (tables) and DIR/gpu_bench.json
+(every row); paste the tables, with the card's name, into bench/RESULTS.md. No number here is a test.
+
+Sections:
+  copy     device-to-device copy (the bandwidth reference) and a plain read (``x.sum()``)
+  round    FedExP rounds (M=16, d=1e8 and M=100, d=1e7; fp32 and bf16): fastagg's default and tuned calls
+           against the best eager torch (several variants; the fastest is the reference)
+  compile  the same torch round under torch.compile(mode="max-autotune-no-cudagraphs") (fp32)
+  sweep    stats-pass launch configurations and the alignment hints off, on the first round shape
+  server   all server optimizers (M=16, d=5e7) against the time of their own traffic at copy bandwidth, and
+           FedAdam against mean-by-torch + torch.optim.Adam(fused=True); one FedAdam step replayed in a CUDA graph
+  client   batched FedSPS (M=1000, d=1e5 and M=100, d=1e6): each schedule and block size, X.add_(G), torch
+  sim      pfl-research's CIFAR-10 workload (1000 clients, 50 a round, the pfl CNN, 5 local steps of batch 10):
+           a simulator round against a per-client loop of plain torch
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import time
+
+import torch
+
+ROWS: list[dict] = []
+COPY_BW: dict = {}
+DEV = "cuda"  # --dry-run: "cpu" (tiny sizes, Triton through the interpreter): checks this script, measures nothing
+SCALE = 1.0   # --quick / --dry-run shrink every size
+
+
+def size(n: int) -> int:
+    return max(1, int(n * SCALE))
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench(fn, *, rep_ms: int = 200) -> float:
+    if DEV != "cuda":
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def record(section: str, name: str, ms: float, nbytes: float | None = None, **extra) -> dict:
+    row = dict(section=section, name=name, ms=round(ms, 4), **extra)
+    if nbytes:
+        bw = nbytes / ms / 1e6
+        row.update(GB=round(nbytes / 1e9, 3), GBps=round(bw), x_copy=round(bw / COPY_BW["GBps"], 3))
+    ROWS.append(row)
+    shown = "  ".join(f"{k}={v}" for k, v in row.items() if k not in ("section",))
+    print(f"[{section}] {shown}", flush=True)
+    return row
+
+
+def free():
+    import gc
+
+    gc.collect()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def section_copy() -> None:
+    _copy()
+    free()
+
+
+def _copy() -> None:
+    n = size(1_600_000_000)  # 6.4 GB of float32, the size of the largest round's updates
+    x = torch.randn(n, device=DEV)
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x))
+    COPY_BW["GBps"] = 2 * x.numel() * 4 / ms / 1e6
+    record("copy", f"d2d copy {n * 4 / 1e9:.1f} GB", ms, 2 * n * 4)
+    record("copy", "plain read x.sum()", bench(lambda: x.sum()), n * 4)
+
+
+def torch_rounds():
+    """Eager torch FedExP rounds: (name, fn(x, p, w, eval_out, eps) -> None). The first two are the same math
+    with the weighted sum as a matrix-vector or a matrix-matrix product."""
+
+    def finish(x, p, w, eval_out, eps, mean):
+        sq = torch.linalg.vector_norm(x, dim=1, dtype=torch.float32).double().square()
+        avg = (p.double() * sq).sum()
+        msq = torch.linalg.vector_norm(mean, dtype=torch.float32).double().square()
+        eta = torch.clamp(0.5 * avg / (msq + eps), min=1.0).to(torch.float32)
+        w.add_(mean * eta.to(mean.dtype))
+        torch.sub(w, mean * (0.5 * eta).to(mean.dtype), out=eval_out)
+
+    def mv(x, p, w, eval_out, eps):
+        finish(x, p, w, eval_out, eps, torch.mv(x.t(), p.to(x.dtype)))
+
+    def mm(x, p, w, eval_out, eps):
+        finish(x, p, w, eval_out, eps, torch.mm(p.to(x.dtype)[None], x)[0])
+
+    def fused_addcmul(x, p, w, eval_out, eps):
+        mean = torch.mv(x.t(), p.to(x.dtype))
+        sq = torch.linalg.vector_norm(x, dim=1, dtype=torch.float32).double().square()
+        avg = (p.double() * sq).sum()
+        msq = torch.dot(mean, mean).double()
+        eta = torch.clamp(0.5 * avg / (msq + eps), min=1.0).to(w.dtype)
+        w.addcmul_(mean, eta)
+        torch.addcmul(w, mean, -0.5 * eta, out=eval_out)
+
+    return [("torch mv + vector_norm", mv), ("torch mm + vector_norm", mm), ("torch mv + addcmul", fused_addcmul)]
+
+
+ROUND_SHAPES = [(16, 100_000_000), (100, 10_000_000)]
+
+
+def _round_bytes(m, d, es, with_params: bool) -> int:
+    """Bytes a FedExP round must move: read the updates, write the float32 mean; with params also read the mean,
+    read and write params, write the eval model."""
+    b = m * d * es + 4 * d
+    if with_params:
+        b += 4 * d + 3 * d * es
+    return b
+
+
+def section_round() -> None:
+    for m, d in ROUND_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            _round(m, size(d), dtype)
+            free()
+
+
+def _round(m: int, d: int, dtype: torch.dtype) -> None:
+    import fastagg
+
+    es = torch.finfo(dtype).bits // 8
+    tag = f"M={m} d={d:.0e} {str(dtype)[6:]}"
+    x = torch.randn(m, d, device=DEV).to(dtype)
+    p = torch.full((m,), 1.0 / m, device=DEV)
+    w = torch.zeros(d, device=DEV, dtype=dtype)
+    mean = torch.empty(d, device=DEV)
+    eval_out = torch.empty(d, device=DEV, dtype=dtype)
+    full, stats_only = _round_bytes(m, d, es, True), _round_bytes(m, d, es, False)
+    cases = [
+        ("fastagg default: fedexp_step(x, eps, params=w)",
+         lambda: fastagg.fedexp_step(x, eps=1e-3, params=w), full),
+        ("fastagg skip: on_nonfinite='skip' (no host sync)",
+         lambda: fastagg.fedexp_step(x, eps=1e-3, params=w, on_nonfinite="skip"), full),
+        ("fastagg tuned: skip + mean_out= + eval_out=",
+         lambda: fastagg.fedexp_step(x, eps=1e-3, params=w, on_nonfinite="skip", mean_out=mean,
+                                     eval_out=eval_out), full),
+        ("fastagg stats only: fedexp_step(x, eps)", lambda: fastagg.fedexp_step(x, eps=1e-3), stats_only),
+        ("fastagg stats only, tuned: skip + mean_out=",
+         lambda: fastagg.fedexp_step(x, eps=1e-3, on_nonfinite="skip", mean_out=mean), stats_only),
+    ]
+    cases += [(name, (lambda f=f: f(x, p, w, eval_out, 1e-3)), full) for name, f in torch_rounds()]
+    for name, fn, nbytes in cases:
+        record("round", f"{tag}: {name}", bench(fn), nbytes, M=m, d=d, dtype=str(dtype)[6:])
+
+
+def section_compile() -> None:
+    """The eager torch rounds under torch.compile (max-autotune-no-cudagraphs), fp32."""
+    for m, d in ROUND_SHAPES:
+        _compiled_round(m, size(d))
+        free()
+
+
+def _compiled_round(m: int, d: int) -> None:
+    eager = dict(torch_rounds())
+    x = torch.randn(m, d, device=DEV)
+    p = torch.full((m,), 1.0 / m, device=DEV)
+    w = torch.zeros(d, device=DEV)
+    eval_out = torch.empty(d, device=DEV)
+    for name in ("torch mv + vector_norm", "torch mv + addcmul"):
+        torch._dynamo.reset()
+        compiled = torch.compile(eager[name], mode="max-autotune-no-cudagraphs", dynamic=False)
+        t0 = time.perf_counter()
+        compiled(x, p, w, eval_out, 1e-3)
+        sync()
+        took = time.perf_counter() - t0
+        record("compile", f"M={m} d={d:.0e} float32: torch.compile({name})",
+               bench(lambda: compiled(x, p, w, eval_out, 1e-3)), _round_bytes(m, d, 4, True), M=m, d=d,
+               compile_s=round(took, 1))
+
+
+def section_sweep() -> None:
+    """Stats-pass launch configurations (BLOCK_M clients x BLOCK_D columns, warps) and the hints off."""
+    for m, d in ROUND_SHAPES:
+        _sweep(m, size(d))
+        free()
+
+
+def _sweep(m: int, d: int) -> None:
+    """Each configuration is timed and its mean and squared norms checked against float64 torch."""
+    import fastagg
+    from fastagg.testing import assert_close, tolerance
+
+    stats_mod = importlib.import_module("fastagg.backends.triton.round_stats")
+    launch = importlib.import_module("fastagg.backends.triton.launch")
+    chosen, chosen_finalize, real_finalize = stats_mod.stats_config, stats_mod.finalize_config, \
+        stats_mod._finalize_kernel
+    x = torch.randn(m, d, device=DEV)
+    mean = torch.empty(d, device=DEV)
+    ref_mean = torch.zeros(d, dtype=torch.float64, device=DEV)
+    for i in range(m):
+        ref_mean += x[i].double()
+    ref_mean /= m
+    ref_sq = torch.stack([x[i].double().square().sum() for i in range(m)])
+
+    class Skipped:  # stage 1 alone: the finalize launch becomes a no-op
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    configs = [(1, 4096, 4), (2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (1, 8192, 8), (1, 2048, 4), (4, 1024, 4),
+               (2, 4096, 8)]
+    for cfg in configs + ["hints off", "stage 1 alone"]:
+        check = True
+        if cfg == "hints off":
+            launch.HINTS = False
+            name = f"chosen {chosen(m, d)} with the alignment hints off"
+        elif cfg == "stage 1 alone":
+            stats_mod._finalize_kernel = Skipped()
+            name = f"chosen {chosen(m, d)}, stage 1 alone (finalize skipped)"
+            check = False
+        else:
+            bm, bd, nw = cfg
+            stats_mod.stats_config = lambda M, n, bm=bm, bd=bd, nw=nw: dict(BLOCK_M=min(bm, M), BLOCK_D=bd,
+                                                                              num_warps=nw)
+            name = f"BLOCK_M={bm} BLOCK_D={bd} warps={nw}"
+        try:
+            ms = bench(lambda: fastagg.fedexp_step(x, eps=1e-3, on_nonfinite="skip", mean_out=mean))
+            verdict = ""
+            if check:
+                res = fastagg.fedexp_step(x, eps=1e-3, on_nonfinite="skip", mean_out=mean)
+                try:
+                    assert_close(mean.double().cpu(), ref_mean.cpu(), rtol=tolerance(torch.float32, "mean")[0],
+                                 atol=tolerance(torch.float32, "mean")[1], name="mean")
+                    assert_close(res.sq_norms.cpu(), ref_sq.cpu(), rtol=tolerance(torch.float32, "norm")[0], atol=0,
+                                 name="sq_norms")
+                    verdict = "matches fp64"
+                except AssertionError as e:
+                    verdict = f"WRONG: {e}"[:300]
+            record("sweep", f"M={m} d={d:.0e} stats pass: {name}", ms, _round_bytes(m, d, 4, False), M=m, d=d,
+                   check=verdict or "not checked")
+        finally:
+            stats_mod.stats_config, stats_mod.finalize_config = chosen, chosen_finalize
+            stats_mod._finalize_kernel = real_finalize
+            launch.HINTS = True
+
+
+# traffic of each server step beyond the stats pass (read M*d, write the mean): in units of d-vectors of 4 bytes
+# read or written by the apply pass (mean read, params read+write, each state buffer read+write, extra output
+# written), plus extra stats reads (FedExP-M's aux) and second stats passes (SCAFFOLD's control deltas)
+SERVER = {
+    "FedAvg": (dict(), 3), "FedAvgM": (dict(momentum=0.9), 5), "FedExP": (dict(eps=1e-3), 4),
+    "FedExPM": (dict(eps=1e-3), 1 + 6), "FedACG": (dict(), 6), "FedAdam": (dict(), 7), "FedYogi": (dict(), 7),
+    "FedAdagrad": (dict(), 5), "FedAMS": (dict(), 9), "Scaffold": (dict(num_clients=100), 3 + 3),
+    "ScaffoldExP": (dict(num_clients=100, eps=1e-3), 4 + 3),
+}
+
+
+def section_server() -> None:
+    m, d = 16, size(50_000_000)
+    x = torch.randn(m, d, device=DEV) * 0.01
+    c = torch.randn(m, d, device=DEV) * 0.01
+    for name in SERVER:
+        _server_step(name, x, c)
+        free()
+    _torch_adam(x)
+    free()
+    if DEV == "cuda":
+        for dd in (100_000, d):
+            _graphed_adam(m, dd)
+            free()
+
+
+def _server_step(name: str, x: torch.Tensor, c: torch.Tensor) -> None:
+    from fastagg import server
+
+    (m, d), (hyper, vectors) = x.shape, SERVER[name]
+    opt = getattr(server, name)(torch.randn(d, device=DEV), on_nonfinite="skip", **hyper)
+    scaffold = name.startswith("Scaffold")
+    nbytes = (2 if scaffold else 1) * (m * d * 4 + 4 * d) + vectors * 4 * d
+    ms = bench((lambda: opt.step(x, c)) if scaffold else (lambda: opt.step(x)))
+    row = record("server", f"M={m} d={d:.0e} fp32: {name}", ms, nbytes)
+    row["x_traffic_at_copy_bw"] = round(ms / (nbytes / COPY_BW["GBps"] / 1e6), 3)
+    print(f"    {name}: {row['x_traffic_at_copy_bw']} x the time of its traffic at copy bandwidth", flush=True)
+
+
+def _torch_adam(x: torch.Tensor) -> None:
+    """FedAdam's torch equivalent: the mean by torch, then fused Adam on the global model with grad = -mean."""
+    m, d = x.shape
+    w = torch.randn(d, device=DEV, requires_grad=True)
+    p = torch.full((m,), 1.0 / m, device=DEV)
+    adam = torch.optim.Adam([w], lr=0.1, betas=(0.9, 0.99), eps=1e-3, fused=True)
+    w.grad = torch.empty_like(w)
+
+    def step():
+        torch.mv(x.t(), p, out=w.grad)
+        w.grad.neg_()
+        adam.step()
+
+    record("server", f"M={m} d={d:.0e} fp32: torch mean (mv) + Adam(fused=True)", bench(step),
+           m * d * 4 + 4 * d + 2 * 4 * d + 7 * 4 * d)
+
+
+def _graphed_adam(m: int, d: int) -> None:
+    """One FedAdam step eager and replayed from a CUDA graph (the same kernels, no launch overhead)."""
+    from fastagg import server
+
+    xs = torch.randn(m, d, device=DEV) * 0.01
+    opt = server.FedAdam(torch.randn(d, device=DEV), on_nonfinite="skip")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        opt.step(xs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step(xs)
+    nbytes = m * d * 4 + 4 * d + 7 * 4 * d
+    record("server", f"M={m} d={d:.0e} fp32: FedAdam eager step", bench(lambda: opt.step(xs)), nbytes)
+    record("server", f"M={m} d={d:.0e} fp32: FedAdam step replayed from a CUDA graph", bench(graph.replay), nbytes)
+
+
+def section_client() -> None:
+    for m, d in [(1000, 100_000), (100, 1_000_000)]:
+        _client(max(2, size(m)), size(d))
+        free()
+
+
+CLIENT_VARIANTS = [("chunks", 4096, 8), ("chunks", 2048, 4), ("chunks", 4096, 4), ("row", 4096, 8)]
+
+
+def _client(m: int, d: int) -> None:
+    """Batched FedSPS (c = 0.5, l_star = 0, cap 1e-3): each schedule is timed, and one step of it from the same
+    start is checked against the same step in float64 torch."""
+    from fastagg import client
+    from fastagg.testing import assert_close
+
+    local_mod = importlib.import_module("fastagg.backends.triton.local_step")
+    chosen = local_mod.local_config
+    x0 = torch.randn(m, d, device=DEV)
+    x = x0.clone()
+    g = 1e-3 * torch.randn(m, d, device=DEV)
+    f = 1.0 + torch.rand(m, device=DEV, dtype=torch.float64)
+    sq = g.double().square().sum(1)
+    ref = (x0.double() - torch.clamp(f / (0.5 * sq), max=1e-3)[:, None] * g.double()).cpu()
+    nbytes = 3 * m * d * 4  # read x, read g, write x: what any step must move
+    tag = f"M={m} d={d:.0e} fp32"
+    record("client", f"{tag}: X.add_(G)", bench(lambda: x.add_(g, alpha=1e-9)), nbytes)
+
+    def sps():
+        client.sps_step(params=x, grads=g, losses=f, gamma_b=1e-3)
+
+    def checked(name):
+        x.copy_(x0)
+        sps()
+        try:
+            assert_close(x.cpu(), ref, rtol=1e-5, atol=1e-6, name=name)
+            return "matches fp64"
+        except AssertionError as e:
+            return f"WRONG: {e}"[:300]
+
+    record("client", f"{tag}: fastagg sps_step (chosen: {chosen(m, d)})", bench(sps), nbytes,
+           check=checked("chosen"))
+    for schedule, block, warps in CLIENT_VARIANTS:
+        local_mod.local_config = lambda M, n, s=schedule, b=block, w=warps: dict(
+            schedule=s, BLOCK=b, CHUNK=4 * b if s == "chunks" else None, num_warps=w)
+        name = f"{tag}: fastagg sps {schedule} BLOCK={block} warps={warps}"
+        try:
+            record("client", name, bench(sps), nbytes, check=checked(name))
+        except Exception as e:  # a configuration that does not compile or fit is a finding, not a crash
+            record("client", f"{name} FAILED {e!r:.200}", 0.0)
+        finally:
+            local_mod.local_config = chosen
+
+    def torch_batched():
+        sq = torch.linalg.vector_norm(g, dim=1).double().square()
+        gamma = torch.clamp(f / (0.5 * sq), max=1e-3)
+        x.addcmul_(gamma.to(x.dtype)[:, None], g, value=-1.0)
+
+    record("client", f"{tag}: torch batched (vector_norm + addcmul_)", bench(torch_batched), nbytes)
+
+
+def section_sim() -> None:
+    """One round of pfl-research's CIFAR-10 benchmark workload: the simulator's batched round (fastagg.sim's
+    data, model, client steps and server step) against a per-client loop of plain torch on the same card, with
+    cuDNN's autotuner off and on (the same setting for both)."""
+    for tuned in (False, True):
+        torch.backends.cudnn.benchmark = tuned
+        _sim_round()
+        free()
+    torch.backends.cudnn.benchmark = False
+
+
+def _sim_round() -> None:
+    from fastagg import server
+    from fastagg.sim import algorithms, data as datasets, models, runner
+
+    clients = max(60, size(1000))
+    data = datasets.cifar_synthetic(num_clients=clients).to(DEV, torch.float32)
+    cfg = runner.Config(dataset="cifar-synthetic", algorithms=("fedavg",), device=DEV).resolved(data)
+    m = 50
+    model = models.make("pfl-cnn", data)
+    alg = algorithms.resolve("fedavg", cfg)
+    w = model.init(torch.float32, DEV)
+    opt = server.FedAvg(w, on_nonfinite="skip")
+    gen = torch.Generator().manual_seed(0)
+
+    def batched_round():
+        ids = torch.sort(torch.randperm(clients, generator=gen)[:m]).values.to(DEV)
+        x = w.expand(m, -1).clone()
+        runner._local_steps(alg, cfg, model, data, ids, x, w, None, cfg.lr, gen)
+        opt.step(x - w, weights=data.counts[ids].to(torch.float64))
+
+    for _ in range(2):
+        batched_round()
+    sync()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        batched_round()
+        sync()
+        times.append(time.perf_counter() - t0)
+    batched = sorted(times)[len(times) // 2]
+
+    net = models.pfl_cnn_module().to(DEV)
+    global_state = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def per_client_round():
+        ids = torch.randperm(clients, generator=gen)[:m].tolist()
+        states = []
+        for i in ids:
+            net.load_state_dict(global_state)
+            sgd = torch.optim.SGD(net.parameters(), lr=cfg.lr)
+            for _ in range(cfg.local_steps):
+                idx = torch.randint(0, data.x.shape[1], (cfg.batch_size,), generator=gen).to(DEV)
+                xb = data.x[i, idx].view(-1, 3, 32, 32)
+                sgd.zero_grad(set_to_none=True)
+                torch.nn.functional.cross_entropy(net(xb), data.y[i, idx]).backward()
+                sgd.step()
+            states.append({k: v.detach().clone() for k, v in net.state_dict().items()})
+        for k in global_state:
+            global_state[k].copy_(torch.stack([s[k] for s in states]).mean(0))
+
+    per_client_round()
+    sync()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        per_client_round()
+        sync()
+        times.append(time.perf_counter() - t0)
+    loop = sorted(times)[len(times) // 2]
+    bench_mode = "on" if torch.backends.cudnn.benchmark else "off"
+    record("sim", f"pfl CIFAR-10 round ({clients} clients, 50 a round, 5 steps of batch 10, cudnn.benchmark "
+           f"{bench_mode}): fastagg.sim batched", batched * 1e3)
+    record("sim", f"same round: per-client loop of plain torch (nn.Module + SGD, stacked mean, cudnn.benchmark "
+           f"{bench_mode})", loop * 1e3, speedup_of_fastagg=round(loop / batched, 1))
+
+
+SECTIONS = {"copy": section_copy, "round": section_round, "compile": section_compile, "sweep": section_sweep,
+            "server": section_server, "client": section_client, "sim": section_sim}
+
+
+def main() -> None:
+    global DEV, SCALE
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--quick", action="store_true", help="every size / 16 (a smoke run on a GPU)")
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU through the Triton interpreter "
+                    "(set TRITON_INTERPRET=1): checks this script, measures nothing")
+    args = ap.parse_args()
+    if args.dry_run:
+        DEV, SCALE = "cpu", 1e-5
+    elif args.quick:
+        SCALE = 1 / 16
+    import triton
+
+    if DEV == "cuda":
+        assert torch.cuda.is_available(), "needs a CUDA GPU (or --dry-run)"
+        props = torch.cuda.get_device_properties(0)
+        env = dict(card=torch.cuda.get_device_name(0), sms=props.multi_processor_count,
+                   memory_GB=round(props.total_memory / 1e9), torch=torch.__version__, triton=triton.__version__,
+                   date=datetime.date.today().isoformat())
+    else:
+        env = dict(card="CPU dry run (interpreter)", sms=0, memory_GB=0, torch=torch.__version__,
+                   triton=triton.__version__, date=datetime.date.today().isoformat())
+    print(env, flush=True)
+    wanted = args.sections.split(",")
+    if "copy" not in wanted:
+        wanted.insert(0, "copy")
+    for name in wanted:
+        t0 = time.perf_counter()
+        try:
+            SECTIONS[name]()
+        except Exception as e:  # keep the other sections' numbers
+            import traceback
+
+            traceback.print_exc()
+            record(name, f"SECTION FAILED: {e!r:.300}", 0.0)
+        print(f"== section {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        write(args.out, env)
+
+
+def write(out: str, env: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu_bench.json"), "w") as f:
+        json.dump(dict(env=env, copy=COPY_BW, rows=ROWS), f, indent=1)
+    lines = [f"card: {env['card']} ({env['sms']} SMs, {env['memory_GB']} GB); torch {env['torch']}, "
+             f"triton {env['triton']}; {env['date']}", ""]
+    section = None
+    for r in ROWS:
+        if r["section"] != section:
+            section = r["section"]
+            lines += ["", f"### {section}", "", "| what | ms | GB moved | GB/s | x copy BW |", "|---|---:|---:|---:|---:|"]
+        extra = {k: v for k, v in r.items() if k not in ("section", "name", "ms", "GB", "GBps", "x_copy", "M", "d",
+                                                           "dtype")}
+        note = f" ({', '.join(f'{k} {v}' for k, v in extra.items())})" if extra else ""
+        lines.append(f"| {r['name']}{note} | {r['ms']:.3f} | {r.get('GB', '')} | {r.get('GBps', '')} | "
+                     f"{r.get('x_copy', '')} |")
+    with open(os.path.join(out, "gpu_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
