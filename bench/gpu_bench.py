@@ -527,7 +527,8 @@ def write(out: str, env: dict) -> None:
     for r in ROWS:
         if r["section"] != section:
             section = r["section"]
-            lines += ["", f"### {section}", "", "| what | ms | GB moved | GB/s | x copy BW |", "|---|---:|---:|---:|---:|"]
+            lines += ["", f"### {section}", "", "| what | ms | GB moved | GB/s | x copy BW |",
+                      "|---|---:|---:|---:|---:|"]
         extra = {k: v for k, v in r.items() if k not in ("section", "name", "ms", "GB", "GBps", "x_copy", "M", "d",
                                                            "dtype")}
         note = f" ({', '.join(f'{k} {v}' for k, v in extra.items())})" if extra else ""
