@@ -1,35 +1,376 @@
-// pybind11 bindings: every argument is a plain integer (an address or a count), so the module
-// works on torch CPU tensors and numpy arrays alike and builds without torch. The GIL is released
-// while a kernel runs.
+// pybind11 bindings. Every buffer arrives as a DLPack capsule (tensor.__dlpack__(), see views.h) and is checked
+// here against what the kernel will read and write -- dtype, element count, strides, index ranges, overlaps --
+// before the GIL is released and the kernel runs. A bad argument is a ValueError or TypeError naming it; no
+// kernel runs then. The module builds without torch headers and takes numpy-backed tensors as well.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
+#include "views.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 namespace py = pybind11;
-using fastagg::AdamArgs;
-using fastagg::LocalArgs;
-using fastagg::MomentumArgs;
-using fastagg::PerRow;
-using fastagg::StatsArgs;
+using namespace fastagg;
 
-template <typename T> static T ptr(uintptr_t address) { return reinterpret_cast<T>(address); }
+namespace {
 
-// Addresses of num_rows rows: base + stride * (index ? index[r] : r); empty when base is 0 (no such table).
-static std::vector<uint64_t> row_addresses(int64_t num_rows, uintptr_t base, int64_t stride, uintptr_t index) {
-  std::vector<uint64_t> out;
-  if (!base) return out;
-  out.resize(num_rows);
-  const int64_t* idx = ptr<const int64_t*>(index);
-  for (int64_t r = 0; r < num_rows; ++r) out[r] = base + static_cast<uint64_t>(stride * (idx ? idx[r] : r));
+std::string str(int64_t v) { return std::to_string(v); }
+
+uint64_t address(const View& v, int64_t element) {
+  return reinterpret_cast<uint64_t>(v.data) + static_cast<uint64_t>(element * v.itemsize);
+}
+
+// A per-layer list of 1-D contiguous tensors of one floating dtype: the views, and the segment lengths.
+std::vector<View> segment_views(py::handle list, const std::string& name, int want) {
+  if (!py::isinstance<py::list>(list)) type_error(name + " must be a list of tensors");
+  std::vector<View> out;
+  for (py::handle item : list.cast<py::list>()) {
+    View v = view_of(item, name + "[" + str(out.size()) + "]", out.empty() ? want : out[0].kind);
+    if (v.shape.size() != 1 || !v.contiguous()) value_error(v.name + " must be a contiguous 1-D tensor");
+    out.push_back(std::move(v));
+  }
+  if (out.empty()) value_error(name + " is empty");
   return out;
 }
+
+std::vector<const View*> pointers(const std::vector<View>& views) {
+  std::vector<const View*> out;
+  for (const View& v : views) out.push_back(&v);
+  return out;
+}
+
+int compute_kind(int kind) { return kind == kF64 ? kF64 : kF32; }
+
+// ---- round_stats --------------------------------------------------------------------------------------------
+
+void checked_round_stats(py::handle rows, py::handle base, const std::vector<int64_t>& seg_lens, py::handle weights,
+                 py::handle mean_init, py::handle aux, double aux_coef, py::handle mean_out, py::handle sq_norms_out,
+                 py::handle nonfinite_out, py::handle mean_sq_out) {
+  const int64_t L = static_cast<int64_t>(seg_lens.size());
+  if (L == 0) value_error("round_stats needs at least one segment");
+  std::vector<int64_t> seg_off(L);
+  int64_t d = 0;
+  for (int64_t s = 0; s < L; ++s) {
+    if (seg_lens[s] < 0) value_error("segment " + str(s) + " has a negative length");
+    seg_off[s] = d;
+    d += seg_lens[s];
+  }
+  std::vector<View> row_views;  // every row segment, or the one [M, d] matrix
+  std::vector<uint64_t> row_ptrs;
+  int64_t M = 0;
+  int T = 0;
+  if (py::isinstance<py::list>(rows)) {  // L lists of M row segments
+    auto segs = rows.cast<py::list>();
+    if (static_cast<int64_t>(segs.size()) != L) value_error("deltas have " + str(segs.size()) + " segments; "
+                                                            "expected " + str(L));
+    M = static_cast<int64_t>(py::len(segs[0]));
+    row_ptrs.resize(L * M);
+    for (int64_t s = 0; s < L; ++s) {
+      if (static_cast<int64_t>(py::len(segs[s])) != M) value_error("segment " + str(s) + " has a different "
+                                                                   "number of clients");
+      auto seg = segs[s].cast<py::list>();
+      for (int64_t i = 0; i < M; ++i) {
+        const std::string name = "deltas[" + str(i) + "] entry " + str(s);
+        View v = view_of(seg[i], name, row_views.empty() ? kAnyFloat : T);
+        if (row_views.empty()) T = v.kind;
+        if (v.numel() != seg_lens[s]) value_error(name + " has " + str(v.numel()) + " elements; expected " +
+                                                  str(seg_lens[s]));
+        if (!v.contiguous()) value_error(name + " must be contiguous");
+        row_ptrs[s * M + i] = address(v, 0);
+        row_views.push_back(std::move(v));
+      }
+    }
+  } else {
+    View m = view_of(rows, "deltas", kAnyFloat);
+    T = m.kind;
+    if (m.shape.size() != 2) value_error("deltas must be 2-D [M, d]");
+    M = m.shape[0];
+    if (m.shape[1] != d) value_error("deltas have " + str(m.shape[1]) + " columns; expected " + str(d));
+    if (d > 1 && m.strides[1] != 1) value_error("deltas must have unit stride along the parameters");
+    row_ptrs.resize(L * M);
+    for (int64_t s = 0; s < L; ++s)
+      for (int64_t i = 0; i < M; ++i) row_ptrs[s * M + i] = address(m, i * m.strides[0] + seg_off[s]);
+    row_views.push_back(std::move(m));
+  }
+  if (M == 0) value_error("deltas hold no client");
+  std::vector<View> base_views;
+  std::vector<uint64_t> base_ptrs;
+  if (!base.is_none()) {
+    base_views = segment_views(base, "params (the base of models=)", T);
+    if (static_cast<int64_t>(base_views.size()) != L) value_error("params have a different number of segments");
+    for (int64_t s = 0; s < L; ++s) {
+      if (base_views[s].numel() != seg_lens[s]) value_error(base_views[s].name + " has the wrong length");
+      base_ptrs.push_back(address(base_views[s], 0));
+    }
+  }
+  View w = flat_view(weights, "weights", kF64, M);
+  View mean = view_of(mean_out, "mean_out", kAnyFloat);
+  if (mean.kind != kF32 && mean.kind != kF64) type_error("mean_out must be float32 or float64");
+  mean = flat_view(mean_out, "mean_out", mean.kind, d);
+  View init = mean_init.is_none() ? View{} : flat_view(mean_init, "mean_init", mean.kind, d);
+  View ax = aux.is_none() ? View{} : flat_view(aux, "aux", mean.kind, d);
+  View sq = flat_view(sq_norms_out, "sq_norms_out", kF64, M);
+  View bad = flat_view(nonfinite_out, "nonfinite_out", kBool, M);
+  View msq = flat_view(mean_sq_out, "mean_sq_out", kF64, 1);
+  std::vector<const View*> reads = pointers(row_views);
+  for (const View& b : base_views) reads.push_back(&b);
+  for (const View* v : {&w, &init, &ax}) reads.push_back(v);
+  check_overlaps({&mean, &sq, &bad, &msq}, reads);
+
+  StatsArgs a{};
+  a.num_clients = M;
+  a.num_segments = L;
+  a.dtype = T;
+  a.compute_dtype = mean.kind;
+  a.row_ptrs = row_ptrs.data();
+  a.base_ptrs = base_ptrs.empty() ? nullptr : base_ptrs.data();
+  a.seg_len = seg_lens.data();
+  a.seg_off = seg_off.data();
+  a.weights = reinterpret_cast<const double*>(w.data);
+  a.mean_init = init.data;
+  a.aux = ax.data;
+  a.aux_coef = aux_coef;
+  a.mean_out = mean.data;
+  a.sq_norms_out = reinterpret_cast<double*>(sq.data);
+  a.nonfinite_out = reinterpret_cast<uint8_t*>(bad.data);
+  a.mean_sq_out = reinterpret_cast<double*>(msq.data);
+  py::gil_scoped_release release;
+  fastagg::round_stats(a);
+}
+
+// ---- apply passes -------------------------------------------------------------------------------------------
+
+struct Params {
+  std::vector<View> views;
+  std::vector<uint64_t> ptrs;
+  std::vector<int64_t> lens, offs;
+  int64_t numel = 0;
+  int kind = 0;
+};
+
+Params params_of(py::handle list, const std::string& name, int want) {
+  Params p;
+  p.views = segment_views(list, name, want);
+  p.kind = p.views[0].kind;
+  for (const View& v : p.views) {
+    p.ptrs.push_back(address(v, 0));
+    p.offs.push_back(p.numel);
+    p.lens.push_back(v.numel());
+    p.numel += v.numel();
+  }
+  return p;
+}
+
+// The extra output (eval model / broadcast point): the params' dtype and segment lengths.
+Params extra_of(py::handle list, const Params& p) {
+  Params e = params_of(list, "extra_out", p.kind);
+  if (e.lens != p.lens) value_error("extra_out's segments differ from the params'");
+  return e;
+}
+
+void checked_momentum_apply(py::handle params, py::handle extra, py::handle mean, py::handle buf, py::handle lr,
+                    py::handle extra_coef, py::handle extra_coef_skip, py::handle finite, double momentum,
+                    bool nesterov, py::handle overflow) {
+  Params p = params_of(params, "params", kAnyFloat);
+  const int C = compute_kind(p.kind);
+  Params e;
+  if (!extra.is_none()) e = extra_of(extra, p);
+  View m = flat_view(mean, "mean", C, p.numel);
+  View b = buf.is_none() ? View{} : flat_view(buf, "momentum buffer", C, p.numel);
+  View lr_v = flat_view(lr, "lr", kF64, 1);
+  View coef = extra.is_none() ? View{} : flat_view(extra_coef, "extra_coef", kF64, 1);
+  View coef_skip = extra_coef_skip.is_none() ? View{} : flat_view(extra_coef_skip, "extra_coef_skip", kF64, 1);
+  View fin = flat_view(finite, "finite", kBool, 1);
+  View over = flat_view(overflow, "overflow_out", kI32, 1);
+  std::vector<const View*> writes = pointers(p.views);
+  for (const View& v : e.views) writes.push_back(&v);
+  writes.push_back(&b);
+  writes.push_back(&over);
+  check_overlaps(writes, {&m, &lr_v, &coef, &coef_skip, &fin});
+
+  MomentumArgs a{};
+  a.num_segments = static_cast<int64_t>(p.views.size());
+  a.param_dtype = p.kind;
+  a.compute_dtype = C;
+  a.param_ptrs = p.ptrs.data();
+  a.extra_ptrs = e.views.empty() ? nullptr : e.ptrs.data();
+  a.seg_len = p.lens.data();
+  a.seg_off = p.offs.data();
+  a.mean = m.data;
+  a.buf = b.data;
+  a.lr = reinterpret_cast<const double*>(lr_v.data);
+  a.extra_coef = reinterpret_cast<const double*>(coef.data);
+  a.extra_coef_skip = reinterpret_cast<const double*>(coef_skip.data);
+  a.finite = reinterpret_cast<const uint8_t*>(fin.data);
+  a.momentum = momentum;
+  a.nesterov = nesterov;
+  a.overflow = reinterpret_cast<int32_t*>(over.data);
+  py::gil_scoped_release release;
+  fastagg::momentum_apply(a);
+}
+
+void checked_adam_apply(py::handle params, py::handle mean, py::handle m_buf, py::handle v_buf, py::handle vhat_buf,
+                py::handle lr, py::handle finite, int rule, double beta1, double beta2, double tau, double ams_eps,
+                py::handle overflow) {
+  if (rule < kAdam || rule > kAms) value_error("adam_apply: unknown rule " + str(rule));
+  Params p = params_of(params, "params", kAnyFloat);
+  const int C = compute_kind(p.kind);
+  View g = flat_view(mean, "mean", C, p.numel);
+  if (m_buf.is_none() != (rule == kAdagrad)) value_error("adam_apply: the first moment is needed exactly when the "
+                                                          "rule is not Adagrad");
+  if (vhat_buf.is_none() != (rule != kAms)) value_error("adam_apply: vhat is needed exactly for AMS");
+  View m = m_buf.is_none() ? View{} : flat_view(m_buf, "m", C, p.numel);
+  View v = flat_view(v_buf, "v", C, p.numel);
+  View vh = vhat_buf.is_none() ? View{} : flat_view(vhat_buf, "vhat", C, p.numel);
+  View lr_v = flat_view(lr, "lr", kF64, 1);
+  View fin = flat_view(finite, "finite", kBool, 1);
+  View over = flat_view(overflow, "overflow_out", kI32, 1);
+  std::vector<const View*> writes = pointers(p.views);
+  for (const View* x : {&m, &v, &vh, &over}) writes.push_back(x);
+  check_overlaps(writes, {&g, &lr_v, &fin});
+
+  AdamArgs a{};
+  a.num_segments = static_cast<int64_t>(p.views.size());
+  a.param_dtype = p.kind;
+  a.compute_dtype = C;
+  a.param_ptrs = p.ptrs.data();
+  a.seg_len = p.lens.data();
+  a.seg_off = p.offs.data();
+  a.mean = g.data;
+  a.m = m.data;
+  a.v = v.data;
+  a.vhat = vh.data;
+  a.lr = reinterpret_cast<const double*>(lr_v.data);
+  a.finite = reinterpret_cast<const uint8_t*>(fin.data);
+  a.rule = rule;
+  a.beta1 = beta1;
+  a.beta2 = beta2;
+  a.tau = tau;
+  a.ams_eps = ams_eps;
+  a.overflow = reinterpret_cast<int32_t*>(over.data);
+  py::gil_scoped_release release;
+  fastagg::adam_apply(a);
+}
+
+// ---- local_step ---------------------------------------------------------------------------------------------
+
+// Rows of a batch: (base [R, d] capsule, int64 index [M] capsule or None, shared). Row i is base row index[i]
+// (row i without an index; row 0 for every i when shared).
+struct Table {
+  View base, index;
+  std::vector<uint64_t> ptrs;
+};
+
+Table table_of(py::handle spec, const std::string& name, int kind, int64_t M, int64_t d, bool written) {
+  Table t;
+  if (spec.is_none()) return t;
+  auto tup = spec.cast<py::tuple>();
+  if (tup.size() != 3) type_error(name + " must be (base, index, shared)");
+  t.base = view_of(tup[0], name, kind);
+  const bool shared = tup[2].cast<bool>();
+  if (t.base.shape.size() != 2) value_error(name + " must be 2-D [rows, d]");
+  const int64_t R = t.base.shape[0];
+  if (t.base.shape[1] != d) value_error(name + " has " + str(t.base.shape[1]) + " columns; expected " + str(d));
+  if (d > 1 && t.base.strides[1] != 1) value_error(name + " must have unit stride along the parameters");
+  const int64_t rs = t.base.strides[0];
+  std::vector<int64_t> rows(M);
+  if (shared) {
+    if (written) value_error(name + " is written and cannot be one row shared by every client");
+    if (R < 1 || !tup[1].is_none()) value_error(name + " (shared) must be one row and no index");
+    std::fill(rows.begin(), rows.end(), 0);
+  } else if (tup[1].is_none()) {
+    if (R != M) value_error(name + " has " + str(R) + " rows; expected " + str(M));
+    for (int64_t i = 0; i < M; ++i) rows[i] = i;
+  } else {
+    t.index = flat_view(tup[1], name + "'s client_ids", kI64, M);
+    const auto* idx = reinterpret_cast<const int64_t*>(t.index.data);
+    for (int64_t i = 0; i < M; ++i) {
+      if (idx[i] < 0 || idx[i] >= R)
+        value_error(name + ": client_ids[" + str(i) + "] = " + str(idx[i]) + " is outside [0, " + str(R) + ")");
+      rows[i] = idx[i];
+    }
+  }
+  if (written && M > 1) {
+    std::vector<int64_t> sorted(rows);
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+      value_error(name + " is written and two clients select the same row");
+    if (d > 0 && (rs < 0 ? -rs : rs) < d) value_error(name + "'s rows overlap (row stride " + str(rs) + " < " +
+                                                       str(d) + "); it is written");
+  }
+  t.ptrs.resize(M);
+  for (int64_t i = 0; i < M; ++i) t.ptrs[i] = address(t.base, rows[i] * rs);
+  return t;
+}
+
+PerRow per_row(py::handle v, const std::string& name, int64_t M, View& keep) {
+  if (PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr())) return PerRow{nullptr, v.cast<double>()};
+  keep = flat_view(v, name, kF64, M);
+  return PerRow{reinterpret_cast<const double*>(keep.data), 0.0};
+}
+
+void checked_local_step(int64_t M, int64_t d, py::handle x, py::handle g, py::handle anchor, py::handle control,
+                py::handle ci, py::handle buf, py::handle lr, py::handle loss, py::handle l_star, py::handle sps_c,
+                py::handle cap, py::handle first, double prox, double clip_norm, double weight_decay,
+                double momentum, double eta2, double tiny, int rule, int mode, py::handle step_out) {
+  if (M < 1 || d < 0) value_error("local_step needs at least one row");
+  if (rule < kRuleFixed || rule > kRuleSps || mode < kModeNone || mode > kModeMass) value_error("unknown rule/mode");
+  Table xs = table_of(x, "params", kAnyFloat, M, d, true);
+  const int T = xs.base.kind, C = compute_kind(T);
+  Table gs = table_of(g, "grads", T, M, d, false);
+  Table as = table_of(anchor, "prox anchor", T, M, d, false);
+  Table cis = table_of(ci, "control c_i", C, M, d, false);
+  Table bs = table_of(buf, "client state", C, M, d, true);
+  if (gs.ptrs.empty()) value_error("grads are required");
+  if ((mode != kModeNone) != !bs.ptrs.empty()) value_error("client state is needed exactly with momentum or MaSS");
+  if (!control.is_none() && cis.ptrs.empty()) value_error("control c needs control c_i");
+  View ctl = control.is_none() ? View{} : flat_view(control, "control c", C, d);
+  View keep[5];
+  LocalArgs a{};
+  a.lr = per_row(lr, "lr", M, keep[0]);
+  a.loss = per_row(loss, "losses", M, keep[1]);
+  a.l_star = per_row(l_star, "l_star", M, keep[2]);
+  a.sps_c = per_row(sps_c, "c", M, keep[3]);
+  a.cap = per_row(cap, "cap", M, keep[4]);
+  View fst = first.is_none() ? View{} : flat_view(first, "first", kF64, M);
+  View step = flat_view(step_out, "step_out", kF64, M);
+  std::vector<const View*> reads = {&gs.base, &as.base, &cis.base, &ctl, &gs.index, &as.index, &cis.index,
+                                    &xs.index, &bs.index, &fst};
+  for (const View& k : keep) reads.push_back(&k);
+  check_overlaps({&xs.base, &bs.base, &step}, reads);
+
+  a.num_rows = M;
+  a.numel = d;
+  a.dtype = T;
+  a.x_ptrs = xs.ptrs.data();
+  a.g_ptrs = gs.ptrs.data();
+  a.anchor_ptrs = as.ptrs.empty() ? nullptr : as.ptrs.data();
+  a.control = ctl.data;
+  a.ci_ptrs = cis.ptrs.empty() ? nullptr : cis.ptrs.data();
+  a.buf_ptrs = bs.ptrs.empty() ? nullptr : bs.ptrs.data();
+  a.first = reinterpret_cast<const double*>(fst.data);
+  a.prox = prox;
+  a.clip_norm = clip_norm;
+  a.weight_decay = weight_decay;
+  a.momentum = momentum;
+  a.eta2 = eta2;
+  a.tiny = tiny;
+  a.rule = rule;
+  a.mode = mode;
+  a.step_out = reinterpret_cast<double*>(step.data);
+  py::gil_scoped_release release;
+  fastagg::local_step(a);
+}
+
+}  // namespace
 
 #ifndef FASTAGG_MODULE
 #define FASTAGG_MODULE _C
@@ -37,130 +378,10 @@ static std::vector<uint64_t> row_addresses(int64_t num_rows, uintptr_t base, int
 
 PYBIND11_MODULE(FASTAGG_MODULE, m) {
   m.doc() = "fastagg compiled CPU kernels (OpenMP). Use fastagg.ops, not this module.";
-
-  m.def(
-      "round_stats",
-      [](int64_t num_clients, int64_t num_segments, int dtype, uintptr_t row_ptrs, uintptr_t base_ptrs,
-         uintptr_t seg_len, uintptr_t seg_off, uintptr_t weights, uintptr_t mean_init, uintptr_t aux,
-         double aux_coef, uintptr_t mean_out, uintptr_t sq_norms_out, uintptr_t nonfinite_out,
-         uintptr_t mean_sq_out) {
-        StatsArgs a{};
-        a.num_clients = num_clients;
-        a.num_segments = num_segments;
-        a.dtype = dtype;
-        a.row_ptrs = ptr<const uint64_t*>(row_ptrs);
-        a.base_ptrs = ptr<const uint64_t*>(base_ptrs);
-        a.seg_len = ptr<const int64_t*>(seg_len);
-        a.seg_off = ptr<const int64_t*>(seg_off);
-        a.weights = ptr<const double*>(weights);
-        a.mean_init = ptr<const void*>(mean_init);
-        a.aux = ptr<const void*>(aux);
-        a.aux_coef = aux_coef;
-        a.mean_out = ptr<void*>(mean_out);
-        a.sq_norms_out = ptr<double*>(sq_norms_out);
-        a.nonfinite_out = ptr<uint8_t*>(nonfinite_out);
-        a.mean_sq_out = ptr<double*>(mean_sq_out);
-        fastagg::round_stats(a);
-      },
-      py::call_guard<py::gil_scoped_release>());
-
-  m.def(
-      "momentum_apply",
-      [](int64_t num_segments, int param_dtype, int compute_dtype, uintptr_t param_ptrs, uintptr_t extra_ptrs,
-         uintptr_t seg_len, uintptr_t seg_off, uintptr_t mean, uintptr_t buf, uintptr_t lr, uintptr_t extra_coef,
-         uintptr_t extra_coef_skip, uintptr_t finite, double momentum, bool nesterov) {
-        MomentumArgs a{};
-        a.num_segments = num_segments;
-        a.param_dtype = param_dtype;
-        a.compute_dtype = compute_dtype;
-        a.param_ptrs = ptr<const uint64_t*>(param_ptrs);
-        a.extra_ptrs = ptr<const uint64_t*>(extra_ptrs);
-        a.seg_len = ptr<const int64_t*>(seg_len);
-        a.seg_off = ptr<const int64_t*>(seg_off);
-        a.mean = ptr<const void*>(mean);
-        a.buf = ptr<void*>(buf);
-        a.lr = ptr<const double*>(lr);
-        a.extra_coef = ptr<const double*>(extra_coef);
-        a.extra_coef_skip = ptr<const double*>(extra_coef_skip);
-        a.finite = ptr<const uint8_t*>(finite);
-        a.momentum = momentum;
-        a.nesterov = nesterov;
-        fastagg::momentum_apply(a);
-      },
-      py::call_guard<py::gil_scoped_release>());
-
-  m.def(
-      "adam_apply",
-      [](int64_t num_segments, int param_dtype, int compute_dtype, uintptr_t param_ptrs, uintptr_t seg_len,
-         uintptr_t seg_off, uintptr_t mean, uintptr_t m_buf, uintptr_t v_buf, uintptr_t vhat_buf, uintptr_t lr,
-         uintptr_t finite, int rule, double beta1, double beta2, double tau, double ams_eps) {
-        AdamArgs a{};
-        a.num_segments = num_segments;
-        a.param_dtype = param_dtype;
-        a.compute_dtype = compute_dtype;
-        a.param_ptrs = ptr<const uint64_t*>(param_ptrs);
-        a.seg_len = ptr<const int64_t*>(seg_len);
-        a.seg_off = ptr<const int64_t*>(seg_off);
-        a.mean = ptr<const void*>(mean);
-        a.m = ptr<void*>(m_buf);
-        a.v = ptr<void*>(v_buf);
-        a.vhat = ptr<void*>(vhat_buf);
-        a.lr = ptr<const double*>(lr);
-        a.finite = ptr<const uint8_t*>(finite);
-        a.rule = rule;
-        a.beta1 = beta1;
-        a.beta2 = beta2;
-        a.tau = tau;
-        a.ams_eps = ams_eps;
-        fastagg::adam_apply(a);
-      },
-      py::call_guard<py::gil_scoped_release>());
-
-  // Row tables arrive as (address, row stride in bytes, address of an int64 index or 0): row i is at
-  // address + stride * (index ? index[i] : i). Per-row scalars as (address of float64 [M] or 0, value).
-  m.def(
-      "local_step",
-      [](int64_t num_rows, int64_t numel, int dtype, uintptr_t x, int64_t x_stride, uintptr_t x_index, uintptr_t g,
-         int64_t g_stride, uintptr_t g_index, uintptr_t anchor, int64_t anchor_stride, uintptr_t anchor_index,
-         uintptr_t control, uintptr_t ci, int64_t ci_stride, uintptr_t ci_index, uintptr_t buf, int64_t buf_stride,
-         uintptr_t buf_index, uintptr_t lr, double lr_value, uintptr_t loss, double loss_value, uintptr_t l_star,
-         double l_star_value, uintptr_t sps_c, double sps_c_value, uintptr_t cap, double cap_value, uintptr_t first,
-         double prox, double clip_norm, double weight_decay, double momentum, double eta2, double tiny, int rule,
-         int mode, uintptr_t step_out) {
-        const auto xs = row_addresses(num_rows, x, x_stride, x_index);
-        const auto gs = row_addresses(num_rows, g, g_stride, g_index);
-        const auto as = row_addresses(num_rows, anchor, anchor_stride, anchor_index);
-        const auto cis = row_addresses(num_rows, ci, ci_stride, ci_index);
-        const auto bs = row_addresses(num_rows, buf, buf_stride, buf_index);
-        LocalArgs a{};
-        a.num_rows = num_rows;
-        a.numel = numel;
-        a.dtype = dtype;
-        a.x_ptrs = xs.data();
-        a.g_ptrs = gs.data();
-        a.anchor_ptrs = anchor ? as.data() : nullptr;
-        a.control = ptr<const void*>(control);
-        a.ci_ptrs = ci ? cis.data() : nullptr;
-        a.buf_ptrs = buf ? bs.data() : nullptr;
-        a.lr = PerRow{ptr<const double*>(lr), lr_value};
-        a.loss = PerRow{ptr<const double*>(loss), loss_value};
-        a.l_star = PerRow{ptr<const double*>(l_star), l_star_value};
-        a.sps_c = PerRow{ptr<const double*>(sps_c), sps_c_value};
-        a.cap = PerRow{ptr<const double*>(cap), cap_value};
-        a.first = ptr<const double*>(first);
-        a.prox = prox;
-        a.clip_norm = clip_norm;
-        a.weight_decay = weight_decay;
-        a.momentum = momentum;
-        a.eta2 = eta2;
-        a.tiny = tiny;
-        a.rule = rule;
-        a.mode = mode;
-        a.step_out = ptr<double*>(step_out);
-        fastagg::local_step(a);
-      },
-      py::call_guard<py::gil_scoped_release>());
-
+  m.def("round_stats", &checked_round_stats);
+  m.def("momentum_apply", &checked_momentum_apply);
+  m.def("adam_apply", &checked_adam_apply);
+  m.def("local_step", &checked_local_step);
   m.def("num_threads", []() {
 #ifdef _OPENMP
     return omp_get_max_threads();

@@ -68,6 +68,14 @@ inline void store(double* p, double v) { *p = v; }
 inline void store(half_t* p, float v) { p->bits = float_to_half(v); }
 inline void store(bf16_t* p, float v) { p->bits = float_to_bf16(v); }
 
+// Guarded stores: a new value is written only when it is finite in the dtype it is stored in (select, so loops
+// stay vectorized); otherwise the old value stays.
+template <typename C> inline bool finite_c(C v) { return v - v == C(0); }
+template <typename P> inline P pick(bool take, P a, P b) { return take ? a : b; }
+inline half_t pick(bool take, half_t a, half_t b) { return half_t{take ? a.bits : b.bits}; }
+inline bf16_t pick(bool take, bf16_t a, bf16_t b) { return bf16_t{take ? a.bits : b.bits}; }
+template <typename P, typename C> inline P rounded(C v) { P p; store(&p, v); return p; }
+
 // Calls f(T{}) with the C++ type of a dtype code.
 template <typename F> void dispatch_dtype(int dtype, F&& f) {
   switch (dtype) {

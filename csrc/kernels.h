@@ -1,5 +1,5 @@
-// The primitives the compiled module exports. Pointers arrive as integers from Python
-// (torch CPU tensors or numpy arrays); no torch headers are needed to build.
+// The primitives the compiled module exports. The bindings (bindings.cpp) fill these from buffers they have
+// checked themselves; no torch headers are needed to build.
 #pragma once
 #include <cstdint>
 
@@ -9,6 +9,7 @@ struct StatsArgs {
   int64_t num_clients;        // M
   int64_t num_segments;       // L
   int dtype;                  // DType code of every row (and base)
+  int compute_dtype;          // of mean_out, mean_init and aux: kFloat32 or kFloat64 (rows are converted on load)
   const uint64_t* row_ptrs;   // [L * M]: address of client i's segment s at [s * M + i]
   const uint64_t* base_ptrs;  // [L] or nullptr: rows are full models, deltas are row - base
   const int64_t* seg_len;     // [L]
@@ -39,6 +40,7 @@ struct MomentumArgs {
   const uint8_t* finite;
   double momentum;
   bool nesterov;
+  int32_t* overflow;          // += elements whose new value would not be finite (they keep their old values)
 };
 
 enum AdamRule : int { kAdam = 0, kYogi = 1, kAdagrad = 2, kAms = 3 };
@@ -58,6 +60,7 @@ struct AdamArgs {
   const uint8_t* finite;
   int rule;
   double beta1, beta2, tau, ams_eps;
+  int32_t* overflow;          // as MomentumArgs::overflow
 };
 
 enum LocalRule : int { kRuleFixed = 0, kRuleSps = 1 };

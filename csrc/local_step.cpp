@@ -84,41 +84,42 @@ struct Row {
 
   // Sixteen independent lanes per block (a single accumulator chains every add on its latency); the lanes are
   // summed in order, then the short tail. group_sq gives each of its blocks exactly this sum.
+  // Squares and their sums are float64 (float32 squares of 1e18 overflow a block's sum).
   double block_sq(int64_t b0, int64_t end) const {
-    C lanes[kLanes] = {};
+    double lanes[kLanes] = {};
     int64_t j = b0;
     for (; j + kLanes <= end; j += kLanes) {
 #pragma omp simd
       for (int k = 0; k < kLanes; ++k) {
-        const C v = dir(j + k);
+        const double v = dir(j + k);
         lanes[k] += v * v;
       }
     }
-    C part = 0;
+    double part = 0;
     for (int k = 0; k < kLanes; ++k) part += lanes[k];
     for (; j < end; ++j) {
-      const C v = dir(j);
+      const double v = dir(j);
       part += v * v;
     }
-    return static_cast<double>(part);
+    return part;
   }
 
   void group_sq(const int64_t* starts, double* part) const {
-    C lanes[kNormStreams][kLanes] = {};
+    double lanes[kNormStreams][kLanes] = {};
     for (int64_t j = 0; j < kLocalBlock; j += kLanes) {
       for (int s = 0; s < kNormStreams; ++s) {
         const int64_t o = starts[s] + j;
 #pragma omp simd
         for (int k = 0; k < kLanes; ++k) {
-          const C v = dir(o + k);
+          const double v = dir(o + k);
           lanes[s][k] += v * v;
         }
       }
     }
     for (int s = 0; s < kNormStreams; ++s) {
-      C sum = 0;
+      double sum = 0;
       for (int k = 0; k < kLanes; ++k) sum += lanes[s][k];
-      part[starts[s] / kLocalBlock] = static_cast<double>(sum);
+      part[starts[s] / kLocalBlock] = sum;
     }
   }
 
@@ -129,25 +130,29 @@ struct Row {
         [&](int64_t start, int64_t stop) { part[start / kLocalBlock] = block_sq(start, stop); });
   }
 
+  // An element whose new x or state would not be finite keeps its old values (nothing non-finite is stored).
   inline void update_at(int64_t j, const Coefs<C>& k) {
     const C xj = load<C>(x + j);
     if constexpr (Mode == kModeNone) {
-      store(x + j, k.keep * xj - k.move * dir(j));  // = x - step (scale dir + wd x), two multiplies
+      const P xn = rounded<P>(k.keep * xj - k.move * dir(j));  // = x - step (scale dir + wd x), two multiplies
+      x[j] = pick(finite_c(load<C>(&xn)), xn, x[j]);
     } else {
       const C dj = k.scale * dir(j) + k.wd * xj;
+      C bj;
+      P xn;
       if constexpr (Mode == kModeHeavy) {
-        const C bj = k.mu * buf[j] + dj;
-        buf[j] = bj;
-        store(x + j, xj - k.step * bj);
+        bj = k.mu * buf[j] + dj;
+        xn = rounded<P>(xj - k.step * bj);
       } else if constexpr (Mode == kModeNesterov) {
-        const C bj = k.mu * buf[j] + dj;
-        buf[j] = bj;
-        store(x + j, xj - k.step * (dj + k.mu * bj));
+        bj = k.mu * buf[j] + dj;
+        xn = rounded<P>(xj - k.step * (dj + k.mu * bj));
       } else {
-        const C w = xj - k.step * dj;
-        store(x + j, w + k.mu * (w - (first ? xj : buf[j])) + k.eta2 * dj);
-        buf[j] = w;
+        bj = xj - k.step * dj;  // w
+        xn = rounded<P>(bj + k.mu * (bj - (first ? xj : buf[j])) + k.eta2 * dj);
       }
+      const bool good = finite_c(load<C>(&xn)) && finite_c(bj);
+      buf[j] = good ? bj : buf[j];
+      x[j] = pick(good, xn, x[j]);
     }
   }
 
@@ -174,7 +179,9 @@ struct Row {
   }
 };
 
-// The row's clip scale and step from its squared direction norm s.
+// The row's clip scale and step from its squared direction norm s; no step unless it is finite and positive in
+// the compute type C too (a float64 step of 1e39 would be Inf in float32).
+template <typename C>
 inline double row_step(const LocalArgs& a, int64_t i, double s, double* scale_out) {
   double scale = 1.0;
   if (a.clip_norm > 0 && s > a.clip_norm * a.clip_norm) scale = a.clip_norm / std::sqrt(s);
@@ -188,7 +195,7 @@ inline double row_step(const LocalArgs& a, int64_t i, double s, double* scale_ou
       if (std::isfinite(f) && f > ls && s2 > a.tiny) step = std::min((f - ls) / (a.sps_c[i] * s2), a.cap[i]);
     }
   }
-  if (!std::isfinite(step) || step <= 0) step = 0;
+  if (!std::isfinite(step) || !std::isfinite(static_cast<double>(static_cast<C>(step))) || step <= 0) step = 0;
   *scale_out = scale;
   return step;
 }
@@ -231,7 +238,7 @@ void rows_per_thread(const LocalArgs& a) {
       row.sq_blocks(0, nb, part.data());
       const double s = sum_in_order(part.data(), nb);
       double scale;
-      const double step = row_step(a, i, s, &scale);
+      const double step = row_step<C>(a, i, s, &scale);
       a.step_out[i] = step;
       if (step != 0) row.update_blocks(0, nb, step, scale, a);
     }
@@ -257,7 +264,7 @@ void rows_shared(const LocalArgs& a) {
 #pragma omp barrier
       const double s = sum_in_order(part, nb);
       double scale;
-      const double step = row_step(a, i, s, &scale);
+      const double step = row_step<C>(a, i, s, &scale);
       if (t == 0) a.step_out[i] = step;
       if (step != 0) row.update_blocks(b0, b1, step, scale, a);
     }

@@ -3,9 +3,9 @@
 //   sq_norms[i] = ||x_i - base||^2
 //   nonfinite[i] = any element of row i is NaN or Inf
 //   mean_sq     = ||mean + aux_coef * aux||^2       (aux optional; without it ||mean||^2)
-// Per-element math in the compute type (float32, float64 for float64 data); each block's
-// partial sums are finished in float64 in block order, so results are bit-identical for
-// any thread count.
+// Rows are converted on load to the compute type (the mean's: float32, or float64 for float64 params); squares
+// and their sums are float64 (float32 inputs near 1e18 have squares whose float32 sums overflow), each block's
+// partial sums finished in block order, so results are bit-identical for any thread count.
 #include "kernels.h"
 
 #include <algorithm>
@@ -29,12 +29,12 @@ constexpr int64_t kStatsBlock = 8192;  // 32 KiB of float32 accumulators per thr
 // The last fold of a block writes the mean itself (dst = mean), so no separate pass copies acc out.
 template <typename T, typename C, bool HasBase, int R, bool First>
 inline void fold_rows(const T* const* x, const C* w, const T* base, const C* acc, C* dst, const C* start, int64_t n,
-                      C* sq) {
+                      double* sq) {
   static_assert(R == 1 || R == 4, "fold_rows handles 1 or 4 rows");
   if constexpr (R == 4) {
     const T *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
     const C w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-    C s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
     for (int64_t j = 0; j < n; ++j) {
       const C b = HasBase ? load<C>(base + j) : C(0);
@@ -42,29 +42,29 @@ inline void fold_rows(const T* const* x, const C* w, const T* base, const C* acc
       const C v2 = load<C>(x2 + j) - b, v3 = load<C>(x3 + j) - b;
       const C a0 = First ? (start ? start[j] : C(0)) : acc[j];
       dst[j] = a0 + ((w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3));
-      s0 += v0 * v0;
-      s1 += v1 * v1;
-      s2 += v2 * v2;
-      s3 += v3 * v3;
+      s0 += double(v0) * double(v0);
+      s1 += double(v1) * double(v1);
+      s2 += double(v2) * double(v2);
+      s3 += double(v3) * double(v3);
     }
     sq[0] = s0, sq[1] = s1, sq[2] = s2, sq[3] = s3;
   } else {
     const T* x0 = x[0];
     const C w0 = w[0];
-    C s0 = 0;
+    double s0 = 0;
 #pragma omp simd reduction(+ : s0)
     for (int64_t j = 0; j < n; ++j) {
       const C v0 = load<C>(x0 + j) - (HasBase ? load<C>(base + j) : C(0));
       const C a0 = First ? (start ? start[j] : C(0)) : acc[j];
       dst[j] = a0 + w0 * v0;
-      s0 += v0 * v0;
+      s0 += double(v0) * double(v0);
     }
     sq[0] = s0;
   }
 }
 
 // True when some element of x - base is NaN or Inf. Only rows whose squared norm came out non-finite are
-// rescanned (a finite row can overflow float32 squares): the hot loop carries no extra flag work.
+// rescanned (a finite float64 row can still overflow float64 squares): the hot loop carries no extra flag work.
 template <typename T, typename C, bool HasBase>
 bool has_nonfinite(const T* x, const T* base, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
@@ -74,9 +74,8 @@ bool has_nonfinite(const T* x, const T* base, int64_t n) {
   return false;
 }
 
-template <typename T, bool HasBase>
+template <typename T, typename C, bool HasBase>
 void round_stats_impl(const StatsArgs& a) {
-  using C = compute_t<T>;
   const int64_t M = a.num_clients;
   const std::vector<Block> blocks = make_blocks(a.num_segments, a.seg_len, kStatsBlock);
   const int64_t nb = static_cast<int64_t>(blocks.size());
@@ -103,37 +102,37 @@ void round_stats_impl(const StatsArgs& a) {
       }
       const T* base = HasBase ? as_ptr<const T>(a.base_ptrs[blk.seg]) + blk.start : nullptr;
       for (int64_t i = 0; i < M; ++i) x[i] = as_ptr<const T>(a.row_ptrs[blk.seg * M + i]) + blk.start;
-      C sq[4];
+      double sq[4];
       int64_t i = 0;
       const int64_t M4 = M / 4 * 4;
       for (; i < M4; i += 4) {
         C* dst = i + 4 == M ? mean : acc;
         if (i == 0) fold_rows<T, C, HasBase, 4, true>(x.data() + i, w.data() + i, base, acc, dst, start, n, sq);
         else fold_rows<T, C, HasBase, 4, false>(x.data() + i, w.data() + i, base, acc, dst, start, n, sq);
-        for (int r = 0; r < 4; ++r) part_sq[b * M + i + r] = static_cast<double>(sq[r]);
+        for (int r = 0; r < 4; ++r) part_sq[b * M + i + r] = sq[r];
       }
       for (; i < M; ++i) {
         C* dst = i + 1 == M ? mean : acc;
         if (i == 0) fold_rows<T, C, HasBase, 1, true>(x.data() + i, w.data() + i, base, acc, dst, start, n, sq);
         else fold_rows<T, C, HasBase, 1, false>(x.data() + i, w.data() + i, base, acc, dst, start, n, sq);
-        part_sq[b * M + i] = static_cast<double>(sq[0]);
+        part_sq[b * M + i] = sq[0];
       }
       for (i = 0; i < M; ++i)
         part_bad[b * M + i] = !std::isfinite(part_sq[b * M + i]) && has_nonfinite<T, C, HasBase>(x[i], base, n);
-      C msq = 0;  // over the block of the mean just written (still in cache)
+      double msq = 0;  // over the block of the mean just written (still in cache)
       if (a.aux) {  // ||mean + aux_coef * aux||^2, e.g. FedExP-M's momentum ||mean + beta v||^2
         const C* aux = static_cast<const C*>(a.aux) + col0;
         const C c = static_cast<C>(a.aux_coef);
 #pragma omp simd reduction(+ : msq)
         for (int64_t j = 0; j < n; ++j) {
-          const C u = mean[j] + c * aux[j];
+          const double u = double(mean[j] + c * aux[j]);
           msq += u * u;
         }
       } else {
 #pragma omp simd reduction(+ : msq)
-        for (int64_t j = 0; j < n; ++j) msq += mean[j] * mean[j];
+        for (int64_t j = 0; j < n; ++j) msq += double(mean[j]) * double(mean[j]);
       }
-      part_mean_sq[b] = static_cast<double>(msq);
+      part_mean_sq[b] = msq;
     }
   }
 
@@ -157,8 +156,13 @@ void round_stats_impl(const StatsArgs& a) {
 void round_stats(const StatsArgs& a) {
   dispatch_dtype(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (a.base_ptrs) round_stats_impl<T, true>(a);
-    else round_stats_impl<T, false>(a);
+    auto go = [&](auto ctag) {
+      using C = decltype(ctag);
+      if (a.base_ptrs) round_stats_impl<T, C, true>(a);
+      else round_stats_impl<T, C, false>(a);
+    };
+    if (a.compute_dtype == kFloat64) go(double{});
+    else go(float{});
   });
 }
 

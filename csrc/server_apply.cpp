@@ -1,6 +1,7 @@
 // Apply passes of the server rules, once the round's scalars are known. Each reads the mean, the rule's
 // state and the parameters once and writes state and parameters once. Parameters and state are written only
-// when the round's finite flag is set, so a round with a bad client touches neither.
+// when the round's finite flag is set, so a round with a bad client touches neither, and never with a value that
+// is not finite (such an element keeps its old values and is counted).
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -13,6 +14,16 @@ namespace fastagg {
 namespace {
 
 constexpr int64_t kApplyBlock = 1 << 15;
+
+// An element's new values are stored only if every one is finite in the dtype it is stored in (convert.h);
+// otherwise the element keeps all its old values and is counted (*overflow).
+
+inline void count_overflow(int32_t* counter, int64_t bad) {
+  if (bad) {
+#pragma omp atomic
+    *counter += static_cast<int32_t>(bad);
+  }
+}
 
 // Momentum family (plain step, FedAvgM, Nesterov, FedACG, FedExP-M):
 //   u = momentum * buf + mean (u = mean without buf);  step = nesterov ? mean + momentum * u : u
@@ -28,20 +39,35 @@ void momentum_impl(const MomentumArgs& a) {
     P* ex = HasExtra ? as_ptr<P>(a.extra_ptrs[blk.seg]) + blk.start : nullptr;
     const C* m = static_cast<const C*>(a.mean) + col0;
     C* buf = HasBuf ? static_cast<C*>(a.buf) + col0 : nullptr;
-#pragma omp simd
+    int64_t bad = 0;
+#pragma omp simd reduction(+ : bad)
     for (int64_t j = 0; j < blk.len; ++j) {
       const C w0 = load<C>(w + j);
       if constexpr (Finite) {
         const C u = HasBuf ? mu * buf[j] + m[j] : m[j];
         const C step = Nesterov ? m[j] + mu * u : u;
-        const C w_new = w0 + lr * step;
-        store(w + j, w_new);
-        if constexpr (HasBuf) buf[j] = u;
-        if constexpr (HasExtra) store(ex + j, w_new + coef * u);
+        const P wp = rounded<P>(w0 + lr * step);
+        const C wb = load<C>(&wp);
+        bool good = finite_c(wb) && finite_c(u);
+        P ep{};
+        if constexpr (HasExtra) {
+          ep = rounded<P>(wb + coef * u);
+          good = good && finite_c(load<C>(&ep));
+          ex[j] = pick(good, ep, ex[j]);
+        }
+        w[j] = pick(good, wp, w[j]);
+        if constexpr (HasBuf) buf[j] = good ? u : buf[j];
+        bad += !good;
       } else {
-        if constexpr (HasExtra) store(ex + j, HasBuf ? w0 + coef * buf[j] : w0);
+        if constexpr (HasExtra) {
+          const P ep = rounded<P>(HasBuf ? w0 + coef * buf[j] : w0);
+          const bool good = finite_c(load<C>(&ep));
+          ex[j] = pick(good, ep, ex[j]);
+          bad += !good;
+        }
       }
     }
+    count_overflow(a.overflow, bad);
   });
 }
 
@@ -63,26 +89,27 @@ void adam_impl(const AdamArgs& a) {
     C* m = Rule == kAdagrad ? nullptr : static_cast<C*>(a.m) + col0;
     C* v = static_cast<C*>(a.v) + col0;
     C* vh = Rule == kAms ? static_cast<C*>(a.vhat) + col0 : nullptr;
-#pragma omp simd
+    int64_t bad = 0;
+#pragma omp simd reduction(+ : bad)
     for (int64_t j = 0; j < blk.len; ++j) {
       const C gj = g[j], g2 = gj * gj;
       C mj = gj;
-      if constexpr (Rule != kAdagrad) {
-        mj = b1 * m[j] + (C(1) - b1) * gj;
-        m[j] = mj;
-      }
+      if constexpr (Rule != kAdagrad) mj = b1 * m[j] + (C(1) - b1) * gj;
       C vj = v[j];
       if constexpr (Rule == kAdam || Rule == kAms) vj = b2 * vj + (C(1) - b2) * g2;
       if constexpr (Rule == kYogi) vj = vj - (C(1) - b2) * g2 * (C(vj > g2) - C(vj < g2));
       if constexpr (Rule == kAdagrad) vj = vj + g2;
-      v[j] = vj;
       C denom_sq = vj;
-      if constexpr (Rule == kAms) {
-        denom_sq = std::max(std::max(vh[j], vj), ams_eps);
-        vh[j] = denom_sq;
-      }
-      store(w + j, load<C>(w + j) + lr * mj / (std::sqrt(denom_sq) + tau));
+      if constexpr (Rule == kAms) denom_sq = std::max(std::max(vh[j], vj), ams_eps);
+      const P wp = rounded<P>(load<C>(w + j) + lr * mj / (std::sqrt(denom_sq) + tau));
+      const bool good = finite_c(load<C>(&wp)) && finite_c(mj) && finite_c(denom_sq);
+      if constexpr (Rule != kAdagrad) m[j] = good ? mj : m[j];
+      v[j] = good ? vj : v[j];
+      if constexpr (Rule == kAms) vh[j] = good ? denom_sq : vh[j];
+      w[j] = pick(good, wp, w[j]);
+      bad += !good;
     }
+    count_overflow(a.overflow, bad);
   });
 }
 

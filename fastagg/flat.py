@@ -4,14 +4,16 @@ fastagg's kernels see a model as one flat vector. :class:`Layout` records how a 
 that vector (names, shapes, dtypes, offsets) so that a flat result can be given back in the caller's form,
 as views, without copies.
 
-Which entries count (this changes FedExP's eta, since norms run over every counted entry):
+Which entries are *parameters* (they count: FedExP's eta and every server optimizer see them) and which are
+*buffers* (never counted, never extrapolated; averaged with the clients' weights, ``rows.py``):
 
-* floating tensors and arrays count;
-* integer and bool entries (``num_batches_tracked``) never count: they are skipped in state_dicts and
-  rejected in plain lists;
-* for an ``nn.Module``, its parameters count; its floating buffers (BatchNorm running statistics) count
-  only with ``buffers=True``. A bare ``state_dict`` cannot tell parameters from buffers, so every floating
-  entry of it counts: pass the module instead to leave buffers out.
+* a flat tensor/array, or a list of them: every entry is a parameter (integer entries are rejected);
+* an ``nn.Module``: its parameters are parameters, its buffers (BatchNorm running statistics and
+  ``num_batches_tracked``) are buffers;
+* a ``state_dict``: entries named like the global module's buffers when the global model is a module, else
+  entries whose last name component is one of torch's buffer names (``running_mean``, ``running_var``,
+  ``num_batches_tracked``) and every non-floating entry are buffers; the other floating entries are parameters.
+  ``Layout.of(..., buffers=True)`` counts floating buffers as parameters (explicit opt-in).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Layout", "flatten", "is_floating", "as_tensor"]
+__all__ = ["Layout", "flatten", "is_floating", "as_tensor", "split_entries", "is_buffer_name", "BUFFER_NAMES"]
 
 
 def as_tensor(x: Any) -> torch.Tensor:
@@ -94,9 +96,10 @@ class Layout:
         return None
 
     @classmethod
-    def of(cls, obj: Any, *, buffers: bool = False) -> "Layout":
-        """The layout of a flat tensor/array, a list of tensors/arrays, a state_dict or an nn.Module."""
-        entries = _entries(obj, buffers=buffers, where="model")
+    def of(cls, obj: Any, *, buffers: bool = False, buffer_names=None) -> "Layout":
+        """The layout of the parameters of a flat tensor/array, a list of tensors/arrays, a state_dict or an
+        nn.Module (``buffers=True``: floating buffers count too)."""
+        entries = _entries(obj, buffers=buffers, where="model", buffer_names=buffer_names)
         kind = "flat" if _is_flat(obj) else ("dict" if isinstance(obj, (Mapping, torch.nn.Module)) else "list")
         numpy = any(isinstance(v, np.ndarray) for _, v in entries)
         return cls(
@@ -121,38 +124,61 @@ def _is_flat(obj: Any) -> bool:
     return isinstance(obj, (torch.Tensor, np.ndarray))
 
 
-def _entries(obj: Any, *, buffers: bool, where: str) -> list:
-    """(name, tensor-or-array) for every counted entry of ``obj``; raises on what cannot count."""
+BUFFER_NAMES = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def is_buffer_name(name: str) -> bool:
+    """torch's names for module buffers (BatchNorm / InstanceNorm running statistics and their counter)."""
+    return name.rsplit(".", 1)[-1] in BUFFER_NAMES
+
+
+def split_entries(obj: Any, *, where: str, buffer_names=None, buffers_count: bool = False) -> tuple[list, list]:
+    """``(parameters, buffers)`` of ``obj``, each a list of (name, tensor-or-array); see the module docstring.
+    ``buffer_names`` (a set) names a state_dict's buffers (the global module's); ``buffers_count`` moves floating
+    buffers to the parameters."""
     if _is_flat(obj):
         if obj.ndim != 1:
             raise ValueError(f"{where} must be 1-D when given as one tensor, got shape {tuple(obj.shape)}")
-        return [(None, obj)]
+        return [(None, obj)], []
     if isinstance(obj, torch.nn.Module):
-        items = list(obj.named_parameters())
-        if buffers:
-            items += [(n, b) for n, b in obj.named_buffers() if b.is_floating_point()]
-        return [(n, v.detach()) for n, v in items]
-    if isinstance(obj, Mapping):
-        return [(k, v) for k, v in obj.items() if is_floating(v)]
-    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
+        params = [(n, v.detach()) for n, v in obj.named_parameters()]
+        bufs = [(n, b.detach()) for n, b in obj.named_buffers()]
+    elif isinstance(obj, Mapping):
+        params, bufs = [], []
+        for k, v in obj.items():
+            if not _is_flat(v):
+                raise TypeError(f"{where}[{k!r}] is a {type(v).__name__}; expected a torch.Tensor or numpy.ndarray")
+            named_buffer = (k in buffer_names) if buffer_names is not None else is_buffer_name(str(k))
+            (bufs if named_buffer or not is_floating(v) else params).append((k, v))
+    elif isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
         for k, v in enumerate(obj):
             if not _is_flat(v):
                 raise TypeError(f"{where}[{k}] is a {type(v).__name__}; expected a torch.Tensor or numpy.ndarray")
             if not is_floating(v):
                 raise TypeError(f"{where}[{k}] has dtype {v.dtype}; expected a floating dtype")
-        return [(None, v) for v in obj]
-    raise TypeError(
-        f"{where} is a {type(obj).__name__}; expected a tensor, numpy array, list of them, state_dict or nn.Module"
-    )
+        return [(None, v) for v in obj], []
+    else:
+        raise TypeError(
+            f"{where} is a {type(obj).__name__}; expected a tensor, numpy array, list of them, state_dict or nn.Module"
+        )
+    if buffers_count:
+        params += [(n, b) for n, b in bufs if is_floating(b)]
+        bufs = [(n, b) for n, b in bufs if not is_floating(b)]
+    return params, bufs
+
+
+def _entries(obj: Any, *, buffers: bool, where: str, buffer_names=None) -> list:
+    """(name, tensor-or-array) for every parameter entry of ``obj``; raises on what cannot count."""
+    return split_entries(obj, where=where, buffer_names=buffer_names, buffers_count=buffers)[0]
 
 
 def entries(obj: Any, *, where: str, buffers: bool = False) -> list:
-    """The counted entries of ``obj`` as torch tensors (numpy wrapped without copies)."""
+    """The parameter entries of ``obj`` as torch tensors (numpy wrapped without copies)."""
     return [as_tensor(v) for _, v in _entries(obj, buffers=buffers, where=where)]
 
 
 def flatten(obj: Any, *, buffers: bool = False, out: torch.Tensor | None = None, dtype: torch.dtype | None = None):
-    """Copy a model's counted entries into one flat buffer: ``flat[offsets[k]:...] = entry_k.reshape(-1)``.
+    """Copy a model's parameter entries into one flat buffer: ``flat[offsets[k]:...] = entry_k.reshape(-1)``.
 
     Returns ``(flat, layout)``; ``layout.unflatten(flat)`` gives views in the original form. ``out`` reuses a
     buffer; ``dtype`` defaults to the first entry's. This is a copy: the ops take per-layer input directly

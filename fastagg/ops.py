@@ -18,8 +18,10 @@ from . import rules
 from ._checks import check_number, check_on_nonfinite, out_buffer
 from ._docs import share_docs
 from .backends import resolve
-from .passes import RoundStats, check_finite, client_stats, device_scalar, like_params, sum_stats
-from .rows import ParamRows, check_params_match, client_rows, compute_dtype, param_rows, with_base
+from ._aliasing import check_writes
+from .passes import (RoundStats, apply_buffers, check_finite, check_overflow, client_stats, device_scalar,
+                     like_params, overflow_counter, round_dtype, sum_stats, warn_unmatched_buffers)
+from .rows import ClientRows, ParamRows, check_params_match, client_rows, compute_dtype, param_rows, with_base
 
 __all__ = ["RoundResult", "fedexp_step", "fedavg_step", "fedexp_step_from_sums"]
 
@@ -87,27 +89,37 @@ def _to_numpy(x):
 
 
 def prepare(deltas, models, params):
-    """Client rows (with params attached as the base for ``models=``), params' rows, and the clients' name."""
+    """Client rows (with params attached as the base for ``models=``), params' rows, and the clients' name.
+    Named clients (state_dicts) are matched to named params by entry name."""
     if (deltas is None) == (models is None):
         raise TypeError("pass exactly one of deltas= (client updates) or models= (full client models)")
     if models is not None:
         if params is None:
             raise TypeError("models= needs params= (the global model the client models started from)")
-        rows = client_rows(models, name="models")
         p = param_rows(params)
+        rows = client_rows(models, name="models", params=p)
         return with_base(rows, p), p, "models"
-    rows = client_rows(deltas, name="deltas")
-    p = None
-    if params is not None:
-        p = param_rows(params)
+    p = param_rows(params) if params is not None else None
+    rows = client_rows(deltas, name="deltas", params=p)
+    if p is not None:
         check_params_match(p, rows)
     return rows, p, "deltas"
 
 
+def round_reads(rows: ClientRows) -> list:
+    """(name, tensor) of the client updates a stats pass over ``rows`` reads, for the aliasing checks (the base of
+    ``models=`` is the params themselves: read by the stats pass, written only by the apply pass after it)."""
+    if rows.matrix is not None:
+        return [("deltas", rows.matrix)]
+    return [(f"client {i}'s entry {s}", r) for s, seg in enumerate(rows.rows) for i, r in enumerate(seg)]
+
+
 def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows | None, want_eval: bool,
-                      on_nonfinite: str, backend, eval_buf: torch.Tensor | None = None) -> RoundResult:
-    """Check finiteness, run the apply pass ``w += eta * mean`` (and the evaluation model), package the result."""
-    finite = check_finite(stats, eta, on_nonfinite)
+                      on_nonfinite: str, backend, eval_buf: torch.Tensor | None = None,
+                      models: bool = False) -> RoundResult:
+    """Check finiteness, run the apply pass ``w += eta * mean`` (and the evaluation model), average the buffers,
+    package the result."""
+    finite = check_finite(stats, eta, on_nonfinite, dtype=None if params is None else compute_dtype(params.dtype))
     eval_params = None
     if params is not None:
         extra = None
@@ -119,8 +131,13 @@ def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows
             if params.form.numpy:
                 eval_params = _to_numpy(eval_params)
         zero = device_scalar(0.0, eta)
+        overflow = overflow_counter(stats.mean)
         backend.momentum_apply(params=params, mean=stats.mean, lr=eta, finite=finite, buf=None, momentum=0.0,
-                               nesterov=False, extra_out=extra, extra_coef=-0.5 * eta, extra_coef_skip=zero)
+                               nesterov=False, extra_out=extra, extra_coef=-0.5 * eta, extra_coef_skip=zero,
+                               overflow_out=overflow)
+        apply_buffers(params, stats, finite, models=models)
+        warn_unmatched_buffers(params, stats)
+        check_overflow(overflow, on_nonfinite, "params")
     per_client = stats.sq_norms is not None
     res = RoundResult(stats.mean, eta, stats.sq_norms, stats.mean_sq, stats.avg_sq, finite,
                       stats.nonfinite if per_client else None, stats.num_clients, eval_params,
@@ -135,17 +152,23 @@ def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: 
          mean_out=None, eval_out=None):
     check_on_nonfinite(on_nonfinite)
     rows, p, name = prepare(deltas, models, params)
-    mean_buf = out_buffer(mean_out, "mean_out", rows.numel, compute_dtype(rows.dtype), rows.device)
+    cdt = round_dtype(rows.dtype, None if p is None else p.dtype)
+    mean_buf = out_buffer(mean_out, "mean_out", rows.numel, cdt, rows.device)
     eval_buf = None
     if eval_out is not None:
         if p is None:
             raise TypeError("eval_out= needs params= (the evaluation model is computed from the updated params)")
         eval_buf = out_buffer(eval_out, "eval_out", p.segments.numel, p.dtype, p.device)
+    writes = [(f"params entry {k}", t) for k, t in enumerate(p.parts)] if p is not None else []
+    writes += [(n, t) for n, t in (("mean_out", mean_buf), ("eval_out", eval_buf)) if t is not None]
+    if writes:
+        check_writes(writes, round_reads(rows))
     backend = resolve(backend_name, rows.device)
-    stats = client_stats(rows, weights, backend, name=name, mean_out=mean_buf, sync=on_nonfinite == "raise")
+    stats = client_stats(rows, weights, backend, name=name, mean_out=mean_buf, sync=on_nonfinite == "raise",
+                         mean_dtype=cdt)
     eta = eta_rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
     return apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite, backend=backend,
-                             eval_buf=eval_buf)
+                             eval_buf=eval_buf, models=name == "models")
 
 
 def fedexp_rule(eps: Any, eps_mode: str) -> Callable:
@@ -243,10 +266,10 @@ def step_from_sums(weighted_sum, weighted_sq_norm_sum, total_weight, num_clients
         resolved["b"] = resolve(backend, device)
         return resolved["b"]
 
-    stats = sum_stats(weighted_sum, weighted_sq_norm_sum, total_weight, num_clients, backend_of)
-    p = None
-    if params is not None:
-        p = param_rows(params)
+    p = param_rows(params) if params is not None else None
+    stats = sum_stats(weighted_sum, weighted_sq_norm_sum, total_weight, num_clients, backend_of,
+                      mean_dtype=None if p is None else compute_dtype(p.dtype))
+    if p is not None:
         if p.segments.numel != stats.mean.numel():
             raise ValueError(f"params has {p.segments.numel} elements; expected {stats.mean.numel()} "
                              "(the size of weighted_sum)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import warnings
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from . import rules
 from ._checks import check_number, normalized_weights
 from .flat import Layout
-from .rows import ClientRows, ParamRows, client_rows, compute_dtype
+from .rows import Buffers, ClientRows, ParamRows, client_rows, compute_dtype
 
 
 @dataclasses.dataclass
@@ -34,31 +35,46 @@ class RoundStats:
     num_clients: int
     form: Layout                  # one client's form, to give results back in it
     name: str                     # what the clients were called ("deltas", "models", "weighted_sum")
+    coefs: torch.Tensor | None = None   # [M] float64 p_i (None from sums alone)
+    buffers: Buffers | None = None      # the clients' buffers, averaged apart (apply_buffers)
+    buffer_sums: list | None = None     # from an Accumulator: sum_i p_i buffer_i per buffer (same order as names)
+
+
+def round_dtype(rows_dtype: torch.dtype, params_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype of a round's mean, math and state: the params' compute dtype when there are params (float64
+    params stay float64-exact whatever the clients send; float32 params with float64 deltas sum them in float32),
+    else the clients' (float64 for float64, float32 otherwise). Client rows are converted on load."""
+    return compute_dtype(params_dtype if params_dtype is not None else rows_dtype)
 
 
 def run_stats(rows: ClientRows, coefs: torch.Tensor, backend, *, mean_init=None, aux=None, aux_coef: float = 0.0,
-              mean_out: torch.Tensor | None = None):
+              mean_out: torch.Tensor | None = None, mean_dtype: torch.dtype | None = None):
     """One stats pass: ``(mean, sq_norms, nonfinite, mean_sq)`` with ``mean = init + sum_i coefs_i x_i``."""
     dev = rows.device
-    mean = mean_out if mean_out is not None else torch.empty(rows.numel, dtype=compute_dtype(rows.dtype), device=dev)
+    if mean_out is None:
+        mean_out = torch.empty(rows.numel, dtype=mean_dtype or compute_dtype(rows.dtype), device=dev)
     sq = torch.empty(rows.num_clients, dtype=torch.float64, device=dev)
     bad = torch.empty(rows.num_clients, dtype=torch.bool, device=dev)
     msq = torch.empty((), dtype=torch.float64, device=dev)
-    backend.round_stats(rows=rows, weights=coefs, mean_init=mean_init, aux=aux, aux_coef=aux_coef, mean_out=mean,
+    backend.round_stats(rows=rows, weights=coefs, mean_init=mean_init, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
                         sq_norms_out=sq, nonfinite_out=bad, mean_sq_out=msq)
-    return mean, sq, bad, msq
+    return mean_out, sq, bad, msq
 
 
 def client_stats(rows: ClientRows, weights: Any, backend, *, name: str, aux=None, aux_coef: float = 0.0,
-                 mean_out=None, sync: bool = True) -> RoundStats:
+                 mean_out=None, sync: bool = True, mean_dtype: torch.dtype | None = None) -> RoundStats:
     """Stats of M client rows with weights normalized over the participants (``sync``: see normalized_weights)."""
     coefs = normalized_weights(weights, rows.num_clients, rows.device, sync=sync)
-    mean, sq, bad, msq = run_stats(rows, coefs, backend, aux=aux, aux_coef=aux_coef, mean_out=mean_out)
-    return RoundStats(mean, sq, bad, msq, (coefs * sq).sum(), rows.num_clients, rows.form, name)
+    mean, sq, bad, msq = run_stats(rows, coefs, backend, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
+                                   mean_dtype=mean_dtype)
+    stats = RoundStats(mean, sq, bad, msq, (coefs * sq).sum(), rows.num_clients, rows.form, name)
+    stats.coefs, stats.buffers = coefs, rows.buffers
+    return stats
 
 
 def sum_stats(weighted_sum: Any, weighted_sq_norm_sum: Any, total_weight: Any, num_clients: Any, backend_of, *,
-              name: str = "weighted_sum", aux=None, aux_coef: float = 0.0, mean_out=None) -> RoundStats:
+              name: str = "weighted_sum", aux=None, aux_coef: float = 0.0, mean_out=None,
+              mean_dtype: torch.dtype | None = None) -> RoundStats:
     """Stats from sums alone: ``mean = weighted_sum / total_weight``, ``avg_sq = weighted_sq_norm_sum / total``.
 
     ``backend_of(device)`` resolves the backend once the sum's device is known.
@@ -74,17 +90,31 @@ def sum_stats(weighted_sum: Any, weighted_sq_norm_sum: Any, total_weight: Any, n
         sq_sum = torch.tensor(check_number(weighted_sq_norm_sum, "weighted_sq_norm_sum"), dtype=torch.float64,
                               device=dev)
     coefs = torch.full((1,), 1.0 / total, dtype=torch.float64, device=dev)
-    mean, _, bad, msq = run_stats(rows, coefs, backend_of(dev), aux=aux, aux_coef=aux_coef, mean_out=mean_out)
+    mean, _, bad, msq = run_stats(rows, coefs, backend_of(dev), aux=aux, aux_coef=aux_coef, mean_out=mean_out,
+                                  mean_dtype=mean_dtype)
     avg_sq = sq_sum / total
     return RoundStats(mean, None, bad | ~torch.isfinite(avg_sq), msq, avg_sq, int(num_clients), rows.form, name)
 
 
-def check_finite(stats: RoundStats, eta: torch.Tensor, on_nonfinite: str) -> torch.Tensor:
+def step_fits(step_size: torch.Tensor, mean_sq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Device bool: the step size is finite in ``dtype`` and so is ``step_size * ||mean||`` (a bound on every
+    element of ``step_size * mean``). A step size finite in float64 but not in float32 (FedExP with eps = 0 and
+    cancelling clients, lr = 1e39) would write Inf: such a round is refused like a round with a NaN client."""
+    big = torch.finfo(dtype).max
+    return torch.isfinite(step_size.to(dtype)) & (step_size.abs() * mean_sq.clamp_min(0).sqrt() <= big)
+
+
+def check_finite(stats: RoundStats, eta: torch.Tensor, on_nonfinite: str, *, dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
     """The round's device flag; with ``on_nonfinite="raise"`` a ValueError naming the bad clients instead.
 
-    ``"raise"`` reads the flag to the host: the one sync of such a call.
+    The round is finite when every client is, eta and ``||mean||^2`` are, and (``dtype``: the params' compute
+    dtype) the step fits that dtype (:func:`step_fits`). ``"raise"`` reads the flag to the host: the one sync of
+    such a call.
     """
     finite = rules.round_is_finite(stats.nonfinite, eta, stats.mean_sq)
+    if dtype is not None:
+        finite = finite & step_fits(eta, stats.mean_sq, dtype)
     if on_nonfinite == "raise" and not bool(finite):
         bad = stats.nonfinite.cpu().nonzero().flatten().tolist()
         if bad:
@@ -92,9 +122,78 @@ def check_finite(stats: RoundStats, eta: torch.Tensor, on_nonfinite: str) -> tor
             shown = ", ".join(f"{name}[{i}]" for i in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
             raise ValueError(f"{shown} contain NaN or Inf; nothing was updated "
                              "(on_nonfinite='skip' flags the round instead of raising)")
-        raise ValueError(f"the round's statistics overflowed (eta={eta.item()!r}, "
-                         f"||mean||^2={stats.mean_sq.item()!r}); nothing was updated")
+        if not bool(rules.round_is_finite(stats.nonfinite, eta, stats.mean_sq)):
+            raise ValueError(f"the round's statistics overflowed (eta={eta.item()!r}, "
+                             f"||mean||^2={stats.mean_sq.item()!r}); nothing was updated")
+        raise ValueError(f"the step overflows {dtype} (step size {eta.item()!r}, ||mean||^2={stats.mean_sq.item()!r}"
+                         "): it would write Inf into params; nothing was updated")
     return finite
+
+
+def overflow_counter(like: torch.Tensor) -> torch.Tensor:
+    """A fresh int32 [1] counter for an apply pass: elements whose new value would not be finite (they keep their
+    old value; the apply passes never store Inf or NaN)."""
+    return torch.zeros(1, dtype=torch.int32, device=like.device)
+
+
+def check_overflow(counter: torch.Tensor, on_nonfinite: str, what: str) -> None:
+    """``"raise"``: a ValueError when the apply pass left elements unchanged because their new value overflowed
+    (one host read). ``"skip"`` leaves the count in the step's statistics."""
+    if on_nonfinite == "raise":
+        n = int(counter.item())
+        if n:
+            raise ValueError(f"{n} elements of {what} would have become Inf or NaN (the values are at the edge of "
+                             "their dtype); those elements kept their previous values, every other element was "
+                             "updated")
+
+
+def warn_unmatched_buffers(params: ParamRows, stats: RoundStats) -> None:
+    """Say so (once per process and case) when buffers cannot be updated: the global model has buffers the
+    clients did not send (their running statistics stay as they were), or the clients sent buffers the global
+    model cannot take (a list of parameters, ``model.parameters()``)."""
+    sent = set(stats.buffers.names) if stats.buffers is not None else set()
+    floating = {n for n, b in params.buffers if b.is_floating_point()}
+    if floating and not sent:
+        warnings.warn(f"the global model has buffers ({', '.join(sorted(floating)[:3])}...) but the client updates "
+                      "carry none, so they are not updated: send state_dicts (or modules) with the buffers",
+                      RuntimeWarning, stacklevel=3)
+    elif sent and not params.buffers:
+        warnings.warn(f"the client updates carry buffers ({', '.join(sorted(sent)[:3])}...) that the global model "
+                      "cannot take (pass the module or its state_dict as params, not a list of its parameters); "
+                      "they are ignored", RuntimeWarning, stacklevel=3)
+
+
+def apply_buffers(params: ParamRows, stats: RoundStats, finite: torch.Tensor, *, models: bool) -> None:
+    """The global model's buffers (BatchNorm running statistics, counters) from the clients': never extrapolated,
+    never in eta or an optimizer's state. Floating buffers become the clients' weighted average
+    (``sum_i p_i b_i``, computed in float64); integer buffers (``num_batches_tracked``) advance by the weighted
+    average of the clients' advances, rounded to the nearest integer. Nothing changes when the round is not
+    finite. ``models``: the clients sent full models (else updates: ``b_i - b_global``)."""
+    if not params.buffers:
+        return
+    have = {}
+    if stats.buffer_sums is not None:
+        have = dict(zip(stats.buffers.names, stats.buffer_sums))
+    elif stats.buffers is not None:
+        coefs = stats.coefs
+        for name, values in zip(stats.buffers.names, stats.buffers.values):
+            acc = torch.zeros(values[0].shape, dtype=torch.float64, device=params.device)
+            for c, v in zip(coefs, values):
+                acc += c * v.to(device=params.device, dtype=torch.float64)
+            have[name] = acc
+    for name, g in params.buffers:
+        if name not in have:
+            continue
+        avg = have[name]
+        if tuple(avg.shape) != tuple(g.shape):
+            raise ValueError(f"the clients' buffer {name!r} has shape {tuple(avg.shape)}; the global model's has "
+                             f"{tuple(g.shape)}")
+        new = avg if models else g.to(torch.float64) + avg
+        if not g.is_floating_point():
+            new = torch.round(new)
+        ok = finite & torch.isfinite(new).all()
+        g.copy_(torch.where(ok, new.to(g.dtype), g))
+
 
 
 def like_params(params: ParamRows, flat: torch.Tensor) -> ParamRows:

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .flat import Layout, as_tensor, entries
+from ._aliasing import check_writes
+from .flat import Layout, as_tensor, split_entries
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -62,6 +63,15 @@ def _ptr_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 @dataclasses.dataclass
+class Buffers:
+    """Every client's buffers (BatchNorm running statistics, counters), by name: ``values[k][i]`` is client i's
+    entry ``names[k]``. They never enter the rows: server steps average them (passes.py)."""
+
+    names: tuple
+    values: list
+
+
+@dataclasses.dataclass
 class ClientRows:
     """M client rows in L segments: ``rows[s][i]`` is client i's part of segment s (a 1-D view).
 
@@ -78,6 +88,7 @@ class ClientRows:
     form: Layout
     base: list | None = None
     matrix: torch.Tensor | None = None
+    buffers: "Buffers | None" = None  # the clients' buffers (state_dict / module clients), never in the rows
 
     @property
     def numel(self) -> int:
@@ -108,6 +119,11 @@ class ParamRows:
     device: torch.device
     form: Layout
     original: Any
+    buffers: list = dataclasses.field(default_factory=list)  # (name, writable tensor) of the model's buffers
+
+    @property
+    def buffer_names(self) -> set:
+        return {n for n, _ in self.buffers}
 
     def ptrs(self) -> torch.Tensor:
         return _ptr_table(self.parts)
@@ -130,30 +146,48 @@ def _flat_view(t: torch.Tensor, where: str) -> torch.Tensor:
             f"{where} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}); "
             "fastagg reads it in place and never copies: pass .contiguous()"
         )
-    return t.reshape(-1)
+    return t.detach().reshape(-1)
 
 
-def _client_parts(x: Any, name: str, i: int) -> list:
-    """One client as a list of tensors (per-layer) or one flat tensor."""
+def _client_parts(x: Any, name: str, i: int, names: tuple | None, buffer_names) -> tuple[list, list, list]:
+    """One client as (parameter tensors, buffer names, buffer tensors). Named clients (state_dicts, modules) are
+    matched to ``names`` by key, never by position."""
     where = f"{name}[{i}]"
     if isinstance(x, (torch.Tensor, np.ndarray)):
         t = as_tensor(x)
         if t.ndim != 1:
             raise ValueError(f"{where} must be a 1-D (flat) vector, got shape {tuple(t.shape)}")
         _check_dtype(t, where)
-        return [t]
+        return [t], [], []
     if isinstance(x, (Mapping, torch.nn.Module)) or (isinstance(x, Sequence) and not isinstance(x, (str, bytes))):
-        parts = entries(x, where=where)
-        for k, t in enumerate(parts):
-            _check_dtype(t, f"{where}[{k}]")
+        params, bufs = split_entries(x, where=where, buffer_names=buffer_names)
+        if names is not None and params and params[0][0] is not None:
+            given = {k: v for k, v in params}
+            missing = [k for k in names if k not in given]
+            extra = [k for k in given if k not in set(names)]
+            if missing or extra:
+                raise ValueError(f"{where} has parameter entries {_short(extra)} that {name}[0] / params do not have"
+                                 if extra else f"{where} lacks parameter entries {_short(missing)}")
+            params = [(k, given[k]) for k in names]
+        parts = [as_tensor(v) for _, v in params]
+        for k, (key, t) in zip(range(len(parts)), params):
+            _check_dtype(as_tensor(t), f"{where}[{key!r}]" if key is not None else f"{where}[{k}]")
         if not parts:
             raise ValueError(f"{where} has no floating entries")
-        return parts
+        return parts, [n for n, _ in bufs], [as_tensor(b) for _, b in bufs]
     raise TypeError(f"{where} is a {type(x).__name__}; expected a tensor, numpy array, list of them or state_dict")
 
 
-def client_rows(x: Any, *, name: str) -> ClientRows:
-    """Validate and normalize M clients' vectors (see module docstring) without copying them."""
+def _short(keys: list) -> str:
+    return ", ".join(repr(k) for k in keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
+def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "ClientRows | None" = None
+                ) -> ClientRows:
+    """Validate and normalize M clients' vectors (see module docstring) without copying them.
+
+    State_dict / module clients are matched by entry name: to ``params``' (or ``like``'s) names when the global
+    model is named, else to the first client's. Their buffers are collected apart (``ClientRows.buffers``)."""
     if isinstance(x, (torch.Tensor, np.ndarray)):
         m = as_tensor(x)
         if m.ndim != 2:
@@ -165,6 +199,7 @@ def client_rows(x: Any, *, name: str) -> ClientRows:
         if m.shape[1] > 1 and m.stride(1) != 1:
             raise ValueError(f"{name} must have unit stride along the parameter dimension, got strides "
                              f"{m.stride()}; fastagg never copies inputs: pass .contiguous()")
+        m = m.detach()
         form = Layout("flat", (None,), ((m.shape[1],),), (m.dtype,), isinstance(x, np.ndarray))
         return ClientRows([list(m.unbind(0))], Segments.of_lengths([m.shape[1]]), m.shape[0], m.dtype,
                           m.device, form, matrix=m)
@@ -172,7 +207,16 @@ def client_rows(x: Any, *, name: str) -> ClientRows:
         raise TypeError(f"{name} is a {type(x).__name__}; expected a [M, d] tensor/array or a list of M clients")
     if len(x) == 0:
         raise ValueError(f"{name} is empty: need at least one client")
-    clients = [_client_parts(c, name, i) for i, c in enumerate(x)]
+    named = params is not None and params.form.kind == "dict"
+    buffer_names = params.buffer_names if named else None
+    names = params.form.names if named else None
+    if like is not None and like.form.kind == "dict":
+        names = like.form.names
+        buffer_names = set(like.buffers.names) if like.buffers is not None else set()
+    if names is None and isinstance(x[0], (Mapping, torch.nn.Module)):
+        names = tuple(k for k, _ in split_entries(x[0], where=f"{name}[0]")[0])
+    parsed = [_client_parts(c, name, i, names, buffer_names) for i, c in enumerate(x)]
+    clients = [p for p, _, _ in parsed]
     first = clients[0]
     ref_shapes = [tuple(t.shape) for t in first]
     per_layer = _is_listlike(x[0])
@@ -191,11 +235,37 @@ def client_rows(x: Any, *, name: str) -> ClientRows:
             for k in range(len(first))]
     numpy_in = isinstance(x[0], np.ndarray) or (per_layer and _any_numpy(x[0]))
     if per_layer:
-        form = dataclasses.replace(Layout.of(x[0]), numpy=numpy_in)
+        form = dataclasses.replace(Layout.of(x[0], buffer_names=buffer_names), numpy=numpy_in)
+        if names is not None:
+            form = dataclasses.replace(form, names=tuple(names),
+                                       shapes=tuple(tuple(t.shape) for t in first), dtypes=tuple(t.dtype for t in first))
     else:
         form = Layout("flat", (None,), (ref_shapes[0],), (first[0].dtype,), numpy_in)
     segs = Segments.of_lengths([r[0].numel() for r in rows])
-    return ClientRows(rows, segs, len(clients), first[0].dtype, first[0].device, form)
+    return ClientRows(rows, segs, len(clients), first[0].dtype, first[0].device, form,
+                      buffers=_client_buffers(parsed, name))
+
+
+def _client_buffers(parsed: list, name: str) -> Buffers | None:
+    """Every client's buffers by name (the first client's names; every client must have the same ones)."""
+    names = tuple(parsed[0][1])
+    if not names:
+        if any(p[1] for p in parsed):
+            raise ValueError(f"{name}[0] has no buffers but other clients do; every client needs the same entries")
+        return None
+    values = [[] for _ in names]
+    for i, (_, bnames, bvals) in enumerate(parsed):
+        if tuple(sorted(bnames)) != tuple(sorted(names)):
+            raise ValueError(f"{name}[{i}] has buffers {_short(sorted(bnames))}; expected {_short(sorted(names))} "
+                             f"like {name}[0]")
+        by = dict(zip(bnames, bvals))
+        for k, n in enumerate(names):
+            t = by[n]
+            if i and tuple(t.shape) != tuple(values[k][0].shape):
+                raise ValueError(f"{name}[{i}][{n!r}] has shape {tuple(t.shape)}; expected "
+                                 f"{tuple(values[k][0].shape)} like {name}[0]")
+            values[k].append(t)
+    return Buffers(names, values)
 
 
 def _is_listlike(x: Any) -> bool:
@@ -208,29 +278,43 @@ def _any_numpy(x: Any) -> bool:
 
 
 def param_rows(params: Any, *, name: str = "params") -> ParamRows:
-    """Validate the global model (flat tensor/array, per-layer list, state_dict or module) as writable views."""
+    """Validate the global model (flat tensor/array, per-layer list, state_dict or module) as writable views.
+
+    Views are detached (a model's parameters may require grad; fastagg writes them as torch.optim does, outside
+    autograd), every entry must own its memory (no entry overlaps another or itself), and a module's or
+    state_dict's buffers are kept apart (``ParamRows.buffers``)."""
     if isinstance(params, (torch.Tensor, np.ndarray)):
         t = as_tensor(params)
         if t.ndim != 1:
             raise ValueError(f"{name} must be a 1-D (flat) vector or a per-layer list, got shape {tuple(t.shape)}")
         if isinstance(params, np.ndarray) and not params.flags.writeable:
             raise ValueError(f"{name} is a read-only numpy array; it is updated in place")
-        parts = [t]
+        named, bufs = [(None, t)], []
     else:
-        parts = entries(params, where=name)
-        if not parts:
+        named, bufs = split_entries(params, where=name)
+        if not named:
             raise ValueError(f"{name} has no floating entries")
+        for k, (key, v) in enumerate(named + bufs):
+            if isinstance(v, np.ndarray) and not v.flags.writeable:
+                raise ValueError(f"{name}[{key if key is not None else k}] is a read-only numpy array; it is updated "
+                                 "in place")
+    parts = [as_tensor(v) for _, v in named]
     first = parts[0]
-    for k, t in enumerate(parts):
-        where = name if len(parts) == 1 and isinstance(params, (torch.Tensor, np.ndarray)) else f"{name}[{k}]"
+    flat_input = len(parts) == 1 and isinstance(params, (torch.Tensor, np.ndarray))
+    wheres = [name if flat_input else f"{name}[{key!r}]" if key is not None else f"{name}[{k}]"
+              for k, (key, _) in enumerate(named)]
+    for where, t in zip(wheres, parts):
         _check_dtype(t, where)
         if t.dtype != first.dtype:
-            raise TypeError(f"{where} has dtype {t.dtype}; expected {first.dtype} like {name}[0]")
+            raise TypeError(f"{where} has dtype {t.dtype}; expected {first.dtype} like {wheres[0]}")
         if t.device != first.device:
-            raise ValueError(f"{where} is on {t.device}; expected {first.device} like {name}[0]")
-    flat = [_flat_view(t, name if len(parts) == 1 else f"{name}[{k}]") for k, t in enumerate(parts)]
+            raise ValueError(f"{where} is on {t.device}; expected {first.device} like {wheres[0]}")
+    flat = [_flat_view(t, w) for w, t in zip(wheres, parts)]
+    buffers = [(n, as_tensor(b).detach()) for n, b in bufs]
+    check_writes([(w, t) for w, t in zip(wheres, flat)] + [(f"{name}[{n!r}]", b) for n, b in buffers])
     form = Layout.of(params)
-    return ParamRows(flat, Segments.of_lengths([t.numel() for t in flat]), first.dtype, first.device, form, params)
+    return ParamRows(flat, Segments.of_lengths([t.numel() for t in flat]), first.dtype, first.device, form, params,
+                     buffers)
 
 
 def check_params_match(p: ParamRows, rows: ClientRows, *, name: str = "params", clients: str = "deltas") -> None:

@@ -18,9 +18,12 @@ from typing import Any
 import torch
 
 from . import rules
+from ._aliasing import check_writes
 from ._checks import check_number, check_on_nonfinite, check_prob
 from .backends import resolve
-from .passes import RoundStats, check_finite, client_stats, device_scalar, like_params
+from .ops import round_reads
+from .passes import (RoundStats, apply_buffers, check_finite, check_overflow, client_stats, device_scalar,
+                     like_params, overflow_counter, warn_unmatched_buffers)
 from .rows import ParamRows, client_rows, compute_dtype, param_rows
 from .stream import Accumulator
 
@@ -43,6 +46,7 @@ class StepStats:
     finite: torch.Tensor
     nonfinite: torch.Tensor
     num_clients: int
+    overflowed: torch.Tensor | None = None  # int32 [1]: elements left unchanged because their new value overflowed
 
 
 class ServerOptimizer:
@@ -167,6 +171,12 @@ class ServerOptimizer:
             self._means[name, dtype] = torch.empty(numel, dtype=dtype, device=self.device)
         return self._means[name, dtype]
 
+    def _written(self) -> list:
+        """(name, tensor) of everything a step writes: the params, every state buffer, the eval/broadcast output."""
+        out = [(f"params entry {k}", t) for k, t in enumerate(self._p.parts)]
+        out += [(f"the optimizer's {k!r} buffer", v) for k, v in self.state.items() if v.dim() > 0]
+        return out
+
     def _stats(self, deltas: Any, weights: Any, name: str = "deltas") -> RoundStats:
         aux, aux_coef = self._aux()
         if isinstance(deltas, Accumulator):
@@ -174,22 +184,21 @@ class ServerOptimizer:
                 raise TypeError("weights= does not apply to an Accumulator: pass weights to its add()")
             if deltas.device != self.device:
                 raise ValueError(f"the accumulator is on {deltas.device}; the params are on {self.device}")
-            stats = deltas.round_stats(lambda device: self._backend, aux=aux, aux_coef=aux_coef,
-                                       mean_out=self._mean_buffer(name, deltas.compute_dtype, deltas.numel))
-            d = stats.mean.numel()
-        else:
-            rows = client_rows(deltas, name=name)
-            d = rows.numel
-            if rows.device != self.device:
-                raise ValueError(f"{name} are on {rows.device}; the params are on {self.device}")
-        if d != self._p.segments.numel:
-            raise ValueError(f"{name} have {d} elements per client; the optimizer's params have "
+            if deltas.numel != self._p.segments.numel:
+                raise ValueError(f"the accumulator holds {deltas.numel} elements per client; the optimizer's params "
+                                 f"have {self._p.segments.numel}")
+            return deltas.round_stats(lambda device: self._backend, aux=aux, aux_coef=aux_coef,
+                                      mean_out=self._mean_buffer(name, self._cdt, deltas.numel))
+        rows = client_rows(deltas, name=name, params=self._p)
+        if rows.device != self.device:
+            raise ValueError(f"{name} are on {rows.device}; the params are on {self.device}")
+        if rows.numel != self._p.segments.numel:
+            raise ValueError(f"{name} have {rows.numel} elements per client; the optimizer's params have "
                              f"{self._p.segments.numel}")
-        if isinstance(deltas, Accumulator):
-            return stats
+        check_writes(self._written(), round_reads(rows))
         return client_stats(rows, weights, self._backend, name=name, aux=aux, aux_coef=aux_coef,
-                            sync=self.on_nonfinite == "raise",
-                            mean_out=self._mean_buffer(name, compute_dtype(rows.dtype), rows.numel))
+                            sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
+                            mean_out=self._mean_buffer(name, self._cdt, rows.numel))
 
     def step(self, deltas: Any, weights: Any = None) -> StepStats:
         """Apply one server round.
@@ -202,12 +211,21 @@ class ServerOptimizer:
         Returns the round's :class:`StepStats` (also kept as ``last_stats``). With ``on_nonfinite="raise"`` a
         non-finite client raises ``ValueError`` and params and state stay exactly as they were.
         """
-        stats = self._stats(deltas, weights)
-        eta, finite = self._round(stats)
-        self._advance(finite)
+        with torch.no_grad():
+            stats = self._stats(deltas, weights)
+            self._overflow = overflow_counter(stats.mean)
+            eta, finite = self._round(stats)
+            self._finish(stats, finite)
         self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, finite, stats.nonfinite,
-                                    stats.num_clients)
+                                    stats.num_clients, self._overflow)
+        check_overflow(self._overflow, self.on_nonfinite, "params or the optimizer's state")
         return self.last_stats
+
+    def _finish(self, stats: RoundStats, finite: torch.Tensor) -> None:
+        """After the apply pass: the model's buffers (averaged, never stepped) and the round counter."""
+        apply_buffers(self._p, stats, finite, models=False)
+        warn_unmatched_buffers(self._p, stats)
+        self._advance(finite)
 
     def _advance(self, finite: torch.Tensor) -> None:
         step = self.state["step"]
@@ -221,7 +239,11 @@ class ServerOptimizer:
         self._backend.momentum_apply(
             params=self._p, mean=stats.mean, lr=lr, finite=finite, buf=None if buf is None else self._buffer(buf),
             momentum=momentum, nesterov=nesterov, extra_out=None if extra_coef is None else self._extra_out(),
-            extra_coef=extra_coef, extra_coef_skip=extra_coef_skip)
+            extra_coef=extra_coef, extra_coef_skip=extra_coef_skip, overflow_out=self._overflow)
+
+    def _check_finite(self, stats: RoundStats, step_size: torch.Tensor) -> torch.Tensor:
+        """The round's finite flag (raises in "raise" mode), the step size checked against the params' dtype."""
+        return check_finite(stats, step_size, self.on_nonfinite, dtype=self._cdt)
 
     def __repr__(self) -> str:
         hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters.items())
@@ -239,7 +261,7 @@ class FedAvg(ServerOptimizer):
 
     def _round(self, stats):
         eta = device_scalar(self.lr, stats.mean)
-        finite = check_finite(stats, eta, self.on_nonfinite)
+        finite = self._check_finite(stats, eta)
         self._momentum(stats, eta, finite=finite)
         return eta, finite
 
@@ -265,7 +287,7 @@ class FedAvgM(ServerOptimizer):
 
     def _round(self, stats):
         eta = device_scalar(self.lr, stats.mean)
-        finite = check_finite(stats, eta, self.on_nonfinite)
+        finite = self._check_finite(stats, eta)
         buf = "momentum_buffer" if self.momentum > 0 else None
         self._momentum(stats, eta, finite=finite, buf=buf, momentum=self.momentum, nesterov=self.nesterov)
         return eta, finite
@@ -331,7 +353,7 @@ class FedExP(_FedExPFamily):
 
     def _round(self, stats):
         eta = self._eta(stats)
-        finite = check_finite(stats, eta, self.on_nonfinite)
+        finite = self._check_finite(stats, eta)
         self._fedexp_apply(stats, eta, finite)
         return eta, finite
 
@@ -367,7 +389,7 @@ class FedExPM(_FedExPFamily):
     def _round(self, stats):
         a_new = stats.avg_sq + (self.beta / 2) * self.state["numerator"]
         eta = rules.fedexp_eta(a_new, stats.mean_sq, self._eps_eff(stats.num_clients), scale=0.5, floor=0.0)
-        finite = check_finite(stats, eta, self.on_nonfinite)
+        finite = self._check_finite(stats, eta)
         self._fedexp_apply(stats, eta, finite, buf="v", momentum=self.beta)
         self.state["numerator"].copy_(torch.where(finite, a_new, self.state["numerator"]))
         return eta, finite
@@ -398,24 +420,30 @@ class _ControlVariate:
         uniformly over the participants, as SCAFFOLD does). Either may be an Accumulator."""
         if control_deltas is None:
             raise TypeError(f"{type(self).__name__}.step needs control_deltas (each participant's c_i_new - c_i)")
+        with torch.no_grad():
+            return self._scaffold_step(deltas, control_deltas, weights)
+
+    def _scaffold_step(self, deltas, control_deltas, weights) -> StepStats:
         stats = self._stats(deltas, weights)
         cstats = self._stats(control_deltas, None, name="control_deltas")
+        self._overflow = overflow_counter(stats.mean)
         if cstats.num_clients != stats.num_clients:
             raise ValueError(f"control_deltas has {cstats.num_clients} clients; deltas has {stats.num_clients}")
         if stats.num_clients > self.num_clients:
             raise ValueError(f"{stats.num_clients} participants; more than num_clients={self.num_clients}")
         eta = self._server_eta(stats)
-        both = check_finite(stats, eta, self.on_nonfinite) & check_finite(cstats, eta, self.on_nonfinite)
+        ratio = device_scalar(stats.num_clients / self.num_clients, eta)
+        both = self._check_finite(stats, eta) & self._check_finite(cstats, ratio)
         self._server_apply(stats, eta, both)
         if self._control is None:
             self._control = like_params(self._p, self.control)
-        ratio = device_scalar(stats.num_clients / self.num_clients, eta)
         self._backend.momentum_apply(params=self._control, mean=cstats.mean, lr=ratio, finite=both, buf=None,
                                      momentum=0.0, nesterov=False, extra_out=None, extra_coef=None,
-                                     extra_coef_skip=None)
-        self._advance(both)
+                                     extra_coef_skip=None, overflow_out=self._overflow)
+        self._finish(stats, both)
         self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, both, stats.nonfinite,
-                                    stats.num_clients)
+                                    stats.num_clients, self._overflow)
+        check_overflow(self._overflow, self.on_nonfinite, "params or the control variate")
         return self.last_stats
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -501,7 +529,7 @@ class FedACG(ServerOptimizer):
 
     def _round(self, stats):
         one = device_scalar(1.0, stats.mean)
-        finite = check_finite(stats, one, self.on_nonfinite)
+        finite = self._check_finite(stats, one)
         lam = device_scalar(self.lam, stats.mean)
         self._momentum(stats, one, finite=finite, buf="momentum", momentum=self.lam, extra_coef=lam)
         return one, finite
@@ -534,12 +562,13 @@ class _AdamFamily(ServerOptimizer):
 
     def _round(self, stats):
         lr = self._lr(stats.mean)
-        finite = check_finite(stats, lr, self.on_nonfinite)
+        finite = self._check_finite(stats, lr)
         self._backend.adam_apply(
             params=self._p, mean=stats.mean, finite=finite,
             m=None if self.rule == "adagrad" else self._buffer("m"), v=self._buffer("v"),
             vhat=self._buffer("vhat") if self.rule == "ams" else None, rule=self.rule, lr=lr,
-            beta1=self.betas[0], beta2=self.betas[1], tau=self.tau, ams_eps=getattr(self, "vhat_floor", 0.0))
+            beta1=self.betas[0], beta2=self.betas[1], tau=self.tau, ams_eps=getattr(self, "vhat_floor", 0.0),
+            overflow_out=self._overflow)
         return lr, finite
 
 

@@ -5,17 +5,20 @@ step is exact (the same formula as the batched call; equal to float32 rounding).
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
 from . import ops
+from ._aliasing import check_writes
 from ._checks import check_number, check_on_nonfinite, expect_like
-from .passes import RoundStats, run_stats, sum_stats
 from ._docs import share_docs
 from .backends import resolve
 from .flat import Layout
-from .rows import client_rows, compute_dtype, param_rows
+from .ops import round_reads
+from .passes import RoundStats, run_stats, sum_stats
+from .rows import Buffers, client_rows, compute_dtype, param_rows
 
 
 class Accumulator:
@@ -23,12 +26,14 @@ class Accumulator:
 
     State (on ``like``'s device): ``weighted_sum = sum_i n_i delta_i`` (float32; float64 for float64 data),
     ``weighted_sq_norm_sum = sum_i n_i ||delta_i||^2`` (float64, 0-d), ``total_weight = sum_i n_i``, the
-    number of clients, and each client's ``||delta_i||^2`` (M scalars).
+    number of clients, and each client's ``||delta_i||^2`` (M scalars). For state_dict / module updates, the
+    weighted sums of their buffers (BatchNorm running statistics) too, in float64; steps average them.
 
     ``add`` reads each delta once and writes the new sum into a second buffer, which replaces the first only
-    if the delta was finite: a rejected client leaves the accumulator exactly as it was. Memory: two d-vectors;
-    traffic per client: read delta, read sum, write sum. Deciding acceptance reads one flag to the host (on CUDA,
-    ``add``'s only sync).
+    if the delta was finite and the new sum is: a rejected client (NaN/Inf, or a weighted update that would
+    overflow the sum) leaves the accumulator exactly as it was. Memory: two d-vectors; traffic per client: read
+    delta, read sum, write sum. Deciding acceptance reads one flag to the host (on CUDA, ``add``'s only sync).
+    ``add`` and the steps may be called from several threads: they take a lock (one client is folded at a time).
 
     Example::
 
@@ -40,6 +45,7 @@ class Accumulator:
 
     def __init__(self, like: Any, *, backend: str = "auto"):
         rows = client_rows([like], name="like")
+        self._like = rows
         self._form: Layout = rows.form
         self._numel = rows.numel
         self._dtype = rows.dtype
@@ -49,14 +55,18 @@ class Accumulator:
         cdt = compute_dtype(rows.dtype)
         self._sum = torch.zeros(rows.numel, dtype=cdt, device=rows.device)
         self._scratch = torch.empty_like(self._sum)
+        self._buffer_names = rows.buffers.names if rows.buffers is not None else ()
+        self._lock = threading.RLock()
         self.reset()
 
     def reset(self) -> None:
         """Forget every client (start a new round)."""
-        self._sum.zero_()
-        self._sq_norms: list = []
-        self._weighted_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.total_weight = 0.0
+        with self._lock:
+            self._sum.zero_()
+            self._sq_norms: list = []
+            self._weighted_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+            self._buffer_sums = [None] * len(self._buffer_names)
+            self.total_weight = 0.0
 
     @property
     def num_clients(self) -> int:
@@ -81,26 +91,45 @@ class Accumulator:
     def add(self, delta: Any, weight: float = 1.0, *, on_nonfinite: str = "raise") -> bool:
         """Fold one client in: ``sum += weight * delta``; ``sq_sum += weight * ||delta||^2``.
 
-        ``delta`` has the form, size, dtype and device of ``like``; ``weight`` is a finite number >= 0 (example
-        count). A delta with NaN/Inf raises ``ValueError`` (``on_nonfinite="raise"``) or is dropped
-        (``"skip"``); either way the accumulator is unchanged. Returns True when the client was folded in.
+        ``delta`` has the form, size, dtype and device of ``like`` (state_dicts are matched by entry name);
+        ``weight`` is a finite number >= 0 (example count). A delta with NaN/Inf, or one whose weighted update would
+        overflow the running sum, raises ``ValueError`` (``on_nonfinite="raise"``) or is dropped (``"skip"``);
+        either way the accumulator is unchanged. Returns True when the client was folded in.
         """
         check_on_nonfinite(on_nonfinite)
         w = check_number(weight, "weight")
-        rows = client_rows([delta], name="delta")
+        rows = client_rows([delta], name="delta", like=self._like)
         expect_like("delta", "the accumulator's `like`", numel=(rows.numel, self._numel),
                     dtype=(rows.dtype, self._dtype), device=(rows.device, self.device))
-        coef = torch.full((1,), w, dtype=torch.float64, device=self.device)
-        _, sq, bad, _ = run_stats(rows, coef, self._backend, mean_init=self._sum, mean_out=self._scratch)
-        if bool(bad[0]):  # add()'s one host read
-            if on_nonfinite == "raise":
-                raise ValueError(f"delta (client {self.num_clients}) contains NaN or Inf; the accumulator is unchanged")
-            return False
-        self._sum, self._scratch = self._scratch, self._sum
-        self._sq_norms.append(sq[0])
-        self._weighted_sq = self._weighted_sq + w * sq[0]
-        self.total_weight += w
-        return True
+        bufs = self._client_buffers(rows, w)
+        with self._lock:
+            check_writes([("the accumulator's sum", self._scratch)], round_reads(rows))
+            coef = torch.full((1,), w, dtype=torch.float64, device=self.device)
+            _, sq, bad, msq = run_stats(rows, coef, self._backend, mean_init=self._sum, mean_out=self._scratch)
+            sq_new = self._weighted_sq + w * sq[0]
+            fine = ~bad[0] & torch.isfinite(msq) & torch.isfinite(sq_new)
+            for b in bufs:
+                fine = fine & torch.isfinite(b).all()
+            if not bool(fine):  # add()'s one host read
+                if on_nonfinite == "raise":
+                    what = "contains NaN or Inf" if bool(bad[0]) else "would overflow the running sums"
+                    raise ValueError(f"delta (client {self.num_clients}) {what}; the accumulator is unchanged")
+                return False
+            self._sum, self._scratch = self._scratch, self._sum
+            self._sq_norms.append(sq[0])
+            self._weighted_sq = sq_new
+            self._buffer_sums = [b if s is None else s + b for s, b in zip(self._buffer_sums, bufs)]
+            self.total_weight += w
+            return True
+
+    def _client_buffers(self, rows, w: float) -> list:
+        """``w * b`` in float64 for each of the client's buffers, in ``like``'s buffer order."""
+        if not self._buffer_names:
+            return []
+        if rows.buffers is None:
+            raise ValueError(f"delta has no buffers; the accumulator's `like` has {', '.join(self._buffer_names)}")
+        given = dict(zip(rows.buffers.names, (v[0] for v in rows.buffers.values)))
+        return [w * given[n].to(device=self.device, dtype=torch.float64) for n in self._buffer_names]
 
     def _check_ready(self) -> None:
         if self.num_clients == 0:
@@ -116,27 +145,36 @@ class Accumulator:
     def compute_dtype(self) -> torch.dtype:
         return self._sum.dtype
 
-    def round_stats(self, backend_of, *, aux=None, aux_coef: float = 0.0, mean_out=None) -> RoundStats:
+    def round_stats(self, backend_of, *, aux=None, aux_coef: float = 0.0, mean_out=None,
+                    mean_dtype: torch.dtype | None = None) -> RoundStats:
         """The stats pass over the accumulated sums (``mean = weighted_sum / total_weight``), with every added
-        client's squared norm. Used by the steps below and by the server optimizers."""
-        self._check_ready()
-        stats = sum_stats(self.weighted_sum, self._weighted_sq, self.total_weight, self.num_clients, backend_of,
-                          name="accumulator", aux=aux, aux_coef=aux_coef, mean_out=mean_out)
-        stats.sq_norms = self.sq_norms
-        return stats
+        client's squared norm and the buffers' weighted averages. Used by the steps below and by the server
+        optimizers."""
+        with self._lock:
+            self._check_ready()
+            stats = sum_stats(self.weighted_sum, self._weighted_sq, self.total_weight, self.num_clients, backend_of,
+                              name="accumulator", aux=aux, aux_coef=aux_coef, mean_out=mean_out,
+                              mean_dtype=mean_dtype)
+            stats.sq_norms = self.sq_norms
+            if self._buffer_names:
+                stats.buffers = Buffers(self._buffer_names, [])
+                stats.buffer_sums = [s / self.total_weight for s in self._buffer_sums]
+            return stats
 
     def _from_sums(self, rule, *, params, on_nonfinite, want_eval) -> ops.RoundResult:
         check_on_nonfinite(on_nonfinite)
-        stats = self.round_stats(lambda device: self._backend)
         p = None
         if params is not None:
             p = param_rows(params)
             if p.segments.numel != self._numel:
                 raise ValueError(f"params has {p.segments.numel} elements; expected {self._numel} like the "
                                  "accumulator's `like`")
-        eta = rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
-        res = ops.apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
-                                    backend=self._backend)
+        with self._lock:
+            stats = self.round_stats(lambda device: self._backend,
+                                     mean_dtype=None if p is None else compute_dtype(p.dtype))
+            eta = rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
+            res = ops.apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
+                                        backend=self._backend)
         res.nonfinite = torch.zeros(self.num_clients, dtype=torch.bool, device=self.device)
         if self._form.numpy:
             res.sq_norms, res.nonfinite = self.sq_norms.numpy(), res.nonfinite.numpy()

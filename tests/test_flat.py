@@ -20,12 +20,15 @@ def test_flatten_unflatten_round_trip_gives_views():
     assert flat[6] == 42.0
 
 
-def test_state_dict_skips_integer_entries_and_module_buffers_are_optional():
+def test_buffers_never_count_unless_asked():
+    """A module's buffers, and a state_dict's entries named like torch's buffers, are buffers (averaged apart,
+    never in eta); integers never count; buffers=True makes floating buffers count."""
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     sd = net.state_dict()
     layout = Layout.of(sd)
     assert "1.num_batches_tracked" not in layout.names  # integer: never counts
-    assert "1.running_mean" in layout.names  # a bare state_dict counts every floating entry
+    assert layout.names == ("0.weight", "0.bias", "1.weight", "1.bias")  # running statistics are buffers
+    assert Layout.of(sd, buffer_names=set()).names[-2:] == ("1.running_mean", "1.running_var")  # named by a module
     params_only = Layout.of(net)
     assert params_only.names == ("0.weight", "0.bias", "1.weight", "1.bias")
     with_buffers = Layout.of(net, buffers=True)

@@ -196,13 +196,28 @@ def test_nonfinite_client_never_reaches_params(backend, bad):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_overflowing_statistics_are_not_applied(backend):
-    deltas = torch.full((2, 8), 3e38)  # finite, but squares overflow
+def test_overflowing_steps_are_not_applied(backend):
+    """Squares are summed in float64, so float32 inputs near 3e38 give finite statistics; a step that would not
+    fit float32 params (eta * ||mean|| above float32's max) is refused, params untouched."""
+    deltas = torch.full((2, 8), 3e38)
     params = torch.zeros(8)
     res = fastagg.fedexp_step(deltas, eps=1e-3, params=params, on_nonfinite="skip", backend=backend)
+    assert bool(torch.isfinite(res.mean_sq_norm)) and float(res.eta) == 1.0
     assert not bool(res.finite) and float(params.abs().max()) == 0.0
-    with pytest.raises(ValueError, match="overflowed|NaN or Inf"):
+    with pytest.raises(ValueError, match="overflows torch.float32"):
         fastagg.fedexp_step(deltas, eps=1e-3, params=params, backend=backend)
+    assert float(params.abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_inputs_near_1e18_match_the_float64_oracle(backend):
+    """The reductions feeding eta are float64: squares of 1e18 summed over 8192-element blocks overflowed float32."""
+    x = torch.randn(4, 20_000, generator=torch.Generator().manual_seed(0)) * 1e18
+    got = fastagg.fedexp_step(x, eps=1e-3, backend=backend)
+    ref = fastagg.fedexp_step(x.double(), eps=1e-3, backend="reference")
+    assert bool(got.finite)
+    assert_close(got.eta, ref.eta, rtol=1e-5, atol=0, name="eta")
+    assert_close(got.sq_norms, ref.sq_norms, rtol=1e-5, atol=0, name="sq_norms")
 
 
 def test_cpu_backend_is_bit_identical_run_after_run():

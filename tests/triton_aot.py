@@ -95,7 +95,8 @@ def drive_launchers():
                         for skip in (None, one):
                             momentum_mod.momentum_apply(params=p, mean=mean, lr=one, finite=finite, buf=buf,
                                                         momentum=0.9, nesterov=nesterov, extra_out=extra,
-                                                        extra_coef=one, extra_coef_skip=skip)
+                                                        extra_coef=one, extra_coef_skip=skip,
+                                                        overflow_out=torch.zeros(1, dtype=torch.int32))
             for d, schedule in ((10, "row"), (40_000, "row"), (40_000, "chunks")):
                 block = min(4096, triton.next_power_of_2(d))
                 local_mod.local_config = lambda m, n, s=schedule, b=block: dict(
@@ -115,7 +116,8 @@ def drive_launchers():
             for rule in ("adam", "yogi", "adagrad", "ams"):
                 adam_mod.adam_apply(params=p, mean=mean, finite=finite, m=torch.zeros(10, dtype=cdt),
                                     v=torch.zeros(10, dtype=cdt), vhat=torch.zeros(10, dtype=cdt), rule=rule, lr=one,
-                                    beta1=0.9, beta2=0.99, tau=1e-3, ams_eps=1e-8)
+                                    beta1=0.9, beta2=0.99, tau=1e-3, ams_eps=1e-8,
+                                    overflow_out=torch.zeros(1, dtype=torch.int32))
 
 
 local_mod = importlib.import_module("fastagg.backends.triton.local_step")

@@ -1,6 +1,7 @@
 """The CPU backend: one call into the compiled C++/OpenMP module per primitive (``csrc/``).
 
-Arguments travel as addresses, so torch CPU tensors and numpy-backed tensors go through without copies.
+Buffers travel as DLPack capsules, which the binding checks itself (csrc/views.h), so torch CPU tensors and
+numpy-backed tensors go through without copies and no address is taken on trust.
 Results are bit-identical run after run for a given input (block order is fixed, independent of threads).
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ import os
 
 import torch
 
-from ..rows import DTYPE_CODE, ClientRows, ParamRows
+from ..rows import ClientRows, ParamRows
 
 name = "cpu"
 ADAM_RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
@@ -49,44 +50,51 @@ def compiled():
     return _C
 
 
-def _addr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+def _dl(t: torch.Tensor | None):
+    """A tensor as the DLPack capsule the binding reads its address, dtype, shape and strides from (None stays
+    None). bool tensors travel as uint8 views."""
+    if t is None:
+        return None
+    return (t.view(torch.uint8) if t.dtype == torch.bool else t).__dlpack__()
+
+
+def _segments(parts) -> list:
+    return [_dl(t) for t in parts]
 
 
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
                 aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
                 nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
-    row_ptrs, base_ptrs = rows.row_ptrs(), rows.base_ptrs()
-    lens, offs = rows.segments.tables()
+    if rows.matrix is not None and len(rows.segments) == 1:
+        data = _dl(rows.matrix)
+    else:
+        data = [[_dl(r) for r in seg] for seg in rows.rows]
     compiled().round_stats(
-        rows.num_clients, len(rows.segments), DTYPE_CODE[rows.dtype], row_ptrs.data_ptr(), _addr(base_ptrs),
-        lens.data_ptr(), offs.data_ptr(), weights.data_ptr(), _addr(mean_init), _addr(aux), float(aux_coef),
-        mean_out.data_ptr(), sq_norms_out.data_ptr(), nonfinite_out.data_ptr(), mean_sq_out.data_ptr(),
+        data, None if rows.base is None else _segments(rows.base), list(rows.segments.lens), _dl(weights),
+        _dl(mean_init), _dl(aux), float(aux_coef), _dl(mean_out), _dl(sq_norms_out), _dl(nonfinite_out),
+        _dl(mean_sq_out),
     )
 
 
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
                    buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,
-                   extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None) -> None:
-    lens, offs = params.segments.tables()
-    param_ptrs = params.ptrs()
-    extra_ptrs = None if extra_out is None else extra_out.ptrs()
+                   extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None,
+                   overflow_out: torch.Tensor) -> None:
     compiled().momentum_apply(
-        len(params.segments), DTYPE_CODE[params.dtype], DTYPE_CODE[mean.dtype], param_ptrs.data_ptr(),
-        _addr(extra_ptrs), lens.data_ptr(), offs.data_ptr(), mean.data_ptr(), _addr(buf), lr.data_ptr(),
-        _addr(extra_coef), _addr(extra_coef_skip), finite.data_ptr(), float(momentum), bool(nesterov),
+        _segments(params.parts), None if extra_out is None else _segments(extra_out.parts), _dl(mean), _dl(buf),
+        _dl(lr.reshape(1)), _dl(None if extra_coef is None else extra_coef.reshape(1)),
+        _dl(None if extra_coef_skip is None else extra_coef_skip.reshape(1)), _dl(finite.reshape(1)),
+        float(momentum), bool(nesterov), _dl(overflow_out),
     )
 
 
 def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m: torch.Tensor | None,
                v: torch.Tensor, vhat: torch.Tensor | None, rule: str, lr: torch.Tensor, beta1: float, beta2: float,
-               tau: float, ams_eps: float) -> None:
-    lens, offs = params.segments.tables()
-    param_ptrs = params.ptrs()
+               tau: float, ams_eps: float, overflow_out: torch.Tensor) -> None:
     compiled().adam_apply(
-        len(params.segments), DTYPE_CODE[params.dtype], DTYPE_CODE[mean.dtype], param_ptrs.data_ptr(),
-        lens.data_ptr(), offs.data_ptr(), mean.data_ptr(), _addr(m), v.data_ptr(), _addr(vhat), lr.data_ptr(),
-        finite.data_ptr(), ADAM_RULES[rule], float(beta1), float(beta2), float(tau), float(ams_eps),
+        _segments(params.parts), _dl(mean), _dl(m if rule != "adagrad" else None), _dl(v),
+        _dl(vhat if rule == "ams" else None), _dl(lr.reshape(1)), _dl(finite.reshape(1)), ADAM_RULES[rule],
+        float(beta1), float(beta2), float(tau), float(ams_eps), _dl(overflow_out),
     )
 
 
@@ -98,17 +106,18 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
                weight_decay: float, momentum: float, eta2: float, tiny: float, rule: str, mode: str,
                step_out: torch.Tensor) -> None:
     compiled().local_step(
-        x.num_rows, x.base.shape[1], DTYPE_CODE[x.dtype], *x.addressing(), *g.addressing(), *_table(anchor),
-        _addr(control), *_table(ci), *_table(buf), *_per_row(lr), *_per_row(loss), *_per_row(l_star),
-        *_per_row(sps_c), *_per_row(cap), _addr(first), float(prox), float(clip_norm), float(weight_decay),
-        float(momentum), float(eta2), float(tiny), LOCAL_RULES[rule], LOCAL_MODES[mode], step_out.data_ptr(),
+        x.num_rows, x.base.shape[1], _table(x), _table(g), _table(anchor), _dl(control), _table(ci), _table(buf),
+        *(_per_row(v) for v in (lr, loss, l_star, sps_c, cap)), _dl(first), float(prox), float(clip_norm),
+        float(weight_decay), float(momentum), float(eta2), float(tiny), LOCAL_RULES[rule], LOCAL_MODES[mode],
+        _dl(step_out),
     )
 
 
-def _table(t) -> tuple[int, int, int]:
-    return (0, 0, 0) if t is None else t.addressing()
+def _table(t):
+    """A RowTable as (base capsule, index capsule or None, shared)."""
+    return None if t is None else (_dl(t.base), _dl(t.index), bool(t.shared))
 
 
-def _per_row(v) -> tuple[int, float]:
-    """(address of a float64 [M] tensor, 0.0), or (0, the number every row uses)."""
-    return (v.data_ptr(), 0.0) if isinstance(v, torch.Tensor) else (0, float(v))
+def _per_row(v):
+    """A float64 [M] tensor's capsule, or the number every row uses."""
+    return _dl(v) if isinstance(v, torch.Tensor) else float(v)

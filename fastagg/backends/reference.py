@@ -14,16 +14,21 @@ name = "reference"
 ADAM_RULES = ("adam", "yogi", "adagrad", "ams")
 
 
+def _finite_in(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Elementwise: ``values`` stays finite once stored as ``dtype``."""
+    return torch.isfinite(values.to(dtype))
+
+
 @torch.no_grad()
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
                 aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
                 nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
-    """One read of the client rows::
+    """One read of the client rows (converted to the mean's dtype on load)::
 
         mean         = init + sum_i w_i (x_i - base)      (init: a running sum; base: full client models)
-        sq_norms[i]  = ||x_i - base||^2                   (squares in the compute dtype, summed in float64)
+        sq_norms[i]  = ||x_i - base||^2                   (squares and sums in float64)
         nonfinite[i] = x_i - base holds NaN or Inf
-        mean_sq      = ||mean + aux_coef * aux||^2        (aux optional: FedExP-M's ||mean + beta v||^2)
+        mean_sq      = ||mean + aux_coef * aux||^2        (float64; aux optional: FedExP-M's ||mean + beta v||^2)
     """
     cdt = mean_out.dtype
     sq = torch.zeros(rows.num_clients, dtype=torch.float64, device=mean_out.device)
@@ -36,10 +41,10 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
         if mean_init is not None:
             seg_mean = mean_init[off : off + n] + seg_mean
         mean_out[off : off + n] = seg_mean
-        sq += x.square().double().sum(dim=1)
+        sq += x.double().square().sum(dim=1)
         bad |= ~torch.isfinite(x).all(dim=1)
     u = mean_out if aux is None else mean_out + aux_coef * aux
-    mean_sq_out.copy_(u.square().double().sum())
+    mean_sq_out.copy_(u.double().square().sum())
     sq_norms_out.copy_(sq)
     nonfinite_out.copy_(bad)
 
@@ -47,14 +52,16 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
 @torch.no_grad()
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
                    buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,
-                   extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None) -> None:
+                   extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None,
+                   overflow_out: torch.Tensor) -> None:
     """The momentum family's apply pass::
 
         u = momentum * buf + mean        (u = mean without buf)
         step = mean + momentum * u if nesterov else u
         w <- w + lr * step;  buf <- u;  extra = w_new + extra_coef * u
     Not finite: w and buf unchanged; extra = w + extra_coef_skip * buf (w without buf), or left untouched when
-    extra_coef_skip is None.
+    extra_coef_skip is None. An element whose new w, buf or extra would not be finite in its storage dtype keeps
+    every old value and is counted in ``overflow_out``.
     """
     cdt = mean.dtype
     ok = bool(finite)
@@ -64,23 +71,29 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
         if not ok:
             if extra_out is not None and extra_coef_skip is not None:
                 e = w.to(cdt) if b is None else w.to(cdt) + extra_coef_skip.to(cdt) * b
-                extra_out.parts[s].copy_(e)
+                e_ok = _finite_in(e, extra_out.dtype)
+                overflow_out += (~e_ok).sum().to(overflow_out.dtype)
+                extra_out.parts[s].copy_(torch.where(e_ok, e, extra_out.parts[s].to(cdt)))
             continue
         m = mean[off : off + n]
         u = m if b is None else momentum * b + m
         step = m + momentum * u if nesterov else u
         w_new = w.to(cdt) + lr.to(cdt) * step
-        w.copy_(w_new)
-        if b is not None:
-            b.copy_(u)
+        good = _finite_in(w_new, w.dtype) & torch.isfinite(u)
         if extra_out is not None:
-            extra_out.parts[s].copy_(w_new + extra_coef.to(cdt) * u)
+            e = w_new + extra_coef.to(cdt) * u
+            good &= _finite_in(e, extra_out.dtype)
+            extra_out.parts[s].copy_(torch.where(good, e, extra_out.parts[s].to(cdt)))
+        overflow_out += (~good).sum().to(overflow_out.dtype)
+        w.copy_(torch.where(good, w_new, w.to(cdt)))
+        if b is not None:
+            b.copy_(torch.where(good, u, b))
 
 
 @torch.no_grad()
 def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m: torch.Tensor | None,
                v: torch.Tensor, vhat: torch.Tensor | None, rule: str, lr: torch.Tensor, beta1: float, beta2: float,
-               tau: float, ams_eps: float) -> None:
+               tau: float, ams_eps: float, overflow_out: torch.Tensor) -> None:
     """The Adam family's apply pass (nothing when not finite)::
 
         m <- b1 m + (1 - b1) mean                   (adagrad: m = mean, no buffer)
@@ -89,6 +102,7 @@ def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m
         v <- v + mean^2                             (adagrad)
         vhat <- max(vhat, v, ams_eps)               (ams: the denominator uses vhat)
         w <- w + lr * m / (sqrt(v or vhat) + tau)
+    An element whose new w or state would not be finite keeps every old value and is counted in ``overflow_out``.
     """
     if not bool(finite):
         return
@@ -104,13 +118,21 @@ def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m
     denom_sq = v_new
     if rule == "ams":
         denom_sq = torch.maximum(torch.maximum(vhat, v_new), torch.full_like(v_new, ams_eps))
-        vhat.copy_(denom_sq)
-    if m is not None and rule != "adagrad":
-        m.copy_(m_new)
-    v.copy_(v_new)
     step = lr.to(cdt) * m_new / (denom_sq.sqrt() + tau)
+    good = torch.isfinite(m_new) & torch.isfinite(v_new) & torch.isfinite(denom_sq)
+    w_new = []
     for s, (off, n) in enumerate(zip(params.segments.offs, params.segments.lens)):
-        params.parts[s].copy_(params.parts[s].to(cdt) + step[off : off + n])
+        wn = params.parts[s].to(cdt) + step[off : off + n]
+        good[off : off + n] &= _finite_in(wn, params.dtype)
+        w_new.append(wn)
+    overflow_out += (~good).sum().to(overflow_out.dtype)
+    if rule == "ams":
+        vhat.copy_(torch.where(good, denom_sq, vhat))
+    if m is not None and rule != "adagrad":
+        m.copy_(torch.where(good, m_new, m))
+    v.copy_(torch.where(good, v_new, v))
+    for s, (off, n) in enumerate(zip(params.segments.offs, params.segments.lens)):
+        params.parts[s].copy_(torch.where(good[off : off + n], w_new[s], params.parts[s].to(cdt)))
 
 
 MODES = ("none", "heavy", "nesterov", "mass")
@@ -140,7 +162,7 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
         direction = direction + prox * (X - anchor.gather(cdt))
     if control is not None:
         direction = direction + (control.to(cdt)[None, :] - ci.gather(cdt))
-    s = direction.square().double().sum(dim=1)
+    s = direction.double().square().sum(dim=1)
     scale = torch.ones_like(s)
     if clip_norm > 0:
         scale = torch.where(s > clip_norm ** 2, clip_norm / s.sqrt(), scale)
@@ -152,20 +174,26 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
         ok = finite & torch.isfinite(loss) & (loss > l_star) & (s2 > tiny)
         raw = torch.minimum((loss - l_star) / (sps_c * torch.where(ok, s2, torch.ones_like(s2))), cap)
         step = torch.where(ok, raw, torch.zeros_like(raw))
-    step = torch.where(torch.isfinite(step) & (step > 0), step, torch.zeros_like(step))
+    step = torch.where(torch.isfinite(step) & torch.isfinite(step.to(cdt)) & (step > 0), step, torch.zeros_like(step))
     step_out.copy_(step)
     active = step > 0
     d = scale.to(cdt)[:, None] * direction + weight_decay * X
     st = step.to(cdt)[:, None]
+    # an element whose new x or state would not be finite keeps its old values
     if mode == "none":
         new_x = X - st * d
+        good = torch.isfinite(new_x.to(x.dtype))
     elif mode in ("heavy", "nesterov"):
-        b = momentum * buf.gather(cdt) + d
+        b_old = buf.gather(cdt)
+        b = momentum * b_old + d
         new_x = X - st * (d + momentum * b if mode == "nesterov" else b)
-        buf.scatter(b, active)
+        good = torch.isfinite(new_x.to(x.dtype)) & torch.isfinite(b)
+        buf.scatter(torch.where(good, b, b_old), active)
     else:
+        b_old = buf.gather(cdt)
         w = X - st * d
-        b_old = buf.gather(cdt) if first is None else torch.where(first[:, None] != 0, X, buf.gather(cdt))
-        new_x = w + momentum * (w - b_old) + eta2 * d
-        buf.scatter(w, active)
-    x.scatter(new_x, active)
+        prev = b_old if first is None else torch.where(first[:, None] != 0, X, b_old)
+        new_x = w + momentum * (w - prev) + eta2 * d
+        good = torch.isfinite(new_x.to(x.dtype)) & torch.isfinite(w)
+        buf.scatter(torch.where(good, w, b_old), active)
+    x.scatter(torch.where(good, new_x, X), active)

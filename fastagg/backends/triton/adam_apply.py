@@ -7,7 +7,8 @@
     vhat <- max(vhat, v, ams_eps)               (ams: the denominator uses vhat)
     w <- w + lr * m / (sqrt(v or vhat) + tau)   (lr: a device scalar, bias correction folded in)
 
-Every store is masked off when the round is not finite.
+Every store is masked off when the round is not finite; an element whose new w or state would not be finite keeps
+its old values and is counted in ``overflow_out`` (no Inf or NaN is ever stored).
 """
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
 
 @triton.jit
 def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, finite, beta1, beta2, tau, ams_eps,
-                RULE: tl.constexpr):
-    """One block; ``inb`` is a constant all-true mask for a block wholly inside its segment."""
+                overflow, RULE: tl.constexpr):
+    """One block; ``inb`` is a constant all-true mask for a block wholly inside its segment. An element whose new
+    w or state would not be finite keeps its old values and is counted."""
     acc = mean.dtype.element_ty
+    elem = wptr.dtype.element_ty
     mask = inb & finite
     lr = tl.load(lr_ptr).to(acc)
     g = tl.load(mean + off + cols, mask=mask, other=0.0)
@@ -34,7 +37,6 @@ def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, fini
         m = g
     else:
         m = beta1 * tl.load(m_buf + off + cols, mask=mask, other=0.0) + (1.0 - beta1) * g
-        tl.store(m_buf + off + cols, m, mask=mask)
     v = tl.load(v_buf + off + cols, mask=mask, other=0.0)
     if RULE == 0 or RULE == 3:
         v = beta2 * v + (1.0 - beta2) * g2
@@ -43,20 +45,29 @@ def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, fini
         v = v - (1.0 - beta2) * g2 * sign
     else:
         v = v + g2
-    tl.store(v_buf + off + cols, v, mask=mask)
     denom_sq = v
     if RULE == 3:
         vhat = tl.load(vhat_buf + off + cols, mask=mask, other=0.0)
         denom_sq = tl.maximum(tl.maximum(vhat, v), ams_eps)
-        tl.store(vhat_buf + off + cols, denom_sq, mask=mask)
     w = tl.load(wptr + cols, mask=mask, other=0.0).to(acc)
     w_new = w + lr * m / (tl.sqrt(denom_sq) + tau)
-    tl.store(wptr + cols, w_new.to(wptr.dtype.element_ty), mask=mask)
+    r = w_new.to(elem).to(acc)
+    good = (r - r == 0) & (m - m == 0) & (denom_sq - denom_sq == 0)
+    store = mask & good
+    if RULE != 2:
+        tl.store(m_buf + off + cols, m, mask=store)
+    tl.store(v_buf + off + cols, v, mask=store)
+    if RULE == 3:
+        tl.store(vhat_buf + off + cols, denom_sq, mask=store)
+    tl.store(wptr + cols, w_new.to(elem), mask=store)
+    bad = tl.sum((mask & ~good).to(tl.int32))
+    if bad > 0:
+        tl.atomic_add(overflow, bad)
 
 
 @triton.jit
 def _adam_apply_kernel(param_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, m_buf, v_buf, vhat_buf,
-                       lr_ptr, finite_ptr, beta1, beta2, tau, ams_eps,
+                       lr_ptr, finite_ptr, beta1, beta2, tau, ams_eps, overflow,
                        RULE: tl.constexpr, SINGLE: tl.constexpr, ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr,
                        BLOCK_D: tl.constexpr):
     seg, _, cols, full, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, OFF_MULT)
@@ -64,15 +75,15 @@ def _adam_apply_kernel(param_ptrs, like, block_seg, block_start, seg_len, seg_of
     wptr = table_address(param_ptrs, seg, like, ALIGNED)
     if full:
         _adam_block(wptr, cols, tl.full([BLOCK_D], 1, tl.int1), off, mean, m_buf, v_buf, vhat_buf, lr_ptr, finite,
-                    beta1, beta2, tau, ams_eps, RULE)
+                    beta1, beta2, tau, ams_eps, overflow, RULE)
     else:
         _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, finite, beta1, beta2, tau, ams_eps,
-                    RULE)
+                    overflow, RULE)
 
 
 def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m: torch.Tensor | None,
                v: torch.Tensor, vhat: torch.Tensor | None, rule: str, lr: torch.Tensor, beta1: float, beta2: float,
-               tau: float, ams_eps: float) -> None:
+               tau: float, ams_eps: float, overflow_out: torch.Tensor) -> None:
     addresses = [t.data_ptr() for t in params.parts]
     nb, blocks, launch = apply_launch(params.segments, mean.device, mean.element_size(), addresses)
     if nb == 0:
@@ -80,5 +91,5 @@ def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m
     _adam_apply_kernel[(nb,)](
         address_table(addresses, mean.device), params.parts[0], *blocks, mean,
         v if m is None else m, v, v if vhat is None else vhat, lr, finite, float(beta1), float(beta2), float(tau),
-        float(ams_eps), RULE=RULES[rule], **launch,
+        float(ams_eps), overflow_out, RULE=RULES[rule], **launch,
     )

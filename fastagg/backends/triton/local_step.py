@@ -1,5 +1,5 @@
 """Batched local steps on the GPU. A row's step needs its whole direction norm before any update, so each row is
-read in two sweeps: sweep 1 sums ||dir||^2 (float32 per block, float64 across blocks, in order); the row's scalars
+read in two sweeps: sweep 1 sums ||dir||^2 (in float64, block by block in order); the row's scalars
 (clip scale, the fixed or SPS step, the safeguards) are computed in-program; sweep 2 applies the step with stores
 masked off for a row that takes none. See ``backends/reference.py::local_step`` for the exact rule.
 
@@ -59,7 +59,7 @@ def _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC: tl.constexpr,
 @triton.jit
 def _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr,
             HAS_CONTROL: tl.constexpr, BLOCK: tl.constexpr):
-    """||dir||^2 over columns [c0, c1): float32 block sums, float64 across blocks, in order. Full blocks first
+    """||dir||^2 over columns [c0, c1): squares and sums in float64, block by block in order. Full blocks first
     (unmasked), then the ragged tail: the same blocks in the same order as a masked loop."""
     offs = tl.arange(0, BLOCK).to(tl.int64)
     s = tl.zeros([1], dtype=tl.float64)
@@ -67,17 +67,18 @@ def _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC: tl.constexp
     all_in = tl.full([BLOCK], 1, tl.int1)
     for b0 in range(c0, end_full, BLOCK):
         v = _direction(x_row, g_row, a_row, control, ci_row, b0 + offs, all_in, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
-        s += tl.sum(v * v).to(tl.float64)
+        s += tl.sum(v.to(tl.float64) * v.to(tl.float64))
     if end_full < c1:
         cols = end_full + offs
         v = _direction(x_row, g_row, a_row, control, ci_row, cols, cols < c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
-        s += tl.sum(v * v).to(tl.float64)
+        s += tl.sum(v.to(tl.float64) * v.to(tl.float64))
     return tl.sum(s)
 
 
 @triton.jit
-def _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE: tl.constexpr):
-    """The row's (step, clip scale) from its squared direction norm s, with the safeguards (step 0: none)."""
+def _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE: tl.constexpr, ACC: tl.constexpr):
+    """The row's (step, clip scale) from its squared direction norm s, with the safeguards (step 0: none; a step
+    that is not finite in the compute dtype is none too)."""
     clip = clip_norm
     scale = tl.where((clip > 0) & (s > clip * clip), clip / tl.sqrt(tl.where(s > 0, s, 1.0)), 1.0)
     s2 = s * scale * scale
@@ -90,7 +91,8 @@ def _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE: tl.cons
         ok = finite & (f - f == 0) & (f > ls) & (s2 > tiny)
         raw = tl.minimum((f - ls) / (tl.load(sps_c + i) * tl.where(ok, s2, 1.0)), tl.load(cap + i))
         step = tl.where(ok, raw, 0.0)
-    step = tl.where((step - step == 0) & (step > 0), step, 0.0)
+    sc = step.to(ACC)
+    step = tl.where((step - step == 0) & (sc - sc == 0) & (step > 0), step, 0.0)
     return step, scale
 
 
@@ -98,26 +100,29 @@ def _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE: tl.cons
 def _update_block(x_row, b_row, like, first_ptr, i, cols, mask, xv, dir, st, sc, weight_decay, momentum, eta2,
                   ACC: tl.constexpr, HAS_FIRST: tl.constexpr, MODE: tl.constexpr):
     """Sweep 2 on one block, given the block's params ``xv`` and direction ``dir``; ``mask`` is off everywhere for
-    a row that takes no step."""
+    a row that takes no step. An element whose new x or state would not be finite keeps its old values."""
+    elem = like.dtype.element_ty
     dv = sc * dir + weight_decay * xv
     if MODE == 0:
         new_x = xv - st * dv
+        bv = new_x
     elif MODE == 1:
         bv = momentum * tl.load(b_row + cols, mask=mask, other=0.0) + dv
-        tl.store(b_row + cols, bv, mask=mask)
         new_x = xv - st * bv
     elif MODE == 2:
         bv = momentum * tl.load(b_row + cols, mask=mask, other=0.0) + dv
-        tl.store(b_row + cols, bv, mask=mask)
         new_x = xv - st * (dv + momentum * bv)
     else:
-        w = xv - st * dv
+        bv = xv - st * dv  # w
         b_old = tl.load(b_row + cols, mask=mask, other=0.0)
         if HAS_FIRST:  # a row's first step: w_0 = u_0
             b_old = tl.where(tl.load(first_ptr + i) != 0, xv, b_old)
-        new_x = w + momentum * (w - b_old) + eta2 * dv
-        tl.store(b_row + cols, w, mask=mask)
-    tl.store(x_row + cols, new_x.to(like.dtype.element_ty), mask=mask)
+        new_x = bv + momentum * (bv - b_old) + eta2 * dv
+    r = new_x.to(elem).to(ACC)
+    good = mask & (r - r == 0) & (bv - bv == 0)
+    if MODE != 0:
+        tl.store(b_row + cols, bv, mask=good)
+    tl.store(x_row + cols, new_x.to(elem), mask=good)
 
 
 @triton.jit
@@ -154,7 +159,7 @@ def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like,
     i = tl.program_id(0).to(tl.int64)
     x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
     s = _sq_sum(x_row, g_row, a_row, control, ci_row, 0, d, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK)
-    step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE)
+    step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE, ACC)
     tl.store(step_out + i, step)
     _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, 0, d, step, scale, prox, weight_decay,
             momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK)
@@ -188,7 +193,7 @@ def _chunk_update_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, lik
     n = tl.num_programs(0)
     k = tl.arange(0, CHUNKS_P2)
     s = tl.sum(tl.load(partial + i * n + k, mask=k < n, other=0.0))
-    step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE)
+    step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE, ACC)
     if c == 0:
         tl.store(step_out + i, step)
     x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)

@@ -6,7 +6,8 @@
 
 lr, the extra coefficients and the round's finite flag are read from device memory: when the round is not
 finite, stores to w and buf are masked off and extra = w + extra_coef_skip * buf (left untouched without
-extra_coef_skip), so no host sync is needed.
+extra_coef_skip), so no host sync is needed. No Inf or NaN is ever stored: an element whose new value would not
+be finite in its dtype keeps its old values and is counted in ``overflow_out``.
 """
 from __future__ import annotations
 
@@ -19,9 +20,17 @@ from .launch import address_table, apply_launch, block_columns, table_address
 
 
 @triton.jit
-def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_skip_ptr, finite, momentum,
+def _stays_finite(v, elem):
+    """Elementwise: ``v`` is finite once rounded to ``elem`` (the dtype it is stored in)."""
+    r = v.to(elem).to(v.dtype)
+    return r - r == 0
+
+
+@triton.jit
+def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_skip_ptr, finite, momentum, overflow,
                     HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr):
-    """One block; ``inb`` is a constant all-true mask for a block wholly inside its segment."""
+    """One block; ``inb`` is a constant all-true mask for a block wholly inside its segment. An element whose new
+    w, buf or extra would not be finite keeps its old values and is counted."""
     acc = mean.dtype.element_ty
     elem = wptr.dtype.element_ty
     mask = inb & finite
@@ -39,22 +48,32 @@ def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_sk
     else:
         step = u
     w_new = w + lr * step
-    tl.store(wptr + cols, w_new.to(elem), mask=mask)
-    if HAS_BUF:
-        tl.store(buf + off + cols, u, mask=mask)
+    good = _stays_finite(w_new, elem) & (u - u == 0)
     if HAS_EXTRA:
         coef = tl.load(coef_ptr).to(acc)
+        extra = w_new + coef * u
+        good = good & _stays_finite(extra, elem)
+    store = mask & good
+    bad = tl.sum((mask & ~good).to(tl.int32))
+    tl.store(wptr + cols, w_new.to(elem), mask=store)
+    if HAS_BUF:
+        tl.store(buf + off + cols, u, mask=store)
+    if HAS_EXTRA:
         if HAS_SKIP:
-            coef_skip = tl.load(coef_skip_ptr).to(acc)
-            extra = tl.where(mask, w_new + coef * u, w + coef_skip * b_old)
-            tl.store(eptr + cols, extra.to(elem), mask=inb)
+            kept = w + tl.load(coef_skip_ptr).to(acc) * b_old
+            keep_ok = _stays_finite(kept, elem)
+            skipped = inb & ~finite
+            bad += tl.sum((skipped & ~keep_ok).to(tl.int32))
+            tl.store(eptr + cols, tl.where(mask, extra, kept).to(elem), mask=store | (skipped & keep_ok))
         else:
-            tl.store(eptr + cols, (w_new + coef * u).to(elem), mask=mask)
+            tl.store(eptr + cols, extra.to(elem), mask=store)
+    if bad > 0:
+        tl.atomic_add(overflow, bad)
 
 
 @triton.jit
 def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, buf,
-                           lr_ptr, coef_ptr, coef_skip_ptr, finite_ptr, momentum,
+                           lr_ptr, coef_ptr, coef_skip_ptr, finite_ptr, momentum, overflow,
                            HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr,
                            SINGLE: tl.constexpr, ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr, BLOCK_D: tl.constexpr):
     seg, _, cols, full, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, OFF_MULT)
@@ -63,15 +82,16 @@ def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start,
     eptr = table_address(extra_ptrs, seg, like, ALIGNED)
     if full:
         _momentum_block(wptr, eptr, cols, tl.full([BLOCK_D], 1, tl.int1), off, mean, buf, lr_ptr, coef_ptr,
-                        coef_skip_ptr, finite, momentum, HAS_BUF, HAS_EXTRA, HAS_SKIP, NESTEROV)
+                        coef_skip_ptr, finite, momentum, overflow, HAS_BUF, HAS_EXTRA, HAS_SKIP, NESTEROV)
     else:
         _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr_ptr, coef_ptr, coef_skip_ptr, finite, momentum,
-                        HAS_BUF, HAS_EXTRA, HAS_SKIP, NESTEROV)
+                        overflow, HAS_BUF, HAS_EXTRA, HAS_SKIP, NESTEROV)
 
 
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
                    buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,
-                   extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None) -> None:
+                   extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None,
+                   overflow_out: torch.Tensor) -> None:
     addresses = [t.data_ptr() for t in params.parts]
     extra_addresses = [t.data_ptr() for t in extra_out.parts] if extra_out is not None else addresses
     nb, blocks, launch = apply_launch(params.segments, mean.device, mean.element_size(), addresses + extra_addresses)
@@ -82,6 +102,6 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
     _momentum_apply_kernel[(nb,)](
         param_ptrs, extra_ptrs, params.parts[0], *blocks, mean, mean if buf is None else buf,
         lr, lr if extra_coef is None else extra_coef, lr if extra_coef_skip is None else extra_coef_skip, finite,
-        float(momentum), HAS_BUF=buf is not None, HAS_EXTRA=extra_out is not None,
+        float(momentum), overflow_out, HAS_BUF=buf is not None, HAS_EXTRA=extra_out is not None,
         HAS_SKIP=extra_coef_skip is not None, NESTEROV=bool(nesterov), **launch,
     )

@@ -56,7 +56,8 @@ def _stats_block(row_ptrs, seg, start, cmask, base, weights, acc, part_sq, part_
             x = tl.where(tmask, x - base[None, :], 0.0)
         w = tl.load(weights + ms, mask=mmask, other=0.0).to(ACC)
         acc += tl.sum(x * w[:, None], axis=0)
-        sq = tl.sum(x * x, axis=1)
+        xd = x.to(tl.float64)  # squares and their sums in float64: float32 squares of 1e18 overflow a block's sum
+        sq = tl.sum(xd * xd, axis=1)
         bad = tl.sum(x - x, axis=1)  # NaN exactly when the row holds a NaN or Inf
         tl.store(part_sq + pid * M + ms, sq.to(tl.float64), mask=mmask)
         tl.store(part_bad + pid * M + ms, (bad != 0).to(tl.int8), mask=mmask)
@@ -92,8 +93,8 @@ def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_l
         tl.store(mean_out + off + cols, acc, mask=cmask)
     if HAS_AUX:  # ||mean + aux_coef * aux||^2 (FedExP-M's momentum norm) instead of ||mean||^2
         acc += aux_coef * tl.load(aux + off + cols, mask=cmask, other=0.0).to(ACC)
-    acc = tl.where(cmask, acc, 0.0)
-    tl.store(part_mean_sq + pid, tl.sum(acc * acc).to(tl.float64))
+    acc = tl.where(cmask, acc, 0.0).to(tl.float64)
+    tl.store(part_mean_sq + pid, tl.sum(acc * acc))
 
 
 @triton.jit

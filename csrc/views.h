@@ -1,0 +1,166 @@
+// What the bindings know about a buffer, read from the buffer itself: every tensor arrives as a DLPack capsule
+// (tensor.__dlpack__()), whose DLTensor carries the data address, dtype, shape and strides that the tensor's own
+// library filled in. The bindings check every buffer against what the kernel will do with it -- dtype, shape,
+// element count, strides, index ranges, overlaps between written and read memory -- and throw (ValueError /
+// TypeError in Python) before any kernel touches memory. Nothing here trusts an address or a size the Python
+// caller computed.
+#pragma once
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "convert.h"
+
+namespace fastagg {
+namespace py = pybind11;
+
+// The DLPack ABI (dlpack.h, v0.8; only what is read here).
+struct DLDevice { int32_t device_type; int32_t device_id; };
+struct DLDataType { uint8_t code; uint8_t bits; uint16_t lanes; };
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // in elements; nullptr: compact row-major
+  uint64_t byte_offset;
+};
+struct DLManagedTensor { DLTensor dl_tensor; void* manager_ctx; void (*deleter)(DLManagedTensor*); };
+
+enum DLCode : uint8_t { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLBool = 6 };
+constexpr int32_t kDLCPU = 1;
+
+// Element kinds a binding may ask for (the float ones are DType codes).
+enum Kind : int { kAnyFloat = -1, kF16 = kFloat16, kBF16 = kBFloat16, kF32 = kFloat32, kF64 = kFloat64,
+                  kI64 = 10, kI32 = 11, kBool = 12 };
+
+[[noreturn]] inline void value_error(const std::string& m) { throw py::value_error("fastagg._C: " + m); }
+[[noreturn]] inline void type_error(const std::string& m) { throw py::type_error("fastagg._C: " + m); }
+
+inline const char* kind_name(int k) {
+  switch (k) {
+    case kF16: return "float16";
+    case kBF16: return "bfloat16";
+    case kF32: return "float32";
+    case kF64: return "float64";
+    case kI64: return "int64";
+    case kI32: return "int32";
+    case kBool: return "bool";
+    default: return "a floating dtype";
+  }
+}
+
+struct View {
+  std::string name;
+  char* data = nullptr;
+  int kind = 0;
+  int64_t itemsize = 0;
+  std::vector<int64_t> shape, strides;  // strides in elements
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    return n;
+  }
+  // [lo, hi) bytes spanned by the elements (empty when numel is 0)
+  std::pair<uintptr_t, uintptr_t> span() const {
+    if (numel() == 0) return {0, 0};
+    int64_t lo = 0, hi = 0;
+    for (size_t k = 0; k < shape.size(); ++k) {
+      const int64_t ext = (shape[k] - 1) * strides[k];
+      if (ext > 0) hi += ext; else lo += ext;
+    }
+    const auto base = reinterpret_cast<uintptr_t>(data);
+    return {base + lo * itemsize, base + (hi + 1) * itemsize};
+  }
+  bool contiguous() const {
+    int64_t expect = 1;
+    for (int64_t k = static_cast<int64_t>(shape.size()) - 1; k >= 0; --k) {
+      if (shape[k] != 1 && strides[k] != expect) return false;
+      expect *= shape[k];
+    }
+    return true;
+  }
+};
+
+inline int kind_of(const DLDataType& t, const std::string& name) {
+  if (t.lanes != 1) type_error(name + " has a vector dtype");
+  if (t.code == kDLFloat && t.bits == 16) return kF16;
+  if (t.code == kDLBfloat && t.bits == 16) return kBF16;
+  if (t.code == kDLFloat && t.bits == 32) return kF32;
+  if (t.code == kDLFloat && t.bits == 64) return kF64;
+  if (t.code == kDLInt && t.bits == 64) return kI64;
+  if (t.code == kDLInt && t.bits == 32) return kI32;
+  if ((t.code == kDLBool || t.code == kDLUInt) && t.bits == 8) return kBool;
+  type_error(name + " has an unsupported dtype (DLPack code " + std::to_string(t.code) + ", " +
+             std::to_string(t.bits) + " bits)");
+}
+
+// A capsule from tensor.__dlpack__(), read without consuming it (its owner frees it). `want` is a Kind.
+inline View view_of(py::handle capsule, const std::string& name, int want) {
+  if (!PyCapsule_IsValid(capsule.ptr(), "dltensor"))
+    type_error(name + " must be passed as tensor.__dlpack__() (an unused DLPack capsule)");
+  auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+  const DLTensor& t = m->dl_tensor;
+  if (t.device.device_type != kDLCPU) value_error(name + " is not in CPU memory");
+  if (t.ndim < 0 || t.ndim > 8) value_error(name + " has an unsupported number of dimensions");
+  View v;
+  v.name = name;
+  v.kind = kind_of(t.dtype, name);
+  v.itemsize = t.dtype.bits / 8;
+  v.data = static_cast<char*>(t.data) + t.byte_offset;
+  v.shape.assign(t.shape, t.shape + t.ndim);
+  if (t.strides) {
+    v.strides.assign(t.strides, t.strides + t.ndim);
+  } else {
+    v.strides.resize(t.ndim);
+    int64_t s = 1;
+    for (int k = t.ndim - 1; k >= 0; --k) { v.strides[k] = s; s *= v.shape[k]; }
+  }
+  for (int64_t s : v.shape)
+    if (s < 0) value_error(name + " has a negative dimension");
+  if (want == kAnyFloat) {
+    if (v.kind > kF64) type_error(name + " must have a floating dtype, got " + kind_name(v.kind));
+  } else if (v.kind != want) {
+    type_error(name + " must be " + kind_name(want) + ", got " + kind_name(v.kind));
+  }
+  if (v.numel() > 0 && v.data == nullptr) value_error(name + " has no data");
+  return v;
+}
+
+inline View optional_view(py::handle obj, const std::string& name, int want) {
+  return obj.is_none() ? View{} : view_of(obj, name, want);
+}
+
+// A contiguous buffer of exactly `numel` elements of kind `want`.
+inline View flat_view(py::handle capsule, const std::string& name, int want, int64_t numel) {
+  View v = view_of(capsule, name, want);
+  if (v.numel() != numel)
+    value_error(name + " has " + std::to_string(v.numel()) + " elements; expected " + std::to_string(numel));
+  if (!v.contiguous()) value_error(name + " must be contiguous");
+  return v;
+}
+
+// Raises when a written span overlaps any other span (written or read). Empty views are ignored.
+inline void check_overlaps(const std::vector<const View*>& writes, const std::vector<const View*>& reads) {
+  std::vector<const View*> all(writes);
+  all.insert(all.end(), reads.begin(), reads.end());
+  for (size_t i = 0; i < writes.size(); ++i) {
+    const auto a = writes[i]->span();
+    if (a.first == a.second) continue;
+    for (size_t j = 0; j < all.size(); ++j) {
+      if (j == i || (j < writes.size() && j < i)) continue;
+      const auto b = all[j]->span();
+      if (b.first == b.second) continue;
+      if (std::max(a.first, b.first) < std::min(a.second, b.second))
+        value_error(writes[i]->name + " overlaps " + all[j]->name + (j < writes.size() ? ", also written" : "") +
+                    " in the same call");
+    }
+  }
+}
+
+}  // namespace fastagg
