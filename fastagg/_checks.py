@@ -48,7 +48,8 @@ def check_number(value: Any, name: str, *, minimum: float = 0.0, allow_equal: bo
 
 
 def normalized_weights(weights: Any, num_clients: int, device: torch.device, *, sync: bool = True) -> torch.Tensor:
-    """``p_i = n_i / sum_j n_j`` as float64 on ``device`` (``1/M`` each when ``weights`` is None).
+    """``p_i = n_i / sum_j n_j`` as float64 on ``device`` (``1/M`` each when ``weights`` is None), computed as
+    ``(n_i / max n) / sum_j (n_j / max n)`` so weights near float64's largest value cannot overflow the sum.
 
     Weights are checked on the host (finite, >= 0, not all zero; a ValueError names the first bad one). With
     ``sync=False`` a tensor already on a GPU is checked on the device instead, without a host read (so the step
@@ -69,18 +70,18 @@ def normalized_weights(weights: Any, num_clients: int, device: torch.device, *, 
     if not sync and w.device.type != "cpu":
         if w.device != torch.device(device):
             raise ValueError(f"weights are on {w.device}; expected {device} like the client updates")
-        total = w.sum()
-        ok = torch.isfinite(w).all() & (w >= 0).all() & (total > 0)
-        return torch.where(ok, w / total, torch.full_like(w, float("nan")))
+        scaled = w / w.max()
+        ok = torch.isfinite(w).all() & (w >= 0).all() & (w.max() > 0)
+        return torch.where(ok, scaled / scaled.sum(), torch.full_like(w, float("nan")))
     host = w.cpu()
     bad = (~torch.isfinite(host)) | (host < 0)
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
         raise ValueError(f"weights[{i}] is {host[i].item()!r}; weights must be finite and >= 0")
-    total = host.sum()
-    if not total > 0:
+    if not host.max() > 0:
         raise ValueError("weights are all zero; at least one participant needs a positive weight")
-    return (w / w.sum()).to(device)
+    scaled = w / w.max()  # a sum of huge finite weights may overflow; the largest scaled weight is 1
+    return (scaled / scaled.sum()).to(device)
 
 
 def check_prob(value: Any, name: str) -> float:

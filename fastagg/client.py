@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ._aliasing import check_writes
 from ._checks import canonical_device, check_number, check_prob, expect_like
 from .backends import resolve
 from .rowtable import RowTable, PerRow
@@ -71,12 +72,46 @@ class ClientState:
                 "vectors": {k: v.clone() for k, v in self.vectors.items()},
                 "scalars": {k: v.clone() for k, v in self.scalars.items()}}
 
+    VECTORS = ("momentum", "control", "mass")
+    # per-client scalars; NaN marks "not seen yet" in the ones that start from gamma_b
+    SCALARS = {"decsps_steps": False, "decsps_gamma": True, "sps_cap": True, "sps_prev_gamma": True,
+               "mass_started": False}
+
     def load_state_dict(self, sd: dict) -> None:
+        """Restore a :meth:`state_dict`. Every entry is checked by name (one this state keeps), shape, dtype and
+        value (finite; NaN only where it means "not seen yet"; counters whole and >= 0) before anything changes;
+        a refusal raises naming the entry and changes nothing."""
+        if not isinstance(sd, dict) or not {"num_clients", "dim", "vectors", "scalars"} <= set(sd):
+            raise ValueError("not a ClientState state_dict (needs num_clients, dim, vectors, scalars)")
         if (sd["num_clients"], sd["dim"]) != (self.num_clients, self.dim):
             raise ValueError(f"state is for {sd['num_clients']} clients x {sd['dim']}; this one is "
                              f"{self.num_clients} x {self.dim}")
-        self.vectors = {k: v.to(self.device, self.dtype).clone() for k, v in sd["vectors"].items()}
-        self.scalars = {k: v.to(self.device).clone() for k, v in sd["scalars"].items()}
+        vectors, scalars = {}, {}
+        for k, v in sd["vectors"].items():
+            if k not in self.VECTORS:
+                raise ValueError(f"state vector {k!r} is not one ClientState keeps ({', '.join(self.VECTORS)})")
+            _check_state_tensor(v, f"state vector {k!r}", (self.num_clients, self.dim), self.dtype, nan_ok=False)
+            vectors[k] = v.detach().to(self.device, copy=True)
+        for k, v in sd["scalars"].items():
+            if k not in self.SCALARS:
+                raise ValueError(f"state scalar {k!r} is not one ClientState keeps ({', '.join(self.SCALARS)})")
+            _check_state_tensor(v, f"state scalar {k!r}", (self.num_clients,), torch.float64, nan_ok=self.SCALARS[k])
+            if k in ("decsps_steps", "mass_started") and bool(((v < 0) | (v != v.round())).any()):
+                raise ValueError(f"state scalar {k!r} must hold whole numbers >= 0")
+            scalars[k] = v.detach().to(self.device, copy=True)
+        self.vectors, self.scalars = vectors, scalars
+
+
+def _check_state_tensor(t: Any, what: str, shape: tuple, dtype: torch.dtype, *, nan_ok: bool) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} is a {type(t).__name__}; expected a tensor")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{what} has shape {tuple(t.shape)}; expected {shape}")
+    if t.dtype != dtype:
+        raise TypeError(f"{what} has dtype {t.dtype}; expected {dtype}")
+    bad = torch.isinf(t) if nan_ok else ~torch.isfinite(t)
+    if bool(bad.any()):
+        raise ValueError(f"{what} holds {'Inf' if nan_ok else 'NaN or Inf'}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,6 +211,14 @@ class _Batch:
         self.clip_norm = 0.0 if clip_norm is None else check_number(clip_norm, "clip_norm", allow_equal=False)
         self.weight_decay = check_number(weight_decay, "weight_decay")
         self.backend = resolve(backend, self.device)
+        self.reads = [("grads", g)] + [(n, t.base) for n, t in (("prox anchor", self.anchor), ("control c_i", self.ci))
+                                       if t is not None]
+        if self.control is not None:
+            self.reads.append(("control c", self.control))
+        self.writes = [("params", x)]
+        if state is not None:
+            self.writes += [(f"client state {k!r}", v) for k, v in state.vectors.items()]
+        check_writes(self.writes, self.reads)
 
     def _vector_rows(self, t, name, dtype) -> RowTable:
         """A [d] vector shared by every row, or [M, d] rows aligned with params."""
@@ -197,8 +240,10 @@ class _Batch:
             return RowTable.rows(t)
         if t.shape[1] != self.d or (self.state is not None and t.shape[0] != self.state.num_clients):
             _bad_shape(name, t, f"(num_clients, {self.d}) indexed by client_ids")
-        if int(self.ids.max()) >= t.shape[0]:
-            raise ValueError(f"client_ids reach {int(self.ids.max())}; {name} has {t.shape[0]} rows")
+        lo, hi = int(self.ids.min()), int(self.ids.max())
+        if lo < 0 or hi >= t.shape[0]:
+            raise ValueError(f"client_ids must be in [0, {t.shape[0]}) ({name} has {t.shape[0]} rows); got values in "
+                             f"[{lo}, {hi}]")
         return RowTable.select(t, self.ids)
 
     def state_rows(self, name: str) -> RowTable:

@@ -73,6 +73,8 @@ class ServerOptimizer:
 
     # -- hyperparameters and state ------------------------------------------------------------------------------
     _hyper: tuple = ()
+    _vector_state: tuple = ()  # names of the d-vector buffers a subclass keeps (beside 'extra')
+    _scalar_state: tuple = ()  # names of its 0-d buffers (beside 'step')
 
     @property
     def hyperparameters(self) -> dict:
@@ -120,8 +122,11 @@ class ServerOptimizer:
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a checkpoint of the same optimizer class and parameter layout (hyperparameters included).
 
-        Raises ValueError naming the first difference (optimizer, format, layout entry, buffer shape); nothing is
-        changed then.
+        Everything is checked before anything changes: the optimizer class, format and parameter layout; every
+        hyperparameter's range (as the constructor checks it); every buffer by name -- one this optimizer keeps,
+        with its shape and dtype, finite -- and the round counter (a whole number >= 0). Buffers may come from
+        another device (they are moved to the params'). Raises ValueError / TypeError naming the first problem;
+        nothing is changed then.
         """
         if not isinstance(state_dict, dict) or "optimizer" not in state_dict:
             raise ValueError("not a fastagg optimizer state_dict (no 'optimizer' entry)")
@@ -129,6 +134,9 @@ class ServerOptimizer:
             raise ValueError(f"state_dict is from {state_dict['optimizer']}; this optimizer is {type(self).__name__}")
         if state_dict.get("format") != FORMAT_VERSION:
             raise ValueError(f"state_dict has format {state_dict.get('format')!r}; expected {FORMAT_VERSION}")
+        for key in ("layout", "hyperparameters", "state"):
+            if key not in state_dict:
+                raise ValueError(f"state_dict has no {key!r} entry")
         mine, theirs = self.layout.signature(), tuple(tuple(e) for e in state_dict["layout"])
         for k, (a, b) in enumerate(zip(mine, theirs)):
             if tuple(a) != (b[0], tuple(b[1]), b[2]):
@@ -137,18 +145,53 @@ class ServerOptimizer:
         if len(mine) != len(theirs):
             raise ValueError(f"state_dict's parameter layout has {len(theirs)} entries; these params have {len(mine)}")
         hyper = state_dict["hyperparameters"]
-        if set(hyper) != set(self._hyper):
-            raise ValueError(f"state_dict's hyperparameters {sorted(hyper)} do not match {sorted(self._hyper)}")
-        for name, t in state_dict["state"].items():
-            want = () if t.dim() == 0 else (self._p.segments.numel,)
-            if tuple(t.shape) != want:
-                raise ValueError(f"state_dict buffer {name!r} has shape {tuple(t.shape)}; expected {want}")
+        if not isinstance(hyper, dict) or set(hyper) != set(self._hyper):
+            raise ValueError(f"state_dict's hyperparameters {sorted(hyper) if isinstance(hyper, dict) else hyper!r} "
+                             f"do not match {sorted(self._hyper)}")
+        try:  # the constructor checks every range; a probe on the same params changes nothing here
+            type(self)(self._p.original, backend=self._backend.name, on_nonfinite=self.on_nonfinite,
+                       **{k: (tuple(v) if k == "betas" else v) for k, v in hyper.items()})
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"state_dict's hyperparameters are invalid: {e}") from e
+        state = self._checked_state(state_dict["state"])
         for k, v in hyper.items():
-            setattr(self, k, v)
-        dtypes = {"step": torch.float64, "extra": self._p.dtype}
-        self.state = {k: v.detach().to(device=self.device, dtype=dtypes.get(k, v.dtype if v.dim() == 0 else self._cdt),
-                                       copy=True) for k, v in state_dict["state"].items()}
+            setattr(self, k, tuple(v) if k == "betas" else v)
+        self.state = state
         self._extra = None
+
+    def _state_kinds(self) -> dict:
+        """Name -> (shape, dtype) of every buffer this optimizer may keep."""
+        d = self._p.segments.numel
+        kinds = {"step": ((), torch.float64), "extra": ((d,), self._p.dtype)}
+        for name in self._vector_state:
+            kinds[name] = ((d,), self._cdt)
+        for name in self._scalar_state:
+            kinds[name] = ((), torch.float64)
+        return kinds
+
+    def _checked_state(self, given: Any) -> dict:
+        if not isinstance(given, dict) or "step" not in given:
+            raise ValueError("state_dict['state'] must be a dict with at least the round counter 'step'")
+        kinds = self._state_kinds()
+        out = {}
+        for name, t in given.items():
+            if name not in kinds:
+                raise ValueError(f"state_dict buffer {name!r} is not one {type(self).__name__} keeps "
+                                 f"({', '.join(sorted(kinds))})")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"state_dict buffer {name!r} is a {type(t).__name__}; expected a tensor")
+            shape, dtype = kinds[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"state_dict buffer {name!r} has shape {tuple(t.shape)}; expected {shape}")
+            if t.dtype != dtype:
+                raise TypeError(f"state_dict buffer {name!r} has dtype {t.dtype}; expected {dtype}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"state_dict buffer {name!r} holds NaN or Inf")
+            out[name] = t.detach().to(device=self.device, copy=True)
+        step = float(out["step"])
+        if step < 0 or step != int(step):
+            raise ValueError(f"state_dict's round counter 'step' is {step!r}; expected a whole number >= 0")
+        return out
 
     # -- the step -----------------------------------------------------------------------------------------------
     def broadcast(self) -> Any:
@@ -276,6 +319,7 @@ class FedAvgM(ServerOptimizer):
     """
 
     _hyper = ("lr", "momentum", "nesterov")
+    _vector_state = ("momentum_buffer",)
 
     def __init__(self, params, lr: float = 1.0, momentum: float = 0.0, nesterov: bool = False, **kw):
         super().__init__(params, **kw)
@@ -314,7 +358,10 @@ class _FedExPFamily(ServerOptimizer):
         return eps * torch.pow(self.eps_decay, self.state["step"] + 1)
 
     def eval_params(self):
-        """``(w_prev + w) / 2``, the FedExP evaluation model (the params before the first step)."""
+        """``(w_prev + w) / 2``, the FedExP evaluation model (paper 000, Sec. 5). fastagg's convention for round 0,
+        before any step: the initial model (the average of two equal iterates), which the simulator's round-0
+        metrics row reports; code that starts averaging only after the second iterate evaluates the first
+        iterate at round 1 instead of (w0 + w1) / 2."""
         return self._user_form(self.state["extra"]) if "extra" in self.state else self._p.original
 
     def _fedexp_apply(self, stats, eta, finite, *, buf=None, momentum=0.0):
@@ -375,6 +422,8 @@ class FedExPM(_FedExPFamily):
     """
 
     _hyper = ("eps", "eps_mode", "eps_decay", "beta")
+    _vector_state = ("v",)
+    _scalar_state = ("numerator",)
 
     def __init__(self, params, eps: float | None = None, beta: float = 0.9, eps_mode: str = "paper",
                  eps_decay: float = 1.0, **kw):
@@ -461,6 +510,7 @@ class Scaffold(_ControlVariate, ServerOptimizer):
     """
 
     _hyper = ("num_clients", "lr")
+    _vector_state = ("control",)
 
     def __init__(self, params, num_clients: int, lr: float = 1.0, **kw):
         super().__init__(params, **kw)
@@ -490,6 +540,7 @@ class ScaffoldExP(_ControlVariate, _FedExPFamily):
     """
 
     _hyper = ("num_clients", "eps", "eps_mode", "eps_decay")
+    _vector_state = ("control",)
 
     def __init__(self, params, num_clients: int, eps: float | None = None, eps_mode: str = "paper",
                  eps_decay: float = 1.0, **kw):
@@ -517,6 +568,7 @@ class FedACG(ServerOptimizer):
     """
 
     _hyper = ("lam",)
+    _vector_state = ("momentum",)
 
     def __init__(self, params, lam: float = 0.85, **kw):
         super().__init__(params, **kw)
@@ -583,6 +635,7 @@ class FedAdam(_AdamFamily):
     """
 
     _hyper = ("lr", "betas", "tau", "bias_correction")
+    _vector_state = ("m", "v")
 
     def __init__(self, params, lr: float = 0.1, betas=(0.9, 0.99), tau: float = 1e-3,
                  bias_correction: str | None = "flower", **kw):
@@ -601,6 +654,7 @@ class FedYogi(_AdamFamily):
 
     rule = "yogi"
     _hyper = ("lr", "betas", "tau")
+    _vector_state = ("m", "v")
 
     def __init__(self, params, lr: float = 1e-2, betas=(0.9, 0.99), tau: float = 1e-3, **kw):
         super().__init__(params, **kw)
@@ -617,6 +671,7 @@ class FedAdagrad(_AdamFamily):
 
     rule = "adagrad"
     _hyper = ("lr", "tau")
+    _vector_state = ("v",)
 
     def __init__(self, params, lr: float = 0.1, tau: float = 1e-3, **kw):
         super().__init__(params, **kw)
@@ -636,6 +691,7 @@ class FedAMS(_AdamFamily):
 
     rule = "ams"
     _hyper = ("lr", "betas", "tau", "vhat_floor", "bias_correction")
+    _vector_state = ("m", "v", "vhat")
 
     def __init__(self, params, lr: float = 0.1, betas=(0.9, 0.99), vhat_floor: float = 1e-8, tau: float = 0.0,
                  bias_correction: str | None = None, **kw):

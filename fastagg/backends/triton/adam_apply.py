@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ...rows import ParamRows
-from .launch import address_table, apply_launch, block_columns, table_address
+from .launch import address_table, apply_launch, block_columns, scalar_table, table_address
 
 RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
 
@@ -67,11 +67,14 @@ def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, fini
 
 @triton.jit
 def _adam_apply_kernel(param_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, m_buf, v_buf, vhat_buf,
-                       lr_ptr, finite_ptr, beta1, beta2, tau, ams_eps, overflow,
+                       lr_ptr, finite_ptr, hyper, overflow,
                        RULE: tl.constexpr, SINGLE: tl.constexpr, ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr,
                        BLOCK_D: tl.constexpr):
     seg, _, cols, full, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, OFF_MULT)
     finite = tl.load(finite_ptr).to(tl.int32) != 0
+    acc = mean.dtype.element_ty
+    beta1, beta2 = tl.load(hyper).to(acc), tl.load(hyper + 1).to(acc)
+    tau, ams_eps = tl.load(hyper + 2).to(acc), tl.load(hyper + 3).to(acc)
     wptr = table_address(param_ptrs, seg, like, ALIGNED)
     if full:
         _adam_block(wptr, cols, tl.full([BLOCK_D], 1, tl.int1), off, mean, m_buf, v_buf, vhat_buf, lr_ptr, finite,
@@ -90,6 +93,6 @@ def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m
         return
     _adam_apply_kernel[(nb,)](
         address_table(addresses, mean.device), params.parts[0], *blocks, mean,
-        v if m is None else m, v, v if vhat is None else vhat, lr, finite, float(beta1), float(beta2), float(tau),
-        float(ams_eps), overflow_out, RULE=RULES[rule], **launch,
+        v if m is None else m, v, v if vhat is None else vhat, lr, finite,
+        scalar_table((beta1, beta2, tau, ams_eps), mean.device), overflow_out, RULE=RULES[rule], **launch,
     )

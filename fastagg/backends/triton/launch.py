@@ -165,6 +165,19 @@ def address_table(addresses, device: torch.device) -> torch.Tensor:
     return _kept(_address_table(addresses, device), ("addresses", addresses, device), device)
 
 
+@functools.lru_cache(maxsize=256)
+def _scalar_table(values: tuple, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64).to(device)
+
+
+def scalar_table(values, device: torch.device) -> torch.Tensor:
+    """Hyperparameters (momentum, betas, tau...) as a float64 tensor the kernels load: a Python float passed to a
+    Triton kernel arrives as float32, which rounds 0.9 to 0.89999998 -- wrong in the eighth digit for float64
+    params. Kept per distinct tuple of values, like address tables (no host copy after the first call)."""
+    values, device = tuple(float(v) for v in values), torch.device(device)
+    return _kept(_scalar_table(values, device), ("scalars", values, device), device)
+
+
 def off_mult(segments: Segments, element_size: int) -> int:
     """The OFF_MULT a kernel may assume for flat buffers of ``element_size``-byte elements (1: none)."""
     return ALIGN // element_size if len(segments) == 1 or offsets_aligned(segments, element_size) else 1

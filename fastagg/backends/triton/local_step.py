@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ...rowtable import per_row_tensor
-from .launch import addresses_aligned, local_config
+from .launch import addresses_aligned, local_config, scalar_table
 
 RULES = {"fixed": 0, "sps": 1}
 MODES = {"none": 0, "heavy": 1, "nesterov": 2, "mass": 3}
@@ -151,11 +151,20 @@ def _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0,
 
 
 @triton.jit
+def _coefs(coefs, ACC: tl.constexpr):
+    """(prox, clip_norm, weight_decay, momentum, eta2, tiny) from their float64 table; clip_norm and tiny stay
+    float64 (they meet the float64 squared norm), the others take the compute dtype."""
+    return (tl.load(coefs).to(ACC), tl.load(coefs + 1), tl.load(coefs + 2).to(ACC), tl.load(coefs + 3).to(ACC),
+            tl.load(coefs + 4).to(ACC), tl.load(coefs + 5))
+
+
+@triton.jit
 def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, lr, loss, l_star,
-                       sps_c, cap, first_ptr, step_out, d, prox, clip_norm, weight_decay, momentum, eta2, tiny,
+                       sps_c, cap, first_ptr, step_out, d, coefs,
                        ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, HAS_FIRST: tl.constexpr,
                        RULE: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: sweep 1, the row's step, sweep 2."""
+    prox, clip_norm, weight_decay, momentum, eta2, tiny = _coefs(coefs, ACC)
     i = tl.program_id(0).to(tl.int64)
     x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
     s = _sq_sum(x_row, g_row, a_row, control, ci_row, 0, d, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK)
@@ -166,11 +175,12 @@ def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like,
 
 
 @triton.jit
-def _chunk_sq_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, partial, d, prox,
+def _chunk_sq_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, partial, d, coefs,
                      ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, ALIGNED: tl.constexpr,
                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Split rows, pass 1: program (c, i) writes ||dir||^2 of row i's chunk c to partial[i, c]. (Chunks on grid
     axis 0, which takes 2^31 - 1 programs; axis 1 takes 65535.)"""
+    prox = tl.load(coefs).to(ACC)
     c = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1).to(tl.int64)
     x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
@@ -182,12 +192,13 @@ def _chunk_sq_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, p
 
 @triton.jit
 def _chunk_update_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, partial, lr, loss, l_star,
-                         sps_c, cap, first_ptr, step_out, d, prox, clip_norm, weight_decay, momentum, eta2, tiny,
+                         sps_c, cap, first_ptr, step_out, d, coefs,
                          ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr,
                          HAS_FIRST: tl.constexpr, RULE: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr,
                          CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr):
     """Split rows, pass 2: every program of row i sums the row's chunk partials (the same fixed order in each),
     takes the row's step, and updates its own chunk; chunk 0 reports the step."""
+    prox, clip_norm, weight_decay, momentum, eta2, tiny = _coefs(coefs, ACC)
     c = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1).to(tl.int64)
     n = tl.num_programs(0)
@@ -228,8 +239,8 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
     flags = dict(ACC=acc, HAS_ANCHOR=anchor is not None, HAS_CONTROL=control is not None,
                  ALIGNED=_rows_aligned(x, g, anchor, ci, buf))
     step_flags = dict(HAS_FIRST=first is not None, RULE=RULES[rule], MODE=MODES[mode])
-    scalars = (lr, loss, l_star, sps_c, cap, lr if first is None else first, step_out, d, float(prox),
-               float(clip_norm), float(weight_decay), float(momentum), float(eta2), float(tiny))
+    coefs = scalar_table((prox, clip_norm, weight_decay, momentum, eta2, tiny), device)
+    scalars = (lr, loss, l_star, sps_c, cap, lr if first is None else first, step_out, d, coefs)
     schedule = cfg["schedule"]
     if schedule == "row" or M > 65535:  # the chunk kernels put rows on grid axis 1 (at most 65535)
         _local_step_kernel[(M,)](*rows, *scalars, **flags, **step_flags, BLOCK=cfg["BLOCK"],
@@ -237,7 +248,7 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
         return
     chunks = triton.cdiv(d, cfg["CHUNK"])
     partial = torch.empty(M, chunks, dtype=torch.float64, device=device)
-    _chunk_sq_kernel[(chunks, M)](*rows, partial, d, float(prox), **flags, CHUNK=cfg["CHUNK"], BLOCK=cfg["BLOCK"],
+    _chunk_sq_kernel[(chunks, M)](*rows, partial, d, coefs, **flags, CHUNK=cfg["CHUNK"], BLOCK=cfg["BLOCK"],
                                   num_warps=cfg["num_warps"])
     _chunk_update_kernel[(chunks, M)](*rows, partial, *scalars, **flags, **step_flags, CHUNK=cfg["CHUNK"],
                                       CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK=cfg["BLOCK"],

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...rows import ParamRows
-from .launch import address_table, apply_launch, block_columns, table_address
+from .launch import address_table, apply_launch, block_columns, scalar_table, table_address
 
 
 @triton.jit
@@ -73,11 +73,12 @@ def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_sk
 
 @triton.jit
 def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, buf,
-                           lr_ptr, coef_ptr, coef_skip_ptr, finite_ptr, momentum, overflow,
+                           lr_ptr, coef_ptr, coef_skip_ptr, finite_ptr, momentum_ptr, overflow,
                            HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr,
                            SINGLE: tl.constexpr, ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr, BLOCK_D: tl.constexpr):
     seg, _, cols, full, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, OFF_MULT)
     finite = tl.load(finite_ptr).to(tl.int32) != 0
+    momentum = tl.load(momentum_ptr).to(mean.dtype.element_ty)
     wptr = table_address(param_ptrs, seg, like, ALIGNED)
     eptr = table_address(extra_ptrs, seg, like, ALIGNED)
     if full:
@@ -102,6 +103,6 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
     _momentum_apply_kernel[(nb,)](
         param_ptrs, extra_ptrs, params.parts[0], *blocks, mean, mean if buf is None else buf,
         lr, lr if extra_coef is None else extra_coef, lr if extra_coef_skip is None else extra_coef_skip, finite,
-        float(momentum), overflow_out, HAS_BUF=buf is not None, HAS_EXTRA=extra_out is not None,
+        scalar_table((momentum,), mean.device), overflow_out, HAS_BUF=buf is not None, HAS_EXTRA=extra_out is not None,
         HAS_SKIP=extra_coef_skip is not None, NESTEROV=bool(nesterov), **launch,
     )

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ...rows import ClientRows
 from .launch import (address_table, addresses_aligned, block_columns, finalize_config, off_mult,
-                     rows_aligned, segment_tables, stats_config, table_address)
+                     rows_aligned, scalar_table, segment_tables, stats_config, table_address)
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def _stats_block(row_ptrs, seg, start, cmask, base, weights, acc, part_sq, part_
 
 @triton.jit
 def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, seg_off, weights, mean_init,
-                        aux, aux_coef, mean_out,
+                        aux, aux_coef_ptr, mean_out,
                         part_sq, part_bad, part_mean_sq, M,
                         HAS_BASE: tl.constexpr, HAS_INIT: tl.constexpr, HAS_AUX: tl.constexpr, SINGLE: tl.constexpr,
                         ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr, ACC: tl.constexpr,
@@ -92,7 +92,7 @@ def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_l
                            HAS_BASE, ALIGNED, False, ACC, BLOCK_M, BLOCK_D)
         tl.store(mean_out + off + cols, acc, mask=cmask)
     if HAS_AUX:  # ||mean + aux_coef * aux||^2 (FedExP-M's momentum norm) instead of ||mean||^2
-        acc += aux_coef * tl.load(aux + off + cols, mask=cmask, other=0.0).to(ACC)
+        acc += tl.load(aux_coef_ptr).to(ACC) * tl.load(aux + off + cols, mask=cmask, other=0.0).to(ACC)
     acc = tl.where(cmask, acc, 0.0).to(tl.float64)
     tl.store(part_mean_sq + pid, tl.sum(acc * acc))
 
@@ -181,7 +181,8 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
     if nb > 0:
         _round_stats_kernel[(nb,)](
             row_ptrs, base_ptrs, rows.rows[0][0], bseg, bstart, lens, offs, weights,
-            mean_out if mean_init is None else mean_init, mean_out if aux is None else aux, float(aux_coef), mean_out,
+            mean_out if mean_init is None else mean_init, mean_out if aux is None else aux,
+            scalar_table((aux_coef,), device), mean_out,
             part_sq, part_bad, part_mean_sq, M,
             HAS_BASE=rows.base is not None, HAS_INIT=mean_init is not None, HAS_AUX=aux is not None,
             SINGLE=single, ALIGNED=aligned, OFF_MULT=off_mult(rows.segments, mean_out.element_size()), ACC=acc,
