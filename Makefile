@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TRITON ?= triton==3.7.1
 
-.PHONY: run demo test bench clean
+.PHONY: run demo test test-asan bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ demo: $(VENV)/.installed
 # Triton kernels run on the CPU through the interpreter; it must be set before triton is imported.
 test: $(VENV)/.installed
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+# The C++ kernels under AddressSanitizer + UBSan (fastagg._C_asan): a canary proves the sanitizer is active, then
+# the C++-backend tests run against the sanitized module (.ci/asan.sh). CI runs it after `make test`.
+test-asan: $(VENV)/.installed
+	PY=$(PY) bash .ci/asan.sh
 
 bench: $(VENV)/.installed
 	$(PY) -m pytest bench --benchmark-enable --benchmark-only --benchmark-columns=min,median,iqr,ops

@@ -135,7 +135,7 @@ struct Row {
     const C xj = load<C>(x + j);
     if constexpr (Mode == kModeNone) {
       const P xn = rounded<P>(k.keep * xj - k.move * dir(j));  // = x - step (scale dir + wd x), two multiplies
-      x[j] = pick(finite_c(load<C>(&xn)), xn, x[j]);
+      x[j] = pick(finite_c(load<C>(&xn)) || !finite_c(xj), xn, x[j]);
     } else {
       const C dj = k.scale * dir(j) + k.wd * xj;
       C bj;
@@ -150,7 +150,8 @@ struct Row {
         bj = xj - k.step * dj;  // w
         xn = rounded<P>(bj + k.mu * (bj - (first ? xj : buf[j])) + k.eta2 * dj);
       }
-      const bool good = finite_c(load<C>(&xn)) && finite_c(bj);
+      // an element already Inf/NaN is the caller's, not an overflow of this step
+      const bool good = (finite_c(load<C>(&xn)) && finite_c(bj)) || !(finite_c(xj) && finite_c(buf[j]));
       buf[j] = good ? bj : buf[j];
       x[j] = pick(good, xn, x[j]);
     }

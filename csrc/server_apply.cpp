@@ -53,15 +53,17 @@ void momentum_impl(const MomentumArgs& a) {
         if constexpr (HasExtra) {
           ep = rounded<P>(wb + coef * u);
           good = good && finite_c(load<C>(&ep));
-          ex[j] = pick(good, ep, ex[j]);
         }
+        // an element already Inf/NaN is the caller's, not an overflow of this step
+        good = good || !(finite_c(w0) && (!HasBuf || finite_c(buf[j])));
+        if constexpr (HasExtra) ex[j] = pick(good, ep, ex[j]);
         w[j] = pick(good, wp, w[j]);
         if constexpr (HasBuf) buf[j] = good ? u : buf[j];
         bad += !good;
       } else {
         if constexpr (HasExtra) {
           const P ep = rounded<P>(HasBuf ? w0 + coef * buf[j] : w0);
-          const bool good = finite_c(load<C>(&ep));
+          const bool good = finite_c(load<C>(&ep)) || !(finite_c(w0) && (!HasBuf || finite_c(buf[j])));
           ex[j] = pick(good, ep, ex[j]);
           bad += !good;
         }
@@ -101,8 +103,12 @@ void adam_impl(const AdamArgs& a) {
       if constexpr (Rule == kAdagrad) vj = vj + g2;
       C denom_sq = vj;
       if constexpr (Rule == kAms) denom_sq = std::max(std::max(vh[j], vj), ams_eps);
-      const P wp = rounded<P>(load<C>(w + j) + lr * mj / (std::sqrt(denom_sq) + tau));
-      const bool good = finite_c(load<C>(&wp)) && finite_c(mj) && finite_c(denom_sq);
+      const C w0 = load<C>(w + j);
+      const P wp = rounded<P>(w0 + lr * mj / (std::sqrt(denom_sq) + tau));
+      bool old_ok = finite_c(w0) && finite_c(v[j]);
+      if constexpr (Rule != kAdagrad) old_ok = old_ok && finite_c(m[j]);
+      if constexpr (Rule == kAms) old_ok = old_ok && finite_c(vh[j]);
+      const bool good = (finite_c(load<C>(&wp)) && finite_c(mj) && finite_c(denom_sq)) || !old_ok;
       if constexpr (Rule != kAdagrad) m[j] = good ? mj : m[j];
       v[j] = good ? vj : v[j];
       if constexpr (Rule == kAms) vh[j] = good ? denom_sq : vh[j];

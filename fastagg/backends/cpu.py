@@ -16,11 +16,14 @@ from ..rows import ClientRows, ParamRows
 name = "cpu"
 ADAM_RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
 
-ISA_ENV = "FASTAGG_CPU_ISA"  # "default" forces the portable build
+ISA_ENV = "FASTAGG_CPU_ISA"  # "default" forces the portable build, "asan" the sanitized one
 
 
 def wanted_module() -> str:
-    """``_C_avx2`` on CPUs torch reports as AVX2/AVX512 capable (unless FASTAGG_CPU_ISA=default), else ``_C``."""
+    """``_C_avx2`` on CPUs torch reports as AVX2/AVX512 capable (unless FASTAGG_CPU_ISA=default), else ``_C``;
+    FASTAGG_CPU_ISA=asan picks the AddressSanitizer/UBSan build of ``make test-asan``."""
+    if os.environ.get(ISA_ENV, "").lower() == "asan":
+        return "_C_asan"
     if os.environ.get(ISA_ENV, "").lower() == "default":
         return "_C"
     return "_C_avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "_C"

@@ -83,6 +83,9 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
         if extra_out is not None:
             e = w_new + extra_coef.to(cdt) * u
             good &= _finite_in(e, extra_out.dtype)
+        old_finite = torch.isfinite(w) & (torch.isfinite(b) if b is not None else True)
+        good |= ~old_finite  # an element that was already Inf/NaN is the caller's: not an overflow of this step
+        if extra_out is not None:
             extra_out.parts[s].copy_(torch.where(good, e, extra_out.parts[s].to(cdt)))
         overflow_out += (~good).sum().to(overflow_out.dtype)
         w.copy_(torch.where(good, w_new, w.to(cdt)))
@@ -120,11 +123,15 @@ def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m
         denom_sq = torch.maximum(torch.maximum(vhat, v_new), torch.full_like(v_new, ams_eps))
     step = lr.to(cdt) * m_new / (denom_sq.sqrt() + tau)
     good = torch.isfinite(m_new) & torch.isfinite(v_new) & torch.isfinite(denom_sq)
+    old_finite = torch.isfinite(v) & (torch.isfinite(m) if m is not None and rule != "adagrad" else True) & \
+        (torch.isfinite(vhat) if rule == "ams" else True)
     w_new = []
     for s, (off, n) in enumerate(zip(params.segments.offs, params.segments.lens)):
         wn = params.parts[s].to(cdt) + step[off : off + n]
         good[off : off + n] &= _finite_in(wn, params.dtype)
+        old_finite[off : off + n] &= torch.isfinite(params.parts[s])
         w_new.append(wn)
+    good |= ~old_finite  # an element that was already Inf/NaN is the caller's: not an overflow of this step
     overflow_out += (~good).sum().to(overflow_out.dtype)
     if rule == "ams":
         vhat.copy_(torch.where(good, denom_sq, vhat))
@@ -179,21 +186,21 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
     active = step > 0
     d = scale.to(cdt)[:, None] * direction + weight_decay * X
     st = step.to(cdt)[:, None]
-    # an element whose new x or state would not be finite keeps its old values
+    # an element whose new x or state would not be finite keeps its old values (unless they were not finite)
     if mode == "none":
         new_x = X - st * d
-        good = torch.isfinite(new_x.to(x.dtype))
+        good = torch.isfinite(new_x.to(x.dtype)) | ~torch.isfinite(X)
     elif mode in ("heavy", "nesterov"):
         b_old = buf.gather(cdt)
         b = momentum * b_old + d
         new_x = X - st * (d + momentum * b if mode == "nesterov" else b)
-        good = torch.isfinite(new_x.to(x.dtype)) & torch.isfinite(b)
+        good = (torch.isfinite(new_x.to(x.dtype)) & torch.isfinite(b)) | ~(torch.isfinite(X) & torch.isfinite(b_old))
         buf.scatter(torch.where(good, b, b_old), active)
     else:
         b_old = buf.gather(cdt)
         w = X - st * d
         prev = b_old if first is None else torch.where(first[:, None] != 0, X, b_old)
         new_x = w + momentum * (w - prev) + eta2 * d
-        good = torch.isfinite(new_x.to(x.dtype)) & torch.isfinite(w)
+        good = (torch.isfinite(new_x.to(x.dtype)) & torch.isfinite(w)) | ~(torch.isfinite(X) & torch.isfinite(b_old))
         buf.scatter(torch.where(good, w, b_old), active)
     x.scatter(torch.where(good, new_x, X), active)

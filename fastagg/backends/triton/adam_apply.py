@@ -35,9 +35,13 @@ def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, fini
     g2 = g * g
     if RULE == 2:
         m = g
+        old_ok = g == g
     else:
-        m = beta1 * tl.load(m_buf + off + cols, mask=mask, other=0.0) + (1.0 - beta1) * g
+        m_old = tl.load(m_buf + off + cols, mask=mask, other=0.0)
+        m = beta1 * m_old + (1.0 - beta1) * g
+        old_ok = m_old - m_old == 0
     v = tl.load(v_buf + off + cols, mask=mask, other=0.0)
+    old_ok = old_ok & (v - v == 0)
     if RULE == 0 or RULE == 3:
         v = beta2 * v + (1.0 - beta2) * g2
     elif RULE == 1:
@@ -48,11 +52,13 @@ def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, fini
     denom_sq = v
     if RULE == 3:
         vhat = tl.load(vhat_buf + off + cols, mask=mask, other=0.0)
+        old_ok = old_ok & (vhat - vhat == 0)
         denom_sq = tl.maximum(tl.maximum(vhat, v), ams_eps)
     w = tl.load(wptr + cols, mask=mask, other=0.0).to(acc)
+    old_ok = old_ok & (w - w == 0)
     w_new = w + lr * m / (tl.sqrt(denom_sq) + tau)
     r = w_new.to(elem).to(acc)
-    good = (r - r == 0) & (m - m == 0) & (denom_sq - denom_sq == 0)
+    good = ((r - r == 0) & (m - m == 0) & (denom_sq - denom_sq == 0)) | ~old_ok
     store = mask & good
     if RULE != 2:
         tl.store(m_buf + off + cols, m, mask=store)

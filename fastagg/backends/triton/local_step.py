@@ -106,20 +106,25 @@ def _update_block(x_row, b_row, like, first_ptr, i, cols, mask, xv, dir, st, sc,
     if MODE == 0:
         new_x = xv - st * dv
         bv = new_x
+        b_old = xv
     elif MODE == 1:
-        bv = momentum * tl.load(b_row + cols, mask=mask, other=0.0) + dv
+        b_old = tl.load(b_row + cols, mask=mask, other=0.0)
+        bv = momentum * b_old + dv
         new_x = xv - st * bv
     elif MODE == 2:
-        bv = momentum * tl.load(b_row + cols, mask=mask, other=0.0) + dv
+        b_old = tl.load(b_row + cols, mask=mask, other=0.0)
+        bv = momentum * b_old + dv
         new_x = xv - st * (dv + momentum * bv)
     else:
         bv = xv - st * dv  # w
         b_old = tl.load(b_row + cols, mask=mask, other=0.0)
+        prev = b_old
         if HAS_FIRST:  # a row's first step: w_0 = u_0
-            b_old = tl.where(tl.load(first_ptr + i) != 0, xv, b_old)
-        new_x = bv + momentum * (bv - b_old) + eta2 * dv
+            prev = tl.where(tl.load(first_ptr + i) != 0, xv, b_old)
+        new_x = bv + momentum * (bv - prev) + eta2 * dv
     r = new_x.to(elem).to(ACC)
-    good = mask & (r - r == 0) & (bv - bv == 0)
+    old_ok = (xv - xv == 0) & (b_old - b_old == 0)  # already Inf/NaN: the caller's, not this step's
+    good = mask & (((r - r == 0) & (bv - bv == 0)) | ~old_ok)
     if MODE != 0:
         tl.store(b_row + cols, bv, mask=good)
     tl.store(x_row + cols, new_x.to(elem), mask=good)

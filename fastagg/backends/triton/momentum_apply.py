@@ -53,6 +53,7 @@ def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_sk
         coef = tl.load(coef_ptr).to(acc)
         extra = w_new + coef * u
         good = good & _stays_finite(extra, elem)
+    good = good | ((w - w != 0) | (b_old - b_old != 0))  # already Inf/NaN: the caller's, not this step's
     store = mask & good
     bad = tl.sum((mask & ~good).to(tl.int32))
     tl.store(wptr + cols, w_new.to(elem), mask=store)
@@ -61,7 +62,7 @@ def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_sk
     if HAS_EXTRA:
         if HAS_SKIP:
             kept = w + tl.load(coef_skip_ptr).to(acc) * b_old
-            keep_ok = _stays_finite(kept, elem)
+            keep_ok = _stays_finite(kept, elem) | (w - w != 0) | (b_old - b_old != 0)
             skipped = inb & ~finite
             bad += tl.sum((skipped & ~keep_ok).to(tl.int32))
             tl.store(eptr + cols, tl.where(mask, extra, kept).to(elem), mask=store | (skipped & keep_ok))

@@ -1,0 +1,287 @@
+"""Property-based fuzzing of every public entry point (hypothesis): random shapes, dtypes (mixed between clients
+and params), strides, input forms, overlapping buffers, index tables, weights and values (NaN, Inf, values near
+the dtypes' limits). Every call either equals the same call on the reference backend, or raises a ValueError /
+TypeError -- the same kind the reference raises -- with every buffer it was given unchanged.
+
+CI runs FASTAGG_FUZZ_EXAMPLES (default 150) examples per entry point; set it higher for a long run (the README
+reports a 10,000-example run).
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastagg
+from fastagg import client, server
+from fastagg.testing import assert_close, cpu_backends, snapshot, tolerance
+
+EXAMPLES = int(os.environ.get("FASTAGG_FUZZ_EXAMPLES", "150"))
+BACKENDS = [b for b in cpu_backends() if b != "reference"]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False, print_blob=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SCALES = [1e-3, 1.0, 100.0, 1e18, 3e38]
+
+
+def _values(data, shape, dtype, label):
+    """Random values of ``dtype``: a scale (huge ones overflow float16's range), sometimes a NaN or an Inf."""
+    seed = data.draw(st.integers(0, 2 ** 31 - 1), label=f"{label} seed")
+    scale = data.draw(st.sampled_from(SCALES), label=f"{label} scale")
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+    if t.numel() and data.draw(st.integers(0, 9), label=f"{label} poison") == 0:
+        t.view(-1)[data.draw(st.integers(0, t.numel() - 1))] = data.draw(st.sampled_from([float("nan"),
+                                                                                         float("inf")]))
+    return t.to(dtype)
+
+
+def _clients(data, m, d, dtype):
+    """M clients' updates in one of the accepted forms (some strided, some not accepted)."""
+    form = data.draw(st.sampled_from(["matrix", "strided", "list", "per-layer", "transposed"]), label="form")
+    x = _values(data, (m, d), dtype, "deltas")
+    if form == "matrix":
+        return x
+    if form == "strided":  # rows inside a wider buffer: row stride > d
+        wide = torch.zeros(m, d + 3, dtype=dtype)
+        wide[:, :d] = x
+        return wide[:, :d]
+    if form == "transposed":  # column stride != 1: rejected
+        return x.t().contiguous().t()
+    if form == "list":
+        return list(x.unbind(0))
+    cut = data.draw(st.integers(0, d), label="layer cut")
+    return [[r[:cut], r[cut:]] if 0 < cut < d else [r] for r in x]
+
+
+def _weights(data, m):
+    kind = data.draw(st.sampled_from(["none", "counts", "bad", "huge", "wrong length"]), label="weights")
+    if kind == "none":
+        return None
+    if kind == "counts":
+        return data.draw(st.lists(st.integers(0, 50), min_size=m, max_size=m), label="counts")
+    if kind == "bad":
+        return data.draw(st.lists(st.sampled_from([1.0, -1.0, float("nan"), 0.0]), min_size=m, max_size=m))
+    if kind == "huge":
+        return [1e308] * m
+    return [1.0] * (m + 1)
+
+
+def _run_both(call, args, backend, outputs=()):
+    """Run ``call(args, backend)`` and ``call(copy of args, "reference")``: (result, error, reference result,
+    reference error); asserts the inputs are unchanged when the call raised. ``outputs`` (a mean_out buffer)
+    are exempt: a round refused for NaN/Inf has computed its statistics into them."""
+    ref_args = copy.deepcopy(args)
+    before = snapshot(args)
+    try:
+        got, err = call(args, backend), None
+    except (ValueError, TypeError) as e:
+        got, err = None, e
+    try:
+        ref, ref_err = call(ref_args, "reference"), None
+    except (ValueError, TypeError) as e:
+        ref, ref_err = None, e
+    if err is not None:
+        assert str(err), "an error must say what is wrong"
+        if not _applied_with_kept_elements(err):
+            _assert_same_bits(before, args, skip={id(o) for o in outputs})
+    assert (err is None) == (ref_err is None), f"{backend}: {err!r} but the reference: {ref_err!r}"
+    if err is not None:
+        assert type(err) is type(ref_err), f"{backend} raised {err!r}, the reference {ref_err!r}"
+    return got, ref, args, ref_args
+
+
+def _applied_with_kept_elements(err) -> bool:
+    """The one documented error after a write: elements whose new value alone overflowed their dtype (values
+    within a factor ~2 of its largest) kept their old values; every other element was updated, no Inf/NaN."""
+    return "kept their previous values" in str(err)
+
+
+def _assert_same_bits(before, after, skip=frozenset()):
+    if id(after) in skip:
+        return
+    if isinstance(before, torch.Tensor):
+        bits = lambda t: t.detach().contiguous().view(-1).view(torch.uint8)  # noqa: E731 (NaN-safe comparison)
+        assert torch.equal(bits(before), bits(after)), "a buffer changed although the call raised"
+    elif isinstance(before, dict):
+        for k in before:
+            _assert_same_bits(before[k], after[k], skip)
+    elif isinstance(before, (list, tuple)):
+        for b, a in zip(before, after):
+            _assert_same_bits(b, a, skip)
+
+
+def _close(a, b, dtype, kind, name):
+    if a is None or b is None:
+        assert a is None and b is None, name
+        return
+    rtol, atol = tolerance(dtype, kind)
+    a, b = torch.as_tensor(a).double().reshape(-1), torch.as_tensor(b).double().reshape(-1)
+    # where an input already held Inf/NaN, backends may carry it as Inf or as NaN: compare finiteness there
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    assert torch.equal(fa, fb), f"{name}: finite at {fa.nonzero().flatten().tolist()[:5]} vs " \
+                                f"{fb.nonzero().flatten().tolist()[:5]}"
+    scale = float(b[fb].abs().max()) if bool(fb.any()) else 1.0
+    assert_close(a[fa], b[fb], rtol=rtol * 8, atol=atol * 8 * max(1.0, scale), name=name)
+
+
+def _flat(p):
+    if isinstance(p, torch.Tensor):
+        return p
+    return torch.cat([t.reshape(-1).double() for t in p])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@FUZZ
+@given(data=st.data())
+def test_fuzz_fedexp_and_fedavg(backend, data):
+    m, d = data.draw(st.integers(1, 5), label="M"), data.draw(st.integers(1, 40), label="d")
+    dtype, pdtype = data.draw(st.sampled_from(DTYPES), label="dtype"), data.draw(st.sampled_from(DTYPES), label="p")
+    deltas = _clients(data, m, d, dtype)
+    params = _values(data, (d,), pdtype, "params") if data.draw(st.booleans(), label="params?") else None
+    alias = data.draw(st.sampled_from(["none", "mean_out=deltas", "params=deltas", "eval_out=params",
+                                       "mean_out", "eval_out"]), label="outputs")
+    kw = dict(weights=_weights(data, m), on_nonfinite=data.draw(st.sampled_from(["raise", "skip"])))
+    which = data.draw(st.sampled_from(["fedexp", "fedavg"]), label="op")
+    cdt = torch.float64 if (pdtype if params is not None else dtype) == torch.float64 else torch.float32
+    if alias == "mean_out=deltas" and isinstance(deltas, torch.Tensor):
+        kw["mean_out"] = deltas[0] if deltas.dtype == cdt else deltas[0].to(cdt)
+    elif alias == "params=deltas" and isinstance(deltas, torch.Tensor) and params is not None:
+        params = deltas[0]
+    elif alias == "eval_out=params" and params is not None and which == "fedexp":
+        kw["eval_out"] = params
+    elif alias == "mean_out":
+        kw["mean_out"] = torch.empty(d, dtype=cdt)
+    elif alias == "eval_out" and params is not None and which == "fedexp":
+        kw["eval_out"] = torch.empty(d, dtype=params.dtype)
+
+    def call(args, backend):
+        deltas, params, kw = args
+        if which == "fedexp":
+            return fastagg.fedexp_step(deltas, eps=1e-3, params=params, backend=backend, **kw)
+        return fastagg.fedavg_step(deltas, lr=0.5, params=params, backend=backend, **kw)
+
+    got, ref, args, ref_args = _run_both(call, (deltas, params, kw), backend,
+                                         outputs=[kw["mean_out"]] if "mean_out" in kw else [])
+    if got is None:
+        return
+    assert bool(got.finite) == bool(ref.finite)
+    if bool(got.finite):
+        _close(got.mean_flat, ref.mean_flat, dtype if dtype != torch.float64 else cdt, "mean", "mean")
+        _close(got.eta, ref.eta, torch.float32, "norm", "eta")
+    if params is not None:
+        _close(_flat(args[1]), _flat(ref_args[1]), params.dtype, "params", "params")
+        assert bool(torch.isfinite(args[1]).all()) or not bool(torch.isfinite(params).all()) or \
+            not bool(torch.isfinite(ref_args[1]).all())
+
+
+OPTIMIZERS = ["FedAvgM", "FedExP", "FedExPM", "FedACG", "FedAdam", "FedYogi", "FedAdagrad", "FedAMS"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@FUZZ
+@given(data=st.data())
+def test_fuzz_server_optimizers(backend, data):
+    name = data.draw(st.sampled_from(OPTIMIZERS), label="optimizer")
+    d = data.draw(st.integers(1, 40), label="d")
+    pdtype, dtype = data.draw(st.sampled_from(DTYPES), label="params dtype"), data.draw(st.sampled_from(DTYPES))
+    hyper = {"FedExP": dict(eps=1e-3), "FedExPM": dict(eps=1e-3), "FedAvgM": dict(momentum=0.9)}.get(name, {})
+    on_nonfinite = data.draw(st.sampled_from(["raise", "skip"]))
+    params = _values(data, (d,), pdtype, "params")
+    rounds = [(_clients(data, data.draw(st.integers(1, 4)), d, dtype), None) for _ in range(data.draw(st.integers(1, 3)))]
+
+    w, w_ref = params.clone(), params.clone()
+    opt = getattr(server, name)(w, backend=backend, on_nonfinite=on_nonfinite, **hyper)
+    ref = getattr(server, name)(w_ref, backend="reference", on_nonfinite=on_nonfinite, **hyper)
+    for t, (deltas, weights) in enumerate(rounds):
+        before = snapshot([w, opt.state, deltas])
+        outcome, kept = [], []
+        for o, x in ((opt, deltas), (ref, copy.deepcopy(deltas))):
+            try:
+                outcome.append(bool(o.step(x, weights=weights).finite))
+                kept.append(False)
+            except (ValueError, TypeError) as e:
+                outcome.append(type(e))
+                kept.append(_applied_with_kept_elements(e))
+        assert outcome[0] == outcome[1], f"round {t}: {backend} {outcome[0]}, reference {outcome[1]}"
+        if outcome[0] is False or (not isinstance(outcome[0], bool) and not kept[0]):  # refused: nothing changed
+            _assert_same_bits(before, [w, opt.state, deltas])
+        _close(w, w_ref, pdtype, "params", f"{name} params after round {t}")
+        if bool(torch.isfinite(params).all()):
+            assert bool(torch.isfinite(w).all()), "Inf/NaN written into params"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@FUZZ
+@given(data=st.data())
+def test_fuzz_accumulator(backend, data):
+    d = data.draw(st.integers(1, 40), label="d")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    clients = [(_values(data, (d,), data.draw(st.sampled_from([dtype, dtype, torch.float32])), "client"),
+                data.draw(st.sampled_from([1.0, 2.0, 0.0, 1e30]), label="weight"))
+               for _ in range(data.draw(st.integers(1, 4)))]
+    params = _values(data, (d,), dtype, "params")
+
+    def call(args, backend):
+        clients, params = args
+        acc = fastagg.Accumulator(torch.zeros(d, dtype=dtype), backend=backend)
+        took = [acc.add(c, weight=w, on_nonfinite="skip") for c, w in clients]
+        if not any(took) or acc.total_weight == 0:
+            return took, None
+        return took, acc.fedexp_step(eps=1e-3, params=params, on_nonfinite="skip")
+
+    got, ref, args, ref_args = _run_both(call, (clients, params), backend)
+    if got is None:
+        return
+    assert got[0] == ref[0], "the same clients are accepted"
+    if got[1] is not None:
+        assert bool(got[1].finite) == bool(ref[1].finite)
+        _close(args[1], ref_args[1], dtype, "params", "params")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@FUZZ
+@given(data=st.data())
+def test_fuzz_client_steps(backend, data):
+    m, d = data.draw(st.integers(1, 5), label="M"), data.draw(st.integers(1, 40), label="d")
+    n = data.draw(st.integers(1, 7), label="population")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    x = _values(data, (m, d), dtype, "params")
+    layout = data.draw(st.sampled_from(["own", "expand", "strided", "grads=params"]), label="params layout")
+    if layout == "expand":
+        x = x[0].expand(m, d)
+    elif layout == "strided":
+        wide = torch.zeros(m, d + 2, dtype=dtype)
+        wide[:, :d] = x
+        x = wide[:, :d]
+    g = x if layout == "grads=params" else _values(data, (m, d), dtype, "grads")
+    ids = torch.tensor(data.draw(st.lists(st.integers(-2, n + 1), min_size=m, max_size=m), label="client_ids"))
+    rule = data.draw(st.sampled_from(["sps", "momentum", "mass", "scaffold"]), label="rule")
+    losses = _values(data, (m,), torch.float64, "losses").abs()
+
+    def call(args, backend):
+        x, g, ids, losses = args
+        state = client.ClientState(n, d, dtype=cdt)
+        if rule == "sps":
+            return client.sps_step(params=x, grads=g, losses=losses, gamma_b=0.5, backend=backend), state
+        if rule == "momentum":
+            return client.local_step(params=x, grads=g, lr=0.1, momentum=0.9, state=state, client_ids=ids,
+                                     backend=backend), state
+        if rule == "mass":
+            return client.mass_step(params=x, grads=g, state=state, client_ids=ids, eta1=0.1, gam=0.5,
+                                    backend=backend), state
+        ci = torch.zeros(n, d, dtype=cdt)
+        return client.local_step(params=x, grads=g, lr=0.1, control=(torch.zeros(d, dtype=cdt), ci),
+                                 client_ids=ids, backend=backend), state
+
+    got, ref, args, ref_args = _run_both(call, (x, g, ids, losses), backend)
+    if got is None:
+        return
+    _close(got[0], ref[0], torch.float32, "norm", "steps")
+    _close(args[0], ref_args[0], dtype, "params", "params")
+    assert bool(torch.isfinite(args[0]).all()) or not bool(torch.isfinite(x).all()) or \
+        not bool(torch.isfinite(ref_args[0]).all())
