@@ -2,10 +2,19 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from . import algorithms, data
-from .runner import Config, run
+from .runner import Config, checked_settings, run, saved_config
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _floats(text):
@@ -13,11 +22,11 @@ def _floats(text):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fastagg-sim", description="Federated learning simulator: the clients of a "
+    p = _Parser(prog="fastagg-sim", description="Federated learning simulator: the clients of a "
                                 "round train together as rows of one [M, d] buffer with fastagg's fused kernels.")
     p.add_argument("--dataset", default="fedexp-linreg",
                    help=f"{', '.join(sorted(data.DATASETS))}, or npz:PATH (arrays x, y, optional client)")
-    p.add_argument("--model", help="linear | softmax | mlp | cnn (default: the data set's)")
+    p.add_argument("--model", help="linear | softmax | mlp | cnn | pfl-cnn (default: the data set's)")
     p.add_argument("--clients", type=int, help="number of clients (digits, synthetic)")
     p.add_argument("--dirichlet", type=float, help="digits: Dirichlet label-split alpha (0 = IID; default 0.3)")
     p.add_argument("--config", help="a JSON file of settings (keys as in config.json); flags given override it")
@@ -52,37 +61,93 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"])
     p.add_argument("--dtype", choices=["float32", "float64"])
     p.add_argument("--out", help="folder for config.json, metrics.csv, checkpoint.pt and the plots")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint (with "
+                   "the settings its config.json recorded)")
+    p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
     return p
 
 
-def main(argv=None) -> int:
-    a = parser().parse_args(argv)
-    if a.config:
-        import json
+# Config fields the flags set (flag dest -> Config field), for --config and --resume
+FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichlet", "model": "model",
+               "algorithm": "algorithms", "rounds": "rounds", "participation": "participation",
+               "local_steps": "local_steps", "batch_size": "batch_size", "lr": "lr", "lr_decay": "lr_decay",
+               "weight_decay": "weight_decay", "clip_norm": "clip_norm", "server_lr": "server_lr",
+               "server_momentum": "server_momentum", "weighting": "weighting", "eps": "eps", "eps_mode": "eps_mode",
+               "eps_decay": "eps_decay", "lam": "lam", "acg_beta": "acg_beta", "prox_mu": "prox_mu", "tau": "tau",
+               "sps_c": "sps_c", "gamma_b": "gamma_b", "fedexpm_beta": "fedexpm_beta",
+               "nesterov_momentum": "nesterov_momentum", "mass_gam": "mass_gam", "mass_eta2": "mass_eta2",
+               "seeds": "seeds", "seed": "seeds", "device": "device", "backend": "backend", "dtype": "dtype"}
 
-        p = parser()
-        p.set_defaults(**{k: v for k, v in json.load(open(a.config)).items() if k not in ("algorithms", "seeds")})
-        base = json.load(open(a.config))
-        a = p.parse_args(argv)
-        if "algorithms" in base and "--algorithm" not in (argv or sys.argv):
-            a.algorithm = ",".join(base["algorithms"])
-        if "seeds" in base and "--seeds" not in (argv or sys.argv):
-            a.seeds = ",".join(str(s) for s in base["seeds"])
-    seeds = (a.seed,) if a.seed is not None else tuple(int(s) for s in a.seeds.split(","))
-    cfg = Config(dataset=a.dataset, clients=a.clients, dirichlet=a.dirichlet, model=a.model,
-                 algorithms=tuple(a.algorithm.split(",")), rounds=a.rounds,
-                 participation=a.participation, local_steps=a.local_steps, batch_size=a.batch_size, lr=a.lr,
-                 lr_decay=a.lr_decay, weight_decay=a.weight_decay, clip_norm=a.clip_norm, server_lr=a.server_lr,
+
+def _seeds(a) -> tuple:
+    if a.seed is not None:
+        return (a.seed,)
+    try:
+        return tuple(int(s) for s in a.seeds.split(","))
+    except ValueError:
+        raise ValueError(f"--seeds {a.seeds!r}: expected comma-separated integers (e.g. 0,1,2)") from None
+
+
+def _given(argv) -> set:
+    """The flag dests given on the command line (not defaulted)."""
+    p = parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
+def _config(a, argv) -> tuple:
+    """(the run's Config, the fields the command line set): a --config file's settings (checked), with the flags
+    given on the command line on top."""
+    settings = {}
+    if a.config:
+        try:
+            with open(a.config) as f:
+                loaded = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read --config {a.config!r}: {e}") from None
+        settings = checked_settings(loaded, f"--config {a.config!r}")
+    given = _given(argv)
+    flags = dict(dataset=a.dataset, clients=a.clients, dirichlet=a.dirichlet, model=a.model,
+                 algorithms=tuple(a.algorithm.split(",")), rounds=a.rounds, participation=a.participation,
+                 local_steps=a.local_steps, batch_size=a.batch_size, lr=a.lr, lr_decay=a.lr_decay,
+                 weight_decay=a.weight_decay, clip_norm=a.clip_norm, server_lr=a.server_lr,
                  server_momentum=a.server_momentum, weighting=a.weighting, eps=a.eps, eps_mode=a.eps_mode,
                  eps_decay=a.eps_decay, lam=a.lam, acg_beta=a.acg_beta, prox_mu=a.prox_mu, tau=a.tau,
-                 sps_c=a.sps_c, gamma_b=a.gamma_b, fedexpm_beta=a.fedexpm_beta, nesterov_momentum=a.nesterov_momentum,
-                 mass_gam=a.mass_gam, mass_eta2=a.mass_eta2, seeds=seeds, device=a.device, backend=a.backend, dtype=a.dtype,
-                 out=a.out)
+                 sps_c=a.sps_c, gamma_b=a.gamma_b, fedexpm_beta=a.fedexpm_beta,
+                 nesterov_momentum=a.nesterov_momentum, mass_gam=a.mass_gam, mass_eta2=a.mass_eta2,
+                 seeds=_seeds(a), device=a.device, backend=a.backend, dtype=a.dtype, out=a.out)
+    explicit = {FLAG_FIELDS[k] for k in given if k in FLAG_FIELDS} | ({"out"} if "out" in given else set())
+    merged = {**flags, **{k: v for k, v in settings.items() if k not in explicit}}
+    return Config(**merged), explicit
+
+
+def _check_resume(cfg: Config, explicit: set) -> None:
+    """--resume continues a run as its config.json recorded it: flags that would change a setting are refused."""
+    saved = saved_config(cfg.out)
+    changed = [f for f in sorted(explicit - {"out"}) if f in saved and
+               (tuple(saved[f]) if isinstance(saved[f], (list, tuple)) else saved[f]) != getattr(cfg, f)]
+    if changed:
+        shown = ", ".join(f"{f} ({getattr(cfg, f)!r}; the run has {saved[f]!r})" for f in changed)
+        raise ValueError(f"--resume continues {cfg.out!r} with its recorded settings; these flags would change them: "
+                         f"{shown}")
+
+
+def main(argv=None) -> int:
+    """Exit codes: 0 done, 1 a run stopped (non-finite loss, Ctrl-C), 2 a usage or input error (one line)."""
+    argv = sys.argv[1:] if argv is None else argv
+    a = parser().parse_args(argv)
     try:
-        history = run(cfg, verbose=True, resume=a.resume)
-    except ValueError as e:
-        print(f"fastagg-sim: {e}", file=sys.stderr)
+        cfg, explicit = _config(a, argv)
+        if a.resume:
+            _check_resume(cfg, explicit)
+        elif a.out is None and a.overwrite:
+            raise ValueError("--overwrite needs --out")
+        history = run(cfg, verbose=True, resume=a.resume, overwrite=a.overwrite)
+    except (ValueError, TypeError) as e:
+        if os.environ.get("FASTAGG_DEBUG"):
+            raise
+        print(f"fastagg-sim: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     if history.stopped:
         print(f"stopped: {history.stopped}", file=sys.stderr)

@@ -114,7 +114,7 @@ def quadratic(a: float = 2.0) -> FederatedData:
     x = torch.tensor([[[a]], [[1.0]]], dtype=torch.float64)  # curvature per client
     return FederatedData("quadratic", x, torch.zeros(2, 1, dtype=torch.float64), torch.ones(2, dtype=torch.int64),
                          "quadratic", defaults=dict(clients=2, participation=1.0, batch_size=0, local_steps=5,
-                                                    lr=0.1, model="linear", rounds=50))
+                                                    lr=0.1, model="quadratic", rounds=50))
 
 
 def dirichlet_split(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.RandomState,
@@ -189,21 +189,52 @@ DATASETS = {"fedexp-linreg": fedexp_linreg, "synthetic": synthetic, "synthetic-i
 def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int = 0) -> FederatedData:
     """A user's arrays: ``x`` [n, features...] (flattened), ``y`` [n] (integer class labels, or floats for least
     squares), optional ``client`` [n] (each sample's client id, 0..N-1); without it a Dirichlet(alpha) label split
-    over ``num_clients`` (alpha 0: IID; float targets are split IID)."""
+    over ``num_clients`` (alpha 0: IID; float targets are split IID).
+
+    Every array is checked before use; a bad file gets one ValueError naming the array and the problem: finite
+    numeric features, labels that are integers >= 0 (classification) or finite floats, client ids that are
+    integers >= 0 with every client 0..N-1 holding a sample. The file is read without pickles."""
+    where = f"npz data set {path!r}"
     try:
-        arrays = np.load(path)
-        x, y = np.asarray(arrays["x"], dtype=np.float64), np.asarray(arrays["y"])
-        owner = np.asarray(arrays["client"]) if "client" in arrays.files else None
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot read npz data set {path!r} (needs arrays 'x' and 'y', optional 'client'): {e}") from e
-    x = x.reshape(len(x), -1)
-    if len(y) != len(x):
-        raise ValueError(f"{path}: x has {len(x)} samples but y has {len(y)}")
+        arrays = np.load(path, allow_pickle=False)
+        missing = [k for k in ("x", "y") if k not in arrays.files]
+        if missing:
+            raise ValueError(f"has no array {missing[0]!r} (needs 'x' and 'y', optional 'client')")
+        x_raw, y, owner = arrays["x"], np.asarray(arrays["y"]), \
+            (np.asarray(arrays["client"]) if "client" in arrays.files else None)
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"cannot read {where}: {e}") from e
+    if x_raw.dtype.kind not in "iuf" or x_raw.ndim < 1 or len(x_raw) == 0:
+        raise ValueError(f"{where}: 'x' must be a non-empty numeric array [n, features...], got dtype {x_raw.dtype} "
+                         f"shape {x_raw.shape}")
+    x = np.asarray(x_raw, dtype=np.float64).reshape(len(x_raw), -1)
+    if not np.isfinite(x).all():
+        raise ValueError(f"{where}: 'x' holds NaN or Inf (sample {int(np.argwhere(~np.isfinite(x))[0, 0])})")
+    if y.ndim != 1 or len(y) != len(x):
+        raise ValueError(f"{where}: 'y' must be 1-D with one entry per sample ({len(x)}), got shape {y.shape}")
     classification = np.issubdtype(y.dtype, np.integer)
+    if classification and (y < 0).any():
+        raise ValueError(f"{where}: 'y' holds negative class labels (e.g. {int(y[y < 0][0])}); labels are 0..C-1")
+    if not classification:
+        if y.dtype.kind != "f":
+            raise ValueError(f"{where}: 'y' must be integer class labels or float targets, got dtype {y.dtype}")
+        if not np.isfinite(y).all():
+            raise ValueError(f"{where}: 'y' holds NaN or Inf")
     rng = np.random.RandomState(seed)
     if owner is not None:
-        ids = np.unique(owner)
-        parts = [np.flatnonzero(owner == k) for k in ids]
+        if owner.ndim != 1 or len(owner) != len(x):
+            raise ValueError(f"{where}: 'client' must be 1-D with one id per sample ({len(x)}), got shape "
+                             f"{owner.shape}")
+        if not np.issubdtype(owner.dtype, np.integer):
+            raise ValueError(f"{where}: 'client' must hold integer client ids, got dtype {owner.dtype}")
+        if (owner < 0).any():
+            raise ValueError(f"{where}: 'client' holds negative ids (e.g. {int(owner[owner < 0][0])})")
+        n_clients = int(owner.max()) + 1
+        empty = np.setdiff1d(np.arange(n_clients), owner)
+        if len(empty):
+            raise ValueError(f"{where}: client {int(empty[0])} has no sample ('client' ids must be 0..N-1, each "
+                             "used)")
+        parts = [np.flatnonzero(owner == k) for k in range(n_clients)]
     else:
         parts = dirichlet_split(y if classification else np.zeros(len(y)), num_clients,
                                 alpha if classification else 0.0, rng)
@@ -218,6 +249,10 @@ def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int 
 def load(name: str, *, clients: int | None = None, dirichlet: float | None = None) -> FederatedData:
     """A data set by name (or ``npz:PATH``); ``clients`` and ``dirichlet`` (label-split alpha, 0 = IID) where the
     data set has them."""
+    if clients is not None and (not isinstance(clients, int) or isinstance(clients, bool) or clients < 1):
+        raise ValueError(f"clients must be an integer >= 1, got {clients!r}")
+    if dirichlet is not None and not (isinstance(dirichlet, (int, float)) and dirichlet >= 0):
+        raise ValueError(f"dirichlet must be a number >= 0, got {dirichlet!r}")
     if name.startswith("npz:"):
         kwargs = {k: v for k, v in (("num_clients", clients), ("alpha", dirichlet)) if v is not None}
         return from_npz(name[4:], **kwargs)

@@ -247,10 +247,12 @@ MODELS = {"linear": LeastSquares, "quadratic": Quadratic, "softmax": Softmax, "m
 
 
 def make(name: str, data: FederatedData) -> Model:
-    if data.task == "quadratic":
-        return Quadratic(data)
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    if data.task == "quadratic" or name == "quadratic":
+        if data.task != "quadratic" or name != "quadratic":
+            raise ValueError(f"model 'quadratic' goes with the quadratic data set only; {data.name} / {name!r}")
+        return Quadratic(data)
     if name in ("softmax", "mlp", "cnn", "pfl-cnn") and data.task != "classification":
         raise ValueError(f"model {name!r} needs a classification dataset; {data.name} is {data.task}")
     if name == "linear" and data.task != "least_squares":

@@ -8,11 +8,12 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 
 from .. import client
-from . import algorithms, data as datasets, models
+from . import algorithms, data as datasets, models, outdir
 
 METRIC_FIELDS = ["algorithm", "seed", "round", "train_loss", "train_loss_last", "test_loss", "test_acc", "eta"]
 
@@ -68,8 +69,9 @@ class Config:
         c.algorithms, c.seeds = tuple(c.algorithms), tuple(c.seeds)
         return c
 
-    def check(self) -> None:
-        """Impossible settings fail before any work starts."""
+    def check(self, data: datasets.FederatedData | None = None) -> None:
+        """Impossible settings fail before any work starts (and before anything is written): ranges, the device,
+        the algorithms, and (with ``data``) whether the model fits the data set."""
         if not 0 < self.participation <= 1:
             raise ValueError(f"participation must be in (0, 1], got {self.participation}")
         for name in ("rounds", "local_steps"):
@@ -87,6 +89,18 @@ class Config:
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
         for name in self.algorithms:
             algorithms.resolve(name, self)
+        if not self.seeds or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.seeds):
+            raise ValueError(f"seeds must be integers, got {self.seeds!r}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device {self.device!r} is not a device: {e}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: CUDA is not available here")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: the simulator runs on cpu or cuda")
+        if data is not None:
+            models.make(self.model, data)
 
 
 @dataclasses.dataclass
@@ -160,7 +174,7 @@ def _evaluate(model, data, w):
     return loss, float(test_loss), float(test_acc)
 
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT = outdir.CHECKPOINT
 
 
 def run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row=None, on_round=None, resume: dict | None = None,
@@ -229,26 +243,63 @@ def run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row=None, on_rou
     return None
 
 
-def run(config: Config, *, verbose: bool = False, resume: bool = False) -> History:
+def saved_config(out: str) -> dict:
+    """The settings a run folder's config.json recorded (checked: JSON, known keys only)."""
+    path = os.path.join(out, "config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"nothing to resume: no config.json in {out!r}") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path!r}: {e}") from None
+    return checked_settings(saved, path)
+
+
+def checked_settings(settings: Any, where: str) -> dict:
+    """A dict of Config fields (lists for tuples); unknown keys are refused, not ignored."""
+    if not isinstance(settings, dict):
+        raise ValueError(f"{where} must hold a JSON object of settings")
+    known = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown settings {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    out = dict(settings)
+    for k in ("algorithms", "seeds"):
+        if k in out:
+            if not isinstance(out[k], (list, tuple)):
+                raise ValueError(f"{where}: {k} must be a list")
+            out[k] = tuple(out[k])
+    return out
+
+
+def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrite: bool = False) -> History:
     """Run every algorithm and seed of ``config``; returns the metrics. With ``config.out``, writes config.json,
     metrics.csv (row by row: a run that stops keeps every metric so far), a checkpoint after every round and the
-    plots. ``resume=True`` continues the run in ``config.out`` from its checkpoint (its config.json wins)."""
+    plots. The folder is locked while the run writes it; a folder holding another run's results is refused unless
+    ``overwrite``. ``resume=True`` continues the run in ``config.out`` from its checkpoint, with the settings its
+    config.json recorded (``config``'s other fields are not used)."""
     if resume:
-        if not config.out or not os.path.exists(os.path.join(config.out, CHECKPOINT)):
-            raise ValueError(f"nothing to resume: no {CHECKPOINT} in {config.out!r}")
-        with open(os.path.join(config.out, "config.json")) as f:
-            saved = json.load(f)
-        config = Config(**{**saved, "algorithms": tuple(saved["algorithms"]), "seeds": tuple(saved["seeds"])})
+        if not config.out:
+            raise ValueError("resume needs the run's folder (--out)")
+        config = Config(**{**saved_config(config.out), "out": config.out})  # the folder given, wherever it moved
     data = datasets.load(config.dataset, clients=config.clients, dirichlet=config.dirichlet)
     cfg = config.resolved(data)
-    cfg.check()
-    ckpt = {"rows": [], "done": [], "current": None}
-    if resume:
-        ckpt = torch.load(os.path.join(cfg.out, CHECKPOINT), weights_only=False)
+    cfg.check(data)
+    lock = outdir.claim(cfg.out, resume=resume, overwrite=overwrite) if cfg.out else None
+    try:
+        ckpt = outdir.load_checkpoint(cfg.out, cfg) if resume else \
+            {"rows": [], "done": [], "current": None, "run": outdir.signature(cfg)}
+        return _run_all(cfg, data, ckpt, verbose)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_all(cfg: Config, data, ckpt: dict, verbose: bool) -> History:
     rows = list(ckpt["rows"])
     out_file = writer = None
     if cfg.out:
-        os.makedirs(cfg.out, exist_ok=True)
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
         out_file = open(os.path.join(cfg.out, "metrics.csv"), "w", newline="")
@@ -266,9 +317,7 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False) -> Histo
         if cfg.out:
             ckpt["current"] = snapshot
             ckpt["rows"] = rows
-            tmp = os.path.join(cfg.out, CHECKPOINT + ".tmp")
-            torch.save(ckpt, tmp)
-            os.replace(tmp, os.path.join(cfg.out, CHECKPOINT))
+            outdir.save_checkpoint(cfg.out, ckpt)
 
     progress = _progress if verbose else None
     stopped = None
