@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 
 namespace fastagg {
 
@@ -75,6 +76,12 @@ template <typename P> inline P pick(bool take, P a, P b) { return take ? a : b; 
 inline half_t pick(bool take, half_t a, half_t b) { return half_t{take ? a.bits : b.bits}; }
 inline bf16_t pick(bool take, bf16_t a, bf16_t b) { return bf16_t{take ? a.bits : b.bits}; }
 template <typename P, typename C> inline P rounded(C v) { P p; store(&p, v); return p; }
+// v stays finite once stored as P. When P is the compute type itself no rounding happens, and the test is one
+// compare that vectorizes (the general path takes the stored value's address and keeps the loop scalar).
+template <typename P, typename C> inline bool stays_finite(C v) {
+  if constexpr (std::is_same_v<P, C>) return finite_c(v);
+  else { const P p = rounded<P>(v); return finite_c(load<C>(&p)); }
+}
 
 // Calls f(T{}) with the C++ type of a dtype code.
 template <typename F> void dispatch_dtype(int dtype, F&& f) {

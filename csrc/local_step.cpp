@@ -83,43 +83,51 @@ struct Row {
         numel(a.numel) {}
 
   // Sixteen independent lanes per block (a single accumulator chains every add on its latency); the lanes are
-  // summed in order, then the short tail. group_sq gives each of its blocks exactly this sum.
-  // Squares and their sums are float64 (float32 squares of 1e18 overflow a block's sum).
-  double block_sq(int64_t b0, int64_t end) const {
-    double lanes[kLanes] = {};
+  // summed in order, then the short tail. group_sq gives each of its blocks exactly this sum. Squares are summed
+  // in A: C for the pass, float64 again for a block whose C sum overflowed (float32 values near 1e18; a float64
+  // pass throughout measured ~25% slower, bench/RESULTS.md). A block holding Inf/NaN stays non-finite either way.
+  template <typename A>
+  A block_sq_in(int64_t b0, int64_t end) const {
+    A lanes[kLanes] = {};
     int64_t j = b0;
     for (; j + kLanes <= end; j += kLanes) {
 #pragma omp simd
       for (int k = 0; k < kLanes; ++k) {
-        const double v = dir(j + k);
+        const A v = dir(j + k);
         lanes[k] += v * v;
       }
     }
-    double part = 0;
+    A part = 0;
     for (int k = 0; k < kLanes; ++k) part += lanes[k];
     for (; j < end; ++j) {
-      const double v = dir(j);
+      const A v = dir(j);
       part += v * v;
     }
     return part;
   }
 
+  double checked(C sum, int64_t b0, int64_t end) const {
+    return std::isfinite(sum) ? double(sum) : block_sq_in<double>(b0, end);
+  }
+
+  double block_sq(int64_t b0, int64_t end) const { return checked(block_sq_in<C>(b0, end), b0, end); }
+
   void group_sq(const int64_t* starts, double* part) const {
-    double lanes[kNormStreams][kLanes] = {};
+    C lanes[kNormStreams][kLanes] = {};
     for (int64_t j = 0; j < kLocalBlock; j += kLanes) {
       for (int s = 0; s < kNormStreams; ++s) {
         const int64_t o = starts[s] + j;
 #pragma omp simd
         for (int k = 0; k < kLanes; ++k) {
-          const double v = dir(o + k);
+          const C v = dir(o + k);
           lanes[s][k] += v * v;
         }
       }
     }
     for (int s = 0; s < kNormStreams; ++s) {
-      double sum = 0;
+      C sum = 0;
       for (int k = 0; k < kLanes; ++k) sum += lanes[s][k];
-      part[starts[s] / kLocalBlock] = sum;
+      part[starts[s] / kLocalBlock] = checked(sum, starts[s], starts[s] + kLocalBlock);
     }
   }
 
@@ -130,31 +138,31 @@ struct Row {
         [&](int64_t start, int64_t stop) { part[start / kLocalBlock] = block_sq(start, stop); });
   }
 
-  // An element whose new x or state would not be finite keeps its old values (nothing non-finite is stored).
+  // An element whose new x or state would not be finite keeps its old values: nothing non-finite is stored (an
+  // element already Inf/NaN stays as it was). Bitwise & and selects keep the loop vectorized.
   inline void update_at(int64_t j, const Coefs<C>& k) {
     const C xj = load<C>(x + j);
+    C xn, bj, b_old = xj;
     if constexpr (Mode == kModeNone) {
-      const P xn = rounded<P>(k.keep * xj - k.move * dir(j));  // = x - step (scale dir + wd x), two multiplies
-      x[j] = pick(finite_c(load<C>(&xn)) || !finite_c(xj), xn, x[j]);
+      xn = k.keep * xj - k.move * dir(j);  // = x - step (scale dir + wd x), two multiplies
+      bj = xn;
     } else {
       const C dj = k.scale * dir(j) + k.wd * xj;
-      C bj;
-      P xn;
+      b_old = buf[j];
       if constexpr (Mode == kModeHeavy) {
-        bj = k.mu * buf[j] + dj;
-        xn = rounded<P>(xj - k.step * bj);
+        bj = k.mu * b_old + dj;
+        xn = xj - k.step * bj;
       } else if constexpr (Mode == kModeNesterov) {
-        bj = k.mu * buf[j] + dj;
-        xn = rounded<P>(xj - k.step * (dj + k.mu * bj));
+        bj = k.mu * b_old + dj;
+        xn = xj - k.step * (dj + k.mu * bj);
       } else {
         bj = xj - k.step * dj;  // w
-        xn = rounded<P>(bj + k.mu * (bj - (first ? xj : buf[j])) + k.eta2 * dj);
+        xn = bj + k.mu * (bj - (first ? xj : b_old)) + k.eta2 * dj;
       }
-      // an element already Inf/NaN is the caller's, not an overflow of this step
-      const bool good = (finite_c(load<C>(&xn)) && finite_c(bj)) || !(finite_c(xj) && finite_c(buf[j]));
-      buf[j] = good ? bj : buf[j];
-      x[j] = pick(good, xn, x[j]);
     }
+    const bool good = stays_finite<P>(xn) & finite_c(bj);
+    store(x + j, good ? xn : xj);
+    if constexpr (Mode != kModeNone) buf[j] = good ? bj : b_old;
   }
 
   void update_range(int64_t b0, int64_t end, const Coefs<C>& k) {

@@ -3,9 +3,11 @@
 //   sq_norms[i] = ||x_i - base||^2
 //   nonfinite[i] = any element of row i is NaN or Inf
 //   mean_sq     = ||mean + aux_coef * aux||^2       (aux optional; without it ||mean||^2)
-// Rows are converted on load to the compute type (the mean's: float32, or float64 for float64 params); squares
-// and their sums are float64 (float32 inputs near 1e18 have squares whose float32 sums overflow), each block's
-// partial sums finished in block order, so results are bit-identical for any thread count.
+// Rows are converted on load to the compute type C (the mean's: float32, or float64 for float64 params). Squares
+// are summed in C within a block (at most kStatsBlock terms per row) and the blocks' sums in float64, in block
+// order, so results are bit-identical for any thread count. A block whose C sum overflows while its elements are
+// finite (float32 values near 1e18) is summed again in float64: the float64 path costs ~20% of the pass when it
+// runs on every element (measured, bench/RESULTS.md), the check costs nothing.
 #include "kernels.h"
 
 #include <algorithm>
@@ -29,12 +31,12 @@ constexpr int64_t kStatsBlock = 8192;  // 32 KiB of float32 accumulators per thr
 // The last fold of a block writes the mean itself (dst = mean), so no separate pass copies acc out.
 template <typename T, typename C, bool HasBase, int R, bool First>
 inline void fold_rows(const T* const* x, const C* w, const T* base, const C* acc, C* dst, const C* start, int64_t n,
-                      double* sq) {
+                      C* sq) {
   static_assert(R == 1 || R == 4, "fold_rows handles 1 or 4 rows");
   if constexpr (R == 4) {
     const T *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
     const C w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    C s0 = 0, s1 = 0, s2 = 0, s3 = 0;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
     for (int64_t j = 0; j < n; ++j) {
       const C b = HasBase ? load<C>(base + j) : C(0);
@@ -42,22 +44,22 @@ inline void fold_rows(const T* const* x, const C* w, const T* base, const C* acc
       const C v2 = load<C>(x2 + j) - b, v3 = load<C>(x3 + j) - b;
       const C a0 = First ? (start ? start[j] : C(0)) : acc[j];
       dst[j] = a0 + ((w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3));
-      s0 += double(v0) * double(v0);
-      s1 += double(v1) * double(v1);
-      s2 += double(v2) * double(v2);
-      s3 += double(v3) * double(v3);
+      s0 += v0 * v0;
+      s1 += v1 * v1;
+      s2 += v2 * v2;
+      s3 += v3 * v3;
     }
     sq[0] = s0, sq[1] = s1, sq[2] = s2, sq[3] = s3;
   } else {
     const T* x0 = x[0];
     const C w0 = w[0];
-    double s0 = 0;
+    C s0 = 0;
 #pragma omp simd reduction(+ : s0)
     for (int64_t j = 0; j < n; ++j) {
       const C v0 = load<C>(x0 + j) - (HasBase ? load<C>(base + j) : C(0));
       const C a0 = First ? (start ? start[j] : C(0)) : acc[j];
       dst[j] = a0 + w0 * v0;
-      s0 += double(v0) * double(v0);
+      s0 += v0 * v0;
     }
     sq[0] = s0;
   }
@@ -72,6 +74,18 @@ bool has_nonfinite(const T* x, const T* base, int64_t n) {
     if (!(v - v == C(0))) return true;
   }
   return false;
+}
+
+// sum_j (x_j - base_j)^2 in float64, for a block whose sum in C overflowed although its elements are finite.
+template <typename T, typename C, bool HasBase>
+double sq_norm_f64(const T* x, const T* base, int64_t n) {
+  double s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < n; ++j) {
+    const double v = double(load<C>(x + j) - (HasBase ? load<C>(base + j) : C(0)));
+    s += v * v;
+  }
+  return s;
 }
 
 template <typename T, typename C, bool HasBase>
@@ -102,7 +116,7 @@ void round_stats_impl(const StatsArgs& a) {
       }
       const T* base = HasBase ? as_ptr<const T>(a.base_ptrs[blk.seg]) + blk.start : nullptr;
       for (int64_t i = 0; i < M; ++i) x[i] = as_ptr<const T>(a.row_ptrs[blk.seg * M + i]) + blk.start;
-      double sq[4];
+      C sq[4];
       int64_t i = 0;
       const int64_t M4 = M / 4 * 4;
       for (; i < M4; i += 4) {
@@ -117,8 +131,11 @@ void round_stats_impl(const StatsArgs& a) {
         else fold_rows<T, C, HasBase, 1, false>(x.data() + i, w.data() + i, base, acc, dst, start, n, sq);
         part_sq[b * M + i] = sq[0];
       }
-      for (i = 0; i < M; ++i)
-        part_bad[b * M + i] = !std::isfinite(part_sq[b * M + i]) && has_nonfinite<T, C, HasBase>(x[i], base, n);
+      for (i = 0; i < M; ++i) {
+        if (std::isfinite(part_sq[b * M + i])) continue;
+        part_bad[b * M + i] = has_nonfinite<T, C, HasBase>(x[i], base, n);
+        if (!part_bad[b * M + i]) part_sq[b * M + i] = sq_norm_f64<T, C, HasBase>(x[i], base, n);
+      }
       double msq = 0;  // over the block of the mean just written (still in cache)
       if (a.aux) {  // ||mean + aux_coef * aux||^2, e.g. FedExP-M's momentum ||mean + beta v||^2
         const C* aux = static_cast<const C*>(a.aux) + col0;

@@ -359,3 +359,19 @@ def test_client_state_device_spelled_without_index():
     client.local_step(params=x, grads=g, lr=0.1, momentum=0.9, state=state, client_ids=torch.arange(m),
                       backend="reference")
     assert torch.allclose(x, torch.full((m, d), -0.1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sps_with_gradients_near_1e18_matches_the_float64_oracle(backend):
+    """A 4096-element block of gradients near 1e18 has a squared norm beyond float32: that block is summed again in
+    float64, so the Polyak step (tiny, not zero or NaN) matches the float64 oracle."""
+    g = torch.randn(3, 10_000, generator=torch.Generator().manual_seed(3))
+    g[1, 4096:8192] *= 1e18
+    x = torch.randn(3, 10_000, generator=torch.Generator().manual_seed(4))
+    f = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    x64 = x.double()
+    step = client.sps_step(params=x, grads=g, losses=f, gamma_b=1.0, backend=backend)
+    ref = client.sps_step(params=x64, grads=g.double(), losses=f, gamma_b=1.0, backend="reference")
+    assert bool((step > 0).all())
+    assert_close(step, ref, rtol=1e-5, atol=0, name="steps")
+    assert_close(x, x64, rtol=1e-6, atol=1e-6, name="params")

@@ -210,9 +210,15 @@ def test_overflowing_steps_are_not_applied(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_float32_inputs_near_1e18_match_the_float64_oracle(backend):
-    """The reductions feeding eta are float64: squares of 1e18 summed over 8192-element blocks overflowed float32."""
-    x = torch.randn(4, 20_000, generator=torch.Generator().manual_seed(0)) * 1e18
+@pytest.mark.parametrize("huge", ["all", "one block"])
+def test_float32_inputs_near_1e18_match_the_float64_oracle(backend, huge):
+    """Squares of 1e18 summed over an 8192-element block overflow float32: such a block is summed in float64
+    (alone, when the rest of the row is ordinary), so eta matches the float64 oracle."""
+    x = torch.randn(4, 20_000, generator=torch.Generator().manual_seed(0))
+    if huge == "all":
+        x *= 1e18
+    else:
+        x[:, 8192:16384] *= 1e18
     got = fastagg.fedexp_step(x, eps=1e-3, backend=backend)
     ref = fastagg.fedexp_step(x.double(), eps=1e-3, backend="reference")
     assert bool(got.finite)

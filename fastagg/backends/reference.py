@@ -72,8 +72,9 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
             if extra_out is not None and extra_coef_skip is not None:
                 e = w.to(cdt) if b is None else w.to(cdt) + extra_coef_skip.to(cdt) * b
                 e_ok = _finite_in(e, extra_out.dtype)
-                overflow_out += (~e_ok).sum().to(overflow_out.dtype)
-                extra_out.parts[s].copy_(torch.where(e_ok, e, extra_out.parts[s].to(cdt)))
+                old_finite = torch.isfinite(w) & (torch.isfinite(b) if b is not None else True)
+                overflow_out += (~e_ok & old_finite).sum().to(overflow_out.dtype)
+                extra_out.parts[s].copy_(torch.where(e_ok, e, w.to(cdt)))
             continue
         m = mean[off : off + n]
         u = m if b is None else momentum * b + m
@@ -83,11 +84,11 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
         if extra_out is not None:
             e = w_new + extra_coef.to(cdt) * u
             good &= _finite_in(e, extra_out.dtype)
+        # a kept element keeps every old value; it is counted unless its old values were not finite already
         old_finite = torch.isfinite(w) & (torch.isfinite(b) if b is not None else True)
-        good |= ~old_finite  # an element that was already Inf/NaN is the caller's: not an overflow of this step
         if extra_out is not None:
-            extra_out.parts[s].copy_(torch.where(good, e, extra_out.parts[s].to(cdt)))
-        overflow_out += (~good).sum().to(overflow_out.dtype)
+            extra_out.parts[s].copy_(torch.where(good, e, w.to(cdt)))
+        overflow_out += (~good & old_finite).sum().to(overflow_out.dtype)
         w.copy_(torch.where(good, w_new, w.to(cdt)))
         if b is not None:
             b.copy_(torch.where(good, u, b))
@@ -131,8 +132,8 @@ def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m
         good[off : off + n] &= _finite_in(wn, params.dtype)
         old_finite[off : off + n] &= torch.isfinite(params.parts[s])
         w_new.append(wn)
-    good |= ~old_finite  # an element that was already Inf/NaN is the caller's: not an overflow of this step
-    overflow_out += (~good).sum().to(overflow_out.dtype)
+    good &= torch.isfinite(v_new)
+    overflow_out += (~good & old_finite).sum().to(overflow_out.dtype)  # already Inf/NaN: the caller's
     if rule == "ams":
         vhat.copy_(torch.where(good, denom_sq, vhat))
     if m is not None and rule != "adagrad":
@@ -186,21 +187,21 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
     active = step > 0
     d = scale.to(cdt)[:, None] * direction + weight_decay * X
     st = step.to(cdt)[:, None]
-    # an element whose new x or state would not be finite keeps its old values (unless they were not finite)
+    # an element whose new x or state would not be finite keeps its old values (already Inf/NaN: stays as it was)
     if mode == "none":
         new_x = X - st * d
-        good = torch.isfinite(new_x.to(x.dtype)) | ~torch.isfinite(X)
+        good = torch.isfinite(new_x.to(x.dtype))
     elif mode in ("heavy", "nesterov"):
         b_old = buf.gather(cdt)
         b = momentum * b_old + d
         new_x = X - st * (d + momentum * b if mode == "nesterov" else b)
-        good = (torch.isfinite(new_x.to(x.dtype)) & torch.isfinite(b)) | ~(torch.isfinite(X) & torch.isfinite(b_old))
+        good = torch.isfinite(new_x.to(x.dtype)) & torch.isfinite(b)
         buf.scatter(torch.where(good, b, b_old), active)
     else:
         b_old = buf.gather(cdt)
         w = X - st * d
         prev = b_old if first is None else torch.where(first[:, None] != 0, X, b_old)
         new_x = w + momentum * (w - prev) + eta2 * d
-        good = (torch.isfinite(new_x.to(x.dtype)) & torch.isfinite(w)) | ~(torch.isfinite(X) & torch.isfinite(b_old))
+        good = torch.isfinite(new_x.to(x.dtype)) & torch.isfinite(w)
         buf.scatter(torch.where(good, w, b_old), active)
     x.scatter(torch.where(good, new_x, X), active)

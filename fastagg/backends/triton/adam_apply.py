@@ -58,7 +58,7 @@ def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, fini
     old_ok = old_ok & (w - w == 0)
     w_new = w + lr * m / (tl.sqrt(denom_sq) + tau)
     r = w_new.to(elem).to(acc)
-    good = ((r - r == 0) & (m - m == 0) & (denom_sq - denom_sq == 0)) | ~old_ok
+    good = (r - r == 0) & (m - m == 0) & (v - v == 0) & (denom_sq - denom_sq == 0)
     store = mask & good
     if RULE != 2:
         tl.store(m_buf + off + cols, m, mask=store)
@@ -66,7 +66,7 @@ def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, fini
     if RULE == 3:
         tl.store(vhat_buf + off + cols, denom_sq, mask=store)
     tl.store(wptr + cols, w_new.to(elem), mask=store)
-    bad = tl.sum((mask & ~good).to(tl.int32))
+    bad = tl.sum((mask & ~good & old_ok).to(tl.int32))  # a kept element already Inf/NaN: not counted
     if bad > 0:
         tl.atomic_add(overflow, bad)
 

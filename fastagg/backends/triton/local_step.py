@@ -123,8 +123,7 @@ def _update_block(x_row, b_row, like, first_ptr, i, cols, mask, xv, dir, st, sc,
             prev = tl.where(tl.load(first_ptr + i) != 0, xv, b_old)
         new_x = bv + momentum * (bv - prev) + eta2 * dv
     r = new_x.to(elem).to(ACC)
-    old_ok = (xv - xv == 0) & (b_old - b_old == 0)  # already Inf/NaN: the caller's, not this step's
-    good = mask & (((r - r == 0) & (bv - bv == 0)) | ~old_ok)
+    good = mask & (r - r == 0) & (bv - bv == 0)  # an element already Inf/NaN stays as it was
     if MODE != 0:
         tl.store(b_row + cols, bv, mask=good)
     tl.store(x_row + cols, new_x.to(elem), mask=good)

@@ -53,21 +53,22 @@ def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_sk
         coef = tl.load(coef_ptr).to(acc)
         extra = w_new + coef * u
         good = good & _stays_finite(extra, elem)
-    good = good | ((w - w != 0) | (b_old - b_old != 0))  # already Inf/NaN: the caller's, not this step's
+    old_ok = (w - w == 0) & (b_old - b_old == 0)  # a kept element already Inf/NaN is the caller's: not counted
     store = mask & good
-    bad = tl.sum((mask & ~good).to(tl.int32))
+    bad = tl.sum((mask & ~good & old_ok).to(tl.int32))
     tl.store(wptr + cols, w_new.to(elem), mask=store)
     if HAS_BUF:
         tl.store(buf + off + cols, u, mask=store)
     if HAS_EXTRA:
         if HAS_SKIP:
             kept = w + tl.load(coef_skip_ptr).to(acc) * b_old
-            keep_ok = _stays_finite(kept, elem) | (w - w != 0) | (b_old - b_old != 0)
+            keep_ok = _stays_finite(kept, elem)
             skipped = inb & ~finite
-            bad += tl.sum((skipped & ~keep_ok).to(tl.int32))
-            tl.store(eptr + cols, tl.where(mask, extra, kept).to(elem), mask=store | (skipped & keep_ok))
+            bad += tl.sum((skipped & ~keep_ok & old_ok).to(tl.int32))
+            tl.store(eptr + cols, tl.where(mask & good, extra, tl.where(skipped & keep_ok, kept, w)).to(elem),
+                     mask=inb)
         else:
-            tl.store(eptr + cols, extra.to(elem), mask=store)
+            tl.store(eptr + cols, tl.where(good, extra, w).to(elem), mask=mask)
     if bad > 0:
         tl.atomic_add(overflow, bad)
 
