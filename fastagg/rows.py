@@ -325,6 +325,21 @@ def check_params_match(p: ParamRows, rows: ClientRows, *, name: str = "params", 
         raise ValueError(f"{name} is on {p.device}; expected {rows.device} like {clients}")
 
 
+def attach_base(rows: ClientRows, base: Any, *, name: str = "base") -> tuple[ClientRows, dict]:
+    """Client models ``rows`` whose updates are ``model - base``, with ``base`` given in the clients' form (matched by
+    entry name for state_dicts). Returns the rows with the base attached and the base's buffers by name."""
+    b = client_rows([base], name=name, like=rows)
+    if b.dtype != rows.dtype:
+        raise TypeError(f"{name} has dtype {b.dtype}; expected {rows.dtype} like the client models")
+    if b.device != rows.device:
+        raise ValueError(f"{name} is on {b.device}; expected {rows.device} like the client models")
+    if b.segments != rows.segments:
+        raise ValueError(f"{name} has entry sizes {list(b.segments.lens)}; the client models have "
+                         f"{list(rows.segments.lens)}")
+    bufs = {} if b.buffers is None else dict(zip(b.buffers.names, (v[0] for v in b.buffers.values)))
+    return dataclasses.replace(rows, base=[seg[0] for seg in b.rows]), bufs
+
+
 def with_base(rows: ClientRows, p: ParamRows) -> ClientRows:
     """Client models whose deltas are ``model - params``: attach params as the base, segment by segment.
 

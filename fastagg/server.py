@@ -24,7 +24,7 @@ from .backends import resolve
 from .ops import round_reads
 from .passes import (RoundStats, apply_buffers, check_finite, check_overflow, client_stats, device_scalar,
                      like_params, overflow_counter, warn_unmatched_buffers)
-from .rows import ParamRows, client_rows, compute_dtype, param_rows
+from .rows import ParamRows, attach_base, client_rows, compute_dtype, param_rows
 from .stream import Accumulator
 
 FORMAT_VERSION = 1
@@ -220,7 +220,7 @@ class ServerOptimizer:
         out += [(f"the optimizer's {k!r} buffer", v) for k, v in self.state.items() if v.dim() > 0]
         return out
 
-    def _stats(self, deltas: Any, weights: Any, name: str = "deltas") -> RoundStats:
+    def _stats(self, deltas: Any, weights: Any, name: str = "deltas", base: Any = None) -> RoundStats:
         aux, aux_coef = self._aux()
         if isinstance(deltas, Accumulator):
             if weights is not None:
@@ -232,7 +232,11 @@ class ServerOptimizer:
                                  f"have {self._p.segments.numel}")
             return deltas.round_stats(lambda device: self._backend, aux=aux, aux_coef=aux_coef,
                                       mean_out=self._mean_buffer(name, self._cdt, deltas.numel))
+        if base is not None:
+            name = "models"
         rows = client_rows(deltas, name=name, params=self._p)
+        if base is not None:
+            rows, _ = attach_base(rows, base)
         if rows.device != self.device:
             raise ValueError(f"{name} are on {rows.device}; the params are on {self.device}")
         if rows.numel != self._p.segments.numel:
@@ -243,30 +247,35 @@ class ServerOptimizer:
                             sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
                             mean_out=self._mean_buffer(name, self._cdt, rows.numel))
 
-    def step(self, deltas: Any, weights: Any = None) -> StepStats:
+    def step(self, deltas: Any, weights: Any = None, *, base: Any = None) -> StepStats:
         """Apply one server round.
 
         Args:
             deltas: the participating clients' updates measured from :meth:`broadcast` (any form
                 :func:`fastagg.fedexp_step` accepts), or an :class:`~fastagg.Accumulator` they were folded into.
             weights: per-client weights (example counts), normalized over the participants; default uniform.
+            base: the model the clients started from (what :meth:`broadcast` gave them, in the clients' form). With
+                it, ``deltas`` are the clients' full models: each update ``model_i - base`` is formed inside the
+                stats pass, never stored, and buffers become the clients' weighted average.
 
         Returns the round's :class:`StepStats` (also kept as ``last_stats``). With ``on_nonfinite="raise"`` a
         non-finite client raises ``ValueError`` and params and state stay exactly as they were.
         """
         with torch.no_grad():
-            stats = self._stats(deltas, weights)
+            if base is not None and isinstance(deltas, Accumulator):
+                raise TypeError("base= does not apply to an Accumulator: pass base to its add()")
+            stats = self._stats(deltas, weights, base=base)
             self._overflow = overflow_counter(stats.mean)
             eta, finite = self._round(stats)
-            self._finish(stats, finite)
+            self._finish(stats, finite, models=base is not None)
         self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, finite, stats.nonfinite,
                                     stats.num_clients, self._overflow)
         check_overflow(self._overflow, self.on_nonfinite, "params or the optimizer's state")
         return self.last_stats
 
-    def _finish(self, stats: RoundStats, finite: torch.Tensor) -> None:
+    def _finish(self, stats: RoundStats, finite: torch.Tensor, models: bool = False) -> None:
         """After the apply pass: the model's buffers (averaged, never stepped) and the round counter."""
-        apply_buffers(self._p, stats, finite, models=False)
+        apply_buffers(self._p, stats, finite, models=models)
         warn_unmatched_buffers(self._p, stats)
         self._advance(finite)
 

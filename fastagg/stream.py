@@ -18,7 +18,7 @@ from .backends import resolve
 from .flat import Layout
 from .ops import round_reads
 from .passes import RoundStats, run_stats, sum_stats
-from .rows import Buffers, client_rows, compute_dtype, param_rows
+from .rows import Buffers, attach_base, client_rows, compute_dtype, param_rows
 
 
 class Accumulator:
@@ -88,20 +88,27 @@ class Accumulator:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
         return torch.stack(self._sq_norms)
 
-    def add(self, delta: Any, weight: float = 1.0, *, on_nonfinite: str = "raise") -> bool:
+    def add(self, delta: Any, weight: float = 1.0, *, base: Any = None, on_nonfinite: str = "raise") -> bool:
         """Fold one client in: ``sum += weight * delta``; ``sq_sum += weight * ||delta||^2``.
 
         ``delta`` has the form, size, dtype and device of ``like`` (state_dicts are matched by entry name);
-        ``weight`` is a finite number >= 0 (example count). A delta with NaN/Inf, or one whose weighted update would
-        overflow the running sum, raises ``ValueError`` (``on_nonfinite="raise"``) or is dropped (``"skip"``);
-        either way the accumulator is unchanged. Returns True when the client was folded in.
+        ``weight`` is a finite number >= 0 (example count). With ``base`` (the model the client started from, in
+        the same form), ``delta`` is the client's full model and its update ``delta - base`` is formed inside the
+        kernel, never stored (buffers too: their advance ``b - base_b`` is what is summed). A delta with NaN/Inf, or
+        one whose weighted update would overflow the running sum, raises ``ValueError``
+        (``on_nonfinite="raise"``) or is dropped (``"skip"``); either way the accumulator is unchanged. Returns
+        True when the client was folded in.
         """
         check_on_nonfinite(on_nonfinite)
         w = check_number(weight, "weight")
-        rows = client_rows([delta], name="delta", like=self._like)
-        expect_like("delta", "the accumulator's `like`", numel=(rows.numel, self._numel),
+        what = "delta" if base is None else "model"
+        rows = client_rows([delta], name=what, like=self._like)
+        expect_like(what, "the accumulator's `like`", numel=(rows.numel, self._numel),
                     dtype=(rows.dtype, self._dtype), device=(rows.device, self.device))
-        bufs = self._client_buffers(rows, w)
+        base_bufs = None
+        if base is not None:
+            rows, base_bufs = attach_base(rows, base)
+        bufs = self._client_buffers(rows, w, base_bufs)
         with self._lock:
             check_writes([("the accumulator's sum", self._scratch)], round_reads(rows))
             coef = torch.full((1,), w, dtype=torch.float64, device=self.device)
@@ -122,14 +129,23 @@ class Accumulator:
             self.total_weight += w
             return True
 
-    def _client_buffers(self, rows, w: float) -> list:
-        """``w * b`` in float64 for each of the client's buffers, in ``like``'s buffer order."""
+    def _client_buffers(self, rows, w: float, base: dict | None = None) -> list:
+        """``w * b`` (with a base: ``w * (b - base_b)``) in float64 for each of the client's buffers, in ``like``'s
+        buffer order."""
         if not self._buffer_names:
             return []
         if rows.buffers is None:
             raise ValueError(f"delta has no buffers; the accumulator's `like` has {', '.join(self._buffer_names)}")
         given = dict(zip(rows.buffers.names, (v[0] for v in rows.buffers.values)))
-        return [w * given[n].to(device=self.device, dtype=torch.float64) for n in self._buffer_names]
+        out = []
+        for n in self._buffer_names:
+            v = given[n].to(device=self.device, dtype=torch.float64)
+            if base is not None:
+                if n not in base:
+                    raise ValueError(f"base has no buffer {n!r}; the model has")
+                v = v - base[n].to(device=self.device, dtype=torch.float64)
+            out.append(w * v)
+        return out
 
     def _check_ready(self) -> None:
         if self.num_clients == 0:

@@ -229,3 +229,52 @@ def test_module_parameters_and_numpy_params():
     fx = server.FedExP(w, eps=0.0)
     fx.step(np.ones((2, 6), dtype=np.float32))
     assert float(w[0]) == 1.0 and isinstance(fx.eval_params(), np.ndarray)
+
+
+def _bn_like(seed):
+    g = torch.Generator().manual_seed(seed)
+    glob = {"w": torch.randn(5, 3, generator=g), "bn.running_mean": torch.randn(3, generator=g),
+            "bn.num_batches_tracked": torch.tensor(7), "b": torch.randn(4, generator=g)}
+    models = [{k: (v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v + 3 + i)
+               for k, v in glob.items()} for i in range(3)]
+    return glob, models
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["FedAdam", "FedExP", "FedACG"])
+def test_step_with_full_models_and_a_base_equals_the_step_with_their_updates(backend, name):
+    """``step(models, base=sent)``: updates formed inside the stats pass; buffers become the clients' average
+    (integers: the base plus the rounded average advance), as the same step on ``model - base`` updates."""
+    kw = {"FedExP": dict(eps=1e-3)}.get(name, {})
+    glob, models = _bn_like(0)
+    a, b = {k: v.clone() for k, v in glob.items()}, {k: v.clone() for k, v in glob.items()}
+    oa, ob = getattr(server, name)(a, backend=backend, **kw), getattr(server, name)(b, backend=backend, **kw)
+    for t in range(2):
+        sent = oa.broadcast()
+        sent = {k: sent.get(k, a[k]).clone() for k in a}
+        base_b = ob.broadcast()
+        base_b = {k: base_b.get(k, b[k]).clone() for k in b}
+        ms = [{k: m[k] + t * 0.1 if m[k].is_floating_point() else m[k] + t for k in m} for m in models]
+        sa = oa.step(ms, weights=[1, 2, 3], base=sent)
+        sb = ob.step([{k: m[k] - base_b[k] for k in m} for m in ms], weights=[1, 2, 3])
+        assert_close(sa.eta, sb.eta, rtol=1e-6, atol=0, name="eta")
+        for k in a:
+            assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, name=f"{name} {k} round {t}")
+    assert a["bn.num_batches_tracked"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_base_is_checked(backend):
+    glob, models = _bn_like(1)
+    opt = server.FedAvg({k: v.clone() for k, v in glob.items()}, backend=backend)
+    before = {k: v.clone() for k, v in opt._p.original.items()}
+    bad = dict(glob, w=torch.zeros(5, 4))
+    with pytest.raises(ValueError, match="base"):
+        opt.step(models, base=bad)
+    with pytest.raises(TypeError, match="base"):
+        opt.step(models, base={k: (v.double() if v.is_floating_point() else v) for k, v in glob.items()})
+    acc = fastagg.Accumulator(glob, backend=backend)
+    with pytest.raises(TypeError, match="base= does not apply to an Accumulator"):
+        opt.step(acc, base=glob)
+    for k, v in opt._p.original.items():
+        assert torch.equal(v, before[k])

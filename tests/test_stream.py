@@ -72,3 +72,28 @@ def test_from_sums_equals_batched(backend):
     s[3] = float("inf")
     with pytest.raises(ValueError, match=r"weighted_sum\[0\] contain NaN or Inf"):
         fastagg.fedexp_step_from_sums(s, sq, 14.0, m, eps=0.5, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_add_with_a_base_folds_model_minus_base(backend):
+    """``add(model, base=sent)``: the update is formed inside the kernel; buffers fold their advance over the base."""
+    g = torch.Generator().manual_seed(0)
+    glob = {"w": torch.randn(5, 3, generator=g), "bn.running_mean": torch.randn(3, generator=g),
+            "bn.num_batches_tracked": torch.tensor(7)}
+    models = [{k: (v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v + 3 + i)
+               for k, v in glob.items()} for i in range(3)]
+    a, b = fastagg.Accumulator(glob, backend=backend), fastagg.Accumulator(glob, backend=backend)
+    for i, m in enumerate(models):
+        a.add(m, weight=i + 1, base=glob)
+        b.add({k: m[k] - glob[k] for k in m}, weight=i + 1)
+    for x, y in zip(a.weighted_sum.values(), b.weighted_sum.values()):
+        assert_close(x, y, rtol=1e-6, atol=1e-6, name="weighted sum")
+    assert_close(a.weighted_sq_norm_sum, b.weighted_sq_norm_sum, rtol=1e-6, atol=0, name="weighted sq norms")
+    w1, w2 = {k: v.clone() for k, v in glob.items()}, {k: v.clone() for k, v in glob.items()}
+    from fastagg import server
+    server.FedAvg(w1, backend=backend).step(a)
+    server.FedAvg(w2, backend=backend).step(b)
+    for k in w1:
+        assert_close(w1[k], w2[k], rtol=1e-6, atol=1e-6, name=k)
+    with pytest.raises(ValueError, match="base"):
+        a.add(models[0], base=dict(glob, w=torch.zeros(2)))
