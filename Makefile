@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TRITON ?= triton==3.7.1
 
-.PHONY: run demo test test-asan bench clean
+.PHONY: run demo test test-asan bench flower-example clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(VENV)/.installed
 # the C++-backend tests run against the sanitized module (.ci/asan.sh). CI runs it after `make test`.
 test-asan: $(VENV)/.installed
 	PY=$(PY) bash .ci/asan.sh
+
+# The Flower example app (examples/flower) in Flower's in-process simulation: 4 clients, fastagg's FedExP.
+flower-example: $(VENV)/.installed
+	$(PY) examples/flower/simulate.py --strategy fedexp --rounds 5 --clients 4
 
 bench: $(VENV)/.installed
 	$(PY) -m pytest bench --benchmark-enable --benchmark-only --benchmark-columns=min,median,iqr,ops

@@ -1,0 +1,70 @@
+"""ServerApp: a fastagg.flower strategy (or Flower's own, to compare) run by Flower's start(); writes a summary."""
+from __future__ import annotations
+
+import json
+import time
+
+from flwr.app import Array, ArrayRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from .task import cfg, initial_linear, make_cnn
+
+app = ServerApp()
+LAST_SUMMARY: dict = {}  # filled in-process as well (run_simulation)
+
+
+def make_strategy(name: str, config) -> object:
+    """A strategy by run-config name: fastagg's (``fedexp``, ``fedadam``, ...) or Flower's own (``flower-...``)."""
+    common = dict(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2,
+                  fraction_evaluate=float(cfg(config, "fraction-evaluate")))
+    if name.startswith("flower-"):
+        from flwr.serverapp import strategy as fl
+
+        return {"flower-fedavg": fl.FedAvg, "flower-fedadam": fl.FedAdam}[name](**common)
+    from fastagg import flower as fa
+
+    common["on_nonfinite"] = str(cfg(config, "on-nonfinite"))
+    eps = float(cfg(config, "eps"))
+    makers = {"fedexp": lambda: fa.FedExP(eps=eps, **common), "fedexpm": lambda: fa.FedExPM(eps=eps, **common),
+              "fedacg": lambda: fa.FedACG(**common), "fedavg": lambda: fa.FedAvg(**common),
+              "fedavgm": lambda: fa.FedAvgM(server_momentum=0.9, **common), "fedadam": lambda: fa.FedAdam(**common),
+              "fedyogi": lambda: fa.FedYogi(**common), "fedadagrad": lambda: fa.FedAdagrad(**common),
+              "fedams": lambda: fa.FedAMS(**common)}
+    return makers[name]()
+
+
+def initial_arrays(model: str) -> ArrayRecord:
+    if model == "linear":
+        return ArrayRecord({k: Array(v) for k, v in initial_linear().items()})
+    return ArrayRecord(make_cnn().state_dict())
+
+
+def run(grid: Grid, config) -> dict:
+    """Run the configured strategy with Flower's start(); returns (and writes to ``out-file``) a summary."""
+    name, model = str(cfg(config, "strategy")), str(cfg(config, "model"))
+    strategy = make_strategy(name, config)
+    t0 = time.time()
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(model),
+                            num_rounds=int(cfg(config, "num-server-rounds")), timeout=120)
+    final = {k: a.numpy() for k, a in result.arrays.items()}
+    summary = {
+        "strategy": name, "model": model,
+        "rounds": int(cfg(config, "num-server-rounds")),
+        "train": {str(r): dict(m) for r, m in result.train_metrics_clientapp.items()},
+        "eval": {str(r): dict(m) for r, m in result.evaluate_metrics_clientapp.items()},
+        "final": {k: v.tolist() for k, v in final.items()},
+        "final_dtypes": {k: str(v.dtype) for k, v in final.items()},
+        "strategy_seconds": time.time() - t0,
+    }
+    LAST_SUMMARY.clear()
+    LAST_SUMMARY.update(summary)
+    print("FASTAGG_RESULT " + json.dumps({k: v for k, v in summary.items() if k != "final"}), flush=True)
+    if cfg(config, "out-file"):
+        with open(str(cfg(config, "out-file")), "w") as f:
+            json.dump(summary, f)
+    return summary
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run(grid, context.run_config)

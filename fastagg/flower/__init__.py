@@ -1,0 +1,24 @@
+"""fastagg inside Flower: message-API strategies (``flwr.serverapp.strategy``) whose aggregation streams each
+reply into fastagg's fused server step. Switching is an import change::
+
+    from fastagg.flower import FedAdam          # was: from flwr.serverapp.strategy import FedAdam
+    strategy = FedAdam(eta=0.1, fraction_train=0.5, on_nonfinite="skip")
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=10)
+
+Strategies: :class:`FedAvg`, :class:`FedAvgM`, :class:`FedProx`, :class:`FedAdam`, :class:`FedYogi`,
+:class:`FedAdagrad` (subclasses of Flower's, same arguments), :class:`FedAMS` (Flower's ``FedOpt`` arguments),
+:class:`FedExP`, :class:`FedExPM`, :class:`FedACG` (Flower's ``FedAvg`` arguments plus their own). What a round
+does, what a bad reply gets and how buffers are treated: :mod:`fastagg.flower.strategies`.
+
+Needs Flower (``pip install 'fastagg[flower]'``; tested with flwr 1.42); ``import fastagg`` never imports it.
+"""
+try:
+    import flwr  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised in a process without flwr (tests/test_flower_strategies.py)
+    raise ImportError("fastagg.flower needs Flower: pip install 'fastagg[flower]'") from e
+
+from .records import ReplyError, array_view, record_views, to_array, to_record
+from .strategies import FedACG, FedAdagrad, FedAdam, FedAMS, FedAvg, FedAvgM, FedExP, FedExPM, FedProx, FedYogi
+
+__all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "FedAMS", "FedExP", "FedExPM",
+           "FedACG", "ReplyError", "array_view", "record_views", "to_array", "to_record"]

@@ -1,0 +1,119 @@
+"""Flower ``Array`` / ``ArrayRecord`` <-> numpy and torch, without per-client copies.
+
+A Flower ``Array`` carries an ``.npy`` file in ``bytes`` (``stype == "numpy.ndarray"``). ``Array.numpy()`` runs
+``np.load`` on it: a full copy of every client's update. :func:`array_view` instead parses the ``.npy`` header
+and returns a read-only numpy view into the message's own bytes, after checking that the header, the
+``Array``'s declared dtype and shape, and the byte count agree exactly (a reply is untrusted input: a view is
+never taken past the end of its buffer). :func:`to_array` writes the ``.npy`` bytes ``np.save`` would write with a
+single copy of the data.
+"""
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+from flwr.common.constant import SType
+
+__all__ = ["array_view", "record_views", "to_array", "to_record", "ReplyError"]
+
+_HEADER_LIMIT = 10_000 + 16  # numpy's own max_header_size, plus the magic string and the length field
+_KINDS = "fiu"  # float, signed and unsigned integers: what a model holds
+
+
+class ReplyError(ValueError):
+    """A client's reply that cannot be aggregated (wrong form, shape, dtype or bytes)."""
+
+
+def _header(data) -> tuple[tuple, bool, np.dtype, int]:
+    """(shape, fortran_order, dtype, data offset) of the ``.npy`` bytes ``data``."""
+    head = io.BytesIO(bytes(memoryview(data)[:_HEADER_LIMIT]))
+    try:
+        version = np.lib.format.read_magic(head)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(head)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(head)
+        else:
+            raise ReplyError(f".npy format version {version} is not supported (1.0 and 2.0 are)")
+    except ReplyError:
+        raise
+    except Exception as e:  # numpy raises ValueError/SyntaxError/EOFError on malformed headers
+        raise ReplyError(f"its bytes are not a valid .npy header ({type(e).__name__}: {e})") from None
+    return tuple(shape), bool(fortran), dtype, head.tell()
+
+
+def array_view(array: Array, where: str = "array") -> np.ndarray:
+    """A read-only numpy view of ``array``'s data (no copy), after checking it.
+
+    Raises :class:`ReplyError` naming ``where`` when the serialization type is not numpy's, the header is malformed,
+    its dtype is not a number type or disagrees with ``array.dtype``, its shape disagrees with ``array.shape``, or
+    the data is shorter or longer than the header says. Fortran-ordered or byte-swapped data (which ``np.save``
+    writes for such arrays) are converted: the one case that copies.
+    """
+    if not isinstance(array, Array):
+        raise ReplyError(f"{where} is a {type(array).__name__}; expected a flwr.app.Array")
+    if array.stype != SType.NUMPY:
+        raise ReplyError(f"{where} is serialized as {array.stype!r}; expected {SType.NUMPY!r}")
+    data = array.data
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ReplyError(f"{where} holds {type(data).__name__} data; expected bytes")
+    shape, fortran, dtype, offset = _header(data)
+    if dtype.hasobject or dtype.names is not None or dtype.kind not in _KINDS or dtype.subdtype is not None:
+        raise ReplyError(f"{where} has dtype {dtype}; expected a float or integer type")
+    try:
+        declared = np.dtype(array.dtype)
+    except (TypeError, ValueError):
+        raise ReplyError(f"{where} declares dtype {array.dtype!r}, which is not a numpy dtype") from None
+    if declared != dtype or shape != tuple(array.shape):
+        raise ReplyError(f"{where} declares dtype {array.dtype} shape {tuple(array.shape)} but its data holds dtype "
+                         f"{dtype} shape {shape}")
+    if any((not isinstance(n, int)) or n < 0 for n in shape):
+        raise ReplyError(f"{where} has shape {shape}")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    nbytes = len(memoryview(data).cast("B")) - offset
+    if nbytes != count * dtype.itemsize:
+        raise ReplyError(f"{where} holds {nbytes} data bytes; its header says {count} x {dtype.itemsize}")
+    view = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+    if fortran:
+        view = view.reshape(shape[::-1]).transpose()
+    else:
+        view = view.reshape(shape)
+    if not dtype.isnative or fortran:
+        view = view.astype(dtype.newbyteorder("="), order="C")
+        view.flags.writeable = False
+    return view
+
+
+def record_views(record: ArrayRecord, where: str = "ArrayRecord") -> dict:
+    """``{key: array_view(record[key])}`` in the record's order."""
+    if not isinstance(record, ArrayRecord):
+        raise ReplyError(f"{where} is a {type(record).__name__}; expected a flwr.app.ArrayRecord")
+    return {k: array_view(a, f"{where}[{k!r}]") for k, a in record.items()}
+
+
+def to_array(x) -> Array:
+    """A Flower ``Array`` of a torch tensor or numpy array: the bytes ``np.save`` writes, made with one copy."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bfloat16:
+            raise TypeError("bfloat16 has no numpy dtype, so Flower cannot carry it: convert the model to float32")
+        x = x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")
+    head = io.BytesIO()
+    header = np.lib.format.header_data_from_array_1_0(arr)
+    try:
+        np.lib.format.write_array_header_1_0(head, header)
+    except ValueError:  # a header over 64 KiB (only for huge ranks)
+        head = io.BytesIO()
+        np.lib.format.write_array_header_2_0(head, header)
+    data = b"".join((head.getvalue(), arr.reshape(-1).view(np.uint8)))
+    return Array(dtype=str(arr.dtype), shape=tuple(arr.shape), stype=SType.NUMPY, data=data)
+
+
+def to_record(named: Mapping) -> ArrayRecord:
+    """An ``ArrayRecord`` of ``{key: tensor or array}``, in that order."""
+    return ArrayRecord({k: to_array(v) for k, v in named.items()})

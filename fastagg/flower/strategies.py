@@ -1,0 +1,434 @@
+"""Flower message-API strategies whose aggregation is one fused fastagg server step over the replies, read in place.
+
+Each class subclasses the Flower strategy of the same name where Flower has one, so every Flower option
+(sampling, ``min_*_nodes``, ``weighted_by_key``, ``arrayrecord_key``, metric aggregation, ``start``) keeps
+working and keeps its name and default; fastagg adds the keywords ``backend`` and ``on_nonfinite``.
+
+One round, for every strategy:
+
+* ``configure_train`` keeps the model it sends (the global model; FedACG: its look-ahead point) as torch tensors the
+  strategy owns, in the dtypes the user gave (Flower's FedAdam family turns float32 models into float64 after a
+  round; fastagg does not).
+* ``aggregate_train`` reads each reply's ``ArrayRecord`` in place (read-only numpy views of the message bytes: no
+  per-client copy) and runs the fastagg server optimizer's step once over all of them, with the model sent as
+  the base: each update ``model_i - sent`` is formed inside the stats pass and never stored, so the server's
+  extra memory is the mean, not the M updates. (Flower already holds every reply's bytes when it calls
+  ``aggregate_train``; folding them one by one into a :class:`fastagg.Accumulator` would read the running sum
+  once per client, ~4x the traffic of one fused pass, and save no memory.)
+  Entries named like torch buffers (``running_mean``, ``running_var``, ``num_batches_tracked``) and integer entries
+  follow fastagg's buffer rule: weighted average (integers: rounded average advance), never stepped or counted.
+* A reply that cannot be aggregated (not exactly one ArrayRecord and one MetricRecord, no numeric
+  ``weighted_by_key`` >= 0, other keys, shapes or dtypes than the model sent, bytes that disagree with their
+  header, NaN/Inf) is, with ``on_nonfinite="skip"``, left out of the round and logged; with ``"raise"`` (default)
+  the round is refused: ``AggregationError`` names the node and the problem, and the global model and every
+  optimizer state are unchanged. Replies that are Flower errors (a client that failed) are logged and left out, as
+  Flower does. A round with no usable reply keeps the model. Finite values so large that a new value would overflow
+  (an Adam second moment of 1e38 updates) keep that element's old value: logged with ``"skip"``, an
+  ``AggregationError`` after the round with ``"raise"`` (the one error raised after the model changed).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.exception import AggregationError
+from flwr.serverapp.strategy import FedAdagrad as _FlFedAdagrad
+from flwr.serverapp.strategy import FedAdam as _FlFedAdam
+from flwr.serverapp.strategy import FedAvg as _FlFedAvg
+from flwr.serverapp.strategy import FedAvgM as _FlFedAvgM
+from flwr.serverapp.strategy import FedProx as _FlFedProx
+from flwr.serverapp.strategy import FedYogi as _FlFedYogi
+from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy.fedopt import FedOpt as _FlFedOpt
+from flwr.supercore import log
+
+from .. import server
+from .._checks import check_on_nonfinite
+from .records import ReplyError, record_views, to_record
+
+__all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "FedAMS", "FedExP", "FedExPM",
+           "FedACG"]
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+class _Fastagg:
+    """The fastagg round, mixed in before a Flower strategy class. Subclasses define ``_optimizer(params)``."""
+
+    def _init_fastagg(self, backend: str, on_nonfinite: str) -> None:
+        check_on_nonfinite(on_nonfinite)
+        self.backend = backend
+        self.on_nonfinite = on_nonfinite
+        self.global_model: dict[str, torch.Tensor] | None = None  # the strategy's own copy, updated in place
+        self.optimizer: server.ServerOptimizer | None = None
+        self.last_stats: server.StepStats | None = None
+        self._returned: ArrayRecord | None = None  # the record aggregate_train returned (the global model)
+        self._sent: dict[str, torch.Tensor] | None = None  # what this round's clients started from
+        self._optimizer(torch.zeros(1))  # checks the hyperparameters now, not at the first round
+
+    def _optimizer(self, params) -> server.ServerOptimizer:
+        raise NotImplementedError
+
+    def _opt_kw(self) -> dict:
+        return {"backend": self.backend, "on_nonfinite": "skip"}  # the strategy decides what a flagged round means
+
+    # -- the model sent ----------------------------------------------------------------------------------------
+    def _adopt(self, arrays: ArrayRecord) -> None:
+        """Make ``arrays`` the global model unless they are the record this strategy returned (then they are)."""
+        if arrays is self._returned and self.global_model is not None:
+            return
+        views = record_views(arrays, "the arrays passed to configure_train")
+        if self.global_model is None:
+            self.global_model = {k: torch.from_numpy(np.array(v)) for k, v in views.items()}  # owned copies
+            self.optimizer = self._optimizer(self.global_model)
+            return
+        self._check_like_global(views, "the arrays passed to configure_train")
+        for k, v in views.items():  # another model than the one returned (a restart): taken as it is, in place
+            self.global_model[k].copy_(torch.from_numpy(v))
+
+    def _check_like_global(self, views: dict, where: str) -> None:
+        g = self.global_model
+        if set(views) != set(g):
+            missing, extra = sorted(set(g) - set(views)), sorted(set(views) - set(g))
+            raise ReplyError(f"{where} lack entries {missing[:4]}" if missing else
+                             f"{where} have entries {extra[:4]} the global model does not")
+        for k, v in views.items():
+            want = g[k]
+            if tuple(v.shape) != tuple(want.shape) or _torch_dtype(v.dtype) != want.dtype:
+                raise ReplyError(f"{where}[{k!r}] has shape {tuple(v.shape)} dtype {v.dtype}; the global model's is "
+                                 f"shape {tuple(want.shape)} dtype {str(want.dtype).removeprefix('torch.')}")
+
+    def _train_model(self) -> dict[str, torch.Tensor]:
+        """What clients start the round from (FedACG: its look-ahead point)."""
+        return self.global_model
+
+    def _train_config(self, config: ConfigRecord) -> None:
+        """Entries a strategy adds to the train config (FedACG: the prox coefficient)."""
+
+    def _flower_configure_train(self, server_round, arrays, config, grid):
+        # Flower's FedOpt.configure_train deserializes a copy of the whole model every round; FedAvg's only samples
+        return _FlFedAvg.configure_train(self, server_round, arrays, config, grid)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Flower's sampling and messages; the model sent is kept (as torch tensors) to form the updates against."""
+        self._adopt(arrays)
+        self._sent = self._train_model()
+        send = arrays if self._sent is self.global_model else to_record(self._sent)
+        self._train_config(config)
+        return self._flower_configure_train(server_round, send, config, grid)
+
+    # -- aggregation -------------------------------------------------------------------------------------------
+    def _read(self, msg: Message) -> tuple[dict, float]:
+        """A reply's arrays (views of its bytes) and weight; raises ReplyError saying what is wrong."""
+        content = msg.content
+        if len(content.array_records) != 1:
+            raise ReplyError(f"has {len(content.array_records)} ArrayRecords; expected exactly one")
+        if len(content.metric_records) != 1:
+            raise ReplyError(f"has {len(content.metric_records)} MetricRecords; expected exactly one")
+        metrics = next(iter(content.metric_records.values()))
+        if self.weighted_by_key not in metrics:
+            raise ReplyError(f"has no {self.weighted_by_key!r} metric (its weight)")
+        weight = metrics[self.weighted_by_key]
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise ReplyError(f"has {self.weighted_by_key!r} = {weight!r}; expected a finite number >= 0")
+        key, record = next(iter(content.array_records.items()))
+        views = record_views(record, f"ArrayRecord {key!r}")
+        self._check_like_global(views, f"ArrayRecord {key!r}")
+        return views, float(weight)
+
+    def _refuse_or_skip(self, server_round: int, msg: Message, problem: str, cause: Exception | None = None) -> None:
+        node = msg.metadata.src_node_id
+        if self.on_nonfinite == "skip":
+            log(WARNING, "aggregate_train: node %d left out of round %d: its reply %s", node, server_round, problem)
+            return
+        raise AggregationError(f"round {server_round}: the reply of node {node} {problem}; the round is refused and "
+                               "the global model is unchanged (on_nonfinite='skip' would leave the node out)") from cause
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """One fused fastagg server step over every usable reply (see the module doc)."""
+        if self.global_model is None:
+            raise AggregationError("aggregate_train before configure_train: no model was sent")
+        replies = list(replies)
+        valid = [m for m in replies if not m.has_error()]
+        log(INFO, "aggregate_train: Received %s results and %s failures", len(valid), len(replies) - len(valid))
+        for m in replies:
+            if m.has_error():
+                log(INFO, "\t> Received error in reply from node %d: %s", m.metadata.src_node_id, m.error.reason)
+        usable = []  # (message, views of its arrays, weight)
+        for m in valid:
+            try:
+                usable.append((m, *self._read(m)))
+            except (ValueError, TypeError) as e:
+                self._refuse_or_skip(server_round, m, str(e), e)
+        stats = self._step(server_round, usable)
+        if stats is None:
+            log(WARNING, "aggregate_train: no usable reply with a positive %r in round %d: the global model is kept",
+                self.weighted_by_key, server_round)
+            return None, None
+        accepted = [m.content for m, _, _ in usable]
+        metrics = self.train_metrics_aggr_fn(accepted, self.weighted_by_key)
+        if not bool(stats.finite):
+            log(WARNING, "aggregate_train: round %d's step does not fit the model's dtype (eta=%s): the global model "
+                "is kept", server_round, float(stats.eta))
+            return None, metrics
+        kept = int(stats.overflowed.item()) if stats.overflowed is not None else 0
+        if kept:
+            log(WARNING, "aggregate_train: round %d: %d elements whose new value would have overflowed kept their "
+                "previous values", server_round, kept)
+        for k, v in self._round_metrics(stats).items():
+            metrics[k] = v
+        self._returned = to_record(self.global_model)
+        return self._returned, metrics
+
+    def _step(self, server_round: int, usable: list) -> server.StepStats | None:
+        """The optimizer's step over ``usable`` (dropping, or refusing on, the replies the stats pass flags as
+        NaN/Inf); None when nothing is left to aggregate. The optimizer runs in "skip" mode: a round it flags writes
+        nothing, so this method decides what a flagged reply means."""
+        while usable and sum(w for _, _, w in usable) > 0:
+            self.optimizer.state["step"].fill_(server_round - 1)  # Flower's round numbering (FedAdam's bias corr.)
+            stats = self.optimizer.step([v for _, v, _ in usable], weights=[w for _, _, w in usable], base=self._sent)
+            if bool(stats.finite):
+                if stats.overflowed is not None and self.on_nonfinite == "raise" and int(stats.overflowed.item()):
+                    self._returned = None  # the model changed: the next configure_train takes the one Flower passes
+                    raise AggregationError(
+                        f"round {server_round}: {int(stats.overflowed.item())} elements of the model or the "
+                        "optimizer's state would have become Inf or NaN (values at the edge of their dtype); those "
+                        "elements kept their previous values, every other element was updated")
+                self.last_stats = stats
+                return stats
+            bad = stats.nonfinite.nonzero().flatten().tolist()
+            if not bad:  # every reply finite: the step itself does not fit the dtype
+                if self.on_nonfinite == "raise":
+                    raise AggregationError(f"round {server_round}: the step does not fit the model's dtype "
+                                           f"(eta={float(stats.eta)!r}); the round is refused and the global model "
+                                           "is unchanged")
+                self.last_stats = stats
+                return stats
+            for i in bad:
+                self._refuse_or_skip(server_round, usable[i][0], "contains NaN or Inf")
+            usable = [u for i, u in enumerate(usable) if i not in set(bad)]
+        return None
+
+    def _round_metrics(self, stats: server.StepStats) -> dict:
+        return {}
+
+    def summary(self) -> None:
+        probe = self._optimizer(torch.zeros(1))
+        log(INFO, "\t├──> fastagg %s %s, backend=%r, on_nonfinite=%r", type(probe).__name__, probe.hyperparameters,
+            self.backend, self.on_nonfinite)
+        super().summary()
+
+
+def _signature(cls, flower_cls) -> None:
+    """``cls.__init__``'s signature: Flower's parameters, then fastagg's keywords (for help() and IDEs)."""
+    params = list(inspect.signature(flower_cls.__init__).parameters.values())
+    cls.__init__.__signature__ = inspect.Signature(params + _FASTAGG_KW)
+
+
+_FASTAGG_KW = [inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default="auto"),
+               inspect.Parameter("on_nonfinite", inspect.Parameter.KEYWORD_ONLY, default="raise")]
+
+
+def _flower_subclass(name: str, flower_cls: type, make: Callable, doc: str) -> type:
+    """A fastagg strategy with exactly ``flower_cls``'s constructor plus ``backend`` and ``on_nonfinite``."""
+
+    def __init__(self, *args, backend: str = "auto", on_nonfinite: str = "raise", **kwargs):
+        flower_cls.__init__(self, *args, **kwargs)
+        self._init_fastagg(backend, on_nonfinite)
+
+    cls = type(name, (_Fastagg, flower_cls), {"__init__": __init__, "_optimizer": make, "__doc__": doc,
+                                               "__module__": __name__})
+    _signature(cls, flower_cls)
+    return cls
+
+
+_COMMON = """
+
+    Every argument of Flower's ``{flower}`` keeps its name and default; fastagg adds ``backend`` (``"auto"``,
+    ``"cpu"``, ``"triton"``, ``"reference"``) and ``on_nonfinite`` (``"raise"``: a bad reply refuses the round;
+    ``"skip"``: it is left out and logged). See :mod:`fastagg.flower`."""
+
+FedAvg = _flower_subclass(
+    "FedAvg", _FlFedAvg, lambda self, p: server.FedAvg(p, **self._opt_kw()),
+    "FedAvg: ``w <- w + sum_i p_i (w_i - w)``, the examples-weighted average (Flower's ``FedAvg``)."
+    + _COMMON.format(flower="FedAvg"))
+
+FedAvgM = _flower_subclass(
+    "FedAvgM", _FlFedAvgM,
+    lambda self, p: server.FedAvgM(p, lr=self.server_learning_rate, momentum=self.server_momentum, **self._opt_kw()),
+    "FedAvgM: ``v <- server_momentum v - mean;  w <- w - server_learning_rate v`` (Flower's ``FedAvgM``)."
+    + _COMMON.format(flower="FedAvgM"))
+
+
+class FedProx(_Fastagg, _FlFedProx):
+    """FedProx: FedAvg on the server; ``configure_train`` sends ``proximal-mu`` in the config, the coefficient of the
+    clients' ``(mu/2) ||w - w_global||^2`` (Flower's ``FedProx``)."""
+
+    def __init__(self, *args, backend: str = "auto", on_nonfinite: str = "raise", **kwargs):
+        _FlFedProx.__init__(self, *args, **kwargs)
+        self._init_fastagg(backend, on_nonfinite)
+
+    def _optimizer(self, p):
+        return server.FedAvg(p, **self._opt_kw())
+
+    def _flower_configure_train(self, server_round, arrays, config, grid):
+        return _FlFedProx.configure_train(self, server_round, arrays, config, grid)
+
+
+_signature(FedProx, _FlFedProx)
+FedProx.__doc__ += _COMMON.format(flower="FedProx")
+
+
+def _adam_kw(self) -> dict:
+    return dict(lr=self.eta, betas=(self.beta_1, self.beta_2), tau=self.tau, **self._opt_kw())
+
+
+FedAdam = _flower_subclass(
+    "FedAdam", _FlFedAdam, lambda self, p: server.FedAdam(p, bias_correction="flower", **_adam_kw(self)),
+    "FedAdam with Flower's bias-corrected rate ``eta sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1))`` in round t "
+    "(Flower's ``FedAdam``; ``eta_l`` is kept for clients, as in Flower).\n\n    ``m <- beta_1 m + (1 - beta_1) mean;  "
+    "v <- beta_2 v + (1 - beta_2) mean^2;  w <- w + eta_t m / (sqrt(v) + tau)``" + _COMMON.format(flower="FedAdam"))
+
+FedYogi = _flower_subclass(
+    "FedYogi", _FlFedYogi, lambda self, p: server.FedYogi(p, **_adam_kw(self)),
+    "FedYogi: ``v <- v - (1 - beta_2) mean^2 sign(v - mean^2)``, Adam's other updates, no bias correction "
+    "(Flower's ``FedYogi``)." + _COMMON.format(flower="FedYogi"))
+
+FedAdagrad = _flower_subclass(
+    "FedAdagrad", _FlFedAdagrad, lambda self, p: server.FedAdagrad(p, lr=self.eta, tau=self.tau, **self._opt_kw()),
+    "FedAdagrad: ``v <- v + mean^2;  w <- w + eta mean / (sqrt(v) + tau)`` (Flower's ``FedAdagrad``)."
+    + _COMMON.format(flower="FedAdagrad"))
+
+
+class FedAMS(_Fastagg, _FlFedOpt):
+    """FedAMS (Wang et al. 2022): Adam's moments, ``vhat <- max(vhat, v, vhat_floor)``,
+    ``w <- w + eta m / (sqrt(vhat) + tau)``. Flower has no FedAMS: the arguments are Flower's ``FedOpt``'s with
+    FedAMS's defaults (``eta=0.1, beta_1=0.9, beta_2=0.99, tau=0``) plus ``vhat_floor`` (default 1e-8)."""
+
+    def __init__(self, *, eta: float = 0.1, eta_l: float = 0.1, beta_1: float = 0.9, beta_2: float = 0.99,
+                 tau: float = 0.0, vhat_floor: float = 1e-8, backend: str = "auto", on_nonfinite: str = "raise",
+                 **kwargs):
+        _FlFedOpt.__init__(self, eta=eta, eta_l=eta_l, beta_1=beta_1, beta_2=beta_2, tau=tau, **kwargs)
+        self.vhat_floor = vhat_floor
+        self._init_fastagg(backend, on_nonfinite)
+
+    def _optimizer(self, p):
+        return server.FedAMS(p, vhat_floor=self.vhat_floor, **_adam_kw(self))
+
+
+class _FedExPFamily(_Fastagg, _FlFedAvg):
+    """Clients train from the newest model; evaluation (``configure_evaluate``, ``start``'s ``evaluate_fn``) uses the
+    average of the last two, FedExP's rule. Each round reports ``fedexp-eta``, ``fedexp-mean-sq-norm``
+    (``||mean||^2``; FedExP-M: ``||v||^2``) and ``fedexp-avg-sq-norm`` (the clients' weighted mean of
+    ``||delta_i||^2``) as train metrics."""
+
+    def __init__(self, *args, backend: str = "auto", on_nonfinite: str = "raise", **kwargs):
+        _FlFedAvg.__init__(self, *args, **kwargs)
+        self._init_fastagg(backend, on_nonfinite)
+
+    def eval_model(self) -> dict[str, torch.Tensor] | None:
+        """The model to evaluate, by key: the FedExP average of the last two iterates (buffers: the global's)."""
+        if self.global_model is None:
+            return None
+        ev = self.optimizer.eval_params()
+        return {k: ev.get(k, v) if isinstance(ev, dict) else v for k, v in self.global_model.items()}
+
+    def _eval_record(self, arrays: ArrayRecord) -> ArrayRecord:
+        return to_record(self.eval_model()) if arrays is self._returned and self._returned is not None else arrays
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return _FlFedAvg.configure_evaluate(self, server_round, self._eval_record(arrays), config, grid)
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's ``start``; ``evaluate_fn`` is given the evaluation model (the average of the last two)."""
+        wrapped = None if evaluate_fn is None else (lambda rnd, arrays: evaluate_fn(rnd, self._eval_record(arrays)))
+        return super().start(grid, initial_arrays, num_rounds=num_rounds, timeout=timeout, train_config=train_config,
+                             evaluate_config=evaluate_config, evaluate_fn=wrapped)
+
+    def _round_metrics(self, stats):
+        return {"fedexp-eta": float(stats.eta), "fedexp-mean-sq-norm": float(stats.mean_sq_norm),
+                "fedexp-avg-sq-norm": float(stats.avg_sq_norm)}
+
+
+class FedExP(_FedExPFamily):
+    """FedExP (Jhunjhunwala et al., ICLR 2023)::
+
+        eta = max(1, sum_i p_i ||delta_i||^2 / (2 (||mean||^2 + eps)));   w <- w + eta mean
+
+    with ``p_i`` the examples-weighted participation. ``eps`` (required), ``eps_mode`` (``"paper"``, or
+    ``"official"``: ``M * eps``, the convention of the published eps values), ``eps_decay``, ``exact_projection``:
+    as :class:`fastagg.server.FedExP`.
+    """
+
+    def __init__(self, *args, eps: float | None = None, eps_mode: str = "paper", eps_decay: float = 1.0,
+                 exact_projection: bool = False, backend: str = "auto", on_nonfinite: str = "raise", **kwargs):
+        self.eps, self.eps_mode, self.eps_decay, self.exact_projection = eps, eps_mode, eps_decay, exact_projection
+        super().__init__(*args, backend=backend, on_nonfinite=on_nonfinite, **kwargs)
+
+    def _optimizer(self, p):
+        return server.FedExP(p, eps=self.eps, eps_mode=self.eps_mode, eps_decay=self.eps_decay,
+                             exact_projection=self.exact_projection, **self._opt_kw())
+
+
+class FedExPM(_FedExPFamily):
+    """FedExP with server momentum (paper 000, App. F): ``v <- mean + beta v``, FedExP's step size on ``v``.
+    ``eps`` (required), ``beta`` (default 0.9), ``eps_mode``, ``eps_decay``: as :class:`fastagg.server.FedExPM`.
+    """
+
+    def __init__(self, *args, eps: float | None = None, beta: float = 0.9, eps_mode: str = "paper",
+                 eps_decay: float = 1.0, backend: str = "auto", on_nonfinite: str = "raise", **kwargs):
+        self.eps, self.beta, self.eps_mode, self.eps_decay = eps, beta, eps_mode, eps_decay
+        super().__init__(*args, backend=backend, on_nonfinite=on_nonfinite, **kwargs)
+
+    def _optimizer(self, p):
+        return server.FedExPM(p, eps=self.eps, beta=self.beta, eps_mode=self.eps_mode, eps_decay=self.eps_decay,
+                              **self._opt_kw())
+
+
+class FedACG(_Fastagg, _FlFedAvg):
+    """FedACG (Kim et al., CVPR 2024): the server sends the look-ahead ``b = w + lam m`` and steps
+    ``m <- lam m + mean;  w <- w + m`` with updates measured from ``b``. ``configure_train`` sends ``b`` and puts
+    ``proximal-mu`` (the clients' ``(beta/2) ||theta - b||^2`` coefficient; default 0.001, the paper's CIFAR value)
+    in the config: the key Flower's FedProx clients already read. The model returned, evaluated and kept in
+    ``Result.arrays`` is ``w``. ``lam`` default 0.85."""
+
+    def __init__(self, *args, lam: float = 0.85, proximal_mu: float = 0.001, backend: str = "auto",
+                 on_nonfinite: str = "raise", **kwargs):
+        self.lam = lam
+        if isinstance(proximal_mu, bool) or not isinstance(proximal_mu, (int, float)) or not proximal_mu >= 0 \
+                or not math.isfinite(proximal_mu):
+            raise ValueError(f"proximal_mu must be a finite number >= 0, got {proximal_mu!r}")
+        self.proximal_mu = float(proximal_mu)
+        _FlFedAvg.__init__(self, *args, **kwargs)
+        self._init_fastagg(backend, on_nonfinite)
+
+    def _optimizer(self, p):
+        return server.FedACG(p, lam=self.lam, **self._opt_kw())
+
+    def _train_model(self):
+        b = self.optimizer.broadcast()  # the look-ahead params (a buffer the step rewrites after aggregation)
+        return {k: b.get(k, v) for k, v in self.global_model.items()}
+
+    def _train_config(self, config):
+        config["proximal-mu"] = self.proximal_mu
+
+
+for _cls in (FedExP, FedExPM):
+    _cls.__doc__ += "\n    " + _FedExPFamily.__doc__
+for _cls in (FedExP, FedExPM, FedACG):
+    _cls.__doc__ += _COMMON.format(flower="FedAvg")
+FedAMS.__doc__ += _COMMON.format(flower="FedOpt")
+del _cls

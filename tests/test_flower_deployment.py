@@ -1,0 +1,100 @@
+"""A real Flower deployment on loopback: flower-superlink and two flower-supernode processes (insecure, free ports,
+runtime dependency installation off: no network), the example app (examples/flower) run with `flwr run` and
+fastagg's FedExP strategy. Asserts on the result file the ServerApp writes: `flwr run` exits 0 even when the app
+failed. Every process is started in its own session and its whole group is killed in `finally`."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower"
+BIN = Path(sys.executable).parent
+TIMEOUT = 240  # seconds for `flwr run`; the run itself takes ~30 s here
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"flower-superlink exited with {proc.returncode} before listening")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"flower-superlink not listening on 127.0.0.1:{port} after {timeout} s")
+
+
+def _spawn(args, log: Path, env) -> subprocess.Popen:
+    return subprocess.Popen([str(a) for a in args], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)  # its own process group: superexec and clientapp children too
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture
+def federation(tmp_path):
+    home = tmp_path / "flwr"
+    home.mkdir()
+    port = _free_port()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "ci"\n\n[superlink.ci]\n'
+                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # flower-superexec, flwr-*
+               FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
+               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
+    procs = [_spawn([BIN / "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", port,
+                     "--disable-runtime-dependency-installation"], tmp_path / "superlink.log", env)]
+    try:
+        _wait_port(port, procs[0])
+        for i in range(2):
+            procs.append(_spawn([BIN / "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}",
+                                 "--port", _free_port(), "--node-config", f"partition-id={i} num-partitions=2"],
+                                tmp_path / f"supernode{i}.log", env))
+        yield env, tmp_path
+    finally:
+        for p in reversed(procs):
+            _kill_group(p)
+
+
+def test_fedexp_strategy_in_a_flower_deployment(federation):
+    env, tmp = federation
+    out = tmp / "result.json"
+    run_config = f"strategy='fedexp' model='linear' num-server-rounds=3 fraction-evaluate=0.0 out-file='{out}'"
+    cp = subprocess.run([str(BIN / "flwr"), "run", str(EXAMPLE), "ci", "--stream", "--run-config", run_config],
+                        env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    logs = cp.stdout[-3000:] + cp.stderr[-3000:]
+    assert cp.returncode == 0, logs
+    assert out.exists(), "the ServerApp wrote no result file:\n" + logs
+    res = json.loads(out.read_text())
+    assert res["strategy"] == "fedexp" and res["rounds"] == 3
+    etas = [res["train"][str(r)]["fedexp-eta"] for r in (1, 2, 3)]
+    assert all(e >= 1.0 for e in etas) and max(etas) > 1.0, etas  # FedExP's own step ran (non-IID clients)
+    for r in (1, 2, 3):
+        assert res["train"][str(r)]["fedexp-mean-sq-norm"] > 0
+    assert res["train"]["3"]["train-loss"] < res["train"]["1"]["train-loss"]
+    assert res["final_dtypes"] == {"w": "float32", "b": "float32"}
