@@ -92,6 +92,16 @@ def test_fastagg_cpu_with_params(benchmark, round_data, mean_out):
 
 
 @pytest.mark.benchmark(group=GROUP)
+def test_fastagg_cpu_with_params_default_call(benchmark, round_data):
+    """The call users write, ``fedexp_step(x, eps, params=w)``: fastagg allocates the mean and the evaluation model
+    (huge-page mappings, fastagg/_buffers.py) on every call."""
+    x, n = round_data[0], round_data[1]
+    params = torch.zeros(D)
+    _info(benchmark, (M + 3) * D * 4)
+    benchmark(lambda: fastagg.fedexp_step(x, eps=EPS, weights=n, params=params, backend="cpu"))
+
+
+@pytest.mark.benchmark(group=GROUP)
 def test_torch_gemv(benchmark, round_data, mean_out):
     """Plain torch: p @ X and vector_norm(X, dim=1) (two reads of X)."""
     x, p = round_data[0], round_data[2]

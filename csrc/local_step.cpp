@@ -235,10 +235,18 @@ inline int thread_index() {
 // One thread per row (short rows, or enough rows to occupy every thread). Sweep 2 finds most of the row's gradient
 // still in the core's caches. (Splitting 400 KB rows across both cores of the 2-core VM, so each core's share of
 // the gradient fits its 512 KiB L2 whole, measured the same: 1.08-1.11x of X.add_(G) either way, M = 100.)
+// Memory a call touches: x and g read twice and x written, the optional anchor, control rows and momentum buffer.
 template <typename P, typename C, bool HasAnchor, bool HasControl, int Mode>
-void rows_per_thread(const LocalArgs& a) {
+int64_t call_bytes(const LocalArgs& a) {
+  const int64_t per = 3 * sizeof(P) + 2 * sizeof(P) + (HasAnchor ? 2 * sizeof(P) : 0) +
+                      (HasControl ? 4 * sizeof(C) : 0) + (Mode != kModeNone ? 2 * sizeof(C) : 0);
+  return a.num_rows * a.numel * per;
+}
+
+template <typename P, typename C, bool HasAnchor, bool HasControl, int Mode>
+void rows_per_thread(const LocalArgs& a, int threads) {
   const int64_t d = a.numel, nb = (d + kLocalBlock - 1) / kLocalBlock;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
   {
     std::vector<double> part(nb);
 #pragma omp for schedule(static)
@@ -259,10 +267,10 @@ void rows_per_thread(const LocalArgs& a) {
 // depend on the thread count. Partials alternate between two buffers, so a thread that runs ahead into the next
 // row cannot overwrite what a slower one is still summing.
 template <typename P, typename C, bool HasAnchor, bool HasControl, int Mode>
-void rows_shared(const LocalArgs& a) {
+void rows_shared(const LocalArgs& a, int threads) {
   const int64_t d = a.numel, nb = (d + kLocalBlock - 1) / kLocalBlock;
   std::vector<double> parts(2 * nb);
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
   {
     const int64_t threads = thread_count(), t = thread_index();
     const int64_t b0 = nb * t / threads, b1 = nb * (t + 1) / threads;
@@ -282,14 +290,11 @@ void rows_shared(const LocalArgs& a) {
 
 template <typename P, typename C, bool HasAnchor, bool HasControl, int Mode>
 void local_rows(const LocalArgs& a) {
-  int threads = 1;
-#ifdef _OPENMP
-  threads = omp_get_max_threads();
-#endif
+  const int threads = threads_for(call_bytes<P, C, HasAnchor, HasControl, Mode>(a));
   if (threads > 1 && a.num_rows < 4 * threads && a.numel * static_cast<int64_t>(sizeof(P)) >= kSharedRowBytes)
-    rows_shared<P, C, HasAnchor, HasControl, Mode>(a);
+    rows_shared<P, C, HasAnchor, HasControl, Mode>(a, threads);
   else
-    rows_per_thread<P, C, HasAnchor, HasControl, Mode>(a);
+    rows_per_thread<P, C, HasAnchor, HasControl, Mode>(a, threads);
 }
 
 template <typename P, typename C, bool HasAnchor, bool HasControl>

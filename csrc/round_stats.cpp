@@ -96,7 +96,10 @@ void round_stats_impl(const StatsArgs& a) {
   std::vector<double> part_sq(nb * M), part_mean_sq(nb);
   std::vector<uint8_t> part_bad(nb * M);
 
-#pragma omp parallel
+  int64_t numel = 0;
+  for (int64_t s = 0; s < a.num_segments; ++s) numel += a.seg_len[s];
+  const int64_t bytes = numel * (M * static_cast<int64_t>(sizeof(T)) + (HasBase ? sizeof(T) : 0) + 2 * sizeof(C));
+#pragma omp parallel num_threads(threads_for(bytes))
   {
     std::vector<C> acc_buf(kStatsBlock);
     std::vector<C> w(M);

@@ -48,7 +48,9 @@ void momentum_impl(const MomentumArgs& a) {
   const C lr = Finite ? static_cast<C>(*a.lr) : C(0);
   const C coef = HasExtra ? static_cast<C>(Finite ? *a.extra_coef : *a.extra_coef_skip) : C(0);
   const C mu = static_cast<C>(a.momentum);
-  parallel_blocks(a.num_segments, a.seg_len, a.seg_off, kApplyBlock, [&](const Block& blk, int64_t col0) {
+  // bytes per column: params and mean, the buffer and the extra output when present (read and written)
+  const int64_t bytes = 2 * sizeof(P) + sizeof(C) + (HasBuf ? 2 * sizeof(C) : 0) + (HasExtra ? sizeof(P) : 0);
+  parallel_blocks(a.num_segments, a.seg_len, a.seg_off, kApplyBlock, bytes, [&](const Block& blk, int64_t col0) {
     P* w = as_ptr<P>(a.param_ptrs[blk.seg]) + blk.start;
     P* ex = HasExtra ? as_ptr<P>(a.extra_ptrs[blk.seg]) + blk.start : nullptr;
     const C* m = static_cast<const C*>(a.mean) + col0;
@@ -93,7 +95,8 @@ void adam_impl(const AdamArgs& a) {
   const C lr = static_cast<C>(*a.lr);
   const C b1 = static_cast<C>(a.beta1), b2 = static_cast<C>(a.beta2), tau = static_cast<C>(a.tau);
   const C ams_eps = static_cast<C>(a.ams_eps);
-  parallel_blocks(a.num_segments, a.seg_len, a.seg_off, kApplyBlock, [&](const Block& blk, int64_t col0) {
+  const int64_t bytes = 2 * sizeof(P) + 5 * sizeof(C);  // params, mean, two moments read and written
+  parallel_blocks(a.num_segments, a.seg_len, a.seg_off, kApplyBlock, bytes, [&](const Block& blk, int64_t col0) {
     P* w = as_ptr<P>(a.param_ptrs[blk.seg]) + blk.start;
     const C* g = static_cast<const C*>(a.mean) + col0;
     C* m = Rule == kAdagrad ? nullptr : static_cast<C*>(a.m) + col0;

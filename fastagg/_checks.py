@@ -73,15 +73,16 @@ def normalized_weights(weights: Any, num_clients: int, device: torch.device, *, 
         scaled = w / w.max()
         ok = torch.isfinite(w).all() & (w >= 0).all() & (w.max() > 0)
         return torch.where(ok, scaled / scaled.sum(), torch.full_like(w, float("nan")))
-    host = w.cpu()
-    bad = (~torch.isfinite(host)) | (host < 0)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(f"weights[{i}] is {host[i].item()!r}; weights must be finite and >= 0")
-    if not host.max() > 0:
+    host = w.cpu().numpy()  # checked and normalized with numpy: a few microseconds for M scalars, not ~30
+    bad = ~np.isfinite(host) | (host < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"weights[{i}] is {float(host[i])!r}; weights must be finite and >= 0")
+    top = host.max()
+    if not top > 0:
         raise ValueError("weights are all zero; at least one participant needs a positive weight")
-    scaled = w / w.max()  # a sum of huge finite weights may overflow; the largest scaled weight is 1
-    return (scaled / scaled.sum()).to(device)
+    scaled = host / top  # a sum of huge finite weights may overflow; the largest scaled weight is 1
+    return torch.from_numpy(scaled / scaled.sum()).to(device)
 
 
 def check_prob(value: Any, name: str) -> float:

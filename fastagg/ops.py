@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import rules
+from . import _buffers, rules
 from ._checks import check_number, check_on_nonfinite, out_buffer
 from ._docs import share_docs
 from .backends import resolve
@@ -125,7 +125,7 @@ def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows
         extra = None
         if want_eval:
             flat = eval_buf if eval_buf is not None else \
-                torch.empty(params.segments.numel, dtype=params.dtype, device=params.device)
+                _buffers.empty(params.segments.numel, params.dtype, params.device)
             extra = like_params(params, flat)
             eval_params = params.form.unflatten(flat)
             if params.form.numpy:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import rules
+from . import _buffers, rules
 from ._checks import check_number, normalized_weights
 from .flat import Layout
 from .rows import Buffers, ClientRows, ParamRows, client_rows, compute_dtype
@@ -52,7 +52,7 @@ def run_stats(rows: ClientRows, coefs: torch.Tensor, backend, *, mean_init=None,
     """One stats pass: ``(mean, sq_norms, nonfinite, mean_sq)`` with ``mean = init + sum_i coefs_i x_i``."""
     dev = rows.device
     if mean_out is None:
-        mean_out = torch.empty(rows.numel, dtype=mean_dtype or compute_dtype(rows.dtype), device=dev)
+        mean_out = _buffers.empty(rows.numel, mean_dtype or compute_dtype(rows.dtype), dev)
     sq = torch.empty(rows.num_clients, dtype=torch.float64, device=dev)
     bad = torch.empty(rows.num_clients, dtype=torch.bool, device=dev)
     msq = torch.empty((), dtype=torch.float64, device=dev)
