@@ -133,3 +133,72 @@ def test_cnn_on_digits_learns():
     h = run(Config(dataset="digits", model="cnn", algorithms=("fedavg",), rounds=5, participation=0.5))
     losses = h.series("fedavg", "train_loss")
     assert losses[-1] < losses[0] and h.series("fedavg", "test_acc")[-1] > 0.2
+
+
+def test_linreg_data_are_the_notebooks_multivariate_normals():
+    """fedexp_linreg draws mean + standard normals where the notebook calls multivariate_normal(mean, I, 30):
+    the same numbers from the same stream (checked for the first two clients, rebuilt the notebook's way)."""
+    import numpy as np
+    from fastagg.sim.data import fedexp_linreg
+
+    data = fedexp_linreg()
+    rng = np.random.RandomState(0)
+    mean_w, b = rng.normal(0, 0.1, 20), rng.normal(0, 0.1, 20)
+    mean_x = [rng.normal(b[i], 1, 1000) for i in range(20)]
+    for i in range(2):
+        w_i = rng.normal(mean_w[i], 1, (1000, 1))
+        x_i = rng.multivariate_normal(mean_x[i], np.eye(1000), 30)
+        y_i = (x_i @ w_i)[:, 0]
+        assert np.array_equal(data.x[i].numpy(), x_i / np.linalg.norm(x_i, axis=1, keepdims=True))
+        assert np.array_equal(data.y[i].numpy(), y_i / np.linalg.norm(y_i))
+
+
+@pytest.mark.parametrize("participation", [1.0, 0.5])
+def test_least_squares_sample_space_steps_equal_steps_on_the_parameters(monkeypatch, participation):
+    """The closed-form local GD (LeastSquares.local_gd, with the kept residual of the last model evaluated) gives
+    the per-step path's FedAvg curve to rounding (FedAvg is not chaotic: 1e-9 relative over 60 rounds)."""
+    from fastagg.sim import models
+
+    cfg = Config(dataset="fedexp-linreg", algorithms=("fedavg",), server_lr=10.0, rounds=60,
+                 participation=participation)
+    fast = run(cfg).series("fedavg", "train_loss")
+    monkeypatch.delattr(models.LeastSquares, "local_gd")
+    slow = run(cfg).series("fedavg", "train_loss")
+    assert len(fast) == len(slow) == 61
+    for t, (a, b) in enumerate(zip(fast, slow)):
+        assert abs(a - b) <= 1e-9 * abs(b), (t, a, b)
+
+
+def test_small_runs_use_one_torch_thread_and_restore_the_count():
+    import torch
+    from fastagg.sim import data as datasets, models, runner
+
+    d = datasets.fedexp_linreg()
+    assert runner.intra_op_threads(d, models.make("linear", d), 20, 0, 8) == 1
+    before = torch.get_num_threads()
+    seen = []
+    run(Config(dataset="quadratic", algorithms=("fedsps",), rounds=2),)
+    runner.run_one(Config(dataset="fedexp-linreg", rounds=2).resolved(d), d, "fedexp", 0,
+                   progress=lambda *a: seen.append(torch.get_num_threads()))
+    assert seen == [1, 1] and torch.get_num_threads() == before
+
+
+def test_least_squares_local_gd_from_any_start_equals_explicit_steps():
+    """local_gd from a model other than the last one evaluated (the kept residual must not be reused) and from the
+    one evaluated (it is): both equal 20 explicit gradient steps."""
+    import torch
+    from fastagg.sim import data as datasets, models
+
+    d = datasets.fedexp_linreg()
+    m = models.make("linear", d)
+    ids = torch.tensor([0, 3, 7])
+    g = torch.Generator().manual_seed(0)
+    w_eval, w0 = torch.randn(1000, generator=g, dtype=torch.float64), torch.randn(1000, generator=g, dtype=torch.float64)
+    for start in (w0, w_eval):
+        m.loss(w_eval, d)  # keeps w_eval's residuals
+        got = m.local_gd(start, ids, 20, 0.1)
+        x = start.expand(3, -1).clone()
+        mask = models._mask(d)[ids]
+        for _ in range(20):
+            x -= 0.1 * m.loss_grad(x, d.x[ids], d.y[ids], mask)[1]
+        assert torch.allclose(got, x, rtol=1e-10, atol=1e-12)

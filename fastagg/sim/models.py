@@ -17,18 +17,69 @@ class Model:
 
 class LeastSquares(Model):
     """FedExP's linear regression: client objective (1/2)||A w - b||^2 with gradient A^T (A w - b) (sums over the
-    client's samples, the paper's convention); reported ``F(w) = mean_i ||A_i w - b_i||^2`` (so ``F(0) = 1``)."""
+    client's samples, the paper's convention); reported ``F(w) = mean_i ||A_i w - b_i||^2`` (so ``F(0) = 1``).
+
+    Full-batch local gradient descent runs in the samples' space (``local_gd``), and the data are read once per
+    evaluation of several models (``losses``); the residual of the last model evaluated is kept, so the next round
+    starting from it does not read the data again. A pass over FedExP's regression data (20 x 30 x 1000 float64,
+    4.8 MB) takes ~0.18 ms on one core here: a round reads it twice instead of 2 + 2 x 20 times."""
 
     def __init__(self, data: FederatedData):
         self.dim = data.num_features
+        self.data = data
+        mask = _mask(data)
+        self._a, self._b = data.x * mask.unsqueeze(2), data.y * mask  # padding rows zeroed once
+        self._gram = None
+        self._poly = {}
+        self._last = None  # (model, its residuals [N, n]) of the last model ``losses`` evaluated
 
     def loss_grad(self, w, x, y, mask):
         r = (torch.bmm(x, w.unsqueeze(2)).squeeze(2) - y) * mask
         return 0.5 * r.square().sum(1), torch.bmm(x.transpose(1, 2), r.unsqueeze(2)).squeeze(2)
 
+    def _residuals(self, ws):
+        """``A_i w - b_i`` for every client and every row of ``ws`` [k, d]: [N, n, k], one read of A."""
+        n_clients, n, d = self._a.shape
+        return (self._a.view(n_clients * n, d) @ ws.T).view(n_clients, n, -1) - self._b.unsqueeze(2)
+
+    def local_gd(self, w0, ids, steps: int, lr: float):
+        """``steps`` full-batch gradient steps of every client ``ids`` from ``w0``, in the samples' space.
+
+        With ``r = A w - b``, a step ``w <- w - lr A^T r`` moves the residual by ``r <- (I - lr G) r`` with the
+        n x n Gram matrix ``G = A A^T``, so ``w_K = w0 - lr A^T P r_0`` with ``P = sum_{k<K} (I - lr G)^k``: one
+        product with A^T per round (``r_0`` too when ``w0`` is not the model last evaluated), P computed once per
+        (lr, K). The same iterates as K steps on w up to rounding (``test_sim.py`` compares the two paths)."""
+        a = self._a
+        if self._gram is None:  # A A^T, once per data set
+            self._gram = torch.bmm(a, a.transpose(1, 2))  # [N, n, n]
+        if (steps, lr) not in self._poly:
+            g = self._gram
+            eye = torch.eye(g.shape[1], dtype=g.dtype, device=g.device).expand_as(g)
+            step = eye - lr * g
+            poly = eye.clone()
+            for _ in range(steps - 1):  # Horner: P = I + M (I + M (I + ...))
+                poly = eye + torch.bmm(step, poly)
+            self._poly = {(steps, lr): poly}  # one entry: a decaying lr changes it every round
+        poly = self._poly[steps, lr]
+        if self._last is not None and torch.equal(self._last[0], w0):
+            r0 = self._last[1]
+        else:
+            r0 = self._residuals(w0.unsqueeze(0))[..., 0]
+        if len(ids) != len(a) or not bool((ids == torch.arange(len(a), device=ids.device)).all()):
+            a, r0, poly = a[ids], r0[ids], poly[ids]  # partial participation: the round's clients
+        total = torch.bmm(r0.unsqueeze(1), poly.transpose(1, 2))  # (P r0)^T: [M, 1, n]
+        return w0 - lr * torch.bmm(total, a).squeeze(1)  # row-vector times A: ~1.7x faster than A^T times a column
+
+    def losses(self, ws, data):
+        """``loss`` of each row of ``ws`` [k, d] (one read of the data); the last row's residuals are kept."""
+        if data is not self.data:
+            return torch.stack([self.loss(w, data) for w in ws])
+        r = self._residuals(ws)
+        self._last = (ws[-1].clone(), r[..., -1].clone())
+        return r.square().sum(1).mean(0)
+
     def loss(self, w, data):
-        r = (data.x @ w - data.y) * _mask(data)
-        return r.square().sum(1).mean()
+        return self.losses(w.unsqueeze(0), data)[0]
 
 
 class Quadratic(Model):
@@ -70,17 +121,10 @@ class Softmax(Model):
         return nll, torch.cat([gW.flatten(1), err.sum(1)], dim=1)
 
     def loss(self, w, data):
-        W, b = self._split(w)
-        logp = torch.log_softmax(data.x @ W + b, dim=2)
-        mask = _mask(data)
-        nll = -(logp.gather(2, data.y.unsqueeze(2)).squeeze(2) * mask).sum() / mask.sum()
-        return nll
+        return self.test_metrics(w, *data.samples())[0]
 
     def accuracy(self, w, data):
-        W, b = self._split(w)
-        pred = (data.x @ W + b).argmax(2)
-        mask = _mask(data)
-        return ((pred == data.y).to(w.dtype) * mask).sum() / mask.sum()
+        return self.test_metrics(w, *data.samples())[1]
 
     def test_metrics(self, w, x, y):
         W, b = self._split(w)
@@ -133,14 +177,10 @@ class MLP(Model):
         return torch.log_softmax(self._forward(w, x)[2], dim=-1)
 
     def loss(self, w, data):
-        logp = self._logp(w, data.x)
-        mask = _mask(data)
-        return -(logp.gather(2, data.y.unsqueeze(2)).squeeze(2) * mask).sum() / mask.sum()
+        return self.test_metrics(w, *data.samples())[0]
 
     def accuracy(self, w, data):
-        pred = self._logp(w, data.x).argmax(2)
-        mask = _mask(data)
-        return ((pred == data.y).to(w.dtype) * mask).sum() / mask.sum()
+        return self.test_metrics(w, *data.samples())[1]
 
     def test_metrics(self, w, x, y):
         logp = self._logp(w, x)
@@ -180,20 +220,11 @@ class Functional(Model):
                                         randomness=self.randomness)(w, x, y, mask)
         return losses.detach(), grads.detach()
 
-    def _all(self, w, data):
-        self.module.to(w.dtype).eval()
-        keep = _mask(data).bool()
-        return self._logits(w, data.x[keep]), data.y[keep]
-
-    @torch.no_grad()
     def loss(self, w, data):
-        logits, y = self._all(w, data)
-        return torch.nn.functional.cross_entropy(logits, y)
+        return self.test_metrics(w, *data.samples())[0]
 
-    @torch.no_grad()
     def accuracy(self, w, data):
-        logits, y = self._all(w, data)
-        return (logits.argmax(1) == y).to(w.dtype).mean()
+        return self.test_metrics(w, *data.samples())[1]
 
     @torch.no_grad()
     def test_metrics(self, w, x, y):

@@ -122,11 +122,14 @@ class History:
         return None
 
 
+def _full_batch(data, ids):
+    """The participants' whole data sets (gathered once per round: every full-batch step reuses them)."""
+    x, y, counts = data.x[ids], data.y[ids], data.counts[ids]
+    mask = (torch.arange(x.shape[1], device=x.device)[None, :] < counts[:, None]).to(data.x.dtype)
+    return x, y, mask
+
+
 def _batch(data, ids, batch_size, gen):
-    if batch_size == 0:
-        x, y, counts = data.x[ids], data.y[ids], data.counts[ids]
-        mask = (torch.arange(x.shape[1], device=x.device)[None, :] < counts[:, None]).to(data.x.dtype)
-        return x, y, mask
     counts = data.counts[ids].to(torch.float64)
     idx = (torch.rand(len(ids), batch_size, generator=gen, dtype=torch.float64) * counts[:, None].cpu()).long()
     idx = idx.to(data.x.device)
@@ -134,11 +137,16 @@ def _batch(data, ids, batch_size, gen):
     return data.x[rows, idx], data.y[rows, idx], torch.ones(idx.shape, dtype=data.x.dtype, device=data.x.device)
 
 
-def _local_steps(alg, cfg, model, data, ids, x, anchor, state, lr, gen, control=None):
-    """cfg.local_steps fused steps of every participant at once (x: [M, d], updated in place)."""
+def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=None):
+    """cfg.local_steps fused steps of every participant at once, from ``anchor``; returns their models [M, d]."""
     kw = dict(backend=cfg.backend, clip_norm=cfg.clip_norm)
+    if cfg.batch_size == 0 and alg.client_rule == "sgd" and cfg.weight_decay == 0 and cfg.clip_norm is None and \
+            hasattr(model, "local_gd"):
+        return model.local_gd(anchor, ids, cfg.local_steps, lr)
+    x = anchor.expand(len(ids), -1).clone()
+    full = _full_batch(data, ids) if cfg.batch_size == 0 else None
     for _ in range(cfg.local_steps):
-        xb, yb, mask = _batch(data, ids, cfg.batch_size, gen)
+        xb, yb, mask = full if full is not None else _batch(data, ids, cfg.batch_size, gen)
         losses, grads = model.loss_grad(x, xb, yb, mask)
         rule = alg.client_rule
         if rule == "sps":
@@ -163,25 +171,58 @@ def _local_steps(alg, cfg, model, data, ids, x, anchor, state, lr, gen, control=
                 kw["client_ids"] = ids.cpu()
             client.local_step(params=x, grads=grads, lr=lr, prox=prox, control=ctrl, weight_decay=cfg.weight_decay,
                               **kw)
+    return x
 
 
-def _evaluate(model, data, w):
-    """(train loss, test loss, test accuracy); NaN where the data set has no test set."""
-    loss = float(model.loss(w, data))
+def _evaluate(model, data, w, last):
+    """(train loss of w, train loss of the last iterate ``last``, test loss, test accuracy of w); NaN where the data
+    set has no test set."""
+    if last is w:
+        loss = last_loss = float(model.loss(w, data))
+    elif hasattr(model, "losses"):  # both models in one read of the data
+        loss, last_loss = (float(v) for v in model.losses(torch.stack([w, last]), data))
+    else:
+        loss, last_loss = float(model.loss(w, data)), float(model.loss(last, data))
     if data.test_x is None or not hasattr(model, "test_metrics"):
-        return loss, float("nan"), float("nan")
+        return loss, last_loss, float("nan"), float("nan")
     test_loss, test_acc = model.test_metrics(w, data.test_x, data.test_y)
-    return loss, float(test_loss), float(test_acc)
+    return loss, last_loss, float(test_loss), float(test_acc)
 
 
 CHECKPOINT = outdir.CHECKPOINT
+
+# Below this many bytes in a round's largest tensor (the participants' parameters or data), torch ops run on one
+# thread. Such ops last tens of microseconds: a second thread saves little when the machine is quiet and, when
+# another process holds a core, makes every op wait for it (measured, bench/RESULTS.md: the FedExP regression 5x
+# slower with 2 threads beside one CPU-bound process, unchanged with 1). fastagg's own kernels decide per call
+# (csrc/segments.h threads_for).
+SMALL_WORK_BYTES = 16 << 20
+
+
+def intra_op_threads(data, model, participants: int, batch_size: int, itemsize: int) -> int:
+    """torch's intra-op thread count for a run: 1 for small work, else torch's default. The work is the largest of
+    the participants' parameters, their samples in one step, and the whole training set (evaluated every round)."""
+    samples = batch_size if batch_size else data.x.shape[1]
+    largest = max(participants * max(model.dim, samples * data.num_features),
+                  int(data.counts.sum()) * data.num_features) * itemsize
+    return 1 if largest < SMALL_WORK_BYTES else torch.get_num_threads()
 
 
 def run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row=None, on_round=None, resume: dict | None = None,
             progress=None) -> str | None:
     """One algorithm and seed. Every metrics row (round 0 = the initial model) goes to ``on_row`` as soon as it is
     measured; ``on_round(snapshot)`` receives a checkpoint after every round; ``resume`` is such a snapshot to
-    continue from. Returns why the run stopped early, or None."""
+    continue from. Returns why the run stopped early, or None. torch's thread count is chosen for the run's work
+    size (``intra_op_threads``) and restored afterwards."""
+    previous = torch.get_num_threads()
+    try:
+        return _run_one(cfg, data, algorithm, seed, on_row=on_row, on_round=on_round, resume=resume,
+                        progress=progress)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, resume, progress) -> str | None:
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     d = data.to(device, dtype)
     model = models.make(cfg.model, d)
@@ -191,13 +232,13 @@ def run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row=None, on_rou
     opt = alg.server_cls(w, backend=cfg.backend, on_nonfinite="raise", **alg.server_kwargs)
     n = d.num_clients
     m = max(1, int(round(cfg.participation * n)))
+    torch.set_num_threads(intra_op_threads(d, model, m, cfg.batch_size, d.x.element_size()))
     needs_state = alg.client_rule in ("decsps", "nesterov", "mass", "scaffold")
     state = client.ClientState(n, model.dim, dtype=dtype, device=device) if needs_state else None
 
     def record(t, eta):
         eval_w = torch.as_tensor(opt.eval_params())
-        loss, test_loss, test_acc = _evaluate(model, d, eval_w)
-        last = float(model.loss(w, d)) if eval_w is not w else loss
+        loss, last, test_loss, test_acc = _evaluate(model, d, eval_w, w)
         if on_row:
             on_row(dict(algorithm=algorithm, seed=seed, round=t, train_loss=loss, train_loss_last=last,
                         test_loss=test_loss, test_acc=test_acc, eta=eta))
@@ -216,10 +257,9 @@ def run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row=None, on_rou
     for t in range(start, cfg.rounds + 1):
         ids = torch.sort(torch.randperm(n, generator=gen)[:m]).values.to(device)
         anchor = torch.as_tensor(opt.broadcast()).clone()
-        x = anchor.expand(m, -1).clone()
         lr = cfg.lr * cfg.lr_decay ** (t - 1)
         control = opt.control if alg.client_rule == "scaffold" else None
-        _local_steps(alg, cfg, model, d, ids, x, anchor, state, lr, gen, control)
+        x = _local_steps(alg, cfg, model, d, ids, anchor, state, lr, gen, control)
         weights = None
         if cfg.weighting == "examples" and algorithm not in algorithms.UNWEIGHTED:
             weights = d.counts[ids].to(torch.float64)
