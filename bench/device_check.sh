@@ -12,8 +12,8 @@ set -uo pipefail
 OUT="${OUT:-/tmp/fastagg-device}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-SECTIONS="${1:-copy,round,server,client,sim,sweep,compile}"
-TEST_LIMIT="${TEST_LIMIT:-300}" BENCH_LIMIT="${BENCH_LIMIT:-420}"  # seconds
+SECTIONS="${1:-copy,round,sweep,server,client,sim,compile}"
+TEST_LIMIT="${TEST_LIMIT:-240}" BENCH_LIMIT="${BENCH_LIMIT:-300}"  # seconds
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader

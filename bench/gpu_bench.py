@@ -12,7 +12,8 @@ Sections:
   round    FedExP rounds (M=16, d=1e8 and M=100, d=1e7; fp32 and bf16): fastagg's default and tuned calls
            against the best eager torch (several variants; the fastest is the reference)
   compile  the same torch round under torch.compile(mode="max-autotune-no-cudagraphs") (fp32)
-  sweep    stats-pass launch configurations and the alignment hints off, on the first round shape
+  sweep    stats-pass launch configurations and the alignment hints off, on both round shapes (SWEEP_DTYPES)
+  apply    apply-pass launch configurations, in the tuned FedExP round at M=16, d=1e8 (fp32 and bf16)
   server   all server optimizers (M=16, d=5e7) against the time of their own traffic at copy bandwidth, and
            FedAdam against mean-by-torch + torch.optim.Adam(fused=True); one FedAdam step replayed in a CUDA graph
   client   batched FedSPS (M=1000, d=1e5 and M=100, d=1e6): each schedule and block size, X.add_(G), torch
@@ -170,6 +171,42 @@ def _round(m: int, d: int, dtype: torch.dtype) -> None:
         record("round", f"{tag}: {name}", bench(fn), nbytes, M=m, d=d, dtype=str(dtype)[6:])
 
 
+def section_apply() -> None:
+    """Apply-pass launch configurations (BLOCK_D columns, warps): the tuned FedExP round (stats pass + apply pass
+    with params and the eval model) timed per configuration, its params checked bit for bit against the chosen
+    configuration's (the pass is elementwise, so any configuration must give the same bits)."""
+    launch = importlib.import_module("fastagg.backends.triton.launch")
+    import fastagg
+
+    chosen = launch.apply_config
+    m, d = ROUND_SHAPES[0][0], size(ROUND_SHAPES[0][1])
+    for dtype in (torch.float32, torch.bfloat16):
+        es = torch.finfo(dtype).bits // 8
+        x = torch.randn(m, d, device=DEV).to(dtype)
+        w0 = torch.randn(d, device=DEV).to(dtype)
+        w = w0.clone()
+        mean = torch.empty(d, device=DEV)
+        eval_out = torch.empty(d, device=DEV, dtype=dtype)
+
+        def step():
+            return fastagg.fedexp_step(x, eps=1e-3, params=w, on_nonfinite="skip", mean_out=mean, eval_out=eval_out)
+
+        step()
+        expected = w.clone()
+        for bd, nw in [(4096, 8), (1024, 4), (2048, 4), (4096, 4), (8192, 8), (2048, 8), (8192, 4), (16384, 8)]:
+            launch.apply_config = lambda n, bd=bd, nw=nw: dict(BLOCK_D=bd, num_warps=nw)
+            try:
+                w.copy_(w0)
+                step()
+                same = "same bits" if torch.equal(w, expected) else "DIFFERENT"
+                ms = bench(step)
+            finally:
+                launch.apply_config = chosen
+            record("apply", f"M={m} d={d:.0e} {str(dtype)[6:]} round, apply BLOCK_D={bd} warps={nw}", ms,
+                   _round_bytes(m, d, es, True), check=same)
+        free()
+
+
 def section_compile() -> None:
     """The eager torch rounds under torch.compile (max-autotune-no-cudagraphs), fp32."""
     for m, d in ROUND_SHAPES:
@@ -197,12 +234,20 @@ def _compiled_round(m: int, d: int) -> None:
 
 def section_sweep() -> None:
     """Stats-pass launch configurations (BLOCK_M clients x BLOCK_D columns, warps) and the hints off."""
-    for m, d in ROUND_SHAPES:
-        _sweep(m, size(d))
-        free()
+    names = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    for tag in os.environ.get("SWEEP_DTYPES", "fp32,bf16").split(","):
+        for m, d in ROUND_SHAPES:
+            _sweep(m, size(d), names[tag])
+            free()
 
 
-def _sweep(m: int, d: int) -> None:
+# (BLOCK_M, BLOCK_D, warps); fp32's full sweep is in bench/RESULTS.md (2 x 2048 at 4 warps chosen)
+SWEEP_CONFIGS = {torch.float32: [(2, 2048, 4), (2, 4096, 4)],
+                 torch.bfloat16: [(2, 2048, 4), (1, 8192, 4), (1, 4096, 4), (1, 4096, 2), (1, 8192, 2),
+                                  (1, 16384, 4), (1, 16384, 8), (2, 8192, 4), (2, 4096, 4)]}
+
+
+def _sweep(m: int, d: int, dtype: torch.dtype) -> None:
     """Each configuration is timed and its mean and squared norms checked against float64 torch."""
     import fastagg
     from fastagg.testing import assert_close, tolerance
@@ -211,8 +256,9 @@ def _sweep(m: int, d: int) -> None:
     launch = importlib.import_module("fastagg.backends.triton.launch")
     chosen, chosen_finalize, real_finalize = stats_mod.stats_config, stats_mod.finalize_config, \
         stats_mod._finalize_kernel
-    x = torch.randn(m, d, device=DEV)
+    x = torch.randn(m, d, device=DEV).to(dtype)
     mean = torch.empty(d, device=DEV)
+    tag = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     ref_mean = torch.zeros(d, dtype=torch.float64, device=DEV)
     for i in range(m):
         ref_mean += x[i].double()
@@ -223,21 +269,20 @@ def _sweep(m: int, d: int) -> None:
         def __getitem__(self, grid):
             return lambda *a, **k: None
 
-    configs = [(1, 4096, 4), (2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (1, 8192, 8), (1, 2048, 4), (4, 1024, 4),
-               (2, 4096, 8)]
-    for cfg in configs + ["hints off", "stage 1 alone"]:
+    extra = ["hints off", "stage 1 alone"] if dtype == torch.float32 else []
+    for cfg in SWEEP_CONFIGS[dtype] + extra:
         check = True
         if cfg == "hints off":
             launch.HINTS = False
-            name = f"chosen {chosen(m, d)} with the alignment hints off"
+            name = f"chosen {chosen(m, d, x.element_size())} with the alignment hints off"
         elif cfg == "stage 1 alone":
             stats_mod._finalize_kernel = Skipped()
-            name = f"chosen {chosen(m, d)}, stage 1 alone (finalize skipped)"
+            name = f"chosen {chosen(m, d, x.element_size())}, stage 1 alone (finalize skipped)"
             check = False
         else:
             bm, bd, nw = cfg
-            stats_mod.stats_config = lambda M, n, bm=bm, bd=bd, nw=nw: dict(BLOCK_M=min(bm, M), BLOCK_D=bd,
-                                                                              num_warps=nw)
+            stats_mod.stats_config = lambda M, n, es=4, bm=bm, bd=bd, nw=nw: dict(BLOCK_M=min(bm, M), BLOCK_D=bd,
+                                                                                    num_warps=nw)
             name = f"BLOCK_M={bm} BLOCK_D={bd} warps={nw}"
         try:
             ms = bench(lambda: fastagg.fedexp_step(x, eps=1e-3, on_nonfinite="skip", mean_out=mean))
@@ -245,15 +290,15 @@ def _sweep(m: int, d: int) -> None:
             if check:
                 res = fastagg.fedexp_step(x, eps=1e-3, on_nonfinite="skip", mean_out=mean)
                 try:
-                    assert_close(mean.double().cpu(), ref_mean.cpu(), rtol=tolerance(torch.float32, "mean")[0],
-                                 atol=tolerance(torch.float32, "mean")[1], name="mean")
-                    assert_close(res.sq_norms.cpu(), ref_sq.cpu(), rtol=tolerance(torch.float32, "norm")[0], atol=0,
+                    assert_close(mean.double().cpu(), ref_mean.cpu(), rtol=tolerance(dtype, "mean")[0],
+                                 atol=tolerance(dtype, "mean")[1], name="mean")
+                    assert_close(res.sq_norms.cpu(), ref_sq.cpu(), rtol=tolerance(dtype, "norm")[0], atol=0,
                                  name="sq_norms")
                     verdict = "matches fp64"
                 except AssertionError as e:
                     verdict = f"WRONG: {e}"[:300]
-            record("sweep", f"M={m} d={d:.0e} stats pass: {name}", ms, _round_bytes(m, d, 4, False), M=m, d=d,
-                   check=verdict or "not checked")
+            record("sweep", f"{tag} M={m} d={d:.0e} stats pass: {name}", ms,
+                   _round_bytes(m, d, x.element_size(), False), M=m, d=d, check=verdict or "not checked")
         finally:
             stats_mod.stats_config, stats_mod.finalize_config = chosen, chosen_finalize
             stats_mod._finalize_kernel = real_finalize
@@ -398,12 +443,17 @@ def _client(m: int, d: int) -> None:
 def section_sim() -> None:
     """One round of pfl-research's CIFAR-10 benchmark workload: the simulator's batched round (fastagg.sim's
     data, model, client steps and server step) against a per-client loop of plain torch on the same card, with
-    cuDNN's autotuner off and on (the same setting for both)."""
-    for tuned in (False, True):
-        torch.backends.cudnn.benchmark = tuned
-        _sim_round()
+    cuDNN's autotuner off and on, and TF32 matmuls off (torch's default) and on (the same settings for all
+    contenders; cuDNN's convolutions use TF32 by default either way). SIM_SETTINGS="bench:tf32,..." picks them."""
+    settings = os.environ.get("SIM_SETTINGS", "0:0,1:0,1:1").split(",")
+    for setting in settings:
+        tuned, tf32 = (bool(int(v)) for v in setting.split(":"))
+        torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = tuned, tf32
+        try:
+            _sim_round()
+        finally:
+            torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = False, False
         free()
-    torch.backends.cudnn.benchmark = False
 
 
 def _sim_round() -> None:
@@ -414,16 +464,15 @@ def _sim_round() -> None:
     data = datasets.cifar_synthetic(num_clients=clients).to(DEV, torch.float32)
     cfg = runner.Config(dataset="cifar-synthetic", algorithms=("fedavg",), device=DEV).resolved(data)
     m = 50
-    model = models.make("pfl-cnn", data)
     alg = algorithms.resolve("fedavg", cfg)
+    gen = torch.Generator().manual_seed(0)
+    model = models.make("pfl-cnn", data)
     w = model.init(torch.float32, DEV)
     opt = server.FedAvg(w, on_nonfinite="skip")
-    gen = torch.Generator().manual_seed(0)
 
     def batched_round():
         ids = torch.sort(torch.randperm(clients, generator=gen)[:m]).values.to(DEV)
-        x = w.expand(m, -1).clone()
-        runner._local_steps(alg, cfg, model, data, ids, x, w, None, cfg.lr, gen)
+        x = runner._local_steps(alg, cfg, model, data, ids, w, None, cfg.lr, gen)
         opt.step(x - w, weights=data.counts[ids].to(torch.float64))
 
     for _ in range(2):
@@ -436,6 +485,12 @@ def _sim_round() -> None:
         sync()
         times.append(time.perf_counter() - t0)
     batched = sorted(times)[len(times) // 2]
+    if DEV == "cuda" and os.environ.get("SIM_PROFILE"):  # where a batched round spends its GPU time
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            batched_round()
+            sync()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=70),
+              flush=True)
 
     net = models.pfl_cnn_module().to(DEV)
     global_state = {k: v.clone() for k, v in net.state_dict().items()}
@@ -465,14 +520,16 @@ def _sim_round() -> None:
         sync()
         times.append(time.perf_counter() - t0)
     loop = sorted(times)[len(times) // 2]
-    bench_mode = "on" if torch.backends.cudnn.benchmark else "off"
+    bench_mode = ("on" if torch.backends.cudnn.benchmark else "off") + \
+        (", TF32 matmuls" if torch.backends.cuda.matmul.allow_tf32 else "")
     record("sim", f"pfl CIFAR-10 round ({clients} clients, 50 a round, 5 steps of batch 10, cudnn.benchmark "
-           f"{bench_mode}): fastagg.sim batched", batched * 1e3)
+           f"{bench_mode}): fastagg.sim batched", batched * 1e3, speedup_over_loop=round(loop / batched, 1))
     record("sim", f"same round: per-client loop of plain torch (nn.Module + SGD, stacked mean, cudnn.benchmark "
-           f"{bench_mode})", loop * 1e3, speedup_of_fastagg=round(loop / batched, 1))
+           f"{bench_mode})", loop * 1e3)
 
 
-SECTIONS = {"copy": section_copy, "round": section_round, "compile": section_compile, "sweep": section_sweep,
+SECTIONS = {"copy": section_copy, "round": section_round, "apply": section_apply, "compile": section_compile,
+            "sweep": section_sweep,
             "server": section_server, "client": section_client, "sim": section_sim}
 
 

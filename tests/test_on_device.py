@@ -25,8 +25,9 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (what it chec
 local_mod = importlib.import_module("fastagg.backends.triton.local_step")
 
 INPUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-# (M, d): one client and one element, short ragged rows, many clients, long rows crossing many column blocks.
-ROUND_SHAPES = [(1, 1), (1, 4099), (7, 5), (33, 70_001), (1000, 3001), (1000, 1)] if ON_GPU else \
+# (M, d): one client and one element, short ragged rows, many clients, long rows crossing many column blocks
+# (3_000_001: the wide one-client tiles of 2-byte inputs).
+ROUND_SHAPES = [(1, 1), (1, 4099), (7, 5), (33, 70_001), (1000, 3001), (1000, 1), (5, 3_000_001)] if ON_GPU else \
     [(1, 1), (7, 5), (3, 9000), (37, 130)]
 
 

@@ -164,7 +164,7 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
                 nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
     device = mean_out.device
     M = rows.num_clients
-    cfg = stats_config(M, rows.numel)
+    cfg = stats_config(M, rows.numel, rows.dtype.itemsize)
     lens, offs, bseg, bstart, nb, single = segment_tables(rows.segments, cfg["BLOCK_D"], device)
     part_sq = torch.empty((max(nb, 1), M), dtype=torch.float64, device=device)
     part_bad = torch.zeros((max(nb, 1), M), dtype=torch.int8, device=device)
