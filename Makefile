@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	touch $@
 
 run: $(VENV)/.installed
-	$(PY) -m fastagg.sim --dataset fedexp-linreg --algorithm fedexp,fedavg --server-lr 10 --rounds 200 --out runs/fedexp-linreg
+	$(PY) -m fastagg.sim --dataset fedexp-linreg --algorithm fedexp,fedavg --rounds 200 --target 1e-4 --overwrite --out runs/fedexp-linreg
 
 demo: $(VENV)/.installed
 	$(PY) -m fastagg.demo

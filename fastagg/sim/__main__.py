@@ -17,34 +17,56 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every option's default in --help: its value, or "the data set's" where the data set's paper settings
+    decide (``None``)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings or \
+                isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction)):
+            return text
+        shown = "the data set's" if action.default is None else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
 def _floats(text):
     return tuple(float(v) for v in text.split(","))
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fastagg-sim", description="Federated learning simulator: the clients of a "
-                                "round train together as rows of one [M, d] buffer with fastagg's fused kernels.")
+    p = _Parser(prog="fastagg-sim", formatter_class=_Help, epilog=EPILOG, description="Federated learning "
+                "simulator: the clients of a round train together\nas rows of one [M, d] buffer with fastagg's fused "
+                "kernels.")
     p.add_argument("--dataset", default="fedexp-linreg",
                    help=f"{', '.join(sorted(data.DATASETS))}, or npz:PATH (arrays x, y, optional client)")
     p.add_argument("--model", help="linear | softmax | mlp | cnn | pfl-cnn (default: the data set's)")
-    p.add_argument("--clients", type=int, help="number of clients (digits, synthetic)")
-    p.add_argument("--dirichlet", type=float, help="digits: Dirichlet label-split alpha (0 = IID; default 0.3)")
-    p.add_argument("--config", help="a JSON file of settings (keys as in config.json); flags given override it")
-    p.add_argument("--algorithm", default="fedexp", help=f"comma-separated: {', '.join(sorted(algorithms.ALGORITHMS))}")
-    p.add_argument("--rounds", type=int)
+    p.add_argument("--clients", type=int, help="number of clients (digits, synthetic, cifar-synthetic, npz)")
+    p.add_argument("--dirichlet", type=float, help="digits and npz: Dirichlet label-split alpha (0 = IID; "
+                   "default: 0.3)")
+    p.add_argument("--config", help="a JSON or TOML file of settings (keys as in config.json; unknown keys are "
+                   "refused); flags given override it (default: none)")
+    p.add_argument("--algorithm", default="fedexp", help="comma-separated, each optionally with its own settings: "
+                   "NAME[:KEY=VALUE...], e.g. fedavg:server_lr=10,fedexp. Names: "
+                   f"{', '.join(sorted(algorithms.ALGORITHMS))}")
+    p.add_argument("--rounds", type=int, help="communication rounds")
     p.add_argument("--participation", type=float, help="fraction of clients per round")
-    p.add_argument("--local-steps", type=int)
+    p.add_argument("--local-steps", type=int, help="local steps per round")
     p.add_argument("--batch-size", type=int, help="0 = full batch")
     p.add_argument("--lr", type=float, help="local learning rate")
     p.add_argument("--lr-decay", type=float, default=1.0, help="per-round factor on the local lr")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--clip-norm", type=float)
-    p.add_argument("--server-lr", type=float)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="local L2 weight decay")
+    p.add_argument("--clip-norm", type=float, help="clip each local gradient to this norm (default: no clipping)")
+    p.add_argument("--server-lr", type=float, help="server learning rate (default: the algorithm's: 1 for "
+                   "FedAvg/FedProx/FedAvgM/SCAFFOLD, 0.1 FedAdam/FedAdagrad/FedAMS, 0.01 FedYogi; fedexp-linreg's "
+                   "FedAvg 10)")
     p.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM")
-    p.add_argument("--weighting", default="examples", choices=["examples", "uniform"])
+    p.add_argument("--weighting", default="examples", choices=["examples", "uniform"],
+                   help="server average weighted by the clients' sample counts or uniform")
     p.add_argument("--eps", type=float, help="FedExP's eps (fedexp-linreg: 0)")
-    p.add_argument("--eps-mode", default="paper", choices=["paper", "official"])
-    p.add_argument("--eps-decay", type=float, default=1.0)
+    p.add_argument("--eps-mode", default="paper", choices=["paper", "official"],
+                   help="FedExP's eps in the paper's units or the official code's (ALGORITHMS.md)")
+    p.add_argument("--eps-decay", type=float, default=1.0, help="per-round factor on FedExP's eps")
     p.add_argument("--lam", type=float, default=0.85, help="FedACG look-ahead / momentum")
     p.add_argument("--acg-beta", type=float, default=0.01, help="FedACG's local regularizer")
     p.add_argument("--prox-mu", type=float, default=0.01, help="FedProx")
@@ -55,17 +77,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nesterov-momentum", type=float, default=0.1, help="paper 004's b_t (nesterov-fedavg)")
     p.add_argument("--mass-gam", type=float, default=0.1, help="FedMaSS gamma")
     p.add_argument("--mass-eta2", type=float, default=0.0, help="FedMaSS eta2")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--seeds", default="0", help="comma-separated seeds")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"])
-    p.add_argument("--dtype", choices=["float32", "float64"])
-    p.add_argument("--out", help="folder for config.json, metrics.csv, checkpoint.pt and the plots")
+    p.add_argument("--mass-average", default="w", choices=["w", "u"], help="what FedMaSS averages at a "
+                   "synchronization: w (paper 004, App. G) or u (the extrapolated iterate; with eta2 = 0 it equals "
+                   "nesterov-fedavg)")
+    p.add_argument("--target", type=float, help="a train loss; the summary reports the rounds to reach it "
+                   "(default: none)")
+    p.add_argument("--seed", type=int, default=None, help="one seed (overrides --seeds; default: --seeds)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; the summary averages over them")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"],
+                   help="fastagg kernels: auto picks C++ on CPU, Triton on CUDA")
+    p.add_argument("--dtype", choices=["float32", "float64"], help="(default: float64 for fedexp-linreg, float32 "
+                   "otherwise)")
+    p.add_argument("--out", help="folder for config.json, metrics.csv, summary.csv, checkpoint.pt and the plots "
+                   "(default: none, nothing written)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint (with "
                    "the settings its config.json recorded)")
     p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
     return p
 
+
+EPILOG = """\
+Defaults marked "the data set's" come from the data set's paper settings (fedexp-linreg: 20 clients, all
+participate, 20 full-batch local steps, lr 0.1, eps 0, 200 rounds, FedAvg with server lr 10; see
+fastagg/sim/data.py for the others). A run writes metrics.csv (one row per algorithm, seed and round: train loss
+of the reported and last iterate, test loss and accuracy, the server step size eta, the round's wall time
+without checkpoint writing), summary.csv (per algorithm: final train loss and test accuracy, mean and std over
+seeds, rounds to --target, time per round) and loss/accuracy/eta plots. Momentum methods (nesterov-fedavg,
+fedmass) keep each client's momentum state between its rounds: under partial participation a returning client
+continues from stale state.
+"""
 
 # Config fields the flags set (flag dest -> Config field), for --config and --resume
 FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichlet", "model": "model",
@@ -76,7 +117,7 @@ FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichl
                "eps_decay": "eps_decay", "lam": "lam", "acg_beta": "acg_beta", "prox_mu": "prox_mu", "tau": "tau",
                "sps_c": "sps_c", "gamma_b": "gamma_b", "fedexpm_beta": "fedexpm_beta",
                "nesterov_momentum": "nesterov_momentum", "mass_gam": "mass_gam", "mass_eta2": "mass_eta2",
-               "seeds": "seeds", "seed": "seeds", "device": "device", "backend": "backend", "dtype": "dtype"}
+               "mass_average": "mass_average", "target": "target", "seeds": "seeds", "seed": "seeds", "device": "device", "backend": "backend", "dtype": "dtype"}
 
 
 def _seeds(a) -> tuple:
@@ -86,6 +127,22 @@ def _seeds(a) -> tuple:
         return tuple(int(s) for s in a.seeds.split(","))
     except ValueError:
         raise ValueError(f"--seeds {a.seeds!r}: expected comma-separated integers (e.g. 0,1,2)") from None
+
+
+def _read_config(path: str) -> dict:
+    """A JSON file, or TOML when the name ends in .toml (top-level keys = settings)."""
+    try:
+        if path.endswith(".toml"):
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                raise ValueError("TOML needs Python 3.11+ (tomllib); use JSON") from None
+            with open(path, "rb") as f:
+                return tomllib.load(f)
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read --config {path!r}: {e}") from None
 
 
 def _given(argv) -> set:
@@ -101,22 +158,17 @@ def _config(a, argv) -> tuple:
     given on the command line on top."""
     settings = {}
     if a.config:
-        try:
-            with open(a.config) as f:
-                loaded = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read --config {a.config!r}: {e}") from None
-        settings = checked_settings(loaded, f"--config {a.config!r}")
+        settings = checked_settings(_read_config(a.config), f"--config {a.config!r}")
     given = _given(argv)
     flags = dict(dataset=a.dataset, clients=a.clients, dirichlet=a.dirichlet, model=a.model,
-                 algorithms=tuple(a.algorithm.split(",")), rounds=a.rounds, participation=a.participation,
+                 algorithms=tuple(x.strip() for x in a.algorithm.split(",")), rounds=a.rounds, participation=a.participation,
                  local_steps=a.local_steps, batch_size=a.batch_size, lr=a.lr, lr_decay=a.lr_decay,
                  weight_decay=a.weight_decay, clip_norm=a.clip_norm, server_lr=a.server_lr,
                  server_momentum=a.server_momentum, weighting=a.weighting, eps=a.eps, eps_mode=a.eps_mode,
                  eps_decay=a.eps_decay, lam=a.lam, acg_beta=a.acg_beta, prox_mu=a.prox_mu, tau=a.tau,
                  sps_c=a.sps_c, gamma_b=a.gamma_b, fedexpm_beta=a.fedexpm_beta,
                  nesterov_momentum=a.nesterov_momentum, mass_gam=a.mass_gam, mass_eta2=a.mass_eta2,
-                 seeds=_seeds(a), device=a.device, backend=a.backend, dtype=a.dtype, out=a.out)
+                 mass_average=a.mass_average, target=a.target, seeds=_seeds(a), device=a.device, backend=a.backend, dtype=a.dtype, out=a.out)
     explicit = {FLAG_FIELDS[k] for k in given if k in FLAG_FIELDS} | ({"out"} if "out" in given else set())
     merged = {**flags, **{k: v for k, v in settings.items() if k not in explicit}}
     return Config(**merged), explicit

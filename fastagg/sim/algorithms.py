@@ -52,3 +52,49 @@ def resolve(name: str, config) -> Algorithm:
         raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(sorted(ALGORITHMS))}")
     rule, cls, kwargs = ALGORITHMS[name]
     return Algorithm(name, rule, cls, kwargs(config))
+
+
+# Settings one algorithm of a run may override (``fedavg:server_lr=10``): its own hyperparameters and the local
+# training's. What every algorithm of a run shares (data, model, rounds, participation, seeds, device) is not
+# among them, so curves in one run stay comparable.
+PER_ALGORITHM = {"lr": float, "lr_decay": float, "weight_decay": float, "clip_norm": float, "server_lr": float,
+                 "server_momentum": float, "weighting": str, "eps": float, "eps_mode": str, "eps_decay": float,
+                 "fedexpm_beta": float, "lam": float, "acg_beta": float, "prox_mu": float, "tau": float,
+                 "sps_c": float, "gamma_b": float, "nesterov_momentum": float, "mass_gam": float,
+                 "mass_eta2": float, "mass_average": str, "local_steps": int, "batch_size": int}
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"fedavg:server_lr=10:lr=0.05"`` -> ``("fedavg", {"server_lr": 10.0, "lr": 0.05})``; a bare name has no
+    overrides. Unknown algorithms, unknown or shared settings and unparsable values are refused."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"an algorithm must be a non-empty name, got {spec!r}")
+    name, *pairs = spec.strip().split(":")
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(sorted(ALGORITHMS))}")
+    overrides = {}
+    for pair in pairs:
+        key, eq, text = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or not key:
+            raise ValueError(f"algorithm {spec!r}: {pair!r} is not key=value")
+        if key not in PER_ALGORITHM:
+            raise ValueError(f"algorithm {spec!r}: {key!r} cannot be set per algorithm (one of: "
+                             f"{', '.join(sorted(PER_ALGORITHM))})")
+        if key in overrides:
+            raise ValueError(f"algorithm {spec!r}: {key!r} given twice")
+        try:
+            overrides[key] = PER_ALGORITHM[key](text.strip())
+        except ValueError:
+            kind = "an integer" if PER_ALGORITHM[key] is int else "a number"
+            raise ValueError(f"algorithm {spec!r}: {key}={text!r} is not {kind}") from None
+    return name, overrides
+
+
+def configure(spec: str, config, data_defaults: dict | None = None):
+    """(algorithm name, the run's Config for this algorithm): the data set's per-algorithm paper settings fill the
+    settings the run left unset (``None``), then the spec's own overrides apply."""
+    name, overrides = parse_spec(spec)
+    per_alg = (data_defaults or {}).get("algorithms", {}).get(name, {})
+    filled = {k: v for k, v in per_alg.items() if getattr(config, k) is None}
+    return name, dataclasses.replace(config, **{**filled, **overrides})

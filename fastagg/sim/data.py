@@ -48,7 +48,8 @@ class FederatedData:
         y = self.y.to(device) if self.task == "classification" else self.y.to(device, dtype)
         test = {}
         if self.test_x is not None:
-            test = dict(test_x=self.test_x.to(device, dtype), test_y=self.test_y.to(device))
+            test_y = self.test_y.to(device) if self.task == "classification" else self.test_y.to(device, dtype)
+            test = dict(test_x=self.test_x.to(device, dtype), test_y=test_y)
         return dataclasses.replace(self, x=self.x.to(device, dtype), y=y, counts=self.counts.to(device), _samples=None,
                                    **test)
 
@@ -87,7 +88,9 @@ def fedexp_linreg() -> FederatedData:
     x, y, counts = _pad(xs, ys)
     return FederatedData("fedexp-linreg", x, y, counts, "least_squares",
                          defaults=dict(clients=20, participation=1.0, batch_size=0, local_steps=20, lr=0.1, eps=0.0,
-                                       model="linear", rounds=200))
+                                       model="linear", rounds=200,
+                                       # the paper's Table 3 and notebook: FedAvg with server lr 10
+                                       algorithms={"fedavg": dict(server_lr=10.0)}))
 
 
 def synthetic_iid(num_clients: int = 10, alpha: float = 1.0, beta: float = 1.0, seed: int = 0) -> FederatedData:
@@ -204,7 +207,9 @@ DATASETS = {"fedexp-linreg": fedexp_linreg, "synthetic": synthetic, "synthetic-i
 def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int = 0) -> FederatedData:
     """A user's arrays: ``x`` [n, features...] (flattened), ``y`` [n] (integer class labels, or floats for least
     squares), optional ``client`` [n] (each sample's client id, 0..N-1); without it a Dirichlet(alpha) label split
-    over ``num_clients`` (alpha 0: IID; float targets are split IID).
+    over ``num_clients`` (alpha 0: IID; float targets are split IID). Optional ``x_test`` and ``y_test`` (together)
+    are a held-out test set, evaluated every round; optional ``num_classes`` (a scalar) fixes the number of classes
+    (default: the largest label in y or y_test, plus one) and every label must lie below it.
 
     Every array is checked before use; a bad file gets one ValueError naming the array and the problem: finite
     numeric features, labels that are integers >= 0 (classification) or finite floats, client ids that are
@@ -217,24 +222,36 @@ def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int 
             raise ValueError(f"has no array {missing[0]!r} (needs 'x' and 'y', optional 'client')")
         x_raw, y, owner = arrays["x"], np.asarray(arrays["y"]), \
             (np.asarray(arrays["client"]) if "client" in arrays.files else None)
+        if ("x_test" in arrays.files) != ("y_test" in arrays.files):
+            raise ValueError("has only one of 'x_test' and 'y_test' (a test set needs both)")
+        test = (arrays["x_test"], np.asarray(arrays["y_test"])) if "x_test" in arrays.files else None
+        num_classes = np.asarray(arrays["num_classes"]) if "num_classes" in arrays.files else None
     except (OSError, ValueError, EOFError) as e:
         raise ValueError(f"cannot read {where}: {e}") from e
-    if x_raw.dtype.kind not in "iuf" or x_raw.ndim < 1 or len(x_raw) == 0:
-        raise ValueError(f"{where}: 'x' must be a non-empty numeric array [n, features...], got dtype {x_raw.dtype} "
-                         f"shape {x_raw.shape}")
-    x = np.asarray(x_raw, dtype=np.float64).reshape(len(x_raw), -1)
-    if not np.isfinite(x).all():
-        raise ValueError(f"{where}: 'x' holds NaN or Inf (sample {int(np.argwhere(~np.isfinite(x))[0, 0])})")
-    if y.ndim != 1 or len(y) != len(x):
-        raise ValueError(f"{where}: 'y' must be 1-D with one entry per sample ({len(x)}), got shape {y.shape}")
+    x = _features(x_raw, "x", where)
     classification = np.issubdtype(y.dtype, np.integer)
-    if classification and (y < 0).any():
-        raise ValueError(f"{where}: 'y' holds negative class labels (e.g. {int(y[y < 0][0])}); labels are 0..C-1")
-    if not classification:
-        if y.dtype.kind != "f":
-            raise ValueError(f"{where}: 'y' must be integer class labels or float targets, got dtype {y.dtype}")
-        if not np.isfinite(y).all():
-            raise ValueError(f"{where}: 'y' holds NaN or Inf")
+    _check_targets(y, "y", len(x), classification, where)
+    if test is not None:
+        test_x = _features(test[0], "x_test", where)
+        if test_x.shape[1] != x.shape[1]:
+            raise ValueError(f"{where}: 'x_test' has {test_x.shape[1]} features per sample, 'x' {x.shape[1]}")
+        if np.issubdtype(test[1].dtype, np.integer) != classification:
+            raise ValueError(f"{where}: 'y_test' has dtype {test[1].dtype} but 'y' {y.dtype} (both integer class "
+                             "labels or both float targets)")
+        _check_targets(test[1], "y_test", len(test_x), classification, where)
+    n_classes = 0
+    if classification:
+        largest = max(int(y.max()), int(test[1].max()) if test is not None else 0)
+        if num_classes is None:
+            n_classes = largest + 1
+        else:
+            if num_classes.shape != () or not np.issubdtype(num_classes.dtype, np.integer) or int(num_classes) < 1:
+                raise ValueError(f"{where}: 'num_classes' must be one integer >= 1, got {num_classes!r}")
+            n_classes = int(num_classes)
+            for name, labels in (("y", y), ("y_test", test[1] if test is not None else y)):
+                if int(labels.max()) >= n_classes:
+                    raise ValueError(f"{where}: {name!r} holds class label {int(labels.max())}, out of range for "
+                                     f"num_classes = {n_classes} (labels are 0..{n_classes - 1})")
     rng = np.random.RandomState(seed)
     if owner is not None:
         if owner.ndim != 1 or len(owner) != len(x):
@@ -256,9 +273,37 @@ def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int 
     xp, yp, counts = _pad([x[p] for p in parts], [y[p].astype(np.int64 if classification else np.float64)
                                                   for p in parts])
     task = "classification" if classification else "least_squares"
-    return FederatedData(f"npz:{path}", xp, yp, counts, task, num_classes=int(y.max()) + 1 if classification else 0,
+    test_x = test_y = None
+    if test is not None:
+        test_x = torch.from_numpy(_features(test[0], "x_test", where))
+        test_y = torch.from_numpy(test[1].astype(np.int64 if classification else np.float64))
+    return FederatedData(f"npz:{path}", xp, yp, counts, task, num_classes=n_classes,
                          defaults=dict(participation=1.0, batch_size=20, local_steps=5, lr=0.05, rounds=100,
-                                       model="softmax" if classification else "linear"))
+                                       model="softmax" if classification else "linear"),
+                         test_x=test_x, test_y=test_y)
+
+
+def _features(raw: np.ndarray, name: str, where: str) -> np.ndarray:
+    if raw.dtype.kind not in "iuf" or raw.ndim < 1 or len(raw) == 0:
+        raise ValueError(f"{where}: {name!r} must be a non-empty numeric array [n, features...], got dtype "
+                         f"{raw.dtype} shape {raw.shape}")
+    x = np.asarray(raw, dtype=np.float64).reshape(len(raw), -1)
+    if not np.isfinite(x).all():
+        raise ValueError(f"{where}: {name!r} holds NaN or Inf (sample {int(np.argwhere(~np.isfinite(x))[0, 0])})")
+    return x
+
+
+def _check_targets(y: np.ndarray, name: str, n: int, classification: bool, where: str) -> None:
+    if y.ndim != 1 or len(y) != n:
+        raise ValueError(f"{where}: {name!r} must be 1-D with one entry per sample ({n}), got shape {y.shape}")
+    if classification and (y < 0).any():
+        raise ValueError(f"{where}: {name!r} holds negative class labels (e.g. {int(y[y < 0][0])}); labels are "
+                         "0..C-1")
+    if not classification:
+        if y.dtype.kind != "f":
+            raise ValueError(f"{where}: {name!r} must be integer class labels or float targets, got dtype {y.dtype}")
+        if not np.isfinite(y).all():
+            raise ValueError(f"{where}: {name!r} holds NaN or Inf")
 
 
 def load(name: str, *, clients: int | None = None, dirichlet: float | None = None) -> FederatedData:

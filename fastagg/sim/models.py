@@ -3,6 +3,8 @@ mini-batch mean loss and gradient (closed forms with batched matrix products, no
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .data import FederatedData
@@ -36,6 +38,21 @@ class LeastSquares(Model):
     def loss_grad(self, w, x, y, mask):
         r = (torch.bmm(x, w.unsqueeze(2)).squeeze(2) - y) * mask
         return 0.5 * r.square().sum(1), torch.bmm(x.transpose(1, 2), r.unsqueeze(2)).squeeze(2)
+
+    @torch.no_grad()
+    def test_metrics(self, w, x, y):
+        """(mean squared error on a held-out set, NaN: no accuracy for regression)."""
+        return (x @ w - y).square().mean(), torch.tensor(float("nan"))
+
+    def max_stable_lr(self, batch_size: int) -> float:
+        """The local lr above which a gradient step ``w <- w - lr A^T (A w - b)`` expands the error: 2 / the largest
+        curvature. Full batch: the largest eigenvalue of any client's A_i^T A_i. Minibatches: the largest squared
+        sample norm (every batch holding that sample has at least that curvature)."""
+        if batch_size == 0:
+            curvature = float(torch.linalg.matrix_norm(self._a, ord=2).max()) ** 2
+        else:
+            curvature = float(self._a.square().sum(2).max())
+        return 2.0 / curvature if curvature > 0 else math.inf
 
     def _residuals(self, ws):
         """``A_i w - b_i`` for every client and every row of ``ws`` [k, d]: [N, n, k], one read of A."""

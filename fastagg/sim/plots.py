@@ -1,5 +1,6 @@
-"""PNG plots of a run: train loss (log scale) and, when the data set has a test set, test accuracy against the
-round, one line per algorithm: the mean over seeds with a band of +- one standard deviation."""
+"""PNG plots of a run against the round (integer ticks): train loss (log scale), test accuracy when the data set
+has a test set, and the server step size eta; one line per algorithm: the mean over seeds with a band of +- one
+standard deviation."""
 from __future__ import annotations
 
 import math
@@ -13,20 +14,24 @@ def _curves(rows, algorithm, field):
     per_seed = [[r[field] for r in rows if r["algorithm"] == algorithm and r["seed"] == s] for s in seeds]
     n = min(len(c) for c in per_seed)
     arr = np.array([c[:n] for c in per_seed], dtype=float)
-    return np.arange(n), arr.mean(0), arr.std(0)
+    rounds = [r["round"] for r in rows if r["algorithm"] == algorithm and r["seed"] == seeds[0]][:n]
+    return np.array(rounds), arr.mean(0), arr.std(0)
 
 
 def plot(history, out_dir: str) -> list:
-    """Writes ``loss.png`` (and ``accuracy.png`` with a test set) into ``out_dir``; returns the paths."""
+    """Writes ``loss.png``, ``eta.png`` (and ``accuracy.png`` with a test set) into ``out_dir``; returns the
+    paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     algorithms = list(dict.fromkeys(r["algorithm"] for r in history.rows))
     fields = [("train_loss", "train loss (reported model)", True)]
     if any(not math.isnan(r["test_acc"]) for r in history.rows):
         fields.append(("test_acc", "test accuracy", False))
+    fields.append(("eta", "server step size eta", False))
     paths = []
     for field, label, log in fields:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -36,12 +41,13 @@ def plot(history, out_dir: str) -> list:
             ax.fill_between(x, mean - std, mean + std, alpha=0.2)
         if log:
             ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")
         ax.set_ylabel(label)
         ax.set_title(f"{history.config.dataset}: {label}")
         ax.legend()
         fig.tight_layout()
-        path = os.path.join(out_dir, "loss.png" if field == "train_loss" else "accuracy.png")
+        path = os.path.join(out_dir, {"train_loss": "loss.png", "test_acc": "accuracy.png", "eta": "eta.png"}[field])
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)

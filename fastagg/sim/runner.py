@@ -15,7 +15,10 @@ import torch
 from .. import client
 from . import algorithms, data as datasets, models, outdir
 
-METRIC_FIELDS = ["algorithm", "seed", "round", "train_loss", "train_loss_last", "test_loss", "test_acc", "eta"]
+METRIC_FIELDS = ["algorithm", "seed", "round", "train_loss", "train_loss_last", "test_loss", "test_acc", "eta",
+                 "seconds"]
+SUMMARY_FIELDS = ["algorithm", "seeds", "rounds", "train_loss_mean", "train_loss_std", "test_acc_mean",
+                  "test_acc_std", "target", "rounds_to_target_mean", "seeds_reaching_target", "seconds_per_round"]
 
 
 @dataclasses.dataclass
@@ -51,6 +54,8 @@ class Config:
     nesterov_momentum: float = 0.1
     mass_gam: float = 0.1
     mass_eta2: float = 0.0
+    mass_average: str = "w"  # FedMaSS synchronizes w (paper 004, App. G); "u" averages the extrapolated iterate
+    target: float | None = None  # train loss; the summary reports the rounds to reach it
     seeds: tuple = (0,)
     device: str = "cpu"
     backend: str = "auto"
@@ -69,9 +74,41 @@ class Config:
         c.algorithms, c.seeds = tuple(c.algorithms), tuple(c.seeds)
         return c
 
+    def for_algorithm(self, spec: str, data: datasets.FederatedData | None = None) -> tuple[str, "Config"]:
+        """(algorithm name, this run's settings for the algorithm ``spec``): the data set's per-algorithm paper
+        settings where the run left a setting unset, then the spec's own ``key=value`` overrides."""
+        return algorithms.configure(spec, self, data.defaults if data is not None else None)
+
     def check(self, data: datasets.FederatedData | None = None) -> None:
         """Impossible settings fail before any work starts (and before anything is written): ranges, the device,
-        the algorithms, and (with ``data``) whether the model fits the data set."""
+        the algorithms (with their own settings), and (with ``data``) whether the model fits the data set."""
+        if not self.algorithms:
+            raise ValueError("no algorithm to run")
+        if len(set(self.algorithms)) != len(self.algorithms):
+            raise ValueError(f"algorithms given twice: {list(self.algorithms)}")
+        for spec in self.algorithms:
+            name, cfg = self.for_algorithm(spec, data)
+            try:
+                cfg._check_settings()
+            except ValueError as e:
+                raise ValueError(f"{spec}: {e}" if ":" in spec else str(e)) from None
+            algorithms.resolve(name, cfg)
+        if self.target is not None and not (isinstance(self.target, (int, float)) and math.isfinite(self.target)):
+            raise ValueError(f"target must be a finite number, got {self.target!r}")
+        if not self.seeds or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.seeds):
+            raise ValueError(f"seeds must be integers, got {self.seeds!r}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device {self.device!r} is not a device: {e}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: CUDA is not available here")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: the simulator runs on cpu or cuda")
+        if data is not None:
+            models.make(self.model, data)
+
+    def _check_settings(self) -> None:
         if not 0 < self.participation <= 1:
             raise ValueError(f"participation must be in (0, 1], got {self.participation}")
         for name in ("rounds", "local_steps"):
@@ -87,20 +124,10 @@ class Config:
             raise ValueError(f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
-        for name in self.algorithms:
-            algorithms.resolve(name, self)
-        if not self.seeds or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.seeds):
-            raise ValueError(f"seeds must be integers, got {self.seeds!r}")
-        try:
-            device = torch.device(self.device)
-        except RuntimeError as e:
-            raise ValueError(f"device {self.device!r} is not a device: {e}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r}: CUDA is not available here")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device {self.device!r}: the simulator runs on cpu or cuda")
-        if data is not None:
-            models.make(self.model, data)
+        if self.eps_mode not in ("paper", "official"):
+            raise ValueError(f"eps_mode must be 'paper' or 'official', got {self.eps_mode!r}")
+        if self.mass_average not in ("w", "u"):
+            raise ValueError(f"mass_average must be 'w' (paper 004) or 'u', got {self.mass_average!r}")
 
 
 @dataclasses.dataclass
@@ -120,6 +147,30 @@ class History:
             if r["algorithm"] == algorithm and r["seed"] == seed and r[field] <= target:
                 return r["round"]
         return None
+
+
+# client rules whose step is the local lr times a gradient (SPS-type rules pick their own step size)
+_LR_RULES = ("sgd", "prox", "acg", "scaffold", "nesterov", "mass")
+
+
+def check_stable(cfg: Config, data) -> None:
+    """Least squares: refuse a local lr under which every local step expands the error (e.g. npz features or
+    targets on a scale the data set's default lr was not chosen for), with what would work, before any work."""
+    if data.task != "least_squares":
+        return
+    model = models.make(cfg.model, data)
+    for spec in cfg.algorithms:
+        name, c = cfg.for_algorithm(spec, data)
+        if algorithms.ALGORITHMS[name][0] not in _LR_RULES:
+            continue
+        limit = model.max_stable_lr(c.batch_size)
+        if c.lr >= limit:
+            x_scale = float(data.x.abs().max())
+            y_scale = float(data.y.abs().max())
+            raise ValueError(
+                f"{spec}: local lr {c.lr:g} diverges on {data.name}: its local steps need lr < {limit:.3g} (2 / the "
+                f"largest curvature of a client's {'data' if c.batch_size == 0 else 'samples'}; features reach "
+                f"{x_scale:.3g}, targets {y_scale:.3g}). Pass --lr below {limit:.3g} or scale the features")
 
 
 def _full_batch(data, ids):
@@ -143,7 +194,8 @@ def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=Non
     if cfg.batch_size == 0 and alg.client_rule == "sgd" and cfg.weight_decay == 0 and cfg.clip_norm is None and \
             hasattr(model, "local_gd"):
         return model.local_gd(anchor, ids, cfg.local_steps, lr)
-    x = anchor.expand(len(ids), -1).clone()
+    sync_w = alg.client_rule == "mass" and cfg.mass_average == "w"
+    x = _mass_start(cfg, state, ids, anchor) if sync_w else anchor.expand(len(ids), -1).clone()
     full = _full_batch(data, ids) if cfg.batch_size == 0 else None
     for _ in range(cfg.local_steps):
         xb, yb, mask = full if full is not None else _batch(data, ids, cfg.batch_size, gen)
@@ -171,7 +223,29 @@ def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=Non
                 kw["client_ids"] = ids.cpu()
             client.local_step(params=x, grads=grads, lr=lr, prox=prox, control=ctrl, weight_decay=cfg.weight_decay,
                               **kw)
-    return x
+    return _mass_end(state, ids, x) if sync_w else x
+
+
+# FedMaSS as paper 004 synchronizes it (App. G): the server averages each client's w_{t+1} = u_t - eta1 g(u_t),
+# and a client continues from u_{t+1} = wbar + gam (wbar - w_t) + eta2 g(u_t) with its own w_t and g(u_t). Since
+# the client's last step already formed u = w + gam (w - w_t) + eta2 g(u_t) from its own w, the continuation is
+# u' = wbar + gam (wbar - w) + (u - w): the client keeps w (state "mass") and the offset u - w (state
+# "momentum"). A client that skipped rounds continues from its stale w and offset when it next trains (the
+# paper's analysis steps every client every iteration); one that never trained starts at wbar.
+def _mass_start(cfg, state, ids, wbar):
+    """The participants' u at the start of a round from the broadcast wbar; their w_t becomes wbar."""
+    w_prev, offset = state.vector("mass")[ids], state.vector("momentum")[ids]
+    started = state.scalar("mass_started")[ids].to(wbar.dtype)[:, None]
+    u = wbar + started * (cfg.mass_gam * (wbar - w_prev) + offset)
+    state.vector("mass")[ids] = wbar
+    return u
+
+
+def _mass_end(state, ids, u):
+    """After the round's steps: keep the offset u - w, return w (what the server averages)."""
+    w = state.vector("mass")[ids]
+    state.vector("momentum")[ids] = u - w
+    return w
 
 
 def _evaluate(model, data, w, last):
@@ -223,10 +297,11 @@ def run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row=None, on_rou
 
 
 def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, resume, progress) -> str | None:
+    name, cfg = cfg.for_algorithm(algorithm, data)
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     d = data.to(device, dtype)
     model = models.make(cfg.model, d)
-    alg = algorithms.resolve(algorithm, cfg)
+    alg = algorithms.resolve(name, cfg)
     gen = torch.Generator().manual_seed(seed)
     w = model.init(dtype, device) if hasattr(model, "init") else torch.zeros(model.dim, dtype=dtype, device=device)
     opt = alg.server_cls(w, backend=cfg.backend, on_nonfinite="raise", **alg.server_kwargs)
@@ -236,12 +311,12 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
     needs_state = alg.client_rule in ("decsps", "nesterov", "mass", "scaffold")
     state = client.ClientState(n, model.dim, dtype=dtype, device=device) if needs_state else None
 
-    def record(t, eta):
+    def record(t, eta, started):
         eval_w = torch.as_tensor(opt.eval_params())
-        loss, last, test_loss, test_acc = _evaluate(model, d, eval_w, w)
+        loss, last, test_loss, test_acc = _evaluate(model, d, eval_w, w)  # reads back: the round is done
         if on_row:
             on_row(dict(algorithm=algorithm, seed=seed, round=t, train_loss=loss, train_loss_last=last,
-                        test_loss=test_loss, test_acc=test_acc, eta=eta))
+                        test_loss=test_loss, test_acc=test_acc, eta=eta, seconds=time.perf_counter() - started))
         return loss
 
     start = 1
@@ -253,15 +328,16 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         gen.set_state(resume["generator"])
         start = resume["round"] + 1
     else:
-        record(0, float("nan"))
+        record(0, float("nan"), time.perf_counter())
     for t in range(start, cfg.rounds + 1):
+        started = time.perf_counter()
         ids = torch.sort(torch.randperm(n, generator=gen)[:m]).values.to(device)
         anchor = torch.as_tensor(opt.broadcast()).clone()
         lr = cfg.lr * cfg.lr_decay ** (t - 1)
         control = opt.control if alg.client_rule == "scaffold" else None
         x = _local_steps(alg, cfg, model, d, ids, anchor, state, lr, gen, control)
         weights = None
-        if cfg.weighting == "examples" and algorithm not in algorithms.UNWEIGHTED:
+        if cfg.weighting == "examples" and name not in algorithms.UNWEIGHTED:
             weights = d.counts[ids].to(torch.float64)
         extra = ()
         if control is not None:  # SCAFFOLD option II: c_i_new = c_i - c + (w - y_i) / (K lr)
@@ -272,7 +348,7 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
             return f"round {t}: {e}"
         if extra:
             state.vector("control")[ids] += extra[0]
-        loss = record(t, float(opt.last_stats.eta))
+        loss = record(t, float(opt.last_stats.eta), started)
         if on_round:
             on_round(dict(algorithm=algorithm, seed=seed, round=t, params=w.clone(), optimizer=opt.state_dict(),
                           clients=None if state is None else state.state_dict(), generator=gen.get_state()))
@@ -326,6 +402,7 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
     data = datasets.load(config.dataset, clients=config.clients, dirichlet=config.dirichlet)
     cfg = config.resolved(data)
     cfg.check(data)
+    check_stable(cfg, data)
     lock = outdir.claim(cfg.out, resume=resume, overwrite=overwrite) if cfg.out else None
     try:
         ckpt = outdir.load_checkpoint(cfg.out, cfg) if resume else \
@@ -391,11 +468,68 @@ def _run_all(cfg: Config, data, ckpt: dict, verbose: bool) -> History:
         if out_file:
             out_file.close()
     history = History(cfg, rows, stopped)
-    if cfg.out and rows:
-        from .plots import plot
+    if rows:
+        table = summary(history)
+        if verbose:
+            print(format_summary(table), flush=True)
+        if cfg.out:
+            with open(os.path.join(cfg.out, "summary.csv"), "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
+                w.writeheader()
+                w.writerows(table)
+            from .plots import plot
 
-        plot(history, cfg.out)
+            plot(history, cfg.out)
     return history
+
+
+def summary(history: History) -> list:
+    """One row per algorithm: final train loss and test accuracy, mean and (population) std over the seeds that
+    ran; with ``config.target``, the mean rounds to reach a train loss <= target over the seeds that reached it;
+    the mean wall time of a round (round 0, the initial evaluation, excluded)."""
+    out = []
+    target = history.config.target
+    for algorithm in dict.fromkeys(r["algorithm"] for r in history.rows):
+        rows = [r for r in history.rows if r["algorithm"] == algorithm]
+        seeds = list(dict.fromkeys(r["seed"] for r in rows))
+        finals = [[r for r in rows if r["seed"] == s][-1] for s in seeds]
+        loss = torch.tensor([f["train_loss"] for f in finals], dtype=torch.float64)
+        acc = torch.tensor([f["test_acc"] for f in finals], dtype=torch.float64)
+        reached = [history.rounds_to(algorithm, "train_loss", target, s) for s in seeds] if target is not None else []
+        reached = [r for r in reached if r is not None]
+        secs = [float(r["seconds"]) for r in rows if r["round"] > 0 and r.get("seconds") not in (None, "")]
+        out.append(dict(
+            algorithm=algorithm, seeds=len(seeds), rounds=max(f["round"] for f in finals),
+            train_loss_mean=float(loss.mean()), train_loss_std=float(loss.std(unbiased=False)),
+            test_acc_mean=float(acc.mean()), test_acc_std=float(acc.std(unbiased=False)),
+            target=float("nan") if target is None else target,
+            rounds_to_target_mean=sum(reached) / len(reached) if reached else float("nan"),
+            seeds_reaching_target=len(reached) if target is not None else "",
+            seconds_per_round=sum(secs) / len(secs) if secs else float("nan")))
+    return out
+
+
+def format_summary(table: list) -> str:
+    """The summary as an aligned text table."""
+    has_acc = any(math.isfinite(r["test_acc_mean"]) for r in table)
+    has_target = any(math.isfinite(r["target"]) for r in table)
+    head = ["algorithm", "seeds", "rounds", "final train loss"] + (["test accuracy"] if has_acc else []) + \
+        ([f"rounds to loss <= {table[0]['target']:g}"] if has_target else []) + ["s / round"]
+    lines = []
+    for r in table:
+        cells = [r["algorithm"], str(r["seeds"]), str(r["rounds"]),
+                 f"{r['train_loss_mean']:.4g} +- {r['train_loss_std']:.2g}"]
+        if has_acc:
+            cells.append(f"{r['test_acc_mean']:.4f} +- {r['test_acc_std']:.4f}")
+        if has_target:
+            cells.append("never" if not r["seeds_reaching_target"] else
+                         f"{r['rounds_to_target_mean']:.1f} ({r['seeds_reaching_target']}/{r['seeds']} seeds)")
+        cells.append(f"{r['seconds_per_round'] * 1e3:.2f} ms" if r["seconds_per_round"] < 1 else
+                     f"{r['seconds_per_round']:.2f} s")
+        lines.append(cells)
+    widths = [max(len(c) for c in col) for col in zip(head, *lines)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines])
 
 
 def _progress(algorithm, seed, t, total, loss):
