@@ -218,3 +218,25 @@ def test_fedmass_w_sync_keeps_a_skipped_clients_state_stale_and_a_new_client_sta
     wbar = w_first.mean(0)
     _local_steps(alg, cfg, model, data, torch.tensor([1, 2]), wbar, state, 0.05, gen)
     assert torch.equal(state.vector("momentum")[0], offset0)  # client 0 skipped: its offset is stale, kept
+
+
+def test_eval_every_keeps_the_trajectory_and_accounts_every_rounds_time():
+    every = run(Config(dataset="synthetic", algorithms=("fedexp",), rounds=7))
+    sparse = run(Config(dataset="synthetic", algorithms=("fedexp",), rounds=7, eval_every=3))
+    assert [r["round"] for r in sparse.rows] == [0, 3, 6, 7]
+    by_round = {r["round"]: r for r in every.rows}
+    for r in sparse.rows:
+        assert r["train_loss"] == by_round[r["round"]]["train_loss"] and r["eval_seconds"] > 0
+    assert sparse.rows[0]["seconds"] == 0 and all(r["seconds"] > 0 for r in sparse.rows[1:])
+    (row,) = summary(sparse)
+    assert row["seconds_per_round"] == pytest.approx(sum(r["seconds"] for r in sparse.rows) / 7)
+    with pytest.raises(ValueError, match="eval_every must be an integer >= 1"):
+        run(Config(dataset="synthetic", algorithms=("fedexp",), rounds=2, eval_every=0))
+
+
+def test_small_cnn_takes_three_channel_images():
+    d = datasets.cifar_synthetic(num_clients=60, per_client=4, test_size=10)
+    model = models.make("cnn", d)
+    assert model.input_shape == (3, 32, 32) and model.dim == 3 * 8 * 9 + 8 + 8 * 16 * 16 * 10 + 10
+    with pytest.raises(ValueError, match="square images of 1 or 3 channels"):
+        models.make("cnn", datasets.synthetic(num_clients=3))

@@ -55,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="0 = full batch")
     p.add_argument("--lr", type=float, help="local learning rate")
     p.add_argument("--lr-decay", type=float, default=1.0, help="per-round factor on the local lr")
+    p.add_argument("--lr-c", type=float, help="paper 004's decaying lr: local iteration t (counted over all rounds) "
+                   "uses min(lr, LR_C / (1 + t)) (default: none)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="local L2 weight decay")
     p.add_argument("--clip-norm", type=float, help="clip each local gradient to this norm (default: no clipping)")
     p.add_argument("--server-lr", type=float, help="server learning rate (default: the algorithm's: 1 for "
@@ -80,6 +82,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mass-average", default="w", choices=["w", "u"], help="what FedMaSS averages at a "
                    "synchronization: w (paper 004, App. G) or u (the extrapolated iterate; with eta2 = 0 it equals "
                    "nesterov-fedavg)")
+    p.add_argument("--eval-every", type=int, default=1, help="evaluate the model (a metrics row) every this many "
+                   "rounds and after the last")
     p.add_argument("--target", type=float, help="a train loss; the summary reports the rounds to reach it "
                    "(default: none)")
     p.add_argument("--seed", type=int, default=None, help="one seed (overrides --seeds; default: --seeds)")
@@ -101,23 +105,25 @@ EPILOG = """\
 Defaults marked "the data set's" come from the data set's paper settings (fedexp-linreg: 20 clients, all
 participate, 20 full-batch local steps, lr 0.1, eps 0, 200 rounds, FedAvg with server lr 10; see
 fastagg/sim/data.py for the others). A run writes metrics.csv (one row per algorithm, seed and round: train loss
-of the reported and last iterate, test loss and accuracy, the server step size eta, the round's wall time
-without checkpoint writing), summary.csv (per algorithm: final train loss and test accuracy, mean and std over
-seeds, rounds to --target, time per round) and loss/accuracy/eta plots. Momentum methods (nesterov-fedavg,
-fedmass) keep each client's momentum state between its rounds: under partial participation a returning client
-continues from stale state.
+of the reported and last iterate, test loss and accuracy, the server step size eta, the training wall time since
+the previous row and the evaluation's), summary.csv (per algorithm: final train loss and test accuracy, mean and
+std over seeds, rounds to --target, training time per round, time per evaluation) and loss/accuracy/eta plots.
+Momentum methods (nesterov-fedavg, fedmass) keep each client's momentum state between its rounds: under partial
+participation a returning client continues from stale state.
 """
 
 # Config fields the flags set (flag dest -> Config field), for --config and --resume
 FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichlet", "model": "model",
                "algorithm": "algorithms", "rounds": "rounds", "participation": "participation",
                "local_steps": "local_steps", "batch_size": "batch_size", "lr": "lr", "lr_decay": "lr_decay",
+               "lr_c": "lr_c",
                "weight_decay": "weight_decay", "clip_norm": "clip_norm", "server_lr": "server_lr",
                "server_momentum": "server_momentum", "weighting": "weighting", "eps": "eps", "eps_mode": "eps_mode",
                "eps_decay": "eps_decay", "lam": "lam", "acg_beta": "acg_beta", "prox_mu": "prox_mu", "tau": "tau",
                "sps_c": "sps_c", "gamma_b": "gamma_b", "fedexpm_beta": "fedexpm_beta",
                "nesterov_momentum": "nesterov_momentum", "mass_gam": "mass_gam", "mass_eta2": "mass_eta2",
-               "mass_average": "mass_average", "target": "target", "seeds": "seeds", "seed": "seeds", "device": "device", "backend": "backend", "dtype": "dtype"}
+               "mass_average": "mass_average", "target": "target", "eval_every": "eval_every", "seeds": "seeds",
+               "seed": "seeds", "device": "device", "backend": "backend", "dtype": "dtype"}
 
 
 def _seeds(a) -> tuple:
@@ -161,14 +167,17 @@ def _config(a, argv) -> tuple:
         settings = checked_settings(_read_config(a.config), f"--config {a.config!r}")
     given = _given(argv)
     flags = dict(dataset=a.dataset, clients=a.clients, dirichlet=a.dirichlet, model=a.model,
-                 algorithms=tuple(x.strip() for x in a.algorithm.split(",")), rounds=a.rounds, participation=a.participation,
+                 algorithms=tuple(x.strip() for x in a.algorithm.split(",")), rounds=a.rounds,
+                 participation=a.participation,
                  local_steps=a.local_steps, batch_size=a.batch_size, lr=a.lr, lr_decay=a.lr_decay,
+                 lr_c=a.lr_c,
                  weight_decay=a.weight_decay, clip_norm=a.clip_norm, server_lr=a.server_lr,
                  server_momentum=a.server_momentum, weighting=a.weighting, eps=a.eps, eps_mode=a.eps_mode,
                  eps_decay=a.eps_decay, lam=a.lam, acg_beta=a.acg_beta, prox_mu=a.prox_mu, tau=a.tau,
                  sps_c=a.sps_c, gamma_b=a.gamma_b, fedexpm_beta=a.fedexpm_beta,
                  nesterov_momentum=a.nesterov_momentum, mass_gam=a.mass_gam, mass_eta2=a.mass_eta2,
-                 mass_average=a.mass_average, target=a.target, seeds=_seeds(a), device=a.device, backend=a.backend, dtype=a.dtype, out=a.out)
+                 mass_average=a.mass_average, target=a.target, eval_every=a.eval_every, seeds=_seeds(a),
+                 device=a.device, backend=a.backend, dtype=a.dtype, out=a.out)
     explicit = {FLAG_FIELDS[k] for k in given if k in FLAG_FIELDS} | ({"out"} if "out" in given else set())
     merged = {**flags, **{k: v for k, v in settings.items() if k not in explicit}}
     return Config(**merged), explicit

@@ -57,7 +57,8 @@ def resolve(name: str, config) -> Algorithm:
 # Settings one algorithm of a run may override (``fedavg:server_lr=10``): its own hyperparameters and the local
 # training's. What every algorithm of a run shares (data, model, rounds, participation, seeds, device) is not
 # among them, so curves in one run stay comparable.
-PER_ALGORITHM = {"lr": float, "lr_decay": float, "weight_decay": float, "clip_norm": float, "server_lr": float,
+PER_ALGORITHM = {"lr": float, "lr_decay": float, "lr_c": float, "weight_decay": float, "clip_norm": float,
+                 "server_lr": float,
                  "server_momentum": float, "weighting": str, "eps": float, "eps_mode": str, "eps_decay": float,
                  "fedexpm_beta": float, "lam": float, "acg_beta": float, "prox_mu": float, "tau": float,
                  "sps_c": float, "gamma_b": float, "nesterov_momentum": float, "mass_gam": float,

@@ -157,10 +157,11 @@ def dirichlet_split(labels: np.ndarray, num_clients: int, alpha: float, rng: np.
 
 
 def digits(num_clients: int = 20, alpha: float = 0.3, seed: int = 0, test_fraction: float = 0.2,
-           min_size: int = 8) -> FederatedData:
+           min_size: int = 8, label_noise: float = 0.0) -> FederatedData:
     """scikit-learn's bundled digits (1797 8x8 images, 10 classes; no download), pixels scaled to [0, 1]; a
     stratified ``test_fraction`` is held out, the rest split across clients by a Dirichlet(alpha) label partition
-    (alpha = 0.3 as in the FedExP/FedACG experiments)."""
+    (alpha = 0.3 as in the FedExP/FedACG experiments). ``label_noise``: the fraction of training labels replaced by
+    another class drawn uniformly (the test labels stay clean), so no model interpolates the training set."""
     from sklearn.datasets import load_digits
 
     ds = load_digits()
@@ -169,9 +170,13 @@ def digits(num_clients: int = 20, alpha: float = 0.3, seed: int = 0, test_fracti
     test = np.concatenate([rng.permutation(np.flatnonzero(y == c))[: int(round(test_fraction * (y == c).sum()))]
                            for c in range(10)])
     train = np.setdiff1d(np.arange(len(y)), test)
+    if label_noise:
+        y = y.copy()
+        flip = train[rng.permutation(len(train))[: int(round(label_noise * len(train)))]]
+        y[flip] = (y[flip] + rng.randint(1, 10, len(flip))) % 10
     parts = dirichlet_split(y[train], num_clients, alpha, rng, min_size)
     xp, yp, counts = _pad([x[train][p] for p in parts], [y[train][p] for p in parts])
-    return FederatedData("digits", xp, yp, counts, "classification", num_classes=10,
+    return FederatedData("digits-noisy" if label_noise else "digits", xp, yp, counts, "classification", num_classes=10,
                          defaults=dict(participation=0.25, batch_size=20, local_steps=5, lr=0.05, model="mlp",
                                        rounds=300),
                          test_x=torch.from_numpy(x[test]), test_y=torch.from_numpy(y[test]))
@@ -200,8 +205,31 @@ def cifar_synthetic(num_clients: int = 1000, per_client: int = 50, seed: int = 0
                          test_x=x[train:], test_y=y[train:])
 
 
+def digits_noisy(num_clients: int = 20, alpha: float = 0.3, seed: int = 0) -> FederatedData:
+    """``digits`` with 20% of the training labels replaced by another class (paper 003's non-interpolating case)."""
+    return digits(num_clients, alpha, seed, label_noise=0.2)
+
+
+def w8a_like(num_clients: int = 1, num_samples: int = 20_000, num_features: int = 300, density: float = 0.04,
+             seed: int = 0) -> FederatedData:
+    """A stand-in for LIBSVM's w8a (paper 004's speedup study; no download here): ``num_samples`` sparse binary
+    feature vectors (300 features, ~4% ones, as w8a's), labels from a random logistic teacher (so the optimum is
+    not at zero loss), split IID over ``num_clients``; binary logistic regression as a 2-class softmax."""
+    rng = np.random.RandomState(seed)
+    x = (rng.rand(num_samples, num_features) < density).astype(np.float64)
+    teacher = rng.randn(num_features) * 2.0
+    p = 1.0 / (1.0 + np.exp(-(x @ teacher - np.median(x @ teacher))))
+    y = (rng.rand(num_samples) < p).astype(np.int64)
+    parts = np.array_split(rng.permutation(num_samples), num_clients)
+    xp, yp, counts = _pad([x[i] for i in parts], [y[i] for i in parts])
+    return FederatedData("w8a-like", xp, yp, counts, "classification", num_classes=2,
+                         defaults=dict(participation=1.0, batch_size=4, local_steps=5, lr=0.5, model="softmax",
+                                       rounds=400))
+
+
 DATASETS = {"fedexp-linreg": fedexp_linreg, "synthetic": synthetic, "synthetic-iid": synthetic_iid,
-            "quadratic": quadratic, "digits": digits, "cifar-synthetic": cifar_synthetic}
+            "quadratic": quadratic, "digits": digits, "digits-noisy": digits_noisy,
+            "cifar-synthetic": cifar_synthetic, "w8a-like": w8a_like}
 
 
 def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int = 0) -> FederatedData:
@@ -327,7 +355,7 @@ def load(name: str, *, clients: int | None = None, dirichlet: float | None = Non
         else:
             kwargs["num_clients"] = clients
     if dirichlet is not None:
-        if name != "digits":
+        if name not in ("digits", "digits-noisy"):
             raise ValueError(f"--dirichlet applies to digits and npz data only, not {name}")
         kwargs["alpha"] = dirichlet
     return DATASETS[name](**kwargs)

@@ -251,14 +251,18 @@ class Functional(Model):
 
 
 def SmallCNN(data: FederatedData, seed: int = 0) -> Functional:
-    """conv 3x3 (8 channels) - ReLU - max-pool 2 - linear, for square single-channel images (digits: 8x8)."""
-    side = int(round(data.num_features ** 0.5))
-    if side * side != data.num_features:
-        raise ValueError(f"model 'cnn' needs square single-channel images; {data.name} has {data.num_features} features")
+    """conv 3x3 (8 channels) - ReLU - max-pool 2 - linear, for square images of one channel (digits: 8x8) or three
+    (channels first: CIFAR-shaped 32x32x3)."""
+    channels = next((c for c in (1, 3) if data.num_features % c == 0 and
+                     round((data.num_features // c) ** 0.5) ** 2 == data.num_features // c), None)
+    if channels is None:
+        raise ValueError(f"model 'cnn' needs square images of 1 or 3 channels; {data.name} has {data.num_features} "
+                         "features")
+    side = round((data.num_features // channels) ** 0.5)
     torch.manual_seed(seed)
-    net = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+    net = torch.nn.Sequential(torch.nn.Conv2d(channels, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
                               torch.nn.Flatten(), torch.nn.Linear(8 * (side // 2) ** 2, data.num_classes))
-    return Functional(data, net, (1, side, side))
+    return Functional(data, net, (channels, side, side))
 
 
 def pfl_cnn_module(in_channels: int = 3, side: int = 32, num_classes: int = 10, seed: int = 0) -> torch.nn.Module:

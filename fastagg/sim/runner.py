@@ -15,10 +15,13 @@ import torch
 from .. import client
 from . import algorithms, data as datasets, models, outdir
 
+# seconds: training wall time (local steps and server step) of the rounds since the previous row; eval_seconds:
+# this row's evaluation (train loss of the reported and last iterate over all clients' data, test metrics)
 METRIC_FIELDS = ["algorithm", "seed", "round", "train_loss", "train_loss_last", "test_loss", "test_acc", "eta",
-                 "seconds"]
+                 "seconds", "eval_seconds"]
 SUMMARY_FIELDS = ["algorithm", "seeds", "rounds", "train_loss_mean", "train_loss_std", "test_acc_mean",
-                  "test_acc_std", "target", "rounds_to_target_mean", "seeds_reaching_target", "seconds_per_round"]
+                  "test_acc_std", "target", "rounds_to_target_mean", "seeds_reaching_target", "seconds_per_round",
+                  "eval_seconds"]
 
 
 @dataclasses.dataclass
@@ -36,6 +39,7 @@ class Config:
     batch_size: int | None = None  # 0: full batch
     lr: float | None = None
     lr_decay: float = 1.0  # per round
+    lr_c: float | None = None  # paper 004's schedule: local iteration t (over all rounds) uses min(lr, lr_c / (1 + t))
     weight_decay: float = 0.0
     clip_norm: float | None = None
     server_lr: float | None = None
@@ -56,6 +60,7 @@ class Config:
     mass_eta2: float = 0.0
     mass_average: str = "w"  # FedMaSS synchronizes w (paper 004, App. G); "u" averages the extrapolated iterate
     target: float | None = None  # train loss; the summary reports the rounds to reach it
+    eval_every: int = 1  # evaluate (and write a metrics row) every this many rounds, and after the last
     seeds: tuple = (0,)
     device: str = "cpu"
     backend: str = "auto"
@@ -111,7 +116,7 @@ class Config:
     def _check_settings(self) -> None:
         if not 0 < self.participation <= 1:
             raise ValueError(f"participation must be in (0, 1], got {self.participation}")
-        for name in ("rounds", "local_steps"):
+        for name in ("rounds", "local_steps", "eval_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.batch_size < 0:
@@ -124,6 +129,9 @@ class Config:
             raise ValueError(f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
+        if self.lr_c is not None and not (isinstance(self.lr_c, (int, float)) and math.isfinite(self.lr_c)
+                                          and self.lr_c > 0):
+            raise ValueError(f"lr_c must be a finite number > 0, got {self.lr_c!r}")
         if self.eps_mode not in ("paper", "official"):
             raise ValueError(f"eps_mode must be 'paper' or 'official', got {self.eps_mode!r}")
         if self.mass_average not in ("w", "u"):
@@ -189,15 +197,17 @@ def _batch(data, ids, batch_size, gen):
 
 
 def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=None):
-    """cfg.local_steps fused steps of every participant at once, from ``anchor``; returns their models [M, d]."""
+    """cfg.local_steps fused steps of every participant at once, from ``anchor``; returns their models [M, d].
+    ``lr``: one local lr for the round, or a list of one per local step."""
     kw = dict(backend=cfg.backend, clip_norm=cfg.clip_norm)
-    if cfg.batch_size == 0 and alg.client_rule == "sgd" and cfg.weight_decay == 0 and cfg.clip_norm is None and \
-            hasattr(model, "local_gd"):
+    lrs = lr if isinstance(lr, list) else [lr] * cfg.local_steps
+    if not isinstance(lr, list) and cfg.batch_size == 0 and alg.client_rule == "sgd" and cfg.weight_decay == 0 and \
+            cfg.clip_norm is None and hasattr(model, "local_gd"):
         return model.local_gd(anchor, ids, cfg.local_steps, lr)
     sync_w = alg.client_rule == "mass" and cfg.mass_average == "w"
     x = _mass_start(cfg, state, ids, anchor) if sync_w else anchor.expand(len(ids), -1).clone()
     full = _full_batch(data, ids) if cfg.batch_size == 0 else None
-    for _ in range(cfg.local_steps):
+    for lr in lrs:
         xb, yb, mask = full if full is not None else _batch(data, ids, cfg.batch_size, gen)
         losses, grads = model.loss_grad(x, xb, yb, mask)
         rule = alg.client_rule
@@ -311,15 +321,21 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
     needs_state = alg.client_rule in ("decsps", "nesterov", "mass", "scaffold")
     state = client.ClientState(n, model.dim, dtype=dtype, device=device) if needs_state else None
 
-    def record(t, eta, started):
+    train_s = 0.0  # training time since the last row
+
+    def record(t, eta):
+        nonlocal train_s
+        started = time.perf_counter()
         eval_w = torch.as_tensor(opt.eval_params())
-        loss, last, test_loss, test_acc = _evaluate(model, d, eval_w, w)  # reads back: the round is done
+        loss, last, test_loss, test_acc = _evaluate(model, d, eval_w, w)
         if on_row:
             on_row(dict(algorithm=algorithm, seed=seed, round=t, train_loss=loss, train_loss_last=last,
-                        test_loss=test_loss, test_acc=test_acc, eta=eta, seconds=time.perf_counter() - started))
+                        test_loss=test_loss, test_acc=test_acc, eta=eta, seconds=train_s,
+                        eval_seconds=time.perf_counter() - started))
+        train_s = 0.0
         return loss
 
-    start = 1
+    start, loss = 1, float("nan")
     if resume is not None:
         w.copy_(resume["params"])
         opt.load_state_dict(resume["optimizer"])
@@ -327,13 +343,17 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
             state.load_state_dict(resume["clients"])
         gen.set_state(resume["generator"])
         start = resume["round"] + 1
+        train_s = resume.get("train_seconds", 0.0)
     else:
-        record(0, float("nan"), time.perf_counter())
+        loss = record(0, float("nan"))
     for t in range(start, cfg.rounds + 1):
         started = time.perf_counter()
         ids = torch.sort(torch.randperm(n, generator=gen)[:m]).values.to(device)
         anchor = torch.as_tensor(opt.broadcast()).clone()
         lr = cfg.lr * cfg.lr_decay ** (t - 1)
+        if cfg.lr_c is not None:
+            first = (t - 1) * cfg.local_steps
+            lr = [min(lr, cfg.lr_c / (1 + first + k)) for k in range(cfg.local_steps)]
         control = opt.control if alg.client_rule == "scaffold" else None
         x = _local_steps(alg, cfg, model, d, ids, anchor, state, lr, gen, control)
         weights = None
@@ -341,20 +361,25 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
             weights = d.counts[ids].to(torch.float64)
         extra = ()
         if control is not None:  # SCAFFOLD option II: c_i_new = c_i - c + (w - y_i) / (K lr)
-            extra = ((anchor - x) / (cfg.local_steps * lr) - control,)
+            extra = ((anchor - x) / (sum(lr) if isinstance(lr, list) else cfg.local_steps * lr) - control,)
         try:
             opt.step(x - anchor, *extra, weights=weights)
         except ValueError as e:
             return f"round {t}: {e}"
         if extra:
             state.vector("control")[ids] += extra[0]
-        loss = record(t, float(opt.last_stats.eta), started)
+        eta = float(opt.last_stats.eta)  # a read-back: the round's device work is done
+        train_s += time.perf_counter() - started
+        evaluated = t % cfg.eval_every == 0 or t == cfg.rounds
+        if evaluated:
+            loss = record(t, eta)
         if on_round:
             on_round(dict(algorithm=algorithm, seed=seed, round=t, params=w.clone(), optimizer=opt.state_dict(),
-                          clients=None if state is None else state.state_dict(), generator=gen.get_state()))
+                          clients=None if state is None else state.state_dict(), generator=gen.get_state(),
+                          train_seconds=train_s))
         if progress:
             progress(algorithm, seed, t, cfg.rounds, loss)
-        if not math.isfinite(loss):
+        if evaluated and not math.isfinite(loss):
             return f"round {t}: the training loss is {loss}"
     return None
 
@@ -485,8 +510,8 @@ def _run_all(cfg: Config, data, ckpt: dict, verbose: bool) -> History:
 
 def summary(history: History) -> list:
     """One row per algorithm: final train loss and test accuracy, mean and (population) std over the seeds that
-    ran; with ``config.target``, the mean rounds to reach a train loss <= target over the seeds that reached it;
-    the mean wall time of a round (round 0, the initial evaluation, excluded)."""
+    ran; with ``config.target``, the mean rounds to reach a train loss <= target (at an evaluated round) over the
+    seeds that reached it; the training wall time per round and the wall time of one evaluation."""
     out = []
     target = history.config.target
     for algorithm in dict.fromkeys(r["algorithm"] for r in history.rows):
@@ -497,7 +522,10 @@ def summary(history: History) -> list:
         acc = torch.tensor([f["test_acc"] for f in finals], dtype=torch.float64)
         reached = [history.rounds_to(algorithm, "train_loss", target, s) for s in seeds] if target is not None else []
         reached = [r for r in reached if r is not None]
-        secs = [float(r["seconds"]) for r in rows if r["round"] > 0 and r.get("seconds") not in (None, "")]
+        timed = [r for r in rows if r.get("seconds") not in (None, "")]
+        train_s = sum(float(r["seconds"]) for r in timed)
+        timed_rounds = sum(f["round"] for f in finals) if len(timed) == len(rows) else 0
+        evals = [float(r["eval_seconds"]) for r in timed if r.get("eval_seconds") not in (None, "")]
         out.append(dict(
             algorithm=algorithm, seeds=len(seeds), rounds=max(f["round"] for f in finals),
             train_loss_mean=float(loss.mean()), train_loss_std=float(loss.std(unbiased=False)),
@@ -505,8 +533,13 @@ def summary(history: History) -> list:
             target=float("nan") if target is None else target,
             rounds_to_target_mean=sum(reached) / len(reached) if reached else float("nan"),
             seeds_reaching_target=len(reached) if target is not None else "",
-            seconds_per_round=sum(secs) / len(secs) if secs else float("nan")))
+            seconds_per_round=train_s / timed_rounds if timed_rounds else float("nan"),
+            eval_seconds=sum(evals) / len(evals) if evals else float("nan")))
     return out
+
+
+def _duration(seconds: float) -> str:
+    return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def format_summary(table: list) -> str:
@@ -514,7 +547,7 @@ def format_summary(table: list) -> str:
     has_acc = any(math.isfinite(r["test_acc_mean"]) for r in table)
     has_target = any(math.isfinite(r["target"]) for r in table)
     head = ["algorithm", "seeds", "rounds", "final train loss"] + (["test accuracy"] if has_acc else []) + \
-        ([f"rounds to loss <= {table[0]['target']:g}"] if has_target else []) + ["s / round"]
+        ([f"rounds to loss <= {table[0]['target']:g}"] if has_target else []) + ["training / round", "evaluation"]
     lines = []
     for r in table:
         cells = [r["algorithm"], str(r["seeds"]), str(r["rounds"]),
@@ -524,8 +557,7 @@ def format_summary(table: list) -> str:
         if has_target:
             cells.append("never" if not r["seeds_reaching_target"] else
                          f"{r['rounds_to_target_mean']:.1f} ({r['seeds_reaching_target']}/{r['seeds']} seeds)")
-        cells.append(f"{r['seconds_per_round'] * 1e3:.2f} ms" if r["seconds_per_round"] < 1 else
-                     f"{r['seconds_per_round']:.2f} s")
+        cells += [_duration(r["seconds_per_round"]), _duration(r["eval_seconds"])]
         lines.append(cells)
     widths = [max(len(c) for c in col) for col in zip(head, *lines)]
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
