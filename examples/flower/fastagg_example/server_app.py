@@ -45,7 +45,7 @@ def run(grid: Grid, config) -> dict:
     strategy = make_strategy(name, config)
     t0 = time.time()
     result = strategy.start(grid=grid, initial_arrays=initial_arrays(model),
-                            num_rounds=int(cfg(config, "num-server-rounds")), timeout=120)
+                            num_rounds=int(cfg(config, "num-server-rounds")), timeout=600)
     final = {k: a.numpy() for k, a in result.arrays.items()}
     summary = {
         "strategy": name, "model": model,
