@@ -149,7 +149,7 @@ def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows
 
 
 def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool,
-         mean_out=None, eval_out=None):
+         mean_out=None, eval_out=None, group=None):
     check_on_nonfinite(on_nonfinite)
     rows, p, name = prepare(deltas, models, params)
     cdt = round_dtype(rows.dtype, None if p is None else p.dtype)
@@ -164,8 +164,14 @@ def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: 
     if writes:
         check_writes(writes, round_reads(rows))
     backend = resolve(backend_name, rows.device)
-    stats = client_stats(rows, weights, backend, name=name, mean_out=mean_buf, sync=on_nonfinite == "raise",
-                         mean_dtype=cdt)
+    if group is None:
+        stats = client_stats(rows, weights, backend, name=name, mean_out=mean_buf, sync=on_nonfinite == "raise",
+                             mean_dtype=cdt)
+    else:  # the clients of every rank of a torch.distributed group (fastagg.distributed)
+        from .distributed import all_stats
+
+        stats = all_stats(rows, weights, backend, group=group, name=name, mean_out=mean_buf,
+                          sync=on_nonfinite == "raise", mean_dtype=cdt)
     eta = eta_rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
     return apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite, backend=backend,
                              eval_buf=eval_buf, models=name == "models")
@@ -189,7 +195,8 @@ def fixed_rule(lr: Any) -> Callable:
 
 @share_docs
 def fedexp_step(deltas=None, eps=None, *, models=None, weights=None, params=None, eps_mode: str = "paper",
-                on_nonfinite: str = "raise", backend: str = "auto", mean_out=None, eval_out=None) -> RoundResult:
+                on_nonfinite: str = "raise", backend: str = "auto", mean_out=None, eval_out=None,
+                group=None) -> RoundResult:
     """One FedExP server step (Jhunjhunwala et al., ICLR 2023, Algorithm 1, eq. 9)::
 
         mean   = sum_i p_i delta_i
@@ -208,6 +215,8 @@ def fedexp_step(deltas=None, eps=None, *, models=None, weights=None, params=None
         {backend}
         {mean_out}
         eval_out: optional preallocated flat buffer (``params``' dtype, d elements) for ``eval_params``.
+        group: a torch.distributed process group whose ranks each hold some of the round's clients: the statistics
+            are reduced over all of them and every rank takes the same step (:mod:`fastagg.distributed`).
 
     Returns:
         :class:`RoundResult` with ``eta``, ``update``, ``mean``, ``sq_norms``, ``mean_sq_norm``, ``avg_sq_norm``,
@@ -223,12 +232,12 @@ def fedexp_step(deltas=None, eps=None, *, models=None, weights=None, params=None
     """
     rule = fedexp_rule(eps, eps_mode)
     return _run(deltas, models, weights, params, on_nonfinite, backend, rule, want_eval=True, mean_out=mean_out,
-                eval_out=eval_out)
+                eval_out=eval_out, group=group)
 
 
 @share_docs
 def fedavg_step(deltas=None, lr: float = 1.0, *, models=None, weights=None, params=None,
-                on_nonfinite: str = "raise", backend: str = "auto", mean_out=None) -> RoundResult:
+                on_nonfinite: str = "raise", backend: str = "auto", mean_out=None, group=None) -> RoundResult:
     """One FedAvg server step::
 
         mean   = sum_i p_i delta_i
@@ -245,6 +254,8 @@ def fedavg_step(deltas=None, lr: float = 1.0, *, models=None, weights=None, para
         {on_nonfinite}
         {backend}
         {mean_out}
+        group: a torch.distributed process group whose ranks each hold some of the round's clients
+            (:mod:`fastagg.distributed`).
 
     {numerics}
 
@@ -253,7 +264,7 @@ def fedavg_step(deltas=None, lr: float = 1.0, *, models=None, weights=None, para
         fastagg.fedavg_step(deltas, lr=1.0, weights=num_examples, params=w)
     """
     return _run(deltas, models, weights, params, on_nonfinite, backend, fixed_rule(lr), want_eval=False,
-                mean_out=mean_out)
+                mean_out=mean_out, group=group)
 
 
 def step_from_sums(weighted_sum, weighted_sq_norm_sum, total_weight, num_clients, *, eta_rule: Callable,

@@ -56,10 +56,11 @@ class ServerOptimizer:
     Subclasses define ``_hyper`` (the hyperparameters a checkpoint carries) and ``_round(stats)``.
     """
 
-    def __init__(self, params: Any, *, backend: str = "auto", on_nonfinite: str = "raise"):
+    def __init__(self, params: Any, *, backend: str = "auto", on_nonfinite: str = "raise", group: Any = None):
         if isinstance(params, Iterator):  # model.parameters()
             params = list(params)
         check_on_nonfinite(on_nonfinite)
+        self.group = group  # torch.distributed group: each rank steps on the statistics of every rank's clients
         self._p: ParamRows = param_rows(params)
         self.layout = self._p.form
         self.device = self._p.device
@@ -223,6 +224,8 @@ class ServerOptimizer:
     def _stats(self, deltas: Any, weights: Any, name: str = "deltas", base: Any = None) -> RoundStats:
         aux, aux_coef = self._aux()
         if isinstance(deltas, Accumulator):
+            if self.group is not None:
+                raise TypeError("group= does not take an Accumulator yet: pass the rank's client updates")
             if weights is not None:
                 raise TypeError("weights= does not apply to an Accumulator: pass weights to its add()")
             if deltas.device != self.device:
@@ -243,6 +246,13 @@ class ServerOptimizer:
             raise ValueError(f"{name} have {rows.numel} elements per client; the optimizer's params have "
                              f"{self._p.segments.numel}")
         check_writes(self._written(), round_reads(rows))
+        if self.group is not None:  # fastagg.distributed: the clients of every rank
+            from .distributed import all_stats
+
+            return all_stats(rows, weights, self._backend, group=self.group, name=name, aux=aux, aux_coef=aux_coef,
+                             sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
+                             mean_out=self._mean_buffer(name, self._cdt, rows.numel),
+                             scratch=self._mean_buffer("norm scratch", self._cdt, rows.numel))
         return client_stats(rows, weights, self._backend, name=name, aux=aux, aux_coef=aux_coef,
                             sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
                             mean_out=self._mean_buffer(name, self._cdt, rows.numel))

@@ -1,0 +1,137 @@
+"""Client-parallel server steps on torch.distributed: each rank holds some clients' updates, the ranks reduce their
+fused statistics, and every rank takes the identical step.
+
+Every fastagg server rule needs only additive quantities of a round: the weighted sum of the updates, the weighted
+sum of their squared norms, the number of clients and whether any is non-finite. So a round whose M clients are
+spread over R ranks is, exactly in exact arithmetic, the round of all M clients::
+
+    p_i  = n_i / sum_j n_j               (over every rank's clients: the weights are gathered, M scalars)
+    mean = sum_r sum_{i on r} p_i x_i     (one stats pass per rank, then one all_reduce of a d-vector)
+    avg_sq = sum_r sum_{i on r} p_i ||x_i||^2,  ||mean||^2 from the reduced mean
+
+Collectives per round, all on the caller's group (torch.distributed itself, no other transport): one all_gather
+of a small header (numel, dtype, clients per rank: mismatched shapes are refused on every rank before any data
+moves), one all_gather of the weights, one all_reduce of the d-vector and one all_gather of the per-client norms
+and finite flags (so every rank knows which global client was bad and all skip or raise together). With one rank
+the step is today's single-process step, bit for bit. With several, the mean's sum runs in the collective's
+order, so results agree with the single-process step to rounding (float32: ~1e-7 relative), and every rank holds
+the same bits. A rank that dies or hangs makes the collectives fail after the group's timeout
+(``init_process_group(timeout=...)``); the error says so and no rank has changed its params.
+
+Use: ``fastagg.server.FedAdam(params, group=group)`` (any server optimizer), or ``group=`` on
+``fastagg.fedexp_step`` / ``fastagg.fedavg_step``. ``clients on rank r`` are numbered after those of ranks < r.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._checks import normalized_weights
+from .passes import RoundStats, run_stats
+from .rows import ClientRows, client_rows, compute_dtype
+
+_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def world_size(group) -> int:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("group= needs an initialized torch.distributed process group (init_process_group)")
+    return dist.get_world_size(group)
+
+
+def _collective(fn, *args, what: str, **kw):
+    try:
+        return fn(*args, **kw)
+    except RuntimeError as e:  # gloo/NCCL: a peer died, closed its connection, or the group timed out
+        raise RuntimeError(f"fastagg.distributed: the {what} across the group failed (a rank died, hung past the "
+                           f"group's timeout, or left): {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
+                           "No params or state were changed.") from e
+
+
+def _gather(t: torch.Tensor, group, what: str) -> list:
+    import torch.distributed as dist
+
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    _collective(dist.all_gather, out, t, group=group, what=what)
+    return out
+
+
+def _device_for(group, device: torch.device) -> torch.device:
+    """Where a collective's tensors live: NCCL moves CUDA tensors only, gloo CPU (or CUDA) ones."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+def _local_weights(weights: Any, m: int) -> tuple[torch.Tensor, str]:
+    """This rank's raw weights as float64 [m] on the host (None: all 1), or a reason they cannot be read. Values
+    are checked after the gather, on every rank alike, so that a bad weight makes every rank raise together."""
+    if weights is None:
+        return torch.ones(m, dtype=torch.float64), ""
+    try:
+        w = weights.detach().to("cpu", torch.float64) if isinstance(weights, torch.Tensor) else \
+            torch.as_tensor(weights, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as e:
+        return torch.zeros(m, dtype=torch.float64), f"weights must be numbers ({e})"
+    if tuple(w.shape) != (m,):
+        return torch.zeros(m, dtype=torch.float64), f"weights must have shape ({m},), got {tuple(w.shape)}"
+    return w, ""
+
+
+def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=None, aux_coef: float = 0.0,
+              mean_out=None, sync: bool = True, mean_dtype: torch.dtype | None = None,
+              scratch: torch.Tensor | None = None) -> RoundStats:
+    """The round's statistics over every rank's clients (see the module docstring); the same on every rank.
+    Weights given as None count 1 for each client (uniform over all ranks' clients). ``scratch``: a d-vector of the
+    mean's dtype the norm pass may write (a server optimizer passes a reused one: a fresh one page-faults)."""
+    import torch.distributed as dist
+
+    from .passes import client_stats
+
+    if world_size(group) == 1:
+        return client_stats(rows, weights, backend, name=name, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
+                            sync=sync, mean_dtype=mean_dtype)
+    dev, m = rows.device, rows.num_clients
+    cdev = _device_for(group, dev)
+    dtype = mean_dtype or compute_dtype(rows.dtype)
+    local_w, problem = _local_weights(weights, m)
+    # what every rank must agree on, gathered before any data moves
+    header = torch.tensor([rows.numel, _DTYPES.index(dtype), m, int(bool(problem)), int(rows.buffers is not None)],
+                          dtype=torch.int64, device=cdev)
+    headers = [h.tolist() for h in _gather(header, group, "shape check")]
+    rank = dist.get_rank(group)
+    if len({(h[0], h[1]) for h in headers}) > 1:
+        shown = ", ".join(f"rank {r}: {h[0]} elements of {_DTYPES[h[1]]}" for r, h in enumerate(headers))
+        raise ValueError(f"the ranks' {name} differ in size or dtype ({shown}); nothing was updated")
+    bad_ranks = [r for r, h in enumerate(headers) if h[3]]
+    if bad_ranks:
+        raise ValueError(problem if problem else f"rank {bad_ranks[0]}'s weights cannot be read; nothing was updated")
+    if any(h[4] for h in headers):
+        raise ValueError("group= does not average model buffers (BatchNorm statistics) yet: pass parameters only")
+    counts = [h[2] for h in headers]
+    total, top, first = sum(counts), max(counts), sum(counts[:rank])
+    padded = torch.zeros(top, dtype=torch.float64, device=cdev)
+    padded[:m] = local_w.to(cdev)
+    every = torch.cat([g[:c].cpu() for g, c in zip(_gather(padded, group, "weights gather"), counts)])
+    # the single-process coefficients of all clients in rank order (raises alike on every rank for a bad weight)
+    coefs_all = normalized_weights(every, total, dev)
+    coefs = coefs_all[first:first + m].contiguous()
+    partial, sq, bad, _ = run_stats(rows, coefs, backend, mean_out=mean_out, mean_dtype=dtype)
+    moved = partial if cdev == dev else partial.to(cdev)
+    _collective(dist.all_reduce, moved, group=group, what="all_reduce of the mean")
+    mean = partial if moved is partial else partial.copy_(moved)
+    pack = torch.zeros(top, 2, dtype=torch.float64, device=cdev)
+    pack[:m, 0], pack[:m, 1] = sq.to(cdev), bad.to(cdev, torch.float64)
+    gathered = torch.cat([g[:c] for g, c in zip(_gather(pack, group, "norms gather"), counts)]).to(dev)
+    sq_all, bad_all = gathered[:, 0].contiguous(), gathered[:, 1] > 0
+    # ||mean (+ aux_coef aux)||^2 by the same kernel, from identical bits on every rank
+    probe = mean if aux is None else mean + aux_coef * aux.to(mean.dtype)
+    _, probe_sq, _, _ = run_stats(client_rows([probe], name="mean"), torch.ones(1, dtype=torch.float64, device=dev),
+                                  backend, mean_dtype=mean.dtype, mean_out=scratch)
+    stats = RoundStats(mean, sq_all, bad_all, probe_sq[0], (coefs_all * sq_all).sum(), total, rows.form, name)
+    stats.coefs = coefs_all
+    return stats

@@ -1,0 +1,118 @@
+"""What each rank of tests/test_distributed.py runs, and the same computations in one process for the reference
+(``group=None``, rank 0 of 1 holding every client)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import fastagg
+from fastagg import server
+
+TOTAL, DIM, ROUNDS = 8, 1003, 3
+# clients of each rank (uneven on purpose): world size -> split points
+BOUNDS = {1: [0, 8], 2: [0, 3, 8], 4: [0, 1, 3, 6, 8]}
+OPTIMIZERS = {
+    "FedAvg": dict(lr=0.7), "FedAvgM": dict(momentum=0.9), "FedExP": dict(eps=1e-3), "FedExPM": dict(eps=1e-3),
+    "FedACG": dict(), "FedAdam": dict(), "FedYogi": dict(), "FedAdagrad": dict(), "FedAMS": dict(),
+    "Scaffold": dict(num_clients=TOTAL), "ScaffoldExP": dict(num_clients=TOTAL, eps=1e-3),
+}
+
+
+def data(rnd: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + rnd)
+    deltas = (torch.randn(TOTAL, DIM, generator=g, dtype=torch.float64) * 0.1).to(dtype)
+    controls = (torch.randn(TOTAL, DIM, generator=g, dtype=torch.float64) * 0.1).to(dtype)
+    weights = torch.rand(TOTAL, generator=g, dtype=torch.float64) * 50 + 1
+    return deltas, controls, weights
+
+
+def params0(dtype=torch.float32):
+    return torch.randn(DIM, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(dtype)
+
+
+def share(rank: int, world: int) -> slice:
+    b = BOUNDS[world]
+    return slice(b[rank], b[rank + 1])
+
+
+def optimizers(rank: int, world: int, group, dtype=torch.float32) -> dict:
+    """Every server optimizer over ROUNDS rounds on this rank's clients: params and eta after each round."""
+    out = {}
+    sl = share(rank, world)
+    for name, hyper in OPTIMIZERS.items():
+        w = params0(dtype)
+        opt = getattr(server, name)(w, group=group, **hyper)
+        seen = []
+        for rnd in range(ROUNDS):
+            deltas, controls, weights = data(rnd, dtype)
+            if name.startswith("Scaffold"):
+                st = opt.step(deltas[sl], controls[sl], weights=weights[sl])
+            else:
+                st = opt.step(deltas[sl], weights=weights[sl])
+            seen.append((w.clone(), float(st.eta), st.sq_norms.clone(), int(st.num_clients)))
+        out[name] = seen
+    return out
+
+
+def optimizers64(rank, world, group):
+    return optimizers(rank, world, group, torch.float64)
+
+
+def functional(rank: int, world: int, group) -> dict:
+    sl = share(rank, world)
+    deltas, _, weights = data(0)
+    w = params0()
+    res = fastagg.fedexp_step(deltas[sl], eps=1e-3, weights=weights[sl], params=w, group=group)
+    w2 = params0()
+    avg = fastagg.fedavg_step(deltas[sl], lr=1.0, params=w2, group=group)  # uniform weights over all clients
+    return {"fedexp": (w, float(res.eta), res.eval_params.clone(), res.mean.clone()), "fedavg": (w2, float(avg.eta))}
+
+
+def nonfinite(rank: int, world: int, group) -> dict:
+    """Client 5 (on the last rank) is NaN: every rank raises (mode raise) or skips (mode skip) together."""
+    sl = share(rank, world)
+    deltas, _, weights = data(0)
+    deltas[5, 17] = float("nan")
+    out = {}
+    w = params0()
+    try:
+        fastagg.server.FedAdam(w, group=group).step(deltas[sl], weights=weights[sl])
+        out["raise"] = "no error"
+    except ValueError as e:
+        out["raise"] = str(e)
+    out["raise_params_unchanged"] = bool(torch.equal(w, params0()))
+    w = params0()
+    opt = fastagg.server.FedExP(w, eps=1e-3, on_nonfinite="skip", group=group)
+    st = opt.step(deltas[sl], weights=weights[sl])
+    out["skip_finite"] = bool(st.finite)
+    out["skip_params_unchanged"] = bool(torch.equal(w, params0()))
+    out["skip_bad"] = st.nonfinite.nonzero().flatten().tolist()
+    return out
+
+
+def mismatch(rank: int, world: int, group) -> dict:
+    """The last rank's updates have one element more: every rank refuses before any data moves."""
+    dim = DIM + (1 if rank == world - 1 else 0)
+    w = torch.zeros(dim)
+    try:
+        fastagg.fedexp_step(torch.ones(2, dim), eps=1e-3, params=w, group=group)
+        return {"message": "no error"}
+    except ValueError as e:
+        return {"message": str(e), "unchanged": bool(torch.equal(w, torch.zeros(dim)))}
+
+
+def dead_rank(rank: int, world: int, group) -> dict:
+    """The last rank dies before the step: the others get a clear error instead of hanging, params unchanged."""
+    if rank == world - 1:
+        os._exit(3)
+    w = params0()
+    try:
+        fastagg.server.FedAvg(w, group=group).step(data(0)[0][share(rank, world)])
+        return {"message": "no error"}
+    except RuntimeError as e:
+        return {"message": str(e), "unchanged": bool(torch.equal(w, params0()))}
+
+
+CASES = {"optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
+         "mismatch": mismatch, "dead_rank": dead_rank}

@@ -1,0 +1,111 @@
+"""fastagg.distributed on a real torch.distributed group: gloo, 2 and 4 processes on 127.0.0.1 (free ports, bounded
+time, every process ended). Each rank holds some of a round's clients; every rank must take the step of all the
+clients in one process, together."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed_cases import BOUNDS, CASES, ROUNDS, params0
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LIMIT = 120  # seconds for a whole group
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(case: str, world: int, tmp_path) -> list:
+    """Runs ``case`` on ``world`` ranks; returns each rank's result (or raises with the ranks' output)."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "distributed_worker.py"), case, str(tmp_path)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=LIMIT)[0])
+    finally:
+        for p in procs:  # never leave a rank behind
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for r in range(world):
+        path = tmp_path / f"rank{r}.pt"
+        results.append(torch.load(path, weights_only=False) if path.exists() else None)
+    if case != "dead_rank":
+        bad = [r for r, res in enumerate(results) if res is None or "error" in res]
+        assert not bad, "\n".join(f"rank {r}: {results[r]}\n{outputs[r][-2000:]}" for r in bad)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case, rtol, atol", [("optimizers", 1e-5, 2e-6), ("optimizers64", 1e-13, 1e-15)])
+def test_every_server_optimizer_on_r_ranks_equals_one_process(case, rtol, atol, world, tmp_path):
+    """float64: equal to 1e-13; float32: to the rounding of a float32 sum taken in another order (the params are
+    O(1), FedExP's eta up to ~10 amplifies the mean's rounding)."""
+    ranks = spawn(case, world, tmp_path)
+    ref = CASES[case](0, 1, None)
+    for name, rounds in ref.items():
+        for rnd in range(ROUNDS):
+            w_ref, eta_ref, sq_ref, m_ref = rounds[rnd]
+            for r, res in enumerate(ranks):
+                w, eta, sq, m = res[name][rnd]
+                assert m == m_ref == BOUNDS[world][-1]
+                # every rank holds the same bits; they match one process to the sum's rounding
+                assert torch.equal(w, ranks[0][name][rnd][0]), (name, rnd, r)
+                torch.testing.assert_close(w, w_ref, rtol=rtol, atol=atol, msg=f"{name} round {rnd}")
+                assert eta == pytest.approx(eta_ref, rel=rtol * 10)
+                torch.testing.assert_close(sq, sq_ref, rtol=rtol, atol=0)  # per client, gathered
+
+
+def test_one_rank_is_the_single_process_step_bit_for_bit(tmp_path):
+    (only,) = spawn("optimizers", 1, tmp_path)
+    ref = CASES["optimizers"](0, 1, None)
+    for name in ref:
+        for rnd in range(ROUNDS):
+            assert torch.equal(only[name][rnd][0], ref[name][rnd][0]) and only[name][rnd][1] == ref[name][rnd][1]
+
+
+def test_functional_steps_take_a_group(tmp_path):
+    ranks = spawn("functional", 2, tmp_path)
+    ref = CASES["functional"](0, 1, None)
+    for res in ranks:
+        for a, b in zip(res["fedexp"], ref["fedexp"]):
+            if isinstance(b, torch.Tensor):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+            else:
+                assert a == pytest.approx(b, rel=1e-5)
+        torch.testing.assert_close(res["fedavg"][0], ref["fedavg"][0], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_non_finite_client_on_one_rank_stops_every_rank_together(world, tmp_path):
+    for r, res in enumerate(spawn("nonfinite", world, tmp_path)):
+        assert "deltas[5] contain NaN or Inf; nothing was updated" in res["raise"], (r, res)
+        assert res["raise_params_unchanged"] and res["skip_params_unchanged"]
+        assert res["skip_finite"] is False and res["skip_bad"] == [5]
+
+
+def test_mismatched_shapes_are_refused_on_every_rank_before_the_data_moves(tmp_path):
+    for res in spawn("mismatch", 2, tmp_path):
+        assert "differ in size or dtype (rank 0: 1003 elements of torch.float32, rank 1: 1004" in res["message"]
+        assert res["unchanged"]
+
+
+def test_a_dead_rank_ends_the_step_with_a_clear_error_instead_of_a_hang(tmp_path):
+    results = spawn("dead_rank", 2, tmp_path)
+    assert results[1] is None  # it died
+    assert "a rank died" in results[0]["message"] and results[0]["unchanged"]
+    assert params0().numel() > 0
