@@ -20,6 +20,13 @@ the same bits. A rank that dies or hangs makes the collectives fail after the gr
 
 Use: ``fastagg.server.FedAdam(params, group=group)`` (any server optimizer), or ``group=`` on
 ``fastagg.fedexp_step`` / ``fastagg.fedavg_step``. ``clients on rank r`` are numbered after those of ranks < r.
+
+Parameter-sharded (``FedAdam(my_slice, group=group, sharded=True)``, ZeRO-1 style): each rank owns a contiguous
+slice of the flat parameters and of every state buffer, and is given every client's update for its slice (the
+same clients and weights on every rank). The mean of a slice needs no collective; the per-client squared norms
+and ||mean||^2 are sums over slices, so one all_reduce of M + 1 scalars (and the M finite flags) gives every rank
+the round's eta, and each applies the step to its slice. State memory per rank is 1/R of the model's;
+:func:`gather` assembles the full vector when asked (evaluation, checkpoints).
 """
 from __future__ import annotations
 
@@ -135,3 +142,67 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     stats = RoundStats(mean, sq_all, bad_all, probe_sq[0], (coefs_all * sq_all).sum(), total, rows.form, name)
     stats.coefs = coefs_all
     return stats
+
+
+def sharded_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=None, aux_coef: float = 0.0,
+                  mean_out=None, sync: bool = True, mean_dtype: torch.dtype | None = None) -> RoundStats:
+    """Statistics of every client over the whole model when this rank holds one slice of every client's update:
+    the slice's mean locally, the norms and ||mean||^2 summed over the slices (one all_reduce of scalars)."""
+    import torch.distributed as dist
+
+    from .passes import client_stats
+
+    if world_size(group) == 1:
+        return client_stats(rows, weights, backend, name=name, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
+                            sync=sync, mean_dtype=mean_dtype)
+    dev, m = rows.device, rows.num_clients
+    cdev = _device_for(group, dev)
+    local_w, problem = _local_weights(weights, m)
+    # every rank must hold the same clients with the same weights: compared before the data collective
+    header = torch.tensor([m, float(local_w.sum()), float((local_w * torch.arange(1, m + 1)).sum()),
+                           float(bool(problem)), float(rows.buffers is not None)], dtype=torch.float64, device=cdev)
+    headers = [h.tolist() for h in _gather(header, group, "client check")]
+    if any(h[3] for h in headers):
+        raise ValueError(problem or "another rank's weights cannot be read; nothing was updated")
+    if len({tuple(h[:3]) for h in headers}) > 1:
+        shown = ", ".join(f"rank {r}: {int(h[0])} clients, weight sum {h[1]:g}" for r, h in enumerate(headers))
+        raise ValueError(f"sharded ranks must hold the same clients and weights ({shown}); nothing was updated")
+    if any(h[4] for h in headers):
+        raise ValueError("group= does not average model buffers (BatchNorm statistics) yet: pass parameters only")
+    coefs = normalized_weights(local_w, m, dev)
+    mean, sq, bad, msq = run_stats(rows, coefs, backend, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
+                                   mean_dtype=mean_dtype or compute_dtype(rows.dtype))
+    pack = torch.cat([sq, bad.to(torch.float64), msq.reshape(1)]).to(cdev)
+    _collective(dist.all_reduce, pack, group=group, what="all_reduce of the norms")
+    pack = pack.to(dev)
+    sq_all, bad_all, mean_sq = pack[:m].contiguous(), pack[m:2 * m] > 0, pack[2 * m]
+    stats = RoundStats(mean, sq_all, bad_all, mean_sq, (coefs * sq_all).sum(), m, rows.form, name)
+    stats.coefs = coefs
+    return stats
+
+
+def gather(t: torch.Tensor, group) -> torch.Tensor:
+    """The full flat vector from every rank's contiguous slice ``t`` (1-D; slices may differ in length), in rank
+    order, on every rank: the sharded model for evaluation or a checkpoint."""
+    if world_size(group) == 1:
+        return t.detach().reshape(-1).clone()
+    flat = t.detach().reshape(-1)
+    cdev = _device_for(group, flat.device)
+    sizes = [int(x) for x in _gather(torch.tensor([flat.numel()], dtype=torch.int64, device=cdev), group,
+                                     "slice sizes")]
+    padded = torch.zeros(max(sizes), dtype=flat.dtype, device=cdev)
+    padded[:flat.numel()] = flat.to(cdev)
+    parts = _gather(padded, group, "gather of the slices")
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(flat.device)
+
+
+def shard(t: torch.Tensor, group) -> torch.Tensor:
+    """This rank's contiguous slice of a flat vector (as even as possible: the first ``numel % R`` ranks hold one
+    element more), a view: the inverse of :func:`gather`."""
+    import torch.distributed as dist
+
+    r, size = dist.get_rank(group), world_size(group)
+    flat = t.reshape(-1)
+    base, extra = divmod(flat.numel(), size)
+    start = r * base + min(r, extra)
+    return flat[start:start + base + (1 if r < extra else 0)]

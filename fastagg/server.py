@@ -56,11 +56,16 @@ class ServerOptimizer:
     Subclasses define ``_hyper`` (the hyperparameters a checkpoint carries) and ``_round(stats)``.
     """
 
-    def __init__(self, params: Any, *, backend: str = "auto", on_nonfinite: str = "raise", group: Any = None):
+    def __init__(self, params: Any, *, backend: str = "auto", on_nonfinite: str = "raise", group: Any = None,
+                 sharded: bool = False):
         if isinstance(params, Iterator):  # model.parameters()
             params = list(params)
         check_on_nonfinite(on_nonfinite)
-        self.group = group  # torch.distributed group: each rank steps on the statistics of every rank's clients
+        # torch.distributed (fastagg.distributed): with a group, each rank holds some clients' updates (default) or,
+        # sharded, one slice of the params, of the state and of every client's update
+        if sharded and group is None:
+            raise ValueError("sharded=True needs group= (the ranks that hold the other slices)")
+        self.group, self.sharded = group, bool(sharded)
         self._p: ParamRows = param_rows(params)
         self.layout = self._p.form
         self.device = self._p.device
@@ -246,6 +251,12 @@ class ServerOptimizer:
             raise ValueError(f"{name} have {rows.numel} elements per client; the optimizer's params have "
                              f"{self._p.segments.numel}")
         check_writes(self._written(), round_reads(rows))
+        if self.group is not None and self.sharded:  # fastagg.distributed: this rank's slice of every client
+            from .distributed import sharded_stats
+
+            return sharded_stats(rows, weights, self._backend, group=self.group, name=name, aux=aux,
+                                 aux_coef=aux_coef, sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
+                                 mean_out=self._mean_buffer(name, self._cdt, rows.numel))
         if self.group is not None:  # fastagg.distributed: the clients of every rank
             from .distributed import all_stats
 

@@ -114,5 +114,36 @@ def dead_rank(rank: int, world: int, group) -> dict:
         return {"message": str(e), "unchanged": bool(torch.equal(w, params0()))}
 
 
-CASES = {"optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
+def sharded(rank: int, world: int, group, dtype=torch.float64) -> dict:
+    """ZeRO-1 style: this rank owns a slice of the params and state and gets that slice of every client's update;
+    the full params are gathered after each round. group=None: one process, the whole model."""
+    from fastagg import distributed
+
+    out = {}
+    for name, hyper in OPTIMIZERS.items():
+        full = params0(dtype)
+        mine = distributed.shard(full, group).clone() if group is not None else full
+        opt = getattr(server, name)(mine, group=group, sharded=group is not None, **hyper)
+        seen = []
+        for rnd in range(ROUNDS):
+            deltas, controls, weights = data(rnd, dtype)
+            cut = (lambda t: torch.stack([distributed.shard(row, group) for row in t])) if group is not None \
+                else (lambda t: t)
+            if name.startswith("Scaffold"):
+                st = opt.step(cut(deltas), cut(controls), weights=weights)
+            else:
+                st = opt.step(cut(deltas), weights=weights)
+            whole = distributed.gather(mine, group) if group is not None else mine.clone()
+            seen.append((whole, float(st.eta), st.sq_norms.clone(), int(st.num_clients)))
+        state = {k: v.numel() for k, v in opt.state.items() if v.dim() > 0}
+        out[name] = seen
+        out[name + " state"] = state
+    return out
+
+
+def sharded32(rank, world, group):
+    return sharded(rank, world, group, torch.float32)
+
+
+CASES = {"sharded": sharded, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
          "mismatch": mismatch, "dead_rank": dead_rank}

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from distributed_cases import BOUNDS, CASES, ROUNDS, params0
+from distributed_cases import BOUNDS, CASES, OPTIMIZERS, ROUNDS, params0
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIMIT = 120  # seconds for a whole group
@@ -109,3 +109,25 @@ def test_a_dead_rank_ends_the_step_with_a_clear_error_instead_of_a_hang(tmp_path
     assert results[1] is None  # it died
     assert "a rank died" in results[0]["message"] and results[0]["unchanged"]
     assert params0().numel() > 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case, rtol, atol", [("sharded", 1e-13, 1e-15), ("sharded32", 1e-5, 2e-6)])
+def test_sharded_optimizers_equal_the_unsharded_one_and_hold_a_slice_of_the_state(case, rtol, atol, world, tmp_path):
+    """Parameter-sharded steps: every optimizer over 3 rounds, the gathered params equal one process's (the mean
+    of a slice is the same kernel's; the norms are sums over slices, so eta differs by rounding), and each rank's
+    state buffers hold 1/R of the model (to the remainder of an uneven split)."""
+    ranks = spawn(case, world, tmp_path)
+    ref = CASES[case](0, 1, None)
+    for name in OPTIMIZERS:
+        for rnd in range(ROUNDS):
+            for res in ranks:
+                w, eta, sq, m = res[name][rnd]
+                assert m == ref[name][rnd][3] and torch.equal(w, ranks[0][name][rnd][0])
+                torch.testing.assert_close(w, ref[name][rnd][0], rtol=rtol, atol=atol, msg=f"{name} round {rnd}")
+                assert eta == pytest.approx(ref[name][rnd][1], rel=10 * rtol)
+                torch.testing.assert_close(sq, ref[name][rnd][2], rtol=10 * rtol, atol=0)
+        full_state = ref[name + " state"]
+        for res in ranks:
+            for buf, n in res[name + " state"].items():
+                assert n in (full_state[buf] // world, full_state[buf] // world + 1), (name, buf, n)
