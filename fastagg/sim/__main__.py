@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     if history.stopped:
         print(f"stopped: {history.stopped}", file=sys.stderr)
         return 1
-    if cfg.out:
+    if history.config.out:  # rank 0 alone writes under torchrun
         print(f"wrote {cfg.out}/config.json, metrics.csv and the PNG plots")
     return 0
 

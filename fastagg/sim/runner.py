@@ -188,18 +188,24 @@ def _full_batch(data, ids):
     return x, y, mask
 
 
-def _batch(data, ids, batch_size, gen):
+def _batch(data, ids, batch_size, gen, mine=None):
+    """Every participant's minibatch indices drawn at once (so a rank drawing for all of a round's clients and
+    keeping ``mine`` sees the numbers one process would), then the samples of ``ids[mine]``."""
     counts = data.counts[ids].to(torch.float64)
     idx = (torch.rand(len(ids), batch_size, generator=gen, dtype=torch.float64) * counts[:, None].cpu()).long()
+    if mine is not None:
+        ids, idx = ids[mine], idx[mine.cpu()]
     idx = idx.to(data.x.device)
     rows = ids[:, None].expand_as(idx)
     return data.x[rows, idx], data.y[rows, idx], torch.ones(idx.shape, dtype=data.x.dtype, device=data.x.device)
 
 
-def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=None):
+def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=None, mine=None):
     """cfg.local_steps fused steps of every participant at once, from ``anchor``; returns their models [M, d].
-    ``lr``: one local lr for the round, or a list of one per local step."""
+    ``lr``: one local lr for the round, or a list of one per local step. ``mine``: indices into ``ids`` of the
+    clients this process trains (several ranks); the random draws are still made for all of ``ids``."""
     kw = dict(backend=cfg.backend, clip_norm=cfg.clip_norm)
+    everyone, ids = ids, (ids if mine is None else ids[mine])
     lrs = lr if isinstance(lr, list) else [lr] * cfg.local_steps
     if not isinstance(lr, list) and cfg.batch_size == 0 and alg.client_rule == "sgd" and cfg.weight_decay == 0 and \
             cfg.clip_norm is None and hasattr(model, "local_gd"):
@@ -208,7 +214,7 @@ def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=Non
     x = _mass_start(cfg, state, ids, anchor) if sync_w else anchor.expand(len(ids), -1).clone()
     full = _full_batch(data, ids) if cfg.batch_size == 0 else None
     for lr in lrs:
-        xb, yb, mask = full if full is not None else _batch(data, ids, cfg.batch_size, gen)
+        xb, yb, mask = full if full is not None else _batch(data, everyone, cfg.batch_size, gen, mine)
         losses, grads = model.loss_grad(x, xb, yb, mask)
         rule = alg.client_rule
         if rule == "sps":
@@ -314,7 +320,8 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
     alg = algorithms.resolve(name, cfg)
     gen = torch.Generator().manual_seed(seed)
     w = model.init(dtype, device) if hasattr(model, "init") else torch.zeros(model.dim, dtype=dtype, device=device)
-    opt = alg.server_cls(w, backend=cfg.backend, on_nonfinite="raise", **alg.server_kwargs)
+    group, rank, world = ranks()
+    opt = alg.server_cls(w, backend=cfg.backend, on_nonfinite="raise", group=group, **alg.server_kwargs)
     n = d.num_clients
     m = max(1, int(round(cfg.participation * n)))
     torch.set_num_threads(intra_op_threads(d, model, m, cfg.batch_size, d.x.element_size()))
@@ -355,7 +362,11 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
             first = (t - 1) * cfg.local_steps
             lr = [min(lr, cfg.lr_c / (1 + first + k)) for k in range(cfg.local_steps)]
         control = opt.control if alg.client_rule == "scaffold" else None
-        x = _local_steps(alg, cfg, model, d, ids, anchor, state, lr, gen, control)
+        # several ranks: each trains a contiguous share of the sorted participants; the server step reduces them
+        mine = None if group is None else torch.tensor_split(torch.arange(len(ids)), world)[rank].to(device)
+        x = _local_steps(alg, cfg, model, d, ids, anchor, state, lr, gen, control, mine=mine)
+        if mine is not None:
+            ids = ids[mine]
         weights = None
         if cfg.weighting == "examples" and name not in algorithms.UNWEIGHTED:
             weights = d.counts[ids].to(torch.float64)
@@ -382,6 +393,56 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         if evaluated and not math.isfinite(loss):
             return f"round {t}: the training loss is {loss}"
     return None
+
+
+# client rules whose per-client state (momentum, DecSPS's step, SCAFFOLD's c_i) lives with the client
+_STATEFUL = ("decsps", "nesterov", "mass", "scaffold")
+DIST_TIMEOUT_S = 300
+
+
+def ranks() -> tuple:
+    """(group, rank, world size) when this run is one of several torch.distributed processes (torchrun), else
+    (None, 0, 1)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None, 0, 1
+    return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+
+
+def join_ranks() -> tuple:
+    """Under torchrun (WORLD_SIZE > 1 in the environment) joins the gloo group the launcher describes; returns
+    :func:`ranks`. A rank that dies or hangs ends the others' collectives after DIST_TIMEOUT_S seconds."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+    return ranks()
+
+
+def _agree(ok: bool) -> bool:
+    """Whether every rank is ready (one all_reduce of a flag)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    dist.all_reduce(flag)
+    return int(flag) == 0
+
+
+def _check_ranks(cfg: Config, data, world: int, resume: bool) -> None:
+    if world == 1:
+        return
+    if resume:
+        raise ValueError("--resume runs on one process (the checkpoint is rank 0's); restart without torchrun")
+    for spec in cfg.algorithms:
+        name, c = cfg.for_algorithm(spec, data)
+        if algorithms.ALGORITHMS[name][0] in _STATEFUL:
+            raise ValueError(f"{spec} keeps per-client state (momentum, step sizes or control variates); on several "
+                             "ranks the simulator runs stateless client rules only, for now")
+        if max(1, int(round(c.participation * data.num_clients))) < world:
+            raise ValueError(f"{world} ranks need at least {world} clients a round; {spec} samples fewer")
 
 
 def saved_config(out: str) -> dict:
@@ -428,7 +489,19 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
     cfg = config.resolved(data)
     cfg.check(data)
     check_stable(cfg, data)
-    lock = outdir.claim(cfg.out, resume=resume, overwrite=overwrite) if cfg.out else None
+    _, rank, world = join_ranks()
+    _check_ranks(cfg, data, world, resume)
+    if rank != 0:  # every rank computes the same metrics; rank 0 alone writes and prints them
+        cfg = dataclasses.replace(cfg, out=None)
+        verbose = False
+    try:
+        lock = outdir.claim(cfg.out, resume=resume, overwrite=overwrite) if cfg.out else None
+    except ValueError:
+        if world > 1:  # the other ranks must not wait for rank 0 until the group's timeout
+            _agree(False)
+        raise
+    if world > 1 and not _agree(True):
+        raise ValueError("rank 0 could not start the run (its error is in its output); nothing was run")
     try:
         ckpt = outdir.load_checkpoint(cfg.out, cfg) if resume else \
             {"rows": [], "done": [], "current": None, "run": outdir.signature(cfg)}

@@ -1,0 +1,60 @@
+"""The simulator on several processes: ``torchrun --nproc-per-node R -m fastagg.sim ...`` splits each round's
+clients over the ranks and gives the metrics of one process (gloo on 127.0.0.1, free ports, bounded time)."""
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ARGS = ["--dataset", "synthetic", "--algorithm", "fedavg,fedexp,fedadam", "--rounds", "4", "--seeds", "0,1"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sim(world: int, *args, timeout: int = 240):
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    if world == 1:
+        cmd = [sys.executable, "-m", "fastagg.sim", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
+               "--master-addr", "127.0.0.1", "--master-port", str(_port()), "-m", "fastagg.sim", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def _rows(path):
+    return list(csv.DictReader(open(path)))
+
+
+@pytest.mark.parametrize("dtype, rtol", [("float64", 1e-12), ("float32", 1e-5)])
+def test_two_and_four_ranks_give_the_metrics_of_one_process(dtype, rtol, tmp_path):
+    runs = {}
+    for world in (1, 2, 4):
+        out = tmp_path / f"w{world}"
+        res = sim(world, *ARGS, "--dtype", dtype, "--out", str(out))
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[world] = _rows(out / "metrics.csv")
+        assert not any(p.name.startswith("rank") for p in out.iterdir())
+    for world in (2, 4):
+        assert len(runs[world]) == len(runs[1]) == 3 * 2 * 5
+        for a, b in zip(runs[1], runs[world]):
+            assert (a["algorithm"], a["seed"], a["round"]) == (b["algorithm"], b["seed"], b["round"])
+            for field in ("train_loss", "train_loss_last", "eta"):
+                if a[field] != "nan":
+                    assert float(b[field]) == pytest.approx(float(a[field]), rel=rtol), (world, field, a, b)
+
+
+def test_stateful_rules_and_a_failing_rank_0_end_every_rank_promptly(tmp_path):
+    res = sim(2, "--dataset", "synthetic", "--algorithm", "fedmass", "--rounds", "2", timeout=120)
+    assert res.returncode != 0 and "keeps per-client state" in res.stderr
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "metrics.csv").write_text("x\n")
+    res = sim(2, *ARGS, "--out", str(tmp_path / "taken"), timeout=120)  # rank 0 refuses the folder
+    assert res.returncode != 0 and "already holds a run" in res.stderr
