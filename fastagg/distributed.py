@@ -196,13 +196,95 @@ def gather(t: torch.Tensor, group) -> torch.Tensor:
     return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(flat.device)
 
 
+def bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of rank ``rank``'s slice of ``numel`` elements over ``world`` ranks (as even as possible:
+    the first ``numel % world`` ranks hold one element more)."""
+    base, extra = divmod(numel, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
 def shard(t: torch.Tensor, group) -> torch.Tensor:
-    """This rank's contiguous slice of a flat vector (as even as possible: the first ``numel % R`` ranks hold one
-    element more), a view: the inverse of :func:`gather`."""
+    """This rank's contiguous slice of a flat vector (:func:`bounds`), a view: the inverse of :func:`gather`."""
     import torch.distributed as dist
 
-    r, size = dist.get_rank(group), world_size(group)
     flat = t.reshape(-1)
-    base, extra = divmod(flat.numel(), size)
-    start = r * base + min(r, extra)
-    return flat[start:start + base + (1 if r < extra else 0)]
+    start, stop = bounds(flat.numel(), world_size(group), dist.get_rank(group))
+    return flat[start:stop]
+
+
+def reshard(state_dicts: list, world: int) -> list:
+    """Checkpoints of a sharded optimizer (one ``state_dict()`` per rank, in rank order) re-cut for ``world`` ranks
+    (1: an unsharded optimizer's). Every vector buffer is joined in rank order and split by :func:`bounds`; the
+    round counter and the hyperparameters must agree across the ranks. Checked before anything is built."""
+    if not state_dicts or not isinstance(world, int) or world < 1:
+        raise ValueError(f"reshard needs the ranks' state_dicts and a world size >= 1, got {len(state_dicts)} and "
+                         f"{world!r}")
+    first = state_dicts[0]
+    for r, sd in enumerate(state_dicts):
+        for key in ("optimizer", "format", "hyperparameters"):
+            if sd.get(key) != first.get(key):
+                raise ValueError(f"rank {r}'s state_dict differs from rank 0's in {key!r}")
+        if len(sd["layout"]) != 1:
+            raise ValueError(f"rank {r}'s state_dict is not of a flat slice (layout {sd['layout']})")
+        if set(sd["state"]) != set(first["state"]):
+            raise ValueError(f"rank {r}'s state_dict holds buffers {sorted(sd['state'])}; rank 0's "
+                             f"{sorted(first['state'])}")
+        for k, v in sd["state"].items():
+            if v.dim() == 0 and not torch.equal(v, first["state"][k]):
+                raise ValueError(f"rank {r}'s {k!r} is {v.item()}; rank 0's {first['state'][k].item()}")
+    numel = sum(int(sd["layout"][0][1][0]) for sd in state_dicts)
+    out = []
+    for rank in range(world):
+        start, stop = bounds(numel, world, rank)
+        state = {}
+        for k, v in first["state"].items():
+            state[k] = v.clone() if v.dim() == 0 else \
+                torch.cat([sd["state"][k].reshape(-1) for sd in state_dicts])[start:stop].clone()
+        name, _, dtype = first["layout"][0]
+        out.append({**first, "layout": [(name, (stop - start,), dtype)], "state": state})
+    return out
+
+
+def accumulator_stats(acc, backend_of, *, group, aux=None, aux_coef: float = 0.0, mean_out=None,
+                      mean_dtype: torch.dtype | None = None) -> RoundStats:
+    """The round of every rank's :class:`~fastagg.Accumulator` (each folded its own clients): the weighted sums,
+    total weights, counts and squared-norm sums are added across the group (one all_reduce of the d-vector, one of
+    three scalars; the per-client norms gathered), then the stats of the sums. The accumulators are not changed; a
+    rank may hold no client as long as some rank does."""
+    import torch.distributed as dist
+
+    from .passes import sum_stats
+
+    with acc._lock:
+        if world_size(group) == 1:
+            return acc.round_stats(backend_of, aux=aux, aux_coef=aux_coef, mean_out=mean_out, mean_dtype=mean_dtype)
+        dev, m = acc.device, acc.num_clients
+        cdev = _device_for(group, dev)
+        header = torch.tensor([acc.numel, _DTYPES.index(acc._sum.dtype), m, int(bool(acc._buffer_names))],
+                              dtype=torch.int64, device=cdev)
+        headers = [h.tolist() for h in _gather(header, group, "shape check")]
+        if len({(h[0], h[1]) for h in headers}) > 1:
+            shown = ", ".join(f"rank {r}: {h[0]} elements of {_DTYPES[h[1]]}" for r, h in enumerate(headers))
+            raise ValueError(f"the ranks' accumulators differ in size or dtype ({shown}); nothing was updated")
+        if any(h[3] for h in headers):
+            raise ValueError("group= does not average model buffers (BatchNorm statistics) yet: pass parameters only")
+        counts = [h[2] for h in headers]
+        if sum(counts) == 0:
+            raise ValueError("every rank's accumulator is empty: add() at least one client first")
+        total = acc._sum.to(cdev, copy=True)
+        _collective(dist.all_reduce, total, group=group, what="all_reduce of the weighted sums")
+        scalars = torch.tensor([acc.total_weight, float(acc.weighted_sq_norm_sum)], dtype=torch.float64,
+                               device=cdev)
+        _collective(dist.all_reduce, scalars, group=group, what="all_reduce of the weights")
+        top = max(counts)
+        padded = torch.zeros(top, dtype=torch.float64, device=cdev)
+        padded[:m] = acc.sq_norms.to(cdev)
+        sq_all = torch.cat([g[:c] for g, c in zip(_gather(padded, group, "norms gather"), counts)]).to(dev)
+        weight, sq_sum = float(scalars[0]), scalars[1].to(dev)
+        if not weight > 0:
+            raise ValueError("the accumulators' total weight is 0: at least one client needs a positive weight")
+        stats = sum_stats(total.to(dev), sq_sum, weight, sum(counts), backend_of, name="accumulator", aux=aux,
+                          aux_coef=aux_coef, mean_out=mean_out, mean_dtype=mean_dtype)
+        stats.sq_norms = sq_all
+        return stats

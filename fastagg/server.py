@@ -229,8 +229,8 @@ class ServerOptimizer:
     def _stats(self, deltas: Any, weights: Any, name: str = "deltas", base: Any = None) -> RoundStats:
         aux, aux_coef = self._aux()
         if isinstance(deltas, Accumulator):
-            if self.group is not None:
-                raise TypeError("group= does not take an Accumulator yet: pass the rank's client updates")
+            if self.sharded:
+                raise TypeError("a sharded optimizer takes each client's slice, not an Accumulator")
             if weights is not None:
                 raise TypeError("weights= does not apply to an Accumulator: pass weights to its add()")
             if deltas.device != self.device:
@@ -238,6 +238,11 @@ class ServerOptimizer:
             if deltas.numel != self._p.segments.numel:
                 raise ValueError(f"the accumulator holds {deltas.numel} elements per client; the optimizer's params "
                                  f"have {self._p.segments.numel}")
+            if self.group is not None:  # every rank folded its own clients
+                from .distributed import accumulator_stats
+
+                return accumulator_stats(deltas, lambda device: self._backend, group=self.group, aux=aux,
+                                         aux_coef=aux_coef, mean_out=self._mean_buffer(name, self._cdt, deltas.numel))
             return deltas.round_stats(lambda device: self._backend, aux=aux, aux_coef=aux_coef,
                                       mean_out=self._mean_buffer(name, self._cdt, deltas.numel))
         if base is not None:

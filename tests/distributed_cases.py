@@ -145,5 +145,62 @@ def sharded32(rank, world, group):
     return sharded(rank, world, group, torch.float32)
 
 
-CASES = {"sharded": sharded, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
+def hung_rank(rank: int, world: int, group) -> dict:
+    """The last rank hangs (sleeps past the group's timeout): the others get a clear error, params unchanged."""
+    import time
+
+    if rank == world - 1:
+        time.sleep(60)
+        return {"message": "slept"}
+    w = params0()
+    t0 = time.perf_counter()
+    try:
+        fastagg.server.FedAvg(w, group=group).step(data(0)[0][share(rank, world)])
+        return {"message": "no error"}
+    except RuntimeError as e:
+        return {"message": str(e), "unchanged": bool(torch.equal(w, params0())), "seconds": time.perf_counter() - t0}
+
+
+def accumulated(rank: int, world: int, group) -> dict:
+    """Each rank folds its clients into an Accumulator; FedExP and FedAdam step on every rank's accumulators."""
+    out = {}
+    sl = share(rank, world)
+    for name in ("FedExP", "FedAdam", "FedAvgM"):
+        w = params0(torch.float64)
+        opt = getattr(server, name)(w, group=group, **OPTIMIZERS[name])
+        seen = []
+        for rnd in range(ROUNDS):
+            deltas, _, weights = data(rnd, torch.float64)
+            acc = fastagg.Accumulator(like=w)
+            for x, n in zip(deltas[sl], weights[sl]):
+                acc.add(x, float(n))
+            st = opt.step(acc)
+            seen.append((w.clone(), float(st.eta), st.sq_norms.clone()))
+        out[name] = seen
+    return out
+
+
+CHECKPOINTED = ("FedAdam", "FedExP", "Scaffold")
+
+
+def sharded_checkpoint(rank: int, world: int, group) -> dict:
+    """Two sharded rounds in float64; each rank's optimizer state_dict and param slice, for resharding."""
+    from fastagg import distributed
+
+    out = {}
+    for name in CHECKPOINTED:
+        mine = distributed.shard(params0(torch.float64), group).clone()
+        opt = getattr(server, name)(mine, group=group, sharded=True, **OPTIMIZERS[name])
+        for rnd in range(2):
+            deltas, controls, weights = data(rnd, torch.float64)
+            cut = lambda t: torch.stack([distributed.shard(row, group) for row in t])  # noqa: E731
+            if name.startswith("Scaffold"):
+                opt.step(cut(deltas), cut(controls), weights=weights)
+            else:
+                opt.step(cut(deltas), weights=weights)
+        out[name] = (opt.state_dict(), mine.clone())
+    return out
+
+
+CASES = {"accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
          "mismatch": mismatch, "dead_rank": dead_rank}

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from distributed_cases import BOUNDS, CASES, OPTIMIZERS, ROUNDS, params0
+from distributed_cases import BOUNDS, CASES, CHECKPOINTED, OPTIMIZERS, ROUNDS, data, params0
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIMIT = 120  # seconds for a whole group
@@ -23,9 +23,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(case: str, world: int, tmp_path) -> list:
+def spawn(case: str, world: int, tmp_path, timeout_s: float = 20) -> list:
     """Runs ``case`` on ``world`` ranks; returns each rank's result (or raises with the ranks' output)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+           "GROUP_TIMEOUT_S": str(timeout_s),
            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "distributed_worker.py"), case, str(tmp_path)],
@@ -33,7 +34,9 @@ def spawn(case: str, world: int, tmp_path) -> list:
                               text=True) for r in range(world)]
     outputs = []
     try:
-        for p in procs:
+        for r, p in enumerate(procs):
+            if case == "hung_rank" and r == world - 1:
+                p.kill()  # the hung rank: the others have answered by now
             outputs.append(p.communicate(timeout=LIMIT)[0])
     finally:
         for p in procs:  # never leave a rank behind
@@ -44,7 +47,7 @@ def spawn(case: str, world: int, tmp_path) -> list:
     for r in range(world):
         path = tmp_path / f"rank{r}.pt"
         results.append(torch.load(path, weights_only=False) if path.exists() else None)
-    if case != "dead_rank":
+    if case not in ("dead_rank", "hung_rank"):
         bad = [r for r, res in enumerate(results) if res is None or "error" in res]
         assert not bad, "\n".join(f"rank {r}: {results[r]}\n{outputs[r][-2000:]}" for r in bad)
     return results
@@ -131,3 +134,62 @@ def test_sharded_optimizers_equal_the_unsharded_one_and_hold_a_slice_of_the_stat
         for res in ranks:
             for buf, n in res[name + " state"].items():
                 assert n in (full_state[buf] // world, full_state[buf] // world + 1), (name, buf, n)
+
+
+def test_a_sharded_checkpoint_reshards_to_another_world_size(tmp_path):
+    """Two sharded rounds on 2 ranks, the per-rank checkpoints resharded to 1 rank and loaded into an unsharded
+    optimizer: its third round equals three unsharded rounds (float64); resharded to 3, the slices follow
+    distributed.bounds and join to the same buffers."""
+    from fastagg import distributed, server
+
+    ranks = spawn("sharded_checkpoint", 2, tmp_path)
+    for name in CHECKPOINTED:
+        dicts = [res[name][0] for res in ranks]
+        (whole,) = distributed.reshard(dicts, 1)
+        w = torch.cat([res[name][1] for res in ranks])
+        opt = getattr(server, name)(w, **OPTIMIZERS[name])
+        opt.load_state_dict(whole)
+        ref_w = params0(torch.float64)
+        ref = getattr(server, name)(ref_w, **OPTIMIZERS[name])
+        for rnd in range(3):
+            deltas, controls, weights = data(rnd, torch.float64)
+            args = (deltas, controls) if name.startswith("Scaffold") else (deltas,)
+            ref.step(*args, weights=weights)
+            if rnd == 2:
+                opt.step(*args, weights=weights)
+        torch.testing.assert_close(w, ref_w, rtol=1e-13, atol=1e-15, msg=name)
+        three = distributed.reshard(dicts, 3)
+        numel = w.numel()
+        for r, sd in enumerate(three):
+            start, stop = distributed.bounds(numel, 3, r)
+            assert sd["layout"][0][1] == (stop - start,)
+        for k, v in whole["state"].items():
+            if v.dim():
+                assert torch.equal(torch.cat([sd["state"][k] for sd in three]), v)
+    bad = [dict(d) for d in (ranks[0]["FedAdam"][0], ranks[1]["FedAdam"][0])]
+    bad[1]["state"] = {**bad[1]["state"], "step": bad[1]["state"]["step"] + 1}
+    with pytest.raises(ValueError, match="rank 1's 'step'"):
+        distributed.reshard(bad, 1)
+
+
+def test_a_hung_rank_ends_the_step_after_the_groups_timeout(tmp_path):
+    results = spawn("hung_rank", 2, tmp_path, timeout_s=4)
+    res = results[0]
+    assert "hung past the group's timeout" in res["message"] and res["unchanged"], res
+    assert res["seconds"] < 30
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_accumulators_on_every_rank_step_as_one(world, tmp_path):
+    """Each rank streams its clients into an Accumulator; the step over the group equals one process's
+    accumulator of all clients (float64; the sums are added in another order)."""
+    ranks = spawn("accumulated", world, tmp_path)
+    ref = CASES["accumulated"](0, 1, None)
+    for name, rounds in ref.items():
+        for rnd, (w_ref, eta_ref, sq_ref) in enumerate(rounds):
+            for res in ranks:
+                w, eta, sq = res[name][rnd]
+                assert torch.equal(w, ranks[0][name][rnd][0])
+                torch.testing.assert_close(w, w_ref, rtol=1e-13, atol=1e-15, msg=f"{name} round {rnd}")
+                assert eta == pytest.approx(eta_ref, rel=1e-12)
+                torch.testing.assert_close(sq, sq_ref, rtol=0, atol=0)
