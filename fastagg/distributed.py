@@ -12,8 +12,9 @@ spread over R ranks is, exactly in exact arithmetic, the round of all M clients:
 Collectives per round, all on the caller's group (torch.distributed itself, no other transport): one all_gather
 of a small header (numel, dtype, clients per rank: mismatched shapes are refused on every rank before any data
 moves), one all_gather of the weights, one all_reduce of the d-vector and one all_gather of the per-client norms
-and finite flags (so every rank knows which global client was bad and all skip or raise together). With one rank
-the step is today's single-process step, bit for bit. With several, the mean's sum runs in the collective's
+and finite flags (so every rank knows which global client was bad and all skip or raise together), with each
+rank's share of ||mean||^2 (every rank measures 1/R of the reduced mean). With one rank the step is today's
+single-process step, bit for bit. With several, the mean's sum runs in the collective's
 order, so results agree with the single-process step to rounding (float32: ~1e-7 relative), and every rank holds
 the same bits. A rank that dies or hangs makes the collectives fail after the group's timeout
 (``init_process_group(timeout=...)``); the error says so and no rank has changed its params.
@@ -131,15 +132,25 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     moved = partial if cdev == dev else partial.to(cdev)
     _collective(dist.all_reduce, moved, group=group, what="all_reduce of the mean")
     mean = partial if moved is partial else partial.copy_(moved)
-    pack = torch.zeros(top, 2, dtype=torch.float64, device=cdev)
-    pack[:m, 0], pack[:m, 1] = sq.to(cdev), bad.to(cdev, torch.float64)
-    gathered = torch.cat([g[:c] for g, c in zip(_gather(pack, group, "norms gather"), counts)]).to(dev)
+    # ||mean (+ aux_coef aux)||^2: each rank measures its 1/R chunk of the reduced mean (the same bits on every
+    # rank) with the stats kernel, and the R partial sums travel with the clients' norms, added in rank order
+    lo, hi = bounds(mean.numel(), len(counts), rank)
+    chunk = mean[lo:hi] if aux is None else mean[lo:hi] + aux_coef * aux.reshape(-1)[lo:hi].to(mean.dtype)
+    part = torch.zeros((), dtype=torch.float64, device=dev)
+    if hi > lo:
+        _, chunk_sq, _, _ = run_stats(client_rows([chunk], name="mean"), torch.ones(1, dtype=torch.float64, device=dev),
+                                      backend, mean_dtype=mean.dtype,
+                                      mean_out=None if scratch is None else scratch[lo:hi])
+        part = chunk_sq[0]
+    pack = torch.zeros(top + 1, 2, dtype=torch.float64, device=cdev)
+    pack[:m, 0], pack[:m, 1], pack[top, 0] = sq.to(cdev), bad.to(cdev, torch.float64), part.to(cdev)
+    parts = _gather(pack, group, "norms gather")
+    gathered = torch.cat([g[:c] for g, c in zip(parts, counts)]).to(dev)
     sq_all, bad_all = gathered[:, 0].contiguous(), gathered[:, 1] > 0
-    # ||mean (+ aux_coef aux)||^2 by the same kernel, from identical bits on every rank
-    probe = mean if aux is None else mean + aux_coef * aux.to(mean.dtype)
-    _, probe_sq, _, _ = run_stats(client_rows([probe], name="mean"), torch.ones(1, dtype=torch.float64, device=dev),
-                                  backend, mean_dtype=mean.dtype, mean_out=scratch)
-    stats = RoundStats(mean, sq_all, bad_all, probe_sq[0], (coefs_all * sq_all).sum(), total, rows.form, name)
+    mean_sq = torch.zeros((), dtype=torch.float64, device=dev)
+    for g in parts:  # rank order: the same sum on every rank
+        mean_sq = mean_sq + g[top, 0].to(dev)
+    stats = RoundStats(mean, sq_all, bad_all, mean_sq, (coefs_all * sq_all).sum(), total, rows.form, name)
     stats.coefs = coefs_all
     return stats
 
