@@ -177,7 +177,7 @@ class Accumulator:
                 stats.buffer_sums = [s / self.total_weight for s in self._buffer_sums]
             return stats
 
-    def _from_sums(self, rule, *, params, on_nonfinite, want_eval) -> ops.RoundResult:
+    def _from_sums(self, rule, *, params, on_nonfinite, want_eval, group=None) -> ops.RoundResult:
         check_on_nonfinite(on_nonfinite)
         p = None
         if params is not None:
@@ -186,19 +186,25 @@ class Accumulator:
                 raise ValueError(f"params has {p.segments.numel} elements; expected {self._numel} like the "
                                  "accumulator's `like`")
         with self._lock:
-            stats = self.round_stats(lambda device: self._backend,
-                                     mean_dtype=None if p is None else compute_dtype(p.dtype))
+            mean_dtype = None if p is None else compute_dtype(p.dtype)
+            if group is None:
+                stats = self.round_stats(lambda device: self._backend, mean_dtype=mean_dtype)
+            else:  # every rank's accumulator (fastagg.distributed)
+                from .distributed import accumulator_stats
+
+                stats = accumulator_stats(self, lambda device: self._backend, group=group, mean_dtype=mean_dtype)
             eta = rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
             res = ops.apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
                                         backend=self._backend)
-        res.nonfinite = torch.zeros(self.num_clients, dtype=torch.bool, device=self.device)
+        res.nonfinite = torch.zeros(stats.num_clients, dtype=torch.bool, device=self.device)
+        res.sq_norms = stats.sq_norms
         if self._form.numpy:
-            res.sq_norms, res.nonfinite = self.sq_norms.numpy(), res.nonfinite.numpy()
+            res.sq_norms, res.nonfinite = stats.sq_norms.numpy(), res.nonfinite.numpy()
         return res
 
     @share_docs
-    def fedexp_step(self, eps=None, *, eps_mode: str = "paper", params=None,
-                    on_nonfinite: str = "raise") -> ops.RoundResult:
+    def fedexp_step(self, eps=None, *, eps_mode: str = "paper", params=None, on_nonfinite: str = "raise",
+                    group=None) -> ops.RoundResult:
         """FedExP from the accumulated sums (see :func:`fastagg.fedexp_step_from_sums`)::
 
             mean = weighted_sum / total_weight
@@ -209,13 +215,18 @@ class Accumulator:
             {eps_mode}
             {params}
             {on_nonfinite}
+            group: a torch.distributed group whose every rank folded its own clients into its accumulator: the
+                step is over all of them, the same on every rank (:mod:`fastagg.distributed`).
         """
         rule = ops.fedexp_rule(eps, eps_mode)
-        return self._from_sums(rule, params=params, on_nonfinite=on_nonfinite, want_eval=True)
+        return self._from_sums(rule, params=params, on_nonfinite=on_nonfinite, want_eval=True, group=group)
 
-    def fedavg_step(self, lr: float = 1.0, *, params=None, on_nonfinite: str = "raise") -> ops.RoundResult:
-        """FedAvg from the accumulated sums: ``params <- params + lr * weighted_sum / total_weight``."""
-        return self._from_sums(ops.fixed_rule(lr), params=params, on_nonfinite=on_nonfinite, want_eval=False)
+    def fedavg_step(self, lr: float = 1.0, *, params=None, on_nonfinite: str = "raise",
+                    group=None) -> ops.RoundResult:
+        """FedAvg from the accumulated sums: ``params <- params + lr * weighted_sum / total_weight`` (``group``: as
+        in :meth:`fedexp_step`)."""
+        return self._from_sums(ops.fixed_rule(lr), params=params, on_nonfinite=on_nonfinite, want_eval=False,
+                               group=group)
 
 
 __all__ = ["Accumulator"]

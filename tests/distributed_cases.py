@@ -177,6 +177,14 @@ def accumulated(rank: int, world: int, group) -> dict:
             st = opt.step(acc)
             seen.append((w.clone(), float(st.eta), st.sq_norms.clone()))
         out[name] = seen
+    # the accumulator's own functional step
+    w = params0(torch.float64)
+    deltas, _, weights = data(0, torch.float64)
+    acc = fastagg.Accumulator(like=w)
+    for x, n in zip(deltas[sl], weights[sl]):
+        acc.add(x, float(n))
+    res = acc.fedexp_step(eps=1e-3, params=w, group=group)
+    out["acc.fedexp_step"] = [(w.clone(), float(res.eta), torch.as_tensor(res.sq_norms).clone())]
     return out
 
 
