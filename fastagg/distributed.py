@@ -37,7 +37,7 @@ import torch
 
 from ._checks import normalized_weights
 from .passes import RoundStats, run_stats
-from .rows import ClientRows, client_rows, compute_dtype
+from .rows import Buffers, ClientRows, client_rows, compute_dtype
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -108,7 +108,8 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     dtype = mean_dtype or compute_dtype(rows.dtype)
     local_w, problem = _local_weights(weights, m)
     # what every rank must agree on, gathered before any data moves
-    header = torch.tensor([rows.numel, _DTYPES.index(dtype), m, int(bool(problem)), int(rows.buffers is not None)],
+    buffer_numel = sum(v[0].numel() for v in rows.buffers.values) if rows.buffers is not None else -1
+    header = torch.tensor([rows.numel, _DTYPES.index(dtype), m, int(bool(problem)), buffer_numel],
                           dtype=torch.int64, device=cdev)
     headers = [h.tolist() for h in _gather(header, group, "shape check")]
     rank = dist.get_rank(group)
@@ -118,8 +119,10 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     bad_ranks = [r for r, h in enumerate(headers) if h[3]]
     if bad_ranks:
         raise ValueError(problem if problem else f"rank {bad_ranks[0]}'s weights cannot be read; nothing was updated")
-    if any(h[4] for h in headers):
-        raise ValueError("group= does not average model buffers (BatchNorm statistics) yet: pass parameters only")
+    if len({h[4] for h in headers}) > 1:
+        shown = ", ".join(f"rank {r}: {h[4] if h[4] >= 0 else 'none'}" for r, h in enumerate(headers))
+        raise ValueError(f"the ranks' {name} differ in their buffers (elements per client: {shown}); nothing was "
+                         "updated")
     counts = [h[2] for h in headers]
     total, top, first = sum(counts), max(counts), sum(counts[:rank])
     padded = torch.zeros(top, dtype=torch.float64, device=cdev)
@@ -152,7 +155,31 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
         mean_sq = mean_sq + g[top, 0].to(dev)
     stats = RoundStats(mean, sq_all, bad_all, mean_sq, (coefs_all * sq_all).sum(), total, rows.form, name)
     stats.coefs = coefs_all
+    if rows.buffers is not None:  # BatchNorm statistics: sum_i p_i b_i over every rank's clients, in float64
+        stats.buffers, stats.buffer_sums = Buffers(rows.buffers.names, []), _reduced_buffers(rows.buffers, coefs,
+                                                                                              group, cdev, dev)
     return stats
+
+
+def _reduced_buffers(buffers: Buffers, coefs: torch.Tensor, group, cdev, dev) -> list:
+    """Each buffer's ``sum_i p_i b_i`` over this rank's clients, added across the group (one all_reduce)."""
+    import torch.distributed as dist
+
+    parts = []
+    for values in buffers.values:
+        acc = torch.zeros(values[0].numel(), dtype=torch.float64, device=dev)
+        for c, v in zip(coefs, values):
+            acc += c * v.reshape(-1).to(device=dev, dtype=torch.float64)
+        parts.append(acc)
+    flat = torch.cat(parts).to(cdev)
+    _collective(dist.all_reduce, flat, group=group, what="all_reduce of the buffers")
+    flat = flat.to(dev)
+    out, start = [], 0
+    for values in buffers.values:
+        n = values[0].numel()
+        out.append(flat[start:start + n].view(values[0].shape))
+        start += n
+    return out
 
 
 def sharded_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=None, aux_coef: float = 0.0,

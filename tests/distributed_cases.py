@@ -188,6 +188,33 @@ def accumulated(rank: int, world: int, group) -> dict:
     return out
 
 
+def _bn_model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)).double()
+
+
+def batchnorm_models(rank: int, world: int, group) -> dict:
+    """Clients send full state_dicts of a model with BatchNorm (running statistics and a counter): the server's
+    buffers become the average over every rank's clients, its params FedAdam-stepped."""
+    net = _bn_model()
+    sent = {k: v.clone() for k, v in net.state_dict().items()}
+    g = torch.Generator().manual_seed(11)
+    models = []
+    for i in range(TOTAL):
+        sd = {}
+        for k, v in sent.items():
+            if v.is_floating_point():
+                sd[k] = v + 0.1 * torch.randn(v.shape, generator=g, dtype=v.dtype)
+            else:
+                sd[k] = v + (i + 1)
+        models.append(sd)
+    weights = torch.arange(1, TOTAL + 1, dtype=torch.float64)
+    opt = server.FedAdam(net.state_dict(), group=group)
+    sl = share(rank, world)
+    opt.step(models[sl], weights=weights[sl], base=sent)
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
 CHECKPOINTED = ("FedAdam", "FedExP", "Scaffold")
 
 
@@ -210,5 +237,5 @@ def sharded_checkpoint(rank: int, world: int, group) -> dict:
     return out
 
 
-CASES = {"accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
+CASES = {"batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
          "mismatch": mismatch, "dead_rank": dead_rank}
