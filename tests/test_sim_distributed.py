@@ -51,9 +51,23 @@ def test_two_and_four_ranks_give_the_metrics_of_one_process(dtype, rtol, tmp_pat
                     assert float(b[field]) == pytest.approx(float(a[field]), rel=rtol), (world, field, a, b)
 
 
-def test_stateful_rules_and_a_failing_rank_0_end_every_rank_promptly(tmp_path):
-    res = sim(2, "--dataset", "synthetic", "--algorithm", "fedmass", "--rounds", "2", timeout=120)
-    assert res.returncode != 0 and "keeps per-client state" in res.stderr
+def test_client_state_follows_the_client_across_ranks(tmp_path):
+    """Momentum, DecSPS step sizes and SCAFFOLD's control variates live with the client: after each round the
+    ranks share the state of the clients they trained, so with partial participation (a client trained by rank 1
+    this round may be rank 0's next) 2 ranks give one process's metrics (float64)."""
+    args = ["--dataset", "synthetic", "--algorithm", "fedmass,nesterov-fedavg,feddecsps,scaffold", "--rounds", "5",
+            "--participation", "0.3", "--dtype", "float64"]
+    runs = {}
+    for world in (1, 2):
+        res = sim(world, *args, "--out", str(tmp_path / f"w{world}"))
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[world] = _rows(tmp_path / f"w{world}" / "metrics.csv")
+    for a, b in zip(runs[1], runs[2]):
+        assert (a["algorithm"], a["round"]) == (b["algorithm"], b["round"])
+        assert float(b["train_loss"]) == pytest.approx(float(a["train_loss"]), rel=1e-11), (a, b)
+
+
+def test_a_failing_rank_0_ends_every_rank_promptly(tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "metrics.csv").write_text("x\n")
     res = sim(2, *ARGS, "--out", str(tmp_path / "taken"), timeout=120)  # rank 0 refuses the folder

@@ -365,6 +365,7 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         # several ranks: each trains a contiguous share of the sorted participants; the server step reduces them
         mine = None if group is None else torch.tensor_split(torch.arange(len(ids)), world)[rank].to(device)
         x = _local_steps(alg, cfg, model, d, ids, anchor, state, lr, gen, control, mine=mine)
+        participants = ids
         if mine is not None:
             ids = ids[mine]
         weights = None
@@ -379,6 +380,8 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
             return f"round {t}: {e}"
         if extra:
             state.vector("control")[ids] += extra[0]
+        if group is not None and state is not None:
+            _share_client_state(state, participants, world, group)
         eta = float(opt.last_stats.eta)  # a read-back: the round's device work is done
         train_s += time.perf_counter() - started
         evaluated = t % cfg.eval_every == 0 or t == cfg.rounds
@@ -395,8 +398,6 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
     return None
 
 
-# client rules whose per-client state (momentum, DecSPS's step, SCAFFOLD's c_i) lives with the client
-_STATEFUL = ("decsps", "nesterov", "mass", "scaffold")
 DIST_TIMEOUT_S = 300
 
 
@@ -422,6 +423,27 @@ def join_ranks() -> tuple:
     return ranks()
 
 
+def _share_client_state(state, participants, world: int, group) -> None:
+    """After a round on several ranks: every rank gets the state rows (momentum, step sizes, control variates) of
+    the participants the other ranks trained, so each rank's ClientState is whole and the same on every rank
+    (whoever trains a client next starts from its latest state). One all_gather per state entry."""
+    import torch.distributed as dist
+
+    shares = torch.tensor_split(torch.arange(len(participants)), world)
+    top = max(len(s) for s in shares)
+    rank = dist.get_rank(group)
+    for table in (state.vectors, state.scalars):
+        for name in sorted(table):
+            full = table[name]
+            mine = full[participants[shares[rank]]].cpu()
+            padded = torch.zeros((top, *full.shape[1:]), dtype=full.dtype)
+            padded[:len(mine)] = mine
+            parts = [torch.empty_like(padded) for _ in range(world)]
+            dist.all_gather(parts, padded, group=group)
+            for r, share in enumerate(shares):
+                full[participants[share]] = parts[r][:len(share)].to(full.device)
+
+
 def _agree(ok: bool) -> bool:
     """Whether every rank is ready (one all_reduce of a flag)."""
     import torch.distributed as dist
@@ -438,9 +460,6 @@ def _check_ranks(cfg: Config, data, world: int, resume: bool) -> None:
         raise ValueError("--resume runs on one process (the checkpoint is rank 0's); restart without torchrun")
     for spec in cfg.algorithms:
         name, c = cfg.for_algorithm(spec, data)
-        if algorithms.ALGORITHMS[name][0] in _STATEFUL:
-            raise ValueError(f"{spec} keeps per-client state (momentum, step sizes or control variates); on several "
-                             "ranks the simulator runs stateless client rules only, for now")
         if max(1, int(round(c.participation * data.num_clients))) < world:
             raise ValueError(f"{world} ranks need at least {world} clients a round; {spec} samples fewer")
 
