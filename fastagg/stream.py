@@ -5,6 +5,7 @@ step is exact (the same formula as the batched call; equal to float32 rounding).
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -67,6 +68,7 @@ class Accumulator:
             self._weighted_sq = torch.zeros((), dtype=torch.float64, device=self.device)
             self._buffer_sums = [None] * len(self._buffer_names)
             self.total_weight = 0.0
+            self._ids: list = []  # each folded client's id (None when add() was given none)
 
     @property
     def num_clients(self) -> int:
@@ -88,7 +90,13 @@ class Accumulator:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
         return torch.stack(self._sq_norms)
 
-    def add(self, delta: Any, weight: float = 1.0, *, base: Any = None, on_nonfinite: str = "raise") -> bool:
+    @property
+    def client_ids(self) -> list:
+        """The ids given to :meth:`add` (None for clients added without one), in the order they were folded."""
+        return list(self._ids)
+
+    def add(self, delta: Any, weight: float = 1.0, *, base: Any = None, on_nonfinite: str = "raise",
+            client_id: Any = None) -> bool:
         """Fold one client in: ``sum += weight * delta``; ``sq_sum += weight * ||delta||^2``.
 
         ``delta`` has the form, size, dtype and device of ``like`` (state_dicts are matched by entry name);
@@ -97,10 +105,13 @@ class Accumulator:
         kernel, never stored (buffers too: their advance ``b - base_b`` is what is summed). A delta with NaN/Inf, or
         one whose weighted update would overflow the running sum, raises ``ValueError``
         (``on_nonfinite="raise"``) or is dropped (``"skip"``); either way the accumulator is unchanged. Returns
-        True when the client was folded in.
+        True when the client was folded in. ``client_id`` (a str or int) makes the fold idempotent: a client whose id
+        was already folded (this round, or before a restart that reloaded :meth:`state_dict`) is refused with a
+        ValueError and changes nothing.
         """
         check_on_nonfinite(on_nonfinite)
         w = check_number(weight, "weight")
+        _check_id(client_id)
         what = "delta" if base is None else "model"
         rows = client_rows([delta], name=what, like=self._like)
         expect_like(what, "the accumulator's `like`", numel=(rows.numel, self._numel),
@@ -110,6 +121,9 @@ class Accumulator:
             rows, base_bufs = attach_base(rows, base)
         bufs = self._client_buffers(rows, w, base_bufs)
         with self._lock:
+            if client_id is not None and client_id in self._ids:
+                raise ValueError(f"client {client_id!r} was already folded into this round; the accumulator is "
+                                 "unchanged")
             check_writes([("the accumulator's sum", self._scratch)], round_reads(rows))
             coef = torch.full((1,), w, dtype=torch.float64, device=self.device)
             _, sq, bad, msq = run_stats(rows, coef, self._backend, mean_init=self._sum, mean_out=self._scratch)
@@ -127,7 +141,90 @@ class Accumulator:
             self._weighted_sq = sq_new
             self._buffer_sums = [b if s is None else s + b for s, b in zip(self._buffer_sums, bufs)]
             self.total_weight += w
+            self._ids.append(client_id)
             return True
+
+    def merge(self, other: "Accumulator") -> None:
+        """Fold in every client of ``other`` (an accumulator of the same ``like``: size, dtype, device, buffers):
+        afterwards this one is as if it had seen both sets of clients (the sums added in another order: equal to
+        rounding). For hierarchical aggregation: edge accumulators merged at the root. ``other`` is not changed; a
+        client id present in both is refused, and nothing changes then."""
+        if not isinstance(other, Accumulator):
+            raise TypeError(f"merge takes an Accumulator, got {type(other).__name__}")
+        if other is self:
+            raise ValueError("an accumulator cannot merge itself (its clients would count twice)")
+        expect_like("the other accumulator", "this accumulator", numel=(other._numel, self._numel),
+                    dtype=(other._dtype, self._dtype), device=(other.device, self.device))
+        if other._buffer_names != self._buffer_names:
+            raise ValueError(f"the other accumulator's buffers are {list(other._buffer_names)}; this one's "
+                             f"{list(self._buffer_names)}")
+        first, second = sorted((self, other), key=id)  # one lock order for any two accumulators
+        with first._lock, second._lock:
+            twice = {i for i in other._ids if i is not None} & {i for i in self._ids if i is not None}
+            if twice:
+                raise ValueError(f"clients {sorted(map(repr, twice))[:5]} are in both accumulators; nothing was merged")
+            new_sum = self._sum + other._sum
+            new_sq = self._weighted_sq + other._weighted_sq
+            if not bool(torch.isfinite(new_sum).all() & torch.isfinite(new_sq)):
+                raise ValueError("the merged sums overflow; nothing was merged")
+            self._sum.copy_(new_sum)
+            self._weighted_sq = new_sq
+            self._sq_norms += list(other._sq_norms)
+            self._buffer_sums = [o if s is None else s if o is None else s + o
+                                 for s, o in zip(self._buffer_sums, other._buffer_sums)]
+            self.total_weight += other.total_weight
+            self._ids += list(other._ids)
+
+    def state_dict(self) -> dict:
+        """A half-finished round: the sums, every folded client's squared norm and id, the total weight, the
+        buffers' sums, and what they must match (size, dtype). With :meth:`load_state_dict` a restarted server
+        resumes the round without asking the folded clients again (their ids are refused if they resend)."""
+        with self._lock:
+            return {"format": 1, "numel": self._numel, "dtype": str(self._dtype), "buffers": list(self._buffer_names),
+                    "sum": self._sum.detach().cpu().clone(), "sq_norms": self.sq_norms.cpu().clone(),
+                    "weighted_sq": float(self._weighted_sq), "total_weight": float(self.total_weight),
+                    "client_ids": list(self._ids),
+                    "buffer_sums": [None if b is None else b.cpu().clone() for b in self._buffer_sums]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s round. Everything is checked (format, size, dtype, buffers, finite sums,
+        norms >= 0, as many norms as ids, a total weight >= 0) before anything changes."""
+        if not isinstance(state, dict) or state.get("format") != 1:
+            raise ValueError("not an Accumulator state_dict (format 1)")
+        for key in ("numel", "dtype", "buffers", "sum", "sq_norms", "weighted_sq", "total_weight", "client_ids",
+                    "buffer_sums"):
+            if key not in state:
+                raise ValueError(f"the state_dict has no {key!r}")
+        if state["numel"] != self._numel or state["dtype"] != str(self._dtype):
+            raise ValueError(f"the state_dict is of {state['numel']} {state['dtype']} elements; this accumulator "
+                             f"holds {self._numel} {self._dtype}")
+        if list(state["buffers"]) != list(self._buffer_names):
+            raise ValueError(f"the state_dict's buffers are {state['buffers']}; this accumulator's "
+                             f"{list(self._buffer_names)}")
+        total, sq, ids = state["sum"], state["sq_norms"], list(state["client_ids"])
+        if not isinstance(total, torch.Tensor) or total.shape != self._sum.shape or total.dtype != self._sum.dtype:
+            raise ValueError(f"the state_dict's sum must be a {self._sum.dtype} tensor of {self._numel} elements")
+        if not isinstance(sq, torch.Tensor) or sq.dim() != 1 or len(sq) != len(ids):
+            raise ValueError("the state_dict's sq_norms must be one per client id")
+        ok = bool(torch.isfinite(total).all()) and bool(torch.isfinite(sq).all() & (sq >= 0).all())
+        ws, tw = float(state["weighted_sq"]), float(state["total_weight"])
+        if not (ok and math.isfinite(ws) and ws >= 0 and math.isfinite(tw) and tw >= 0):
+            raise ValueError("the state_dict holds a non-finite or negative sum, norm or weight")
+        for i in ids:
+            _check_id(i)
+        named = [i for i in ids if i is not None]
+        if len(set(named)) != len(named):
+            raise ValueError("the state_dict's client ids repeat")
+        bufs = state["buffer_sums"]
+        if len(bufs) != len(self._buffer_names):
+            raise ValueError("the state_dict's buffer sums do not match its buffers")
+        with self._lock:
+            self._sum.copy_(total.to(self.device))
+            self._sq_norms = [v.to(torch.float64).to(self.device) for v in sq.unbind()] if len(sq) else []
+            self._weighted_sq = torch.tensor(ws, dtype=torch.float64, device=self.device)
+            self.total_weight = tw
+            self._ids = ids
+            self._buffer_sums = [None if b is None else b.to(device=self.device, dtype=torch.float64) for b in bufs]
 
     def _client_buffers(self, rows, w: float, base: dict | None = None) -> list:
         """``w * b`` (with a base: ``w * (b - base_b)``) in float64 for each of the client's buffers, in ``like``'s
@@ -227,6 +324,11 @@ class Accumulator:
         in :meth:`fedexp_step`)."""
         return self._from_sums(ops.fixed_rule(lr), params=params, on_nonfinite=on_nonfinite, want_eval=False,
                                group=group)
+
+
+def _check_id(client_id: Any) -> None:
+    if client_id is not None and (not isinstance(client_id, (str, int)) or isinstance(client_id, bool)):
+        raise TypeError(f"client_id must be a str or an int, got {type(client_id).__name__}")
 
 
 __all__ = ["Accumulator"]

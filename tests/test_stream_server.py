@@ -1,0 +1,141 @@
+"""The Accumulator as a server for large models: merging edge accumulators, client ids that make folds idempotent,
+and a half-finished round saved, reloaded after a killed process, and continued."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fastagg
+from fastagg.testing import assert_close
+
+
+def _clients(m=6, d=2003, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, d, generator=g, dtype=torch.float64) * 0.1).to(dtype), \
+        torch.rand(m, generator=g, dtype=torch.float64) * 10 + 1
+
+
+def _acc(deltas, weights, ids=None, like=None):
+    acc = fastagg.Accumulator(like=deltas[0] if like is None else like)
+    for i, (x, n) in enumerate(zip(deltas, weights)):
+        acc.add(x, float(n), client_id=None if ids is None else ids[i])
+    return acc
+
+
+@pytest.mark.parametrize("dtype, rtol, atol", [(torch.float64, 1e-13, 1e-16), (torch.float32, 2e-6, 1e-7)])
+def test_merged_edge_accumulators_step_as_one(dtype, rtol, atol):
+    """float32: the sums are added in another order (elements near zero carry the rounding as absolute error)."""
+    deltas, weights = _clients(dtype=dtype)
+    root, edge = _acc(deltas[:2], weights[:2], ids=["a", "b"]), _acc(deltas[2:], weights[2:], ids=[2, 3, 4, 5])
+    edge_sum = torch.as_tensor(edge.weighted_sum).clone()
+    root.merge(edge)
+    assert root.num_clients == 6 and root.client_ids == ["a", "b", 2, 3, 4, 5]
+    assert torch.equal(torch.as_tensor(edge.weighted_sum), edge_sum) and edge.num_clients == 4
+    whole = _acc(deltas, weights)
+    got, want = root.fedexp_step(eps=1e-3), whole.fedexp_step(eps=1e-3)
+    assert_close(got.mean, want.mean, rtol=rtol, atol=atol, name="mean")
+    assert float(got.eta) == pytest.approx(float(want.eta), rel=10 * rtol)
+    assert torch.equal(torch.as_tensor(got.sq_norms), torch.as_tensor(want.sq_norms))
+
+
+def test_merge_refuses_what_would_count_twice_or_does_not_match():
+    deltas, weights = _clients()
+    a, b = _acc(deltas[:3], weights[:3], ids=[0, 1, 2]), _acc(deltas[2:], weights[2:], ids=[2, 3, 4, 5])
+    before = torch.as_tensor(a.weighted_sum).clone()
+    with pytest.raises(ValueError, match="in both accumulators"):
+        a.merge(b)
+    assert torch.equal(torch.as_tensor(a.weighted_sum), before) and a.num_clients == 3
+    with pytest.raises(ValueError, match="cannot merge itself"):
+        a.merge(a)
+    with pytest.raises(ValueError, match="has 5 elements"):
+        a.merge(fastagg.Accumulator(like=torch.zeros(5, dtype=torch.float64)))
+    with pytest.raises(TypeError, match="dtype"):
+        a.merge(fastagg.Accumulator(like=torch.zeros(2003)))
+
+
+def test_a_client_id_is_folded_once():
+    deltas, weights = _clients(m=2)
+    acc = _acc(deltas[:1], weights[:1], ids=["node-7"])
+    before = torch.as_tensor(acc.weighted_sum).clone()
+    with pytest.raises(ValueError, match="'node-7' was already folded"):
+        acc.add(deltas[1], 3.0, client_id="node-7")
+    assert torch.equal(torch.as_tensor(acc.weighted_sum), before) and acc.num_clients == 1
+    with pytest.raises(TypeError, match="client_id must be a str or an int"):
+        acc.add(deltas[1], 3.0, client_id=1.5)
+    acc.reset()
+    assert acc.add(deltas[1], 3.0, client_id="node-7")  # a new round
+
+
+def test_a_half_finished_round_survives_a_killed_process(tmp_path):
+    """A server process folds 3 of 6 clients, saves the round, and is killed; a new process loads it, refuses a
+    client that resends, folds the other 3 and steps: the same result as one uninterrupted round."""
+    path = tmp_path / "round.pt"
+    script = textwrap.dedent(f"""
+        import os, torch, fastagg
+        g = torch.Generator().manual_seed(0)
+        deltas = torch.randn(6, 2003, generator=g, dtype=torch.float64) * 0.1
+        weights = torch.rand(6, generator=g, dtype=torch.float64) * 10 + 1
+        acc = fastagg.Accumulator(like=deltas[0])
+        for i in range(3):
+            acc.add(deltas[i], float(weights[i]), client_id=f"c{{i}}")
+        torch.save(acc.state_dict(), {str(path)!r})
+        os._exit(9)  # killed mid-round
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert res.returncode == 9, res.stderr
+    deltas, weights = _clients()
+    resumed = fastagg.Accumulator(like=deltas[0])
+    resumed.load_state_dict(torch.load(path, weights_only=True))
+    assert resumed.client_ids == ["c0", "c1", "c2"]
+    with pytest.raises(ValueError, match="'c1' was already folded"):
+        resumed.add(deltas[1], float(weights[1]), client_id="c1")
+    for i in range(3, 6):
+        resumed.add(deltas[i], float(weights[i]), client_id=f"c{i}")
+    straight = _acc(deltas, weights, ids=[f"c{i}" for i in range(6)])
+    a, b = resumed.fedexp_step(eps=1e-3), straight.fedexp_step(eps=1e-3)
+    assert torch.equal(a.mean, b.mean) and float(a.eta) == float(b.eta)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda s: s.update(sum=s["sum"][:-1]), "sum must be"),
+    (lambda s: s["sum"].__setitem__(5, float("nan")), "non-finite or negative"),
+    (lambda s: s.update(client_ids=s["client_ids"][:-1]), "one per client id"),
+    (lambda s: s.update(client_ids=["x", "x", "y"]), "ids repeat"),
+    (lambda s: s.update(total_weight=-1.0), "non-finite or negative"),
+    (lambda s: s.update(numel=7), "7 torch.float64 elements"),
+    (lambda s: s.pop("sq_norms"), "no 'sq_norms'"),
+    (lambda s: s.update(format=2), "format 1"),
+])
+def test_a_corrupted_round_state_is_refused_and_changes_nothing(corrupt, message):
+    deltas, weights = _clients()
+    state = _acc(deltas[:3], weights[:3], ids=["x", "y", "z"]).state_dict()
+    corrupt(state)
+    target = _acc(deltas[3:4], weights[3:4], ids=["w"])
+    before = torch.as_tensor(target.weighted_sum).clone()
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(state)
+    assert torch.equal(torch.as_tensor(target.weighted_sum), before) and target.client_ids == ["w"]
+
+
+def test_merge_and_state_dict_carry_batchnorm_buffers():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    sds = []
+    for i in range(4):
+        sd = {k: v.clone() for k, v in net.state_dict().items()}
+        sd["1.running_mean"] += i
+        sds.append(sd)
+    a, b = _acc(sds[:2], [1.0, 2.0], like=net.state_dict()), _acc(sds[2:], [3.0, 4.0], like=net.state_dict())
+    c = fastagg.Accumulator(like=net.state_dict())
+    c.load_state_dict(b.state_dict())
+    a.merge(c)
+    w = {k: v.clone() for k, v in net.state_dict().items()}
+    a.fedavg_step(params=w)
+    expect = sum(n * float(s["1.running_mean"][0]) for n, s in zip([1, 2, 3, 4], sds)) / 10
+    assert float(w["1.running_mean"][0]) == pytest.approx(expect + float(net.state_dict()["1.running_mean"][0]))
