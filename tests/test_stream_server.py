@@ -139,3 +139,34 @@ def test_merge_and_state_dict_carry_batchnorm_buffers():
     a.fedavg_step(params=w)
     expect = sum(n * float(s["1.running_mean"][0]) for n, s in zip([1, 2, 3, 4], sds)) / 10
     assert float(w["1.running_mean"][0]) == pytest.approx(expect + float(net.state_dict()["1.running_mean"][0]))
+
+
+@pytest.mark.parametrize("dtype, rtol, atol", [(torch.float64, 1e-13, 1e-16), (torch.float32, 2e-6, 1e-7)])
+def test_add_many_folds_several_clients_in_one_sweep(dtype, rtol, atol):
+    deltas, weights = _clients(m=7, dtype=dtype)
+    one_by_one = _acc(deltas, weights, ids=list(range(7)))
+    many = fastagg.Accumulator(like=deltas[0])
+    assert many.add_many(deltas[:4], weights[:4].tolist(), client_ids=[0, 1, 2, 3]) == [True] * 4
+    assert many.add_many(list(deltas[4:]), weights[4:].tolist(), client_ids=[4, 5, 6]) == [True] * 3
+    assert many.client_ids == list(range(7)) and many.total_weight == pytest.approx(one_by_one.total_weight)
+    a, b = many.fedexp_step(eps=1e-3), one_by_one.fedexp_step(eps=1e-3)
+    assert_close(a.mean, b.mean, rtol=rtol, atol=atol, name="mean")
+    assert torch.equal(torch.as_tensor(a.sq_norms), torch.as_tensor(b.sq_norms))
+    assert float(a.eta) == pytest.approx(float(b.eta), rel=10 * rtol)
+
+
+def test_add_many_with_a_nan_client_raises_unchanged_or_skips_only_it():
+    deltas, weights = _clients(m=4)
+    deltas[2, 9] = float("nan")
+    acc = _acc(deltas[:1], weights[:1], ids=["first"])
+    before = torch.as_tensor(acc.weighted_sum).clone()
+    with pytest.raises(ValueError, match=r"deltas\[2\] contains NaN"):
+        acc.add_many(deltas, weights.tolist())
+    assert torch.equal(torch.as_tensor(acc.weighted_sum), before) and acc.num_clients == 1
+    assert acc.add_many(deltas, weights.tolist(), client_ids=["a", "b", "c", "d"], on_nonfinite="skip") == \
+        [True, True, False, True]
+    assert acc.client_ids == ["first", "a", "b", "d"]
+    with pytest.raises(ValueError, match="'a' was already folded"):
+        acc.add_many(deltas[:1], [1.0], client_ids=["a"])
+    with pytest.raises(ValueError, match="2 clients, 1 weights"):
+        acc.add_many(deltas[:2], [1.0])

@@ -1,0 +1,56 @@
+"""Streaming folds at d = 10^7 float32, 16 clients, in one run: ``Accumulator.add`` one client at a time against
+``add_many`` of 4 and 16 clients per sweep, and ``torch.add(sum, delta, out=)`` per client (the plain fold of the
+same bytes, no norms or checks). Medians of 5 repetitions, interleaved.
+
+    python bench/bench_stream.py
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+import fastagg
+
+M, D = 16, 10_000_000
+
+
+def main() -> None:
+    x = torch.randn(M, D) * 0.01
+    rows = list(x.unbind())
+    weights = [float(i + 1) for i in range(M)]
+    total = torch.zeros(D)
+
+    def plain():
+        for r in rows:
+            torch.add(total, r, out=total)
+
+    def one_by_one():
+        acc = fastagg.Accumulator(like=rows[0])
+        for r, w in zip(rows, weights):
+            acc.add(r, w)
+
+    def many(k):
+        def run():
+            acc = fastagg.Accumulator(like=rows[0])
+            for i in range(0, M, k):
+                acc.add_many(rows[i:i + k], weights[i:i + k])
+        return run
+
+    contenders = {"torch.add per client": plain, "add() per client": one_by_one, "add_many, 4 per sweep": many(4),
+                  "add_many, 16 per sweep": many(16)}
+    times = {k: [] for k in contenders}
+    for _ in range(5):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["torch.add per client"])
+    for name, t in times.items():
+        med = statistics.median(t)
+        print(f"{name:<24} {med * 1e3 / M:6.2f} ms per client  ({med / base:.2f}x torch.add)")
+
+
+if __name__ == "__main__":
+    main()
