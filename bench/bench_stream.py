@@ -1,6 +1,7 @@
 """Streaming folds at d = 10^7 float32, 16 clients, in one run: ``Accumulator.add`` one client at a time against
-``add_many`` of 4 and 16 clients per sweep, and ``torch.add(sum, delta, out=)`` per client (the plain fold of the
-same bytes, no norms or checks). Medians of 5 repetitions, interleaved.
+``add_many`` of 4 and 16 clients per sweep, 4 threads adding at once (the accumulator's lock serializes them),
+and ``torch.add(sum, delta, out=)`` per client (the plain fold of the same bytes, no norms or checks). Medians of
+5 repetitions, interleaved.
 
     python bench/bench_stream.py
 """
@@ -38,8 +39,24 @@ def main() -> None:
                 acc.add_many(rows[i:i + k], weights[i:i + k])
         return run
 
+    def threads(n):
+        acc = fastagg.Accumulator(like=rows[0])  # a server's, reused round after round
+
+        def run():
+            import threading
+
+            acc.reset()
+            ts = [threading.Thread(target=lambda t=t: [acc.add(rows[i], weights[i]) for i in range(t, M, n)])
+                  for t in range(n)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            acc.sq_norms  # the partials merged: what a step would read
+        return run
+
     contenders = {"torch.add per client": plain, "add() per client": one_by_one, "add_many, 4 per sweep": many(4),
-                  "add_many, 16 per sweep": many(16)}
+                  "add_many, 16 per sweep": many(16), "4 threads add() at once": threads(4)}
     times = {k: [] for k in contenders}
     for _ in range(5):
         for name, fn in contenders.items():
