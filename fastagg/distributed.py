@@ -11,9 +11,10 @@ spread over R ranks is, exactly in exact arithmetic, the round of all M clients:
 
 Collectives per round, all on the caller's group (torch.distributed itself, no other transport): one all_gather
 of a small header (numel, dtype, clients per rank: mismatched shapes are refused on every rank before any data
-moves), one all_gather of the weights, one all_reduce of the d-vector and one all_gather of the per-client norms
-and finite flags (so every rank knows which global client was bad and all skip or raise together), with each
-rank's share of ||mean||^2 (every rank measures 1/R of the reduced mean). With one rank the step is today's
+moves) that also carries the weights of up to 64 clients a rank (else one more all_gather for them), one
+all_reduce of the d-vector and one all_gather of the per-client norms and finite flags (so every rank knows which
+global client was bad and all skip or raise together), with each rank's share of ||mean||^2 (every rank measures
+1/R of the reduced mean). With one rank the step is today's
 single-process step, bit for bit. With several, the mean's sum runs in the collective's
 order, so results agree with the single-process step to rounding (float32: ~1e-7 relative), and every rank holds
 the same bits. A rank that dies or hangs makes the collectives fail after the group's timeout
@@ -40,6 +41,7 @@ from .passes import RoundStats, run_stats
 from .rows import Buffers, ClientRows, client_rows, compute_dtype
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+WEIGHTS_INLINE = 64  # clients per rank whose weights travel with the shape check (one collective fewer)
 
 
 def world_size(group) -> int:
@@ -109,9 +111,14 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     local_w, problem = _local_weights(weights, m)
     # what every rank must agree on, gathered before any data moves
     buffer_numel = sum(v[0].numel() for v in rows.buffers.values) if rows.buffers is not None else -1
-    header = torch.tensor([rows.numel, _DTYPES.index(dtype), m, int(bool(problem)), buffer_numel],
-                          dtype=torch.int64, device=cdev)
-    headers = [h.tolist() for h in _gather(header, group, "shape check")]
+    # one gather carries the header and, for up to WEIGHTS_INLINE clients a rank, the weights too
+    header = torch.zeros(5 + WEIGHTS_INLINE, dtype=torch.float64, device=cdev)
+    header[:5] = torch.tensor([rows.numel, _DTYPES.index(dtype), m, int(bool(problem)), buffer_numel],
+                              dtype=torch.float64)
+    if m <= WEIGHTS_INLINE:
+        header[5:5 + m] = local_w.to(cdev)
+    gathered = _gather(header, group, "shape check")
+    headers = [[int(v) for v in h[:5].tolist()] for h in gathered]
     rank = dist.get_rank(group)
     if len({(h[0], h[1]) for h in headers}) > 1:
         shown = ", ".join(f"rank {r}: {h[0]} elements of {_DTYPES[h[1]]}" for r, h in enumerate(headers))
@@ -125,9 +132,12 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
                          "updated")
     counts = [h[2] for h in headers]
     total, top, first = sum(counts), max(counts), sum(counts[:rank])
-    padded = torch.zeros(top, dtype=torch.float64, device=cdev)
-    padded[:m] = local_w.to(cdev)
-    every = torch.cat([g[:c].cpu() for g, c in zip(_gather(padded, group, "weights gather"), counts)])
+    if top <= WEIGHTS_INLINE:
+        every = torch.cat([g[5:5 + c].cpu() for g, c in zip(gathered, counts)])
+    else:  # a rank holds more clients than the header carries: their weights in a gather of their own
+        padded = torch.zeros(top, dtype=torch.float64, device=cdev)
+        padded[:m] = local_w.to(cdev)
+        every = torch.cat([g[:c].cpu() for g, c in zip(_gather(padded, group, "weights gather"), counts)])
     # the single-process coefficients of all clients in rank order (raises alike on every rank for a bad weight)
     coefs_all = normalized_weights(every, total, dev)
     coefs = coefs_all[first:first + m].contiguous()

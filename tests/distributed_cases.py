@@ -215,6 +215,17 @@ def batchnorm_models(rank: int, world: int, group) -> dict:
     return {k: v.clone() for k, v in net.state_dict().items()}
 
 
+def many_clients(rank: int, world: int, group) -> dict:
+    """More clients on a rank than the header carries weights for (70 on rank 0, 3 on rank 1)."""
+    g = torch.Generator().manual_seed(21)
+    deltas = torch.randn(73, 301, generator=g, dtype=torch.float64)
+    weights = torch.rand(73, generator=g, dtype=torch.float64) + 0.5
+    sl = slice(0, 73) if group is None else (slice(0, 70) if rank == 0 else slice(70, 73))
+    w = torch.zeros(301, dtype=torch.float64)
+    res = fastagg.fedexp_step(deltas[sl], eps=1e-3, weights=weights[sl], params=w, group=group)
+    return {"w": w, "eta": float(res.eta)}
+
+
 CHECKPOINTED = ("FedAdam", "FedExP", "Scaffold")
 
 
@@ -237,5 +248,5 @@ def sharded_checkpoint(rank: int, world: int, group) -> dict:
     return out
 
 
-CASES = {"batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
+CASES = {"many_clients": many_clients, "batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
          "mismatch": mismatch, "dead_rank": dead_rank}

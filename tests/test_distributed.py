@@ -205,3 +205,15 @@ def test_model_buffers_average_over_every_ranks_clients(tmp_path):
         for k, v in ref.items():
             assert res[k].dtype == v.dtype
             torch.testing.assert_close(res[k], v, rtol=1e-13, atol=1e-15, msg=k)
+
+
+def test_a_rank_with_more_clients_than_the_header_carries(tmp_path):
+    """Up to 64 clients a rank, the weights travel with the shape check; beyond, in a gather of their own."""
+    from fastagg import distributed
+
+    assert distributed.WEIGHTS_INLINE < 70
+    ranks = spawn("many_clients", 2, tmp_path)
+    ref = CASES["many_clients"](0, 1, None)
+    for res in ranks:
+        torch.testing.assert_close(res["w"], ref["w"], rtol=1e-13, atol=1e-15)
+        assert res["eta"] == pytest.approx(ref["eta"], rel=1e-12)
