@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -84,9 +83,9 @@ def main() -> None:
     if a.rank_main:
         _rank_main(a.world, a.clients, a.dim)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from fastagg.testing import free_port
+
+    port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(a.world),
            "GLOO_SOCKET_IFNAME": "lo"}
     procs = [subprocess.Popen([sys.executable, __file__, "--rank-main", "--world", str(a.world), "--clients",

@@ -77,6 +77,13 @@ def _device_for(group, device: torch.device) -> torch.device:
     return device if backend == "nccl" else torch.device("cpu")
 
 
+def _same_shapes(headers: list, what: str) -> None:
+    """Every rank's header starts (numel, dtype index): refuse on every rank alike when they differ."""
+    if len({(h[0], h[1]) for h in headers}) > 1:
+        shown = ", ".join(f"rank {r}: {h[0]} elements of {_DTYPES[h[1]]}" for r, h in enumerate(headers))
+        raise ValueError(f"the ranks' {what} differ in size or dtype ({shown}); nothing was updated")
+
+
 def _local_weights(weights: Any, m: int) -> tuple[torch.Tensor, str]:
     """This rank's raw weights as float64 [m] on the host (None: all 1), or a reason they cannot be read. Values
     are checked after the gather, on every rank alike, so that a bad weight makes every rank raise together."""
@@ -120,9 +127,7 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     gathered = _gather(header, group, "shape check")
     headers = [[int(v) for v in h[:5].tolist()] for h in gathered]
     rank = dist.get_rank(group)
-    if len({(h[0], h[1]) for h in headers}) > 1:
-        shown = ", ".join(f"rank {r}: {h[0]} elements of {_DTYPES[h[1]]}" for r, h in enumerate(headers))
-        raise ValueError(f"the ranks' {name} differ in size or dtype ({shown}); nothing was updated")
+    _same_shapes(headers, name)
     bad_ranks = [r for r, h in enumerate(headers) if h[3]]
     if bad_ranks:
         raise ValueError(problem if problem else f"rank {bad_ranks[0]}'s weights cannot be read; nothing was updated")
@@ -312,9 +317,7 @@ def accumulator_stats(acc, backend_of, *, group, aux=None, aux_coef: float = 0.0
         header = torch.tensor([acc.numel, _DTYPES.index(acc._sum.dtype), m, int(bool(acc._buffer_names))],
                               dtype=torch.int64, device=cdev)
         headers = [h.tolist() for h in _gather(header, group, "shape check")]
-        if len({(h[0], h[1]) for h in headers}) > 1:
-            shown = ", ".join(f"rank {r}: {h[0]} elements of {_DTYPES[h[1]]}" for r, h in enumerate(headers))
-            raise ValueError(f"the ranks' accumulators differ in size or dtype ({shown}); nothing was updated")
+        _same_shapes(headers, "accumulators")
         if any(h[3] for h in headers):
             raise ValueError("group= does not average model buffers (BatchNorm statistics) yet: pass parameters only")
         counts = [h[2] for h in headers]

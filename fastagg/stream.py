@@ -69,6 +69,7 @@ class Accumulator:
             self._buffer_sums = [None] * len(self._buffer_names)
             self.total_weight = 0.0
             self._ids: list = []  # each folded client's id (None when add() was given none)
+            self._named: set = set()  # the ids that are not None: a resend is found in O(1)
 
     @property
     def num_clients(self) -> int:
@@ -121,7 +122,7 @@ class Accumulator:
             rows, base_bufs = attach_base(rows, base)
         bufs = self._client_buffers(rows, w, base_bufs)
         with self._lock:
-            if client_id is not None and client_id in self._ids:
+            if client_id is not None and client_id in self._named:
                 raise ValueError(f"client {client_id!r} was already folded into this round; the accumulator is "
                                  "unchanged")
             check_writes([("the accumulator's sum", self._scratch)], round_reads(rows))
@@ -142,6 +143,8 @@ class Accumulator:
             self._buffer_sums = [b if s is None else s + b for s, b in zip(self._buffer_sums, bufs)]
             self.total_weight += w
             self._ids.append(client_id)
+            if client_id is not None:
+                self._named.add(client_id)
             return True
 
     def add_many(self, deltas: Any, weights: Any = None, *, base: Any = None, on_nonfinite: str = "raise",
@@ -173,7 +176,7 @@ class Accumulator:
         expect_like("deltas", "the accumulator's `like`", numel=(rows.numel, self._numel),
                     dtype=(rows.dtype, self._dtype), device=(rows.device, self.device))
         with self._lock:
-            again = [i for i in named if i in self._ids]
+            again = [i for i in named if i in self._named]
             if again:
                 raise ValueError(f"client {again[0]!r} was already folded into this round; the accumulator is "
                                  "unchanged")
@@ -203,6 +206,7 @@ class Accumulator:
             self._weighted_sq = sq_new
             self.total_weight += sum(ws[j] for j in keep)
             self._ids += [ids[j] for j in keep]
+            self._named |= {ids[j] for j in keep if ids[j] is not None}
             return [j in keep for j in range(k)]
 
     def merge(self, other: "Accumulator") -> None:
@@ -221,7 +225,7 @@ class Accumulator:
                              f"{list(self._buffer_names)}")
         first, second = sorted((self, other), key=id)  # one lock order for any two accumulators
         with first._lock, second._lock:
-            twice = {i for i in other._ids if i is not None} & {i for i in self._ids if i is not None}
+            twice = other._named & self._named
             if twice:
                 raise ValueError(f"clients {sorted(map(repr, twice))[:5]} are in both accumulators; nothing was merged")
             new_sum = self._sum + other._sum
@@ -235,6 +239,7 @@ class Accumulator:
                                  for s, o in zip(self._buffer_sums, other._buffer_sums)]
             self.total_weight += other.total_weight
             self._ids += list(other._ids)
+            self._named |= other._named
 
     def state_dict(self) -> dict:
         """A half-finished round: the sums, every folded client's squared norm and id, the total weight, the
@@ -285,6 +290,7 @@ class Accumulator:
             self._weighted_sq = torch.tensor(ws, dtype=torch.float64, device=self.device)
             self.total_weight = tw
             self._ids = ids
+            self._named = set(named)
             self._buffer_sums = [None if b is None else b.to(device=self.device, dtype=torch.float64) for b in bufs]
 
     def _client_buffers(self, rows, w: float, base: dict | None = None) -> list:

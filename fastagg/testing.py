@@ -116,3 +116,13 @@ def assert_round_close(actual, expected, dtype: torch.dtype, *, per_client: bool
     for f in fields:
         assert_close(getattr(actual, f), getattr(expected, f), rtol=nrt, atol=nat, name=f)
     assert_close(actual.update_flat, expected.update_flat, rtol=rt + nrt, atol=at, name="update")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (multi-process tests and benchmarks bind only
+    there)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

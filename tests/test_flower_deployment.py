@@ -13,19 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+import flwr  # noqa: F401  (a test requirement: a missing one fails here)
 import pytest
-
-pytest.importorskip("flwr")
+from fastagg.testing import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower"
 BIN = Path(sys.executable).parent
 TIMEOUT = 240  # seconds for `flwr run`; the run itself takes ~30 s here
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -61,7 +56,7 @@ def _kill_group(p: subprocess.Popen) -> None:
 def federation(tmp_path):
     home = tmp_path / "flwr"
     home.mkdir()
-    port = _free_port()
+    port = free_port()
     (home / "config.toml").write_text(f'[superlink]\ndefault = "ci"\n\n[superlink.ci]\n'
                                       f'address = "127.0.0.1:{port}"\ninsecure = true\n')
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # flower-superexec, flwr-*
@@ -73,7 +68,7 @@ def federation(tmp_path):
         _wait_port(port, procs[0])
         for i in range(2):
             procs.append(_spawn([BIN / "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}",
-                                 "--port", _free_port(), "--node-config", f"partition-id={i} num-partitions=2"],
+                                 "--port", free_port(), "--node-config", f"partition-id={i} num-partitions=2"],
                                 tmp_path / f"supernode{i}.log", env))
         yield env, tmp_path
     finally:

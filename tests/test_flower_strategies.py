@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-flwr = pytest.importorskip("flwr")
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
-from flwr.serverapp import strategy as fl  # noqa: E402
-from flwr.serverapp.exception import AggregationError  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+# flwr is a test requirement (pyproject's [test] extra, installed by `make test`): a missing one fails here
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import strategy as fl
+from flwr.serverapp.exception import AggregationError
+from flwr.supercore.task_identity import TaskIdentity
 
-from fastagg import server  # noqa: E402
-from fastagg import flower as fa  # noqa: E402
+from fastagg import server
+from fastagg import flower as fa
 from fastagg.testing import assert_close, cpu_backends  # noqa: E402
 
 # flwr 1.42: Message() outside a running task raises "TaskIdentity.run_id is not set" (private API, test-only)

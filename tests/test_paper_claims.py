@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastagg.sim.reproduce import ema
 from fastagg.sim.runner import Config, run
 
 
@@ -40,14 +41,6 @@ def test_paper_004_geometric_convergence_and_local_momentum_when_the_model_inter
     assert all(nesterov[t] < plain[t] for t in checkpoints)
 
 
-def _ema(values, beta=0.9):
-    out, m = [], None
-    for v in values:
-        m = v if m is None else beta * m + (1 - beta) * v
-        out.append(m)
-    return out
-
-
 def test_paper_002_fedacg_reaches_the_target_before_fedavg_at_low_participation():
     """Paper 002 (FedACG): with few clients a round on non-IID data, FedACG's momentum look-ahead reaches a target
     accuracy in fewer rounds than FedAvg. Digits, 50 Dirichlet(0.3) clients, 5 a round, 20 local steps: the rounds
@@ -55,7 +48,7 @@ def test_paper_002_fedacg_reaches_the_target_before_fedavg_at_low_participation(
     seeds = (0, 1)
     h = run(Config(dataset="digits", clients=50, dirichlet=0.3, model="mlp", participation=0.1, local_steps=20,
                    batch_size=20, lr=0.05, weight_decay=1e-3, algorithms=("fedacg", "fedavg"), rounds=60, seeds=seeds))
-    hits = {a: [next((t for t, v in enumerate(_ema(h.series(a, "test_acc", s))) if v >= 0.9), None) for s in seeds]
+    hits = {a: [next((t for t, v in enumerate(ema(h.series(a, "test_acc", s))) if v >= 0.9), None) for s in seeds]
             for a in ("fedacg", "fedavg")}
     print(f"\nrounds to 90% EMA test accuracy by seed: FedACG {hits['fedacg']}, FedAvg {hits['fedavg']}")
     assert None not in hits["fedacg"]

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import csv
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from fastagg.testing import free_port
 
 ARGS = ["--dataset", "synthetic", "--algorithm", "fedavg,fedexp,fedadam", "--rounds", "4", "--seeds", "0,1"]
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sim(world: int, *args, timeout: int = 240):
@@ -25,7 +20,7 @@ def sim(world: int, *args, timeout: int = 240):
         cmd = [sys.executable, "-m", "fastagg.sim", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
-               "--master-addr", "127.0.0.1", "--master-port", str(_port()), "-m", "fastagg.sim", *args]
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "fastagg.sim", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 

@@ -216,7 +216,9 @@ def claim_speedup(quick: bool, full: bool) -> Claim:
                  bool(ok), seen)
 
 
-def _ema(values, beta=0.9):
+def ema(values, beta=0.9):
+    """The exponential moving average paper 002 reports accuracy as: ``m_t = beta m_{t-1} + (1 - beta) v_t``,
+    ``m_0 = v_0``."""
     out, m = [], None
     for v in values:
         m = v if m is None else beta * m + (1 - beta) * v
@@ -234,7 +236,7 @@ def claim_fedacg(quick: bool) -> Claim:
     target = 0.9
     stats = {}
     for a in specs:
-        curves = [_ema(h.series(a, "test_acc", s)) for s in seeds]
+        curves = [ema(h.series(a, "test_acc", s)) for s in seeds]
         hits = [next((t for t, v in enumerate(c) if v >= target), None) for c in curves]
         at = min(100, rounds)
         stats[a] = (hits, [c[at] for c in curves], _final(h, a))
