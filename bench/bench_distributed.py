@@ -3,7 +3,8 @@
     python bench/bench_distributed.py [--world 2] [--clients 16] [--dim 10000000]
 
 R processes (gloo on 127.0.0.1), each holding clients/R of the round's client updates (float32). Per rank, medians
-of 7 rounds after 2 warm-ups, all ranks in step (a barrier before each timed call):
+of 9 rounds after 2 warm-ups, the three timed in turn within each round, all ranks in step (a barrier before each
+timed call):
 - ``fastagg FedExP step, group=``: the whole distributed server step (stats pass on the rank's clients, the
   collectives, the apply pass);
 - ``all_reduce of a d-vector``: the bare collective of the same bytes on the same group;
@@ -37,23 +38,30 @@ def _rank_main(world: int, clients: int, dim: int) -> None:
     w = torch.zeros(dim)
     vec = torch.zeros(dim)
 
+    def interleaved(fns, reps=9, warm=2):
+        """Median ms of each fn, timed in turn within every repetition (a load spike hits all of them alike)."""
+        times = [[] for _ in fns]
+        for k in range(reps + warm):
+            for fn, seen in zip(fns, times):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                if k >= warm:
+                    seen.append(time.perf_counter() - t0)
+        return [statistics.median(t) * 1e3 for t in times]
+
     def timed(fn):
-        times = []
-        for k in range(9):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            if k >= 2:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+        return interleaved([fn])[0]
 
     opt = server.FedExP(w, eps=1e-3, group=dist.group.WORLD)
     local = server.FedExP(torch.zeros(dim), eps=1e-3)
-    step = timed(lambda: opt.step(x))
-    coll = timed(lambda: dist.all_reduce(vec))
-    alone = timed(lambda: local.step(x))
-    print(f"rank {rank}: {m} clients x {dim:.0e} fp32; distributed step {step:.1f} ms, all_reduce {coll:.1f} ms, "
-          f"local step {alone:.1f} ms; step / (all_reduce + local) = {step / (coll + alone):.2f}", flush=True)
+    step, coll, alone = interleaved([lambda: opt.step(x), lambda: dist.all_reduce(vec), lambda: local.step(x)])
+    line = (f"rank {rank}: {m} clients x {dim:.0e} fp32; distributed step {step:.1f} ms, all_reduce {coll:.1f} ms, "
+            f"local step {alone:.1f} ms; step / (all_reduce + local) = {step / (coll + alone):.2f}")
+    lines = [None] * world
+    dist.all_gather_object(lines, line)
+    if rank == 0:
+        print("\n".join(lines), flush=True)
     # parameter-sharded FedAdam: this rank's slice of the params, the state and all clients' updates
     from fastagg import distributed
 

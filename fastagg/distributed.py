@@ -213,15 +213,13 @@ def sharded_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, 
     local_w, problem = _local_weights(weights, m)
     # every rank must hold the same clients with the same weights: compared before the data collective
     header = torch.tensor([m, float(local_w.sum()), float((local_w * torch.arange(1, m + 1)).sum()),
-                           float(bool(problem)), float(rows.buffers is not None)], dtype=torch.float64, device=cdev)
+                           float(bool(problem))], dtype=torch.float64, device=cdev)
     headers = [h.tolist() for h in _gather(header, group, "client check")]
     if any(h[3] for h in headers):
         raise ValueError(problem or "another rank's weights cannot be read; nothing was updated")
     if len({tuple(h[:3]) for h in headers}) > 1:
         shown = ", ".join(f"rank {r}: {int(h[0])} clients, weight sum {h[1]:g}" for r, h in enumerate(headers))
         raise ValueError(f"sharded ranks must hold the same clients and weights ({shown}); nothing was updated")
-    if any(h[4] for h in headers):
-        raise ValueError("group= does not average model buffers (BatchNorm statistics) yet: pass parameters only")
     coefs = normalized_weights(local_w, m, dev)
     mean, sq, bad, msq = run_stats(rows, coefs, backend, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
                                    mean_dtype=mean_dtype or compute_dtype(rows.dtype))
@@ -230,7 +228,8 @@ def sharded_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, 
     pack = pack.to(dev)
     sq_all, bad_all, mean_sq = pack[:m].contiguous(), pack[m:2 * m] > 0, pack[2 * m]
     stats = RoundStats(mean, sq_all, bad_all, mean_sq, (coefs * sq_all).sum(), m, rows.form, name)
-    stats.coefs = coefs
+    # model buffers (BatchNorm statistics) this rank owns are averaged here: every rank holds the same clients
+    stats.coefs, stats.buffers = coefs, rows.buffers
     return stats
 
 

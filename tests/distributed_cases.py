@@ -214,6 +214,28 @@ def batchnorm_models(rank: int, world: int, group) -> dict:
     return {k: v.clone() for k, v in net.state_dict().items()}
 
 
+def sharded_batchnorm(rank: int, world: int, group) -> dict:
+    """Sharded by layer: each rank owns some of a BatchNorm model's state_dict entries (its running statistics and
+    counter included) and gets those entries of every client's model. FedExP (eta needs norms over every rank's
+    entries) and FedAdam; group=None: one process with the whole state_dict."""
+    net = _bn_model()
+    sent = {k: v.clone() for k, v in net.state_dict().items()}
+    g = torch.Generator().manual_seed(12)
+    models = [{k: v + 0.1 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v + i + 1
+               for k, v in sent.items()} for i in range(TOTAL)]
+    weights = torch.arange(1, TOTAL + 1, dtype=torch.float64)
+    keys = list(sent)
+    mine = keys if group is None else [k for k in keys if (0 if k.startswith(("0.", "1.")) else 1)
+                                       % world == rank]
+    out = {}
+    for name in ("FedExP", "FedAdam"):
+        state = {k: sent[k].clone() for k in mine}
+        opt = getattr(server, name)(state, group=group, sharded=group is not None, **OPTIMIZERS[name])
+        st = opt.step([{k: m[k] for k in mine} for m in models], weights=weights, base={k: sent[k] for k in mine})
+        out[name] = ({k: v.clone() for k, v in state.items()}, float(st.eta))
+    return out
+
+
 def many_clients(rank: int, world: int, group) -> dict:
     """More clients on a rank than the header carries weights for (70 on rank 0, 3 on rank 1)."""
     g = torch.Generator().manual_seed(21)
@@ -247,5 +269,5 @@ def sharded_checkpoint(rank: int, world: int, group) -> dict:
     return out
 
 
-CASES = {"many_clients": many_clients, "batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
+CASES = {"sharded_batchnorm": sharded_batchnorm, "many_clients": many_clients, "batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
          "mismatch": mismatch, "dead_rank": dead_rank}

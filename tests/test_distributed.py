@@ -202,6 +202,23 @@ def test_model_buffers_average_over_every_ranks_clients(tmp_path):
             torch.testing.assert_close(res[k], v, rtol=1e-13, atol=1e-15, msg=k)
 
 
+def test_a_sharded_optimizer_averages_the_buffers_of_the_entries_it_owns(tmp_path):
+    """A BatchNorm model's state_dict split by layer over 2 ranks: each rank's entries (running statistics and the
+    counter included) equal one process's over the whole state_dict, and eta (norms over both ranks) is its eta."""
+    ranks = spawn("sharded_batchnorm", 2, tmp_path)
+    ref = CASES["sharded_batchnorm"](0, 1, None)
+    for name, (state_ref, eta_ref) in ref.items():
+        owned = [set(res[name][0]) for res in ranks]
+        assert owned[0] and owned[1] and not owned[0] & owned[1] and owned[0] | owned[1] == set(state_ref)
+        assert any("running_mean" in k for k in owned[0])
+        for res in ranks:
+            state, eta = res[name]
+            assert eta == pytest.approx(eta_ref, rel=1e-12), name
+            for k, v in state.items():
+                assert v.dtype == state_ref[k].dtype
+                torch.testing.assert_close(v, state_ref[k], rtol=1e-13, atol=1e-15, msg=f"{name} {k}")
+
+
 def test_a_rank_with_more_clients_than_the_header_carries(tmp_path):
     """Up to 64 clients a rank, the weights travel with the shape check; beyond, in a gather of their own."""
     from fastagg import distributed
