@@ -42,6 +42,9 @@ from .rows import Buffers, ClientRows, client_rows, compute_dtype
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 WEIGHTS_INLINE = 64  # clients per rank whose weights travel with the shape check (one collective fewer)
+# With one rank a step is the single-process step (same bits), no collective. Set False to run the collectives
+# anyway: how a backend (NCCL on one GPU) is checked end to end on one device; results then agree to rounding.
+ONE_RANK_IS_LOCAL = True
 
 
 def world_size(group) -> int:
@@ -50,6 +53,11 @@ def world_size(group) -> int:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("group= needs an initialized torch.distributed process group (init_process_group)")
     return dist.get_world_size(group)
+
+
+def _local(group) -> bool:
+    """True when the step needs no collective: a group of one rank (unless ONE_RANK_IS_LOCAL is off)."""
+    return world_size(group) == 1 and ONE_RANK_IS_LOCAL
 
 
 def _collective(fn, *args, what: str, **kw):
@@ -109,7 +117,7 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
 
     from .passes import client_stats
 
-    if world_size(group) == 1:
+    if _local(group):
         return client_stats(rows, weights, backend, name=name, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
                             sync=sync, mean_dtype=mean_dtype)
     dev, m = rows.device, rows.num_clients
@@ -188,11 +196,15 @@ def _reduced_buffers(buffers: Buffers, coefs: torch.Tensor, group, cdev, dev) ->
         parts.append(acc)
     flat = torch.cat(parts).to(cdev)
     _collective(dist.all_reduce, flat, group=group, what="all_reduce of the buffers")
-    flat = flat.to(dev)
+    return _unflatten(flat.to(dev), buffers.values)
+
+
+def _unflatten(flat: torch.Tensor, values: list) -> list:
+    """``flat`` cut into one view per buffer, shaped like each buffer's first tensor."""
     out, start = [], 0
-    for values in buffers.values:
-        n = values[0].numel()
-        out.append(flat[start:start + n].view(values[0].shape))
+    for v in values:
+        n = v[0].numel()
+        out.append(flat[start:start + n].view(v[0].shape))
         start += n
     return out
 
@@ -205,7 +217,7 @@ def sharded_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, 
 
     from .passes import client_stats
 
-    if world_size(group) == 1:
+    if _local(group):
         return client_stats(rows, weights, backend, name=name, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
                             sync=sync, mean_dtype=mean_dtype)
     dev, m = rows.device, rows.num_clients
@@ -236,7 +248,7 @@ def sharded_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, 
 def gather(t: torch.Tensor, group) -> torch.Tensor:
     """The full flat vector from every rank's contiguous slice ``t`` (1-D; slices may differ in length), in rank
     order, on every rank: the sharded model for evaluation or a checkpoint."""
-    if world_size(group) == 1:
+    if _local(group):
         return t.detach().reshape(-1).clone()
     flat = t.detach().reshape(-1)
     cdev = _device_for(group, flat.device)
@@ -309,16 +321,19 @@ def accumulator_stats(acc, backend_of, *, group, aux=None, aux_coef: float = 0.0
     from .passes import sum_stats
 
     with acc._lock:
-        if world_size(group) == 1:
+        if _local(group):
             return acc.round_stats(backend_of, aux=aux, aux_coef=aux_coef, mean_out=mean_out, mean_dtype=mean_dtype)
         dev, m = acc.device, acc.num_clients
         cdev = _device_for(group, dev)
-        header = torch.tensor([acc.numel, _DTYPES.index(acc._sum.dtype), m, int(bool(acc._buffer_names))],
+        like_bufs = acc._like.buffers.values if acc._buffer_names else []
+        header = torch.tensor([acc.numel, _DTYPES.index(acc._sum.dtype), m, sum(v[0].numel() for v in like_bufs)],
                               dtype=torch.int64, device=cdev)
         headers = [h.tolist() for h in _gather(header, group, "shape check")]
         _same_shapes(headers, "accumulators")
-        if any(h[3] for h in headers):
-            raise ValueError("group= does not average model buffers (BatchNorm statistics) yet: pass parameters only")
+        if len({h[3] for h in headers}) > 1:
+            shown = ", ".join(f"rank {r}: {h[3]}" for r, h in enumerate(headers))
+            raise ValueError(f"the ranks' accumulators differ in their buffers (elements: {shown}); nothing was "
+                             "updated")
         counts = [h[2] for h in headers]
         if sum(counts) == 0:
             raise ValueError("every rank's accumulator is empty: add() at least one client first")
@@ -337,4 +352,11 @@ def accumulator_stats(acc, backend_of, *, group, aux=None, aux_coef: float = 0.0
         stats = sum_stats(total.to(dev), sq_sum, weight, sum(counts), backend_of, name="accumulator", aux=aux,
                           aux_coef=aux_coef, mean_out=mean_out, mean_dtype=mean_dtype)
         stats.sq_norms = sq_all
+        if like_bufs:  # BatchNorm statistics: sum_i n_i b_i added across the group, then / the total weight
+            sums = [torch.zeros(v[0].numel(), dtype=torch.float64, device=dev) if s is None
+                    else s.reshape(-1).to(torch.float64) for s, v in zip(acc._buffer_sums, like_bufs)]
+            flat = torch.cat(sums).to(cdev)
+            _collective(dist.all_reduce, flat, group=group, what="all_reduce of the buffers")
+            stats.buffers = Buffers(acc._buffer_names, [])
+            stats.buffer_sums = _unflatten(flat.to(dev) / weight, like_bufs)
         return stats

@@ -192,9 +192,10 @@ def _bn_model():
     return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)).double()
 
 
-def batchnorm_models(rank: int, world: int, group) -> dict:
+def batchnorm_models(rank: int, world: int, group, stream: bool = False) -> dict:
     """Clients send full state_dicts of a model with BatchNorm (running statistics and a counter): the server's
-    buffers become the average over every rank's clients, its params FedAdam-stepped."""
+    buffers become the average over every rank's clients, its params FedAdam-stepped. ``stream``: each rank folds
+    its clients into an Accumulator first."""
     net = _bn_model()
     sent = {k: v.clone() for k, v in net.state_dict().items()}
     g = torch.Generator().manual_seed(11)
@@ -210,8 +211,18 @@ def batchnorm_models(rank: int, world: int, group) -> dict:
     weights = torch.arange(1, TOTAL + 1, dtype=torch.float64)
     opt = server.FedAdam(net.state_dict(), group=group)
     sl = share(rank, world)
-    opt.step(models[sl], weights=weights[sl], base=sent)
+    if stream:
+        acc = fastagg.Accumulator(like=sent)
+        for sd, n in zip(models[sl], weights[sl]):
+            acc.add(sd, float(n), base=sent)
+        opt.step(acc)
+    else:
+        opt.step(models[sl], weights=weights[sl], base=sent)
     return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def batchnorm_accumulated(rank: int, world: int, group) -> dict:
+    return batchnorm_models(rank, world, group, stream=True)
 
 
 def sharded_batchnorm(rank: int, world: int, group) -> dict:
@@ -269,5 +280,5 @@ def sharded_checkpoint(rank: int, world: int, group) -> dict:
     return out
 
 
-CASES = {"sharded_batchnorm": sharded_batchnorm, "many_clients": many_clients, "batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
+CASES = {"batchnorm_accumulated": batchnorm_accumulated, "sharded_batchnorm": sharded_batchnorm, "many_clients": many_clients, "batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
          "mismatch": mismatch, "dead_rank": dead_rank}

@@ -190,10 +190,12 @@ def test_accumulators_on_every_rank_step_as_one(world, tmp_path):
                 torch.testing.assert_close(sq, sq_ref, rtol=0, atol=0)
 
 
-def test_model_buffers_average_over_every_ranks_clients(tmp_path):
-    """Full BatchNorm models: running statistics become the weighted average over all ranks' clients, the counter
-    advances by the rounded weighted average; params as one process (float64)."""
-    ranks = spawn("batchnorm_models", 2, tmp_path)
+@pytest.mark.parametrize("case", ["batchnorm_models", "batchnorm_accumulated"])
+def test_model_buffers_average_over_every_ranks_clients(case, tmp_path):
+    """Full BatchNorm models, given as rows or folded into each rank's Accumulator: running statistics become the
+    weighted average over all ranks' clients, the counter advances by the rounded weighted average; params as one
+    process (float64)."""
+    ranks = spawn(case, 2, tmp_path)
     ref = CASES["batchnorm_models"](0, 1, None)
     assert any(not v.is_floating_point() for v in ref.values())
     for res in ranks:

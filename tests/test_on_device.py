@@ -298,3 +298,63 @@ def test_64bit_offsets_on_device():
     assert_close(x[0, -3:].cpu(), torch.tensor([1.5 - 0.5e-3, -2.0 - 0.5e-3, 4.0 - 1.0]), rtol=1e-6, atol=0,
                  name="client step tail")
     assert_close(x[0, :5].cpu(), res_head - 0.5e-3, rtol=1e-6, atol=1e-6, name="client step head")
+
+
+def test_distributed_collectives_on_one_rank(monkeypatch):
+    """fastagg.distributed's collectives on the device: NCCL on one GPU (gloo without one), world size 1 with the
+    one-rank shortcut off, so every gather and all_reduce runs on the tensors' device. Client-parallel FedExP,
+    FedAdam and FedAvgM, a sharded FedAdam, an Accumulator's step and gather() agree with the single-process steps
+    (float32: the mean's bits are the same, ||mean||^2 comes from its own pass, so eta agrees to rounding)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fastagg import distributed
+    from fastagg.testing import free_port
+
+    ran = []
+
+    def counted(fn):
+        def wrapper(*args, **kw):
+            ran.append(fn.__name__)
+            return fn(*args, **kw)
+        return wrapper
+
+    for fn in ("all_reduce", "all_gather"):
+        monkeypatch.setattr(dist, fn, counted(getattr(dist, fn)))
+    monkeypatch.setattr(distributed, "ONE_RANK_IS_LOCAL", False)
+    if ON_GPU:
+        torch.cuda.set_device(0)
+    assert not dist.is_initialized()
+    dist.init_process_group("nccl" if ON_GPU else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        group = dist.group.WORLD
+        m, d = 6, (1_000_003 if ON_GPU else 10_007)
+        x = (0.1 * _randn(m, d, seed=50)).to(DEVICE)
+        weights = torch.arange(1.0, m + 1, dtype=torch.float64)
+        for name, hyper, sharded in (("FedExP", dict(eps=1e-3), False), ("FedAdam", dict(lr=0.1), False),
+                                     ("FedAvgM", dict(momentum=0.9), False), ("FedAdam", dict(lr=0.1), True)):
+            w_ref, w = _randn(d, seed=51).to(DEVICE), _randn(d, seed=51).to(DEVICE)
+            ref_opt = getattr(server, name)(w_ref, **hyper)
+            opt = getattr(server, name)(w, group=group, sharded=sharded, **hyper)
+            for t in range(3):
+                ref = ref_opt.step(x * (t + 1), weights=weights)
+                before = len(ran)
+                got = opt.step(x * (t + 1), weights=weights)
+                assert len(ran) > before, f"{name}: no collective ran"
+                assert float(got.eta) == pytest.approx(float(ref.eta), rel=1e-6), name
+                assert_close(got.sq_norms.cpu(), ref.sq_norms.cpu(), rtol=0, atol=0, name=f"{name} norms")
+                assert_close(w.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6, name=f"{name} params round {t}")
+        acc = fastagg.Accumulator(like=x[0])
+        for row, n in zip(x, weights):
+            acc.add(row, float(n))
+        w_ref, w = _randn(d, seed=52).to(DEVICE), _randn(d, seed=52).to(DEVICE)
+        ref = acc.fedexp_step(eps=1e-3, params=w_ref)
+        got = acc.fedexp_step(eps=1e-3, params=w, group=group)
+        assert float(got.eta) == pytest.approx(float(ref.eta), rel=1e-6)
+        assert_close(w.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6, name="accumulator params")
+        assert torch.equal(distributed.gather(w, group), w)
+        assert {"all_reduce", "all_gather"} <= set(ran)
+    finally:
+        dist.destroy_process_group()
