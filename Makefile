@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TRITON ?= triton==3.7.1
 
-.PHONY: run demo test test-asan bench flower-example clean
+.PHONY: run demo test test-asan test-nvflare bench flower-example clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,21 @@ test: $(VENV)/.installed
 test-asan: $(VENV)/.installed
 	PY=$(PY) bash .ci/asan.sh
 
+# fastagg.nvflare in an environment of its own (NVIDIA FLARE pins protobuf 7, Flower < 7): the aggregator driven
+# directly and inside `nvflare simulator` (tests_nvflare/). fastagg is installed as a package, not editable: FLARE's
+# job export copies a component's non-site-packages sources into the job, which would shadow an editable checkout.
+NVFLARE_VENV ?= .venv-nvflare
+NVPY := $(NVFLARE_VENV)/bin/python
+$(NVFLARE_VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(shell find fastagg -name '*.py')
+	test -x $(NVPY) || $(PYTHON) -m venv $(NVFLARE_VENV)
+	$(NVPY) -m pip install -q --upgrade pip
+	$(NVPY) -m pip install -q $(TORCH) 'nvflare==2.9.0' pytest
+	$(NVPY) -m pip install -q --no-deps --force-reinstall .
+	touch $@
+
+test-nvflare: $(NVFLARE_VENV)/.installed
+	cd tests_nvflare && ../$(NVPY) -m pytest -q -p no:cacheprovider -o addopts=-ra --rootdir . .
+
 # The Flower example app (examples/flower) in Flower's in-process simulation: 4 clients, fastagg's FedExP.
 flower-example: $(VENV)/.installed
 	$(PY) examples/flower/simulate.py --strategy fedexp --rounds 5 --clients 4
@@ -40,4 +55,4 @@ bench: $(VENV)/.installed
 	$(PY) -m pytest bench --benchmark-enable --benchmark-only --benchmark-columns=min,median,iqr,ops
 
 clean:
-	rm -rf $(VENV) build fastagg/*.so *.egg-info
+	rm -rf $(VENV) $(NVFLARE_VENV) build fastagg/*.so *.egg-info

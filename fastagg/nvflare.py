@@ -1,0 +1,247 @@
+"""fastagg inside NVIDIA FLARE: a ``ModelAggregator`` that streams each client's result into a
+:class:`fastagg.Accumulator` as it arrives and ends the round with one fused fastagg server step::
+
+    from fastagg.nvflare import FastaggAggregator
+    recipe = FedAvgRecipe(..., aggregator=FastaggAggregator(rule="fedexp", hyper={"eps": 1e-3}))
+
+A round, with FLARE's ``FedAvg`` workflow (any controller that calls ``reset_stats`` / ``accept_model`` /
+``aggregate_model`` works the same way):
+
+* the model FLARE sends (its ``BEFORE_TRAIN_TASK`` event, the first of the round) becomes the round's base and
+  the server optimizer's params (copied into tensors the aggregator owns, in the model's dtypes);
+* ``accept_model`` folds one result: a ``FULL`` result's update ``params - base`` is formed inside the kernel (never
+  stored), a ``DIFF`` result is the update. The weight is ``aggregation_weights[site]`` (default 1) times the
+  result's ``NUM_STEPS_CURRENT_ROUND`` (default 1), as FLARE's own FedAvg weighs. Memory: the running sum and the
+  base, whatever the number of clients; results can arrive on several threads at once;
+* ``aggregate_model`` takes the rule's step on the sums and returns the new global model as a ``FULL`` FLModel,
+  in the form it came in (numpy arrays or torch tensors, same dtypes), plus the weighted average of the numeric
+  metrics.
+
+Rules (``rule=``, hyper-parameters in ``hyper=``, those of the :mod:`fastagg.server` class of that name):
+``fedavg``, ``fedavgm``, ``fedexp``, ``fedexpm``, ``fedadam``, ``fedyogi``, ``fedadagrad``, ``fedams``.
+Entries named like torch buffers (``running_mean``, ``running_var``, ``num_batches_tracked``) and integer entries
+are averaged, never stepped (fastagg's buffer rule). The optimizer's state (momentum, Adam moments) lives as long
+as the aggregator.
+
+What a bad result gets: NaN/Inf, or one whose weighted update would overflow the running sum, is left out of the
+round with a warning (``on_nonfinite="skip"``, the default: a server must survive one broken client) or raises
+(``"raise"``); keys, shapes or dtypes other than the model's, a result from another round, or a site that already
+sent one this round are left out with a warning naming the site. A round without any folded result keeps the
+model. Needs NVIDIA FLARE (``pip install 'fastagg[nvflare]'``, tested with nvflare 2.9.0); ``import fastagg``
+never imports it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    from nvflare.apis.event_type import EventType
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+    from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
+    from nvflare.app_common.app_constant import AppConstants
+    from nvflare.app_common.app_event_type import AppEventType
+    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+except ImportError as e:  # pragma: no cover - exercised in a process without nvflare (tests/test_nvflare.py)
+    raise ImportError("fastagg.nvflare needs NVIDIA FLARE: pip install 'fastagg[nvflare]'") from e
+
+from . import server
+from .stream import Accumulator
+
+RULES = {"fedavg": server.FedAvg, "fedavgm": server.FedAvgM, "fedexp": server.FedExP, "fedexpm": server.FedExPM,
+         "fedadam": server.FedAdam, "fedyogi": server.FedYogi, "fedadagrad": server.FedAdagrad,
+         "fedams": server.FedAMS}
+_log = logging.getLogger(__name__)
+WEIGHT_KEY = "NUM_STEPS_CURRENT_ROUND"  # FLARE's FLMetaKey.NUM_STEPS_CURRENT_ROUND
+
+
+class FastaggAggregator(ModelAggregator):
+    """NVIDIA FLARE aggregator: FedAvg, FedExP or an Adam-family server step over clients streamed into a
+    :class:`fastagg.Accumulator` (O(model) memory). See the module docstring for what a round does.
+
+    ``rule``: one of :data:`RULES`; ``hyper``: keyword arguments of its :mod:`fastagg.server` class (e.g.
+    ``{"eps": 1e-3}`` for FedExP, ``{"lr": 0.01, "betas": [0.9, 0.99]}`` for FedAdam); ``aggregation_weights``:
+    a weight per site name (default 1); ``device``: where the sums and the model live (``"cuda"`` for large
+    models); ``backend``: fastagg's backend; ``on_nonfinite``: ``"skip"`` or ``"raise"``.
+    """
+
+    def __init__(self, rule: str = "fedavg", hyper: dict | None = None, aggregation_weights: dict | None = None,
+                 device: str = "cpu", backend: str = "auto", on_nonfinite: str = "skip"):
+        super().__init__()
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
+        if on_nonfinite not in ("skip", "raise"):
+            raise ValueError(f"on_nonfinite must be 'skip' or 'raise'; got {on_nonfinite!r}")
+        hyper = dict(hyper or {})
+        if "betas" in hyper:  # a job config carries lists
+            hyper["betas"] = tuple(hyper["betas"])
+        for site, w in (aggregation_weights or {}).items():
+            if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
+                raise ValueError(f"aggregation_weights[{site!r}] must be a finite number >= 0; got {w!r}")
+        RULES[rule](torch.zeros(1), **hyper)  # refuse unknown or invalid hyper-parameters now, not in round 1
+        # attribute names = constructor argument names: FLARE's job export reads them back
+        self.rule, self.hyper, self.aggregation_weights = rule, hyper, dict(aggregation_weights or {})
+        self.device, self.backend, self.on_nonfinite = device, backend, on_nonfinite
+        self._lock = threading.RLock()
+        self._opt: server.ServerOptimizer | None = None
+        self._params: dict | None = None   # the optimizer's params: torch tensors, the model's names and dtypes
+        self._numpy: bool = True           # the form to return (what FLARE sent)
+        self._acc: Accumulator | None = None
+        self._base: dict | None = None     # the model sent this round (the clients' starting point)
+        self._round: Any = None
+        self._sites: set = set()
+        self._metrics: dict = {}
+        self._metric_weight = 0.0
+
+    # -- FLARE events: the model sent this round -------------------------------------------------------------
+    def handle_event(self, event_type: str, fl_ctx: FLContext):
+        super().handle_event(event_type, fl_ctx)
+        if event_type == AppEventType.BEFORE_TRAIN_TASK:
+            with self._lock:
+                if self._base is None:
+                    shareable = fl_ctx.get_prop(AppConstants.TRAIN_SHAREABLE)
+                    self.set_model(FLModelUtils.from_shareable(shareable))
+        elif event_type == EventType.END_RUN:
+            with self._lock:
+                self._acc = self._base = None
+
+    def set_model(self, model: FLModel) -> None:
+        """The model this round's clients start from (called on FLARE's ``BEFORE_TRAIN_TASK``; call it yourself
+        when driving the aggregator from another controller)."""
+        if not model.params:
+            raise ValueError("the global model has no params: give the recipe a model (initial params)")
+        with self._lock:
+            base = {k: _to_tensor(v, k, self.device) for k, v in model.params.items()}
+            self._numpy = not any(isinstance(v, torch.Tensor) for v in model.params.values())
+            if self._params is None or _layout(self._params) != _layout(base):
+                self._params = {k: v.clone() for k, v in base.items()}
+                self._opt = RULES[self.rule](self._params, backend=self.backend, on_nonfinite="raise",
+                                             **self.hyper)
+            else:
+                for k, v in base.items():
+                    self._params[k].copy_(v)
+            self._base, self._round = base, model.current_round
+            self._acc = Accumulator(like=self._base, backend=self.backend)
+            self._sites, self._metrics, self._metric_weight = set(), {}, 0.0
+
+    # -- ModelAggregator ---------------------------------------------------------------------------------------
+    def reset_stats(self):
+        with self._lock:
+            self._base, self._acc = None, None
+            self._sites, self._metrics, self._metric_weight = set(), {}, 0.0
+
+    def accept_model(self, model: FLModel) -> bool:
+        """Fold one client's result into the round (see the module docstring). Returns whether it was folded."""
+        meta = model.meta or {}
+        site = meta.get("client_name") or "unknown site"
+        with self._lock:  # Accumulator.add folds under its own lock anyway; this one also orders the checks
+            if self._acc is None:
+                return self._refuse(site, "arrived before the round's model was sent")
+            if model.current_round is not None and self._round is not None and model.current_round != self._round:
+                return self._refuse(site, f"is from round {model.current_round}, not {self._round}")
+            if site in self._sites:
+                return self._refuse(site, "already sent a result this round")
+            try:
+                params = _client_params(model.params, self._base)
+            except (TypeError, ValueError) as e:
+                return self._refuse(site, str(e))
+            weight = float(self.aggregation_weights.get(site, 1.0)) * _num_steps(meta)
+            base = None if model.params_type == ParamsType.DIFF else self._base  # FULL (FLARE's default)
+            if not self._acc.add(params, weight, base=base, on_nonfinite=self.on_nonfinite, client_id=site):
+                return self._refuse(site, "contains NaN or Inf (or would overflow the running sum)")
+            self._sites.add(site)
+            for k, v in (model.metrics or {}).items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._metrics[k] = self._metrics.get(k, 0.0) + weight * float(v)
+            self._metric_weight += weight
+            return True
+
+    def aggregate_model(self) -> FLModel:
+        """The rule's step on the round's sums; the new global model (FULL) and the weighted mean metrics."""
+        with self._lock:
+            if self._base is None:
+                raise RuntimeError("aggregate_model() before any model was sent this round")
+            acc, metrics = self._acc, None
+            if acc.num_clients == 0 or acc.total_weight == 0:
+                self.warning("fastagg: no client result was folded this round; the global model is unchanged")
+            else:
+                stats = self._opt.step(acc)
+                self.info(f"fastagg {self.rule}: {acc.num_clients} clients, step size {float(stats.eta):.4g}")
+                if self._metric_weight > 0:
+                    metrics = {k: v / self._metric_weight for k, v in self._metrics.items()}
+            out = {k: _user_form(v, self._numpy) for k, v in self._params.items()}
+            self._base, self._acc = None, None
+            return FLModel(params_type=ParamsType.FULL, params=out, metrics=metrics)
+
+    def state_dict(self) -> dict:
+        """The server optimizer's state (momentum, moments, round counter), for a checkpoint."""
+        with self._lock:
+            return {} if self._opt is None else self._opt.state_dict()
+
+    def _refuse(self, site: str, why: str) -> bool:
+        self.warning(f"fastagg: the result of {site} {why}; left out of the round")
+        return False
+
+    def warning(self, message: str):  # outside a FLARE run (no fl_ctx): the component's logger alone
+        super().warning(message) if self.fl_ctx is not None else _log.warning(message)
+
+    def info(self, message: str):
+        super().info(message) if self.fl_ctx is not None else _log.info(message)
+
+
+def _to_tensor(v: Any, name: str, device: str) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        t = v.detach()
+    else:
+        a = np.asarray(v)
+        if a.dtype.kind not in "fiu":
+            raise TypeError(f"model entry {name!r} has dtype {a.dtype}; a numeric array is expected")
+        t = torch.from_numpy(np.ascontiguousarray(a)) if a.flags.writeable else torch.tensor(a)
+    return t.to(device)
+
+
+def _client_params(params: Any, base: dict) -> dict:
+    """A result's params as tensors named and shaped like the model sent (numpy arrays are viewed, not copied)."""
+    if not isinstance(params, dict):
+        raise ValueError(f"params are a {type(params).__name__}, not a dict")
+    if set(params) != set(base):
+        missing, extra = sorted(set(base) - set(params)), sorted(set(params) - set(base))
+        raise ValueError(f"params differ from the model's entries (missing {missing[:3]}, extra {extra[:3]})")
+    out = {}
+    for k, ref in base.items():
+        v = params[k]
+        t = v.detach() if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+        if tuple(t.shape) != tuple(ref.shape):
+            raise ValueError(f"entry {k!r} has shape {tuple(t.shape)}, the model {tuple(ref.shape)}")
+        if t.dtype != ref.dtype:
+            if not (t.is_floating_point() and ref.is_floating_point()):
+                raise ValueError(f"entry {k!r} has dtype {t.dtype}, the model {ref.dtype}")
+            t = t.to(ref.dtype)
+        out[k] = t.to(ref.device).contiguous()
+    return out
+
+
+def _num_steps(meta: dict) -> float:
+    """FLARE's weight rule: NUM_STEPS_CURRENT_ROUND when it is a finite number > 0, else 1."""
+    v = meta.get(WEIGHT_KEY)
+    if v is None or isinstance(v, bool):
+        return 1.0
+    try:
+        w = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return 1.0
+    return w if math.isfinite(w) and w > 0 else 1.0
+
+
+def _layout(params: dict) -> list:
+    return [(k, tuple(v.shape), v.dtype) for k, v in params.items()]
+
+
+def _user_form(t: torch.Tensor, as_numpy: bool) -> Any:
+    return t.detach().cpu().numpy().copy() if as_numpy else t.detach().clone()

@@ -1,0 +1,229 @@
+"""fastagg.nvflare.FastaggAggregator driven as FLARE's FedAvg workflow drives it (reset_stats, the model sent,
+accept_model per result, aggregate_model), against float64 formulas and fastagg's own server optimizers.
+
+Runs in the FLARE environment (`make test-nvflare`), not in the main one: FLARE and Flower pin different protobufs.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+import torch
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+
+from fastagg import server
+from fastagg.nvflare import RULES, FastaggAggregator
+
+SHAPES = {"dense.weight": (4, 3), "dense.bias": (4,)}
+
+
+def _model(seed: int, dtype=np.float64) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(s).astype(dtype) for k, s in SHAPES.items()}
+
+
+def _result(params: dict, site: str, steps=None, kind=ParamsType.FULL, rnd=None, metrics=None) -> FLModel:
+    meta = {"client_name": site}
+    if steps is not None:
+        meta["NUM_STEPS_CURRENT_ROUND"] = steps
+    return FLModel(params_type=kind, params=params, meta=meta, current_round=rnd, metrics=metrics)
+
+
+def _round(agg: FastaggAggregator, sent: dict, results: list, rnd: int = 0) -> FLModel:
+    agg.reset_stats()
+    agg.set_model(FLModel(params_type=ParamsType.FULL, params=sent, current_round=rnd))
+    for r in results:
+        agg.accept_model(r)
+    return agg.aggregate_model()
+
+
+def _flat(params: dict) -> np.ndarray:
+    return np.concatenate([np.asarray(params[k], dtype=np.float64).reshape(-1) for k in SHAPES])
+
+
+def test_fedexp_rounds_equal_the_paper_formula():
+    """Three FedExP rounds of 3 sites, weights = aggregation weight x NUM_STEPS_CURRENT_ROUND: the returned models
+    equal w + eta * mean with eta = max(1, sum p_i ||d_i||^2 / (2 (||mean||^2 + eps))) in float64; metrics are
+    the weighted means; the form (numpy float64, FULL) is the one sent."""
+    eps = 1e-3
+    agg = FastaggAggregator(rule="fedexp", hyper={"eps": eps}, aggregation_weights={"site-2": 3.0})
+    w = _model(0)
+    for rnd in range(3):
+        clients = [{k: v + 0.1 * np.random.default_rng(10 * rnd + i).standard_normal(v.shape) for k, v in w.items()}
+                   for i in range(3)]
+        steps = [10, 20, 30]
+        out = _round(agg, w, [_result(c, f"site-{i + 1}", steps[i], rnd=rnd, metrics={"loss": float(i), "tag": "x"})
+                              for i, c in enumerate(clients)], rnd)
+        n = np.array([10.0, 20.0 * 3.0, 30.0])
+        p = n / n.sum()
+        d = np.stack([_flat(c) - _flat(w) for c in clients])
+        mean = p @ d
+        eta = max(1.0, float(p @ (d * d).sum(1)) / (2 * (mean @ mean + eps)))
+        expect = _flat(w) + eta * mean
+        assert out.params_type == ParamsType.FULL
+        assert all(isinstance(v, np.ndarray) and v.dtype == np.float64 for v in out.params.values())
+        np.testing.assert_allclose(_flat(out.params), expect, rtol=1e-12, atol=1e-14)
+        assert out.metrics == pytest.approx({"loss": float(p @ np.arange(3.0))})
+        w = out.params
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_every_rule_equals_its_fastagg_server_optimizer(rule):
+    """Each rule over 3 rounds of torch float32 state_dicts of a model with BatchNorm (FULL results): params equal
+    the fastagg.server optimizer stepping the same updates, buffers are the weighted mean, tensors come back."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    hyper = {"fedexp": {"eps": 1e-3}, "fedexpm": {"eps": 1e-3}, "fedavgm": {"momentum": 0.9},
+             "fedadam": {"lr": 0.1}, "fedyogi": {"lr": 0.1}, "fedadagrad": {"lr": 0.1}, "fedams": {"lr": 0.1},
+             "fedavg": {"lr": 0.5}}[rule]
+    agg = FastaggAggregator(rule=rule, hyper=hyper)
+    ref_state = {k: v.clone() for k, v in net.state_dict().items()}
+    ref = RULES[rule](ref_state, **hyper)
+    sent = {k: v.clone() for k, v in net.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    for rnd in range(3):
+        clients = []
+        for i in range(3):
+            c = {k: (v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v + i + 1)
+                 for k, v in sent.items()}
+            clients.append(c)
+        steps = [1.0, 2.0, 5.0]
+        out = _round(agg, sent, [_result(c, f"site-{i}", steps[i]) for i, c in enumerate(clients)], rnd)
+        ref.step(clients, weights=torch.tensor(steps, dtype=torch.float64), base=sent)
+        for k, v in ref_state.items():
+            got = out.params[k]
+            assert isinstance(got, torch.Tensor) and got.dtype == v.dtype, k
+            torch.testing.assert_close(got, v, rtol=1e-6, atol=1e-7, msg=f"{rule} round {rnd} {k}")
+        mean_rm = sum(s * c["1.running_mean"] for s, c in zip(steps, clients)) / sum(steps)
+        torch.testing.assert_close(out.params["1.running_mean"], mean_rm, rtol=1e-6, atol=1e-7)
+        sent = out.params
+
+
+def test_diff_results_equal_full_results():
+    """A DIFF result (the update itself) gives the same round as the FULL model it came from."""
+    w = _model(1)
+    clients = [_model(2 + i) for i in range(3)]
+    full = _round(FastaggAggregator(rule="fedadam", hyper={"lr": 0.1}), w,
+                  [_result(c, f"s{i}") for i, c in enumerate(clients)])
+    diff = _round(FastaggAggregator(rule="fedadam", hyper={"lr": 0.1}), w,
+                  [_result({k: c[k] - w[k] for k in c}, f"s{i}", kind=ParamsType.DIFF) for i, c in enumerate(clients)])
+    np.testing.assert_allclose(_flat(diff.params), _flat(full.params), rtol=1e-12, atol=1e-14)
+
+
+def test_bad_results_are_left_out_and_the_round_is_the_good_ones(caplog):
+    """NaN, a missing entry, an extra entry, a wrong shape, a non-numeric entry, a repeated site and a result from
+    another round are each left out with a warning naming the site; the round equals
+    the round of the good results alone, and the bad results' arrays are not written."""
+    w = _model(3)
+    good = [_result(_model(4), "good-1"), _result(_model(5), "good-2", 3)]
+    nan = _model(6)
+    nan["dense.bias"][1] = np.nan
+    missing = {"dense.weight": _model(7)["dense.weight"]}
+    extra = {**_model(8), "other": np.zeros(2)}
+    shape = {**_model(9), "dense.bias": np.zeros(5)}
+    text = {**_model(10), "dense.bias": np.array(["a", "b", "c", "d"])}
+    bad = [_result(nan, "nan"), _result(missing, "missing"), _result(extra, "extra"), _result(shape, "shape"),
+           _result(text, "text"), _result(_model(11), "good-1"), _result(_model(12), "late", rnd=7)]
+    snapshot = [{k: np.array(v, copy=True) for k, v in r.params.items()} for r in bad]
+    with caplog.at_level(logging.WARNING):
+        out = _round(FastaggAggregator(rule="fedexp", hyper={"eps": 1e-3}), w, good[:1] + bad + good[1:])
+    ref = _round(FastaggAggregator(rule="fedexp", hyper={"eps": 1e-3}), w, good)
+    np.testing.assert_array_equal(_flat(out.params), _flat(ref.params))
+    for site in ("nan", "missing", "extra", "shape", "text", "good-1", "late"):
+        assert any(site in r.getMessage() and "left out" in r.getMessage() for r in caplog.records), site
+    for r, before in zip(bad, snapshot):
+        for k, v in before.items():
+            np.testing.assert_array_equal(r.params[k], v)
+
+
+def test_raise_mode_raises_on_nan_and_changes_nothing():
+    agg = FastaggAggregator(rule="fedavg", on_nonfinite="raise")
+    w = _model(14)
+    agg.set_model(FLModel(params_type=ParamsType.FULL, params=w))
+    agg.accept_model(_result(_model(15), "a"))
+    nan = _model(16)
+    nan["dense.weight"][0, 0] = np.inf
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        agg.accept_model(_result(nan, "b"))
+    out = agg.aggregate_model()
+    np.testing.assert_allclose(_flat(out.params), _flat(_model(15)), rtol=1e-12)  # FedAvg of the one good client
+
+
+def test_a_round_without_results_keeps_the_model_and_late_results_are_refused(caplog):
+    w = _model(17)
+    agg = FastaggAggregator(rule="fedadam")
+    with caplog.at_level(logging.WARNING):
+        out = _round(agg, w, [])
+        assert not agg.accept_model(_result(_model(18), "after"))  # the round has ended
+    np.testing.assert_array_equal(_flat(out.params), _flat(w))
+    assert any("no client result" in r.getMessage() for r in caplog.records)
+    assert any("before the round's model" in r.getMessage() for r in caplog.records)
+
+
+def test_results_from_many_threads_equal_one_thread():
+    """12 results accepted from 4 threads at once: the same round as accepting them in order (float64; the sums
+    are added in another order)."""
+    w = _model(19)
+    results = [_result(_model(20 + i), f"site-{i}", i + 1) for i in range(12)]
+    one = _round(FastaggAggregator(rule="fedexp", hyper={"eps": 1e-3}), w, results)
+    agg = FastaggAggregator(rule="fedexp", hyper={"eps": 1e-3})
+    agg.reset_stats()
+    agg.set_model(FLModel(params_type=ParamsType.FULL, params=w))
+    threads = [threading.Thread(target=lambda part=results[t::4]: [agg.accept_model(r) for r in part])
+               for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    many = agg.aggregate_model()
+    np.testing.assert_allclose(_flat(many.params), _flat(one.params), rtol=1e-12, atol=1e-14)
+
+
+def test_float32_numpy_models_stay_float32_and_the_returned_arrays_are_the_callers():
+    """A float32 numpy model comes back float32; the returned arrays are copies (a later round does not change
+    what FLARE already holds)."""
+    w = _model(40, np.float32)
+    agg = FastaggAggregator(rule="fedavgm", hyper={"momentum": 0.9})
+    out1 = _round(agg, w, [_result(_model(41, np.float32), "a")])
+    kept = {k: v.copy() for k, v in out1.params.items()}
+    _round(agg, out1.params, [_result(_model(42, np.float32), "a")], 1)
+    assert all(v.dtype == np.float32 for v in out1.params.values())
+    for k in kept:
+        np.testing.assert_array_equal(out1.params[k], kept[k])
+
+
+@pytest.mark.parametrize("kw, error", [
+    (dict(rule="fedsgd"), "rule must be one of"),
+    (dict(rule="fedexp"), "needs eps"),
+    (dict(rule="fedadam", hyper={"lr": -1.0}), "lr"),
+    (dict(rule="fedadam", hyper={"learning_rate": 0.1}), "learning_rate"),
+    (dict(on_nonfinite="ignore"), "on_nonfinite"),
+    (dict(aggregation_weights={"a": -1.0}), "aggregation_weights"),
+    (dict(aggregation_weights={"a": float("nan")}), "aggregation_weights"),
+])
+def test_bad_construction_is_refused_at_once(kw, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        FastaggAggregator(**kw)
+
+
+def test_the_job_export_carries_the_aggregators_arguments(tmp_path):
+    """FLARE's job API reads a component's constructor arguments back from its attributes: the exported server
+    config's FedAvg workflow names fastagg.nvflare.FastaggAggregator with the rule, hyper-parameters and weights given."""
+    import json
+
+    from nvflare.app_common.np.recipes.fedavg import NumpyFedAvgRecipe
+
+    agg = FastaggAggregator(rule="fedadam", hyper={"lr": 0.05, "betas": [0.9, 0.99]},
+                            aggregation_weights={"site-1": 2.0})
+    recipe = NumpyFedAvgRecipe(name="fastagg_export", model=np.zeros(4).tolist(), min_clients=2, num_rounds=1,
+                               train_script=__file__, aggregator=agg)
+    recipe.export(str(tmp_path))
+    configs = list(tmp_path.rglob("config_fed_server.json"))
+    assert len(configs) == 1
+    workflow = json.loads(configs[0].read_text())["workflows"][0]
+    mine = workflow["args"]["aggregator"]
+    assert mine["path"] == "fastagg.nvflare.FastaggAggregator"
+    assert mine["args"] == {"rule": "fedadam", "hyper": {"lr": 0.05, "betas": [0.9, 0.99]},
+                               "aggregation_weights": {"site-1": 2.0}}
