@@ -13,7 +13,6 @@ import pytest
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
-from fastagg import server
 from fastagg.nvflare import RULES, FastaggAggregator
 
 SHAPES = {"dense.weight": (4, 3), "dense.bias": (4,)}

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
