@@ -69,20 +69,14 @@ def _make(which):
     return FedAdam(min_available_nodes=1)
 
 
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
 def memory(which: str) -> dict:
     """Peak extra resident memory of one aggregate_train (after a warm-up round), in a fresh process."""
     import logging
     _setup()
     logging.getLogger("flwr").setLevel(logging.WARNING)
     from flwr.app import ConfigRecord
+
+    from fastagg._memcheck import PeakAbove
     s = _make(which)
     arrays = _initial()
     replies = _replies(s, 1, arrays)
@@ -90,12 +84,9 @@ def memory(which: str) -> dict:
     replies = _replies(s, 2, arrays)
     s.configure_train(2, arrays, ConfigRecord(), _grid())
     gc.collect()  # garbage of earlier rounds (Messages hold reference cycles) would be freed during the call
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    before = _rss_kb("VmRSS:")
-    s.aggregate_train(2, replies)
-    peak = _rss_kb("VmHWM:")
-    return {"which": which, "extra_peak_mb": (peak - before) / 1024, "model_mb": 4 * D / 2**20}
+    with PeakAbove() as peak:
+        s.aggregate_train(2, replies)
+    return {"which": which, "extra_peak_mb": peak.bytes / 2**20, "model_mb": 4 * D / 2**20}
 
 
 def timing(rounds: int = 7) -> dict:

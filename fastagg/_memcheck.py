@@ -9,7 +9,8 @@ import sys
 import torch
 
 
-def _status(field: str) -> int:
+def status(field: str) -> int:
+    """A /proc/self/status memory field (VmRSS, VmHWM, ...) in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -17,9 +18,23 @@ def _status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
+    """Reset the kernel's peak resident set (VmHWM) to the current resident set."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+
+class PeakAbove:
+    """``with PeakAbove() as p: work()`` -> ``p.bytes``: how far the resident set peaked above its level at entry
+    (glibc may keep freed blocks mapped: run work in a fresh process, or set MALLOC_MMAP_THRESHOLD_)."""
+
+    def __enter__(self):
+        reset_peak()
+        self.before = status("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        self.bytes = status("VmHWM") - self.before
 
 
 def main(method: str, m: int, d: int) -> int:
@@ -28,8 +43,8 @@ def main(method: str, m: int, d: int) -> int:
     clients = [torch.randn(d) for _ in range(m)]
     fastagg.fedexp_step([torch.randn(8) for _ in range(2)], eps=1e-3)  # load everything once
     (torch.stack([torch.randn(8)] * 2)).sum()
-    _reset_peak()
-    before = _status("VmRSS")
+    reset_peak()
+    before = status("VmRSS")
     if method == "fastagg-list":
         fastagg.fedexp_step(clients, eps=1e-3)
     elif method == "torch-stack":
@@ -38,7 +53,7 @@ def main(method: str, m: int, d: int) -> int:
         x.mean(0)
     else:
         raise SystemExit(f"unknown method {method!r}")
-    return _status("VmHWM") - before
+    return status("VmHWM") - before
 
 
 if __name__ == "__main__":

@@ -243,8 +243,11 @@ class ServerOptimizer:
 
                 return accumulator_stats(deltas, lambda device: self._backend, group=self.group, aux=aux,
                                          aux_coef=aux_coef, mean_out=self._mean_buffer(name, self._cdt, deltas.numel))
-            return deltas.round_stats(lambda device: self._backend, aux=aux, aux_coef=aux_coef,
-                                      mean_out=self._mean_buffer(name, self._cdt, deltas.numel))
+            with deltas._lock:  # the accumulator's spare sum becomes the mean: no model-sized buffer kept here
+                spare = deltas._take_spare(self._cdt) if not self._means else None
+                return deltas.round_stats(lambda device: self._backend, aux=aux, aux_coef=aux_coef,
+                                          mean_out=spare if spare is not None else
+                                          self._mean_buffer(name, self._cdt, deltas.numel))
         if base is not None:
             name = "models"
         rows = client_rows(deltas, name=name, params=self._p)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fastagg
+from fastagg import server
 from fastagg.testing import assert_close, assert_round_close, assert_unchanged, cpu_backends, snapshot, tolerance
 
 BACKENDS = cpu_backends()
@@ -97,3 +98,35 @@ def test_add_with_a_base_folds_model_minus_base(backend):
         assert_close(w1[k], w2[k], rtol=1e-6, atol=1e-6, name=k)
     with pytest.raises(ValueError, match="base"):
         a.add(models[0], base=dict(glob, w=torch.zeros(2)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_takes_the_spare_sum_as_its_mean_and_later_adds_do_not_touch_it(backend):
+    """The step's mean is written into the accumulator's spare buffer (no fresh d-vector at the end of a round) and
+    handed over: a later add allocates a new spare, so the returned mean and the optimizer's round are not changed
+    by it, and steps after more adds equal steps of a fresh accumulator of the same clients."""
+    g = torch.Generator().manual_seed(5)
+    d = 4099
+    xs = [torch.randn(d, generator=g, dtype=torch.float64) for _ in range(3)]
+    acc = fastagg.Accumulator(like=xs[0], backend=backend)
+    acc.add(xs[0], 2.0)
+    acc.add(xs[1], 1.0)
+    spare = acc._scratch
+    res = acc.fedexp_step(eps=1e-3, params=torch.zeros(d, dtype=torch.float64))
+    assert res.mean_flat.data_ptr() == spare.data_ptr()
+    kept = res.mean_flat.clone()
+    acc.add(xs[2], 3.0)
+    assert torch.equal(res.mean_flat, kept)
+    fresh = fastagg.Accumulator(like=xs[0], backend=backend)
+    for x, n in zip(xs, (2.0, 1.0, 3.0)):
+        fresh.add(x, n)
+    a, b = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+    opt_a, opt_b = server.FedAdam(a, backend=backend), server.FedAdam(b, backend=backend)
+    st = opt_a.step(acc)
+    opt_b.step(fresh)
+    assert not opt_a._means  # the optimizer kept no mean buffer of its own
+    acc.add(xs[0] * 0.5, 1.0, client_id="late")
+    assert torch.equal(a, b)
+    assert st.num_clients == 3
+    torch.testing.assert_close(acc.fedavg_step().mean_flat,
+                               (2 * xs[0] + xs[1] + 3 * xs[2] + 0.5 * xs[0]) / 7.0, rtol=1e-12, atol=1e-14)
