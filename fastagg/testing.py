@@ -126,3 +126,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def import_without(package: str, module: str) -> str:
+    """In a fresh interpreter: asserts ``import fastagg`` does not import ``package``, then imports ``module`` with
+    ``package`` made unimportable; returns what that ImportError said (the test checks the install hint)."""
+    import subprocess
+    import sys
+
+    code = (f"import sys, fastagg; assert {package!r} not in sys.modules, 'import fastagg imported {package}'\n"
+            f"sys.modules[{package!r}] = None\n"
+            f"try:\n    import {module}\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
