@@ -12,7 +12,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/fastagg-device}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-SECTIONS="${1:-copy,round,sweep,server,client,sim,compile}"
+SECTIONS="${1:-copy,feed,round,sweep,server,client,sim,compile}"
 TEST_LIMIT="${TEST_LIMIT:-240}" BENCH_LIMIT="${BENCH_LIMIT:-300}"  # seconds
 {
   date -u

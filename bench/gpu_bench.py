@@ -528,7 +528,64 @@ def _sim_round() -> None:
            f"{bench_mode})", loop * 1e3)
 
 
-SECTIONS = {"copy": section_copy, "round": section_round, "apply": section_apply, "compile": section_compile,
+def section_feed() -> None:
+    """Issue 14: client updates in host memory folded into a GPU Accumulator. Per client, wall clock (host work is
+    part of it): the pinned host-to-device copy alone (the PCIe bound), the copy then the fold one after the other,
+    and fastagg.HostFeeder (copy of client k+1 during the fold of client k) from pageable tensors and from its
+    own pinned buffers (a receive writing into feeder.buffer())."""
+    import fastagg
+
+    d, m = size(250_000_000), 8  # bf16: 0.5 GB per client
+    host = [(torch.randn(4096) * (1 + k)).to(torch.bfloat16).repeat(d // 4096 + 1)[:d].clone() for k in range(2)]
+    pinned = host[0].pin_memory() if DEV == "cuda" else host[0]
+    dev = torch.empty(d, dtype=torch.bfloat16, device=DEV)
+    like = torch.zeros(d, dtype=torch.bfloat16, device=DEV)
+
+    def wall(fn, reps=3):
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / reps / m * 1e3
+
+    def h2d():
+        for _ in range(m):
+            dev.copy_(pinned, non_blocking=True)
+
+    def serial():
+        acc = fastagg.Accumulator(like=like)
+        for i in range(m):
+            dev.copy_(pinned, non_blocking=True)
+            acc.add(dev, 1.0 + i)
+
+    def fed(from_pinned):
+        acc = fastagg.Accumulator(like=like)
+        feeder = fastagg.HostFeeder(acc)
+        for k in range(2):  # the "received" data then sits in the two pinned buffers (not timed)
+            feeder.add(host[k], 1.0)
+        feeder.flush()
+        pinned_ok = from_pinned and DEV == "cuda"  # the dry run's buffers are fresh host tensors
+
+        def run():
+            acc.reset()
+            for i in range(m):
+                feeder.add(feeder.buffer(torch.bfloat16) if pinned_ok else host[i % 2], 1.0 + i)
+            assert len(feeder.flush().folded) == m
+        return run
+
+    nbytes = d * 2
+    base = wall(h2d)
+    record("feed", f"pinned H2D copy alone, {nbytes / 1e9:.2f} GB bf16 per client", base, nbytes)
+    record("feed", "H2D copy then Accumulator.add, serial", wall(serial), nbytes)
+    record("feed", "HostFeeder from pageable host tensors", wall(fed(False)), nbytes)
+    ms = wall(fed(True))
+    record("feed", "HostFeeder from its pinned buffers (receive into feeder.buffer())", ms, nbytes,
+           x_h2d_alone=round(ms / base, 3))
+
+
+SECTIONS = {"copy": section_copy, "feed": section_feed, "round": section_round, "apply": section_apply, "compile": section_compile,
             "sweep": section_sweep,
             "server": section_server, "client": section_client, "sim": section_sim}
 

@@ -358,3 +358,26 @@ def test_distributed_collectives_on_one_rank(monkeypatch):
         assert {"all_reduce", "all_gather"} <= set(ran)
     finally:
         dist.destroy_process_group()
+
+
+@gpu_only
+def test_host_feeder_overlaps_copies_and_folds_like_plain_adds():
+    """fastagg.HostFeeder on the GPU: 7 bf16 clients from pageable tensors and from its pinned buffers (one with a
+    NaN) give the same sums as adding the same clients to a CUDA accumulator directly; the NaN client is reported."""
+    d = 3_000_017
+    xs = [(0.1 * _randn(d, seed=60 + i)).to(torch.bfloat16) for i in range(7)]
+    xs[3][123] = float("nan")
+    like = torch.zeros(d, dtype=torch.bfloat16, device="cuda")
+    acc, ref = fastagg.Accumulator(like=like), fastagg.Accumulator(like=like)
+    feeder = fastagg.HostFeeder(acc)
+    for i, x in enumerate(xs):
+        if i % 2:
+            buf = feeder.buffer(torch.bfloat16)
+            buf.copy_(x)
+            feeder.add(buf, float(i + 1), client_id=i)
+        else:
+            feeder.add(x, float(i + 1), client_id=i)
+        ref.add(x.cuda(), float(i + 1), on_nonfinite="skip")
+    report = feeder.flush()
+    assert report.folded == [0, 1, 2, 4, 5, 6] and [r[0] for r in report.refused] == [3]
+    assert torch.equal(acc._sum, ref._sum) and acc.total_weight == ref.total_weight
