@@ -90,6 +90,7 @@ class FastaggAggregator(ModelAggregator):
         self.device, self.backend, self.on_nonfinite = device, backend, on_nonfinite
         self._lock = threading.RLock()
         self._opt: server.ServerOptimizer | None = None
+        self._restored: dict | None = None  # a state_dict loaded before the first round
         self._params: dict | None = None   # the optimizer's params: torch tensors, the model's names and dtypes
         self._numpy: bool = True           # the form to return (what FLARE sent)
         self._acc: Accumulator | None = None
@@ -120,9 +121,11 @@ class FastaggAggregator(ModelAggregator):
             base = {k: _to_tensor(v, k, self.device) for k, v in model.params.items()}
             self._numpy = not any(isinstance(v, torch.Tensor) for v in model.params.values())
             if self._params is None or _layout(self._params) != _layout(base):
-                self._params = {k: v.clone() for k, v in base.items()}
-                self._opt = RULES[self.rule](self._params, backend=self.backend, on_nonfinite="raise",
-                                             **self.hyper)
+                params = {k: v.clone() for k, v in base.items()}
+                opt = RULES[self.rule](params, backend=self.backend, on_nonfinite="raise", **self.hyper)
+                if self._restored:
+                    opt.load_state_dict(self._restored)
+                self._params, self._opt, self._restored = params, opt, None
             else:
                 for k, v in base.items():
                     self._params[k].copy_(v)
@@ -180,9 +183,22 @@ class FastaggAggregator(ModelAggregator):
             return FLModel(params_type=ParamsType.FULL, params=out, metrics=metrics)
 
     def state_dict(self) -> dict:
-        """The server optimizer's state (momentum, moments, round counter), for a checkpoint."""
+        """The server optimizer's state (momentum, moments, round counter), for a checkpoint; ``{}`` before the
+        first round."""
         with self._lock:
-            return {} if self._opt is None else self._opt.state_dict()
+            if self._opt is None:
+                return dict(self._restored or {})
+            return self._opt.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the server optimizer from :meth:`state_dict` (e.g. after a server restart): loaded now if the
+        first round has begun, else when it begins (the optimizer is built from the first model sent). A state of
+        another rule or model size is refused then, with nothing changed."""
+        with self._lock:
+            if self._opt is not None:
+                self._opt.load_state_dict(state)
+            else:
+                self._restored = dict(state)
 
     def _refuse(self, site: str, why: str) -> bool:
         self.warning(f"fastagg: the result of {site} {why}; left out of the round")

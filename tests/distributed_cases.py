@@ -102,6 +102,21 @@ def mismatch(rank: int, world: int, group) -> dict:
         return {"message": str(e), "unchanged": bool(torch.equal(w, torch.zeros(dim)))}
 
 
+def buffer_mismatch(rank: int, world: int, group) -> dict:
+    """Accumulators of the same parameter count, but the last rank's model has one more buffer element: every rank
+    refuses (the buffers' all_reduce would otherwise mix entries), params unchanged."""
+    extra = 1 if rank == world - 1 else 0
+    like = {"w": torch.zeros(6, dtype=torch.float64), "bn.running_mean": torch.zeros(3 + extra, dtype=torch.float64)}
+    acc = fastagg.Accumulator(like=like)
+    acc.add({k: v + 1 for k, v in like.items()}, 1.0)
+    state = {k: v.clone() for k, v in like.items()}
+    try:
+        server.FedAvg(state, group=group).step(acc)
+        return {"message": "no error"}
+    except ValueError as e:
+        return {"message": str(e), "unchanged": all(torch.equal(state[k], like[k]) for k in like)}
+
+
 def dead_rank(rank: int, world: int, group) -> dict:
     """The last rank dies before the step: the others get a clear error instead of hanging, params unchanged."""
     if rank == world - 1:
@@ -280,5 +295,5 @@ def sharded_checkpoint(rank: int, world: int, group) -> dict:
     return out
 
 
-CASES = {"batchnorm_accumulated": batchnorm_accumulated, "sharded_batchnorm": sharded_batchnorm, "many_clients": many_clients, "batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
+CASES = {"buffer_mismatch": buffer_mismatch, "batchnorm_accumulated": batchnorm_accumulated, "sharded_batchnorm": sharded_batchnorm, "many_clients": many_clients, "batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
          "mismatch": mismatch, "dead_rank": dead_rank}

@@ -102,6 +102,12 @@ def test_mismatched_shapes_are_refused_on_every_rank_before_the_data_moves(tmp_p
         assert res["unchanged"]
 
 
+def test_accumulators_with_different_buffers_are_refused_on_every_rank(tmp_path):
+    for res in spawn("buffer_mismatch", 2, tmp_path):
+        assert "differ in their buffers (elements: rank 0: 3, rank 1: 4)" in res["message"], res["message"]
+        assert res["unchanged"]
+
+
 def test_a_dead_rank_ends_the_step_with_a_clear_error_instead_of_a_hang(tmp_path):
     results = spawn("dead_rank", 2, tmp_path)
     assert results[1] is None  # it died
