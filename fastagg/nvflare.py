@@ -26,9 +26,9 @@ as the aggregator.
 What a bad result gets: NaN/Inf, or one whose weighted update would overflow the running sum, is left out of the
 round with a warning (``on_nonfinite="skip"``, the default: a server must survive one broken client) or raises
 (``"raise"``); keys, shapes or dtypes other than the model's, a result from another round, or a site that already
-sent one this round are left out with a warning naming the site. A round without any folded result keeps the
-model. Needs NVIDIA FLARE (``pip install 'fastagg[nvflare]'``, tested with nvflare 2.9.0); ``import fastagg``
-never imports it.
+sent one this round are left out with a warning naming the site. A round without any folded result, or whose
+step would make the model non-finite (a step size of 1e39 with float32 params), keeps the model. Needs NVIDIA FLARE
+(``pip install 'fastagg[nvflare]'``, tested with nvflare 2.9.0); ``import fastagg`` never imports it.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ class FastaggAggregator(ModelAggregator):
             self._numpy = not any(isinstance(v, torch.Tensor) for v in model.params.values())
             if self._params is None or _layout(self._params) != _layout(base):
                 params = {k: v.clone() for k, v in base.items()}
-                opt = RULES[self.rule](params, backend=self.backend, on_nonfinite="raise", **self.hyper)
+                opt = RULES[self.rule](params, backend=self.backend, on_nonfinite=self.on_nonfinite, **self.hyper)
                 if self._restored:
                     opt.load_state_dict(self._restored)
                 self._params, self._opt, self._restored = params, opt, None
@@ -174,8 +174,12 @@ class FastaggAggregator(ModelAggregator):
             if acc.num_clients == 0 or acc.total_weight == 0:
                 self.warning("fastagg: no client result was folded this round; the global model is unchanged")
             else:
-                stats = self._opt.step(acc)
-                self.info(f"fastagg {self.rule}: {acc.num_clients} clients, step size {float(stats.eta):.4g}")
+                stats = self._opt.step(acc)  # "skip": a step that would put Inf/NaN in the model keeps it
+                if bool(stats.finite):
+                    self.info(f"fastagg {self.rule}: {acc.num_clients} clients, step size {float(stats.eta):.4g}")
+                else:
+                    self.warning(f"fastagg {self.rule}: the step over {acc.num_clients} clients would make the "
+                                 "model non-finite; the global model is unchanged")
                 if self._metric_weight > 0:
                     metrics = {k: v / self._metric_weight for k, v in self._metrics.items()}
             out = {k: _user_form(v, self._numpy) for k, v in self._params.items()}

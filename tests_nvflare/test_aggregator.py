@@ -150,6 +150,18 @@ def test_raise_mode_raises_on_nan_and_changes_nothing():
     np.testing.assert_allclose(_flat(out.params), _flat(_model(15)), rtol=1e-12)  # FedAvg of the one good client
 
 
+def test_a_step_that_would_make_the_model_non_finite_keeps_it(caplog):
+    """FedAvg with lr = 1e39 on a float32 model: the step would overflow, so the model comes back unchanged with a
+    warning (on_nonfinite="skip"); the aggregator keeps working the next round."""
+    w = _model(60, np.float32)
+    agg = FastaggAggregator(rule="fedavg", hyper={"lr": 1e39})
+    with caplog.at_level(logging.WARNING):
+        out = _round(agg, w, [_result(_model(61, np.float32), "a")])
+    np.testing.assert_array_equal(_flat(out.params), _flat(w))
+    assert any("non-finite" in r.getMessage() for r in caplog.records)
+    assert all(np.isfinite(v).all() for v in out.params.values())
+
+
 def test_a_round_without_results_keeps_the_model_and_late_results_are_refused(caplog):
     w = _model(17)
     agg = FastaggAggregator(rule="fedadam")
