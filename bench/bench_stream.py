@@ -19,6 +19,7 @@ M, D = 16, 10_000_000
 
 def main() -> None:
     x = torch.randn(M, D) * 0.01
+    torch.add(torch.zeros(D), x[0]).sum()  # torch's first call out of the timing
     rows = list(x.unbind())
     weights = [float(i + 1) for i in range(M)]
     total = torch.zeros(D)
@@ -28,13 +29,19 @@ def main() -> None:
             torch.add(total, r, out=total)
 
     def one_by_one():
-        acc = fastagg.Accumulator(like=rows[0])
-        for r, w in zip(rows, weights):
-            acc.add(r, w)
+        acc = fastagg.Accumulator(like=rows[0])  # a server's, reused round after round (reset() in the round)
+
+        def run():
+            acc.reset()
+            for r, w in zip(rows, weights):
+                acc.add(r, w)
+        return run
 
     def many(k):
+        acc = fastagg.Accumulator(like=rows[0])
+
         def run():
-            acc = fastagg.Accumulator(like=rows[0])
+            acc.reset()
             for i in range(0, M, k):
                 acc.add_many(rows[i:i + k], weights[i:i + k])
         return run
@@ -55,7 +62,7 @@ def main() -> None:
             acc.sq_norms  # the partials merged: what a step would read
         return run
 
-    contenders = {"torch.add per client": plain, "add() per client": one_by_one, "add_many, 4 per sweep": many(4),
+    contenders = {"torch.add per client": plain, "add() per client": one_by_one(), "add_many, 4 per sweep": many(4),
                   "add_many, 16 per sweep": many(16), "4 threads add() at once": threads(4)}
     times = {k: [] for k in contenders}
     for _ in range(5):
