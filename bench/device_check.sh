@@ -3,8 +3,10 @@
 # pytest-benchmark preinstalled, no network):
 #     bash bench/device_check.sh [gpu_bench sections, default all]
 # 1. the Triton kernels on the GPU against the float64 reference (tests/test_on_device.py: every kernel family,
-#    fp32/bf16/fp16/fp64, list/[M, d]/per-layer input, M 1..1000, one 2^31+5-element row, a CUDA graph replay);
-# 2. bench/gpu_bench.py: every kernel against a device-to-device copy timed in the same run, and against torch.
+#    fp32/bf16/fp16/fp64, list/[M, d]/per-layer input, M 1..1000, one 2^31+5-element row, a CUDA graph replay,
+#    fastagg.distributed's collectives on NCCL with one rank (issue 13), HostFeeder's pinned pipeline (issue 14));
+# 2. bench/gpu_bench.py: every kernel against a device-to-device copy timed in the same run, and against torch
+#    ("feed": HostFeeder per client against the bare pinned host-to-device copy, issue 14).
 # fastagg is imported from the checkout (PYTHONPATH): the GPU checks need no C++ build, and skipping it saves
 # device time (`pip install --no-build-isolation --no-deps -e .` also works there). Everything lands in $OUT:
 # device_check.txt (the whole log), pytest.txt, gpu_bench.md / .json (the tables for bench/RESULTS.md).
