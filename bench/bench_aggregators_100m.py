@@ -4,7 +4,8 @@ a dict of numpy arrays, as both frameworks hold a model), 16 clients sending ful
     .venv-nvflare/bin/python bench/bench_aggregators_100m.py --side flare     # make test-nvflare builds that env
     .venv/bin/python bench/bench_aggregators_100m.py --side flower
 
-FLARE side -- results arrive one at a time and are folded as they arrive (FLARE's FedAvg workflow):
+FLARE side -- results arrive one at a time and are folded as they arrive (FLARE's FedAvg workflow); 3 rounds per
+process (the first round's time, and the median of the later ones: a server's steady state):
   flare helper      ``WeightedAggregationHelper.add(params, weight, site, round)`` per client, then ``get_result()``
                     (the aggregation FLARE's own FedAvg runs);
   fastagg           ``fastagg.nvflare.FastaggAggregator(rule="fedavg")``: ``accept_model`` per client (each update
@@ -35,7 +36,7 @@ import time
 
 import numpy as np
 
-M, D, LAYERS = 16, 100_000_000, 8
+M, D, LAYERS, ROUNDS = 16, 100_000_000, 8, 3
 
 
 def _layer_sizes(d: int) -> list:
@@ -54,7 +55,9 @@ def _model(d: int, scale: float, block: np.ndarray) -> dict:
     return out
 
 
-def _flare(method: str, d: int) -> dict:
+def _flare(method: str, d: int, rounds: int = ROUNDS) -> dict:
+    """``rounds`` rounds in one server process, as FLARE's FedAvg runs them: a new helper each round (FLARE builds
+    one per round), one aggregator for the run (fastagg). Per round: time; over the run: peak memory."""
     from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
     from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedAggregationHelper
 
@@ -64,35 +67,40 @@ def _flare(method: str, d: int) -> dict:
     block = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
     glob = _model(d, 1.0, block)
     weights = [float(10 + 5 * i) for i in range(M)]
-    elapsed, peak = 0.0, 0
-    for i in range(M):
-        params = _model(d, 1.0 + 0.01 * (i + 1), block)  # the arriving result (deserialized by FLARE)
+    times, peak, base_rss, agg = [], 0, None, None
+    for rnd in range(rounds):
+        elapsed = 0.0
+        for i in range(M):
+            params = _model(d, 1.0 + 0.01 * (i + 1), block)  # the arriving result (deserialized by FLARE)
+            with PeakAbove() as p:
+                t0 = time.perf_counter()
+                if i == 0:  # the round starts: the model sent (fastagg keeps the base and its params)
+                    if method == "fastagg":
+                        agg = agg or FastaggAggregator(rule="fedavg")
+                        agg.reset_stats()
+                        agg.set_model(FLModel(params_type=ParamsType.FULL, params=glob, current_round=rnd))
+                    else:
+                        helper = WeightedAggregationHelper()
+                if method == "fastagg":
+                    agg.accept_model(FLModel(params_type=ParamsType.FULL, params=params, current_round=rnd,
+                                             meta={"client_name": f"site-{i}", "NUM_STEPS_CURRENT_ROUND": weights[i]}))
+                else:
+                    helper.add(data=params, weight=weights[i], contributor_name=f"site-{i}", contribution_round=rnd)
+                elapsed += time.perf_counter() - t0
+            if base_rss is None:
+                base_rss = p.before  # the resident set with the global model and one arriving client
+            peak = max(peak, p.before + p.bytes - base_rss)  # what the aggregation holds, at its highest
+            del params
         with PeakAbove() as p:
             t0 = time.perf_counter()
-            if i == 0:  # the round starts: the model sent (fastagg keeps the base and its params)
-                if method == "fastagg":
-                    agg = FastaggAggregator(rule="fedavg")
-                    agg.reset_stats()
-                    agg.set_model(FLModel(params_type=ParamsType.FULL, params=glob, current_round=0))
-                else:
-                    helper = WeightedAggregationHelper()
-            if method == "fastagg":
-                agg.accept_model(FLModel(params_type=ParamsType.FULL, params=params, current_round=0,
-                                         meta={"client_name": f"site-{i}", "NUM_STEPS_CURRENT_ROUND": weights[i]}))
-            else:
-                helper.add(data=params, weight=weights[i], contributor_name=f"site-{i}", contribution_round=0)
+            out = agg.aggregate_model().params if method == "fastagg" else helper.get_result()
             elapsed += time.perf_counter() - t0
-        if i == 0:
-            base_rss = p.before  # the resident set with the global model and one arriving client
-        peak = max(peak, p.before + p.bytes - base_rss)  # what the aggregation holds, at its highest
-        del params
-    with PeakAbove() as p:
-        t0 = time.perf_counter()
-        out = agg.aggregate_model().params if method == "fastagg" else helper.get_result()
-        elapsed += time.perf_counter() - t0
-    peak = max(peak, p.before + p.bytes - base_rss)
+        peak = max(peak, p.before + p.bytes - base_rss)
+        times.append(elapsed)
+        glob = out  # the next round's model
     check = float(np.asarray(out["layer0.weight"][:1000], dtype=np.float64).sum())
-    return {"time_s": elapsed, "peak_bytes": peak, "check": check}
+    return {"time_s": times[0], "later_s": statistics.median(times[1:]) if rounds > 1 else None, "peak_bytes": peak,
+            "check": check}
 
 
 def _flower(method: str, d: int) -> dict:
@@ -164,10 +172,16 @@ def main() -> None:
           f"fresh processes per method, alternating; memory: one more each")
     for method, runs in seen.items():
         times = [r["time_s"] for r in runs]
+        later = [r["later_s"] for r in runs if r.get("later_s") is not None]
         peak = peaks[method][0]["peak_bytes"] / 1e9
-        print(f"  {method:13s} {statistics.median(times):7.2f} s (runs: {', '.join(f'{t:.2f}' for t in times)}); "
-              f"peak above the inputs {peak:.2f} GB = {peak / model_gb:.2f} x the model")
+        print(f"  {method:13s} {statistics.median(times):7.2f} s (runs: {', '.join(f'{t:.2f}' for t in times)})"
+              + (f", rounds 2-{ROUNDS}: {', '.join(f'{t:.2f}' for t in later)} s" if later else "")
+              + f"; peak above the inputs {peak:.2f} GB = {peak / model_gb:.2f} x the model")
     ratio = [t["time_s"] / f["time_s"] for t, f in zip(seen[theirs], seen["fastagg"])]
+    if a.side == "flare":
+        later = [t["later_s"] / f["later_s"] for t, f in zip(seen[theirs], seen["fastagg"])]
+        print(f"  {theirs} / fastagg time in rounds 2-{ROUNDS} (a server's steady state), per pair: "
+              f"{', '.join(f'{r:.1f}x' for r in later)}")
     checks = {m: runs[0]["check"] for m, runs in seen.items()}
     print(f"  {theirs} / fastagg time, per pair: {', '.join(f'{r:.1f}x' for r in ratio)}; same first 1000 values "
           f"(sums): {checks}")

@@ -93,7 +93,8 @@ class FastaggAggregator(ModelAggregator):
         self._restored: dict | None = None  # a state_dict loaded before the first round
         self._params: dict | None = None   # the optimizer's params: torch tensors, the model's names and dtypes
         self._numpy: bool = True           # the form to return (what FLARE sent)
-        self._acc: Accumulator | None = None
+        self._acc: Accumulator | None = None        # the round's, while a round is open
+        self._round_acc: Accumulator | None = None  # the one reused round after round
         self._base: dict | None = None     # the model sent this round (the clients' starting point)
         self._round: Any = None
         self._sites: set = set()
@@ -125,12 +126,15 @@ class FastaggAggregator(ModelAggregator):
                 opt = RULES[self.rule](params, backend=self.backend, on_nonfinite=self.on_nonfinite, **self.hyper)
                 if self._restored:
                     opt.load_state_dict(self._restored)
-                self._params, self._opt, self._restored = params, opt, None
+                # one accumulator for every round (reset each round): its sum and spare are allocated once
+                acc = Accumulator(like=params, backend=self.backend)
+                self._params, self._opt, self._restored, self._round_acc = params, opt, None, acc
             else:
                 for k, v in base.items():
                     self._params[k].copy_(v)
+                self._round_acc.reset()
             self._base, self._round = base, model.current_round
-            self._acc = Accumulator(like=self._base, backend=self.backend)
+            self._acc = self._round_acc
             self._sites, self._metrics, self._metric_weight = set(), {}, 0.0
 
     # -- ModelAggregator ---------------------------------------------------------------------------------------

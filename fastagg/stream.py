@@ -326,12 +326,20 @@ class Accumulator:
 
     def _take_spare(self, dtype: torch.dtype | None) -> torch.Tensor | None:
         """Hand the spare buffer to a step as its mean output (caller holds the lock): a step at the end of a round
-        then needs no fresh d-vector (at 1e9 parameters, 4 GB less and no first touch of it). The result owns
-        it; a later add allocates a new spare. None when the step wants another dtype."""
+        then needs no fresh d-vector (at 1e9 parameters, 4 GB less and no first touch of it). A functional step's
+        result keeps it (a later add allocates a new spare); a server optimizer gives it back when its step is
+        done (:meth:`_return_spare`). None when the step wants another dtype."""
         if self._scratch is None or (dtype is not None and dtype != self._scratch.dtype):
             return None
         spare, self._scratch = self._scratch, None
         return spare
+
+    def _return_spare(self, spare: torch.Tensor) -> None:
+        """A spare lent to a step (as its mean) comes back once the step is done with it."""
+        with self._lock:
+            if self._scratch is None and spare.shape == self._sum.shape and spare.dtype == self._sum.dtype \
+                    and spare.device == self._sum.device and spare.data_ptr() != self._sum.data_ptr():
+                self._scratch = spare
 
     @property
     def numel(self) -> int:

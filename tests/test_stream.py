@@ -130,3 +130,40 @@ def test_a_step_takes_the_spare_sum_as_its_mean_and_later_adds_do_not_touch_it(b
     assert st.num_clients == 3
     torch.testing.assert_close(acc.fedavg_step().mean_flat,
                                (2 * xs[0] + xs[1] + 3 * xs[2] + 0.5 * xs[0]) / 7.0, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_server_optimizer_gives_the_spare_back_after_its_step(backend):
+    """Round after round on one accumulator (reset() between rounds), an optimizer borrows the spare as its mean
+    and returns it: the accumulator's two buffers are the only model-sized ones, and the rounds equal fresh
+    accumulators' (SCAFFOLD borrows from two accumulators at once)."""
+    g = torch.Generator().manual_seed(9)
+    d = 3001
+    acc, ctl = fastagg.Accumulator(like=torch.zeros(d), backend=backend), fastagg.Accumulator(like=torch.zeros(d),
+                                                                                             backend=backend)
+    w, ref_w = torch.zeros(d), torch.zeros(d)
+    opt, ref = server.FedAdam(w, backend=backend), server.FedAdam(ref_w, backend=backend)
+    sc_w, sc_ref_w = torch.zeros(d), torch.zeros(d)
+    sc, sc_ref = server.Scaffold(sc_w, num_clients=4, backend=backend), server.Scaffold(sc_ref_w, num_clients=4,
+                                                                                      backend=backend)
+    buffers = None
+    for rnd in range(3):
+        xs = [torch.randn(d, generator=g) * 0.1 for _ in range(3)]
+        acc.reset()
+        ctl.reset()
+        fresh, fresh_ctl = (fastagg.Accumulator(like=torch.zeros(d), backend=backend) for _ in range(2))
+        for x in xs:
+            for a in (acc, fresh):
+                a.add(x, 1.0)
+            for a in (ctl, fresh_ctl):
+                a.add(0.5 * x, 1.0)
+        opt.step(acc)
+        ref.step(fresh)
+        assert torch.equal(w, ref_w)
+        sc.step(acc, ctl)
+        sc_ref.step(fresh, fresh_ctl)
+        assert torch.equal(sc_w, sc_ref_w)
+        now = {acc._sum.data_ptr(), acc._scratch.data_ptr(), ctl._sum.data_ptr(), ctl._scratch.data_ptr()}
+        assert len(now) == 4 and (buffers is None or now == buffers)
+        buffers = now
+    assert not opt._means and not opt._borrowed
