@@ -117,16 +117,21 @@ def buffer_mismatch(rank: int, world: int, group) -> dict:
         return {"message": str(e), "unchanged": all(torch.equal(state[k], like[k]) for k in like)}
 
 
-def dead_rank(rank: int, world: int, group) -> dict:
-    """The last rank dies before the step: the others get a clear error instead of hanging, params unchanged."""
-    if rank == world - 1:
-        os._exit(3)
+def _step_beside_a_lost_rank(rank: int, world: int, group) -> dict:
+    """A FedAvg step on a rank whose group lost a peer: the error it raised, and whether params stayed as they were."""
     w = params0()
     try:
         fastagg.server.FedAvg(w, group=group).step(data(0)[0][share(rank, world)])
         return {"message": "no error"}
     except RuntimeError as e:
         return {"message": str(e), "unchanged": bool(torch.equal(w, params0()))}
+
+
+def dead_rank(rank: int, world: int, group) -> dict:
+    """The last rank dies before the step: the others get a clear error instead of hanging, params unchanged."""
+    if rank == world - 1:
+        os._exit(3)
+    return _step_beside_a_lost_rank(rank, world, group)
 
 
 def sharded(rank: int, world: int, group, dtype=torch.float64) -> dict:
@@ -167,12 +172,7 @@ def hung_rank(rank: int, world: int, group) -> dict:
     if rank == world - 1:
         time.sleep(60)
         return {"message": "slept"}
-    w = params0()
-    try:
-        fastagg.server.FedAvg(w, group=group).step(data(0)[0][share(rank, world)])
-        return {"message": "no error"}
-    except RuntimeError as e:
-        return {"message": str(e), "unchanged": bool(torch.equal(w, params0()))}
+    return _step_beside_a_lost_rank(rank, world, group)
 
 
 def accumulated(rank: int, world: int, group) -> dict:
