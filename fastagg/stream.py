@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+import zlib
 from typing import Any
 
 import torch
@@ -246,19 +247,23 @@ class Accumulator:
         buffers' sums, and what they must match (size, dtype). With :meth:`load_state_dict` a restarted server
         resumes the round without asking the folded clients again (their ids are refused if they resend)."""
         with self._lock:
-            return {"format": 1, "numel": self._numel, "dtype": str(self._dtype), "buffers": list(self._buffer_names),
-                    "sum": self._sum.detach().cpu().clone(), "sq_norms": self.sq_norms.cpu().clone(),
-                    "weighted_sq": float(self._weighted_sq), "total_weight": float(self.total_weight),
-                    "client_ids": list(self._ids),
-                    "buffer_sums": [None if b is None else b.cpu().clone() for b in self._buffer_sums]}
+            state = {"format": 2, "numel": self._numel, "dtype": str(self._dtype), "buffers": list(self._buffer_names),
+                     "sum": self._sum.detach().cpu().clone(), "sq_norms": self.sq_norms.cpu().clone(),
+                     "weighted_sq": float(self._weighted_sq), "total_weight": float(self.total_weight),
+                     "client_ids": list(self._ids),
+                     "buffer_sums": [None if b is None else b.cpu().clone() for b in self._buffer_sums]}
+        state["crc32"] = _state_crc(state)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s round. Everything is checked (format, size, dtype, buffers, finite sums,
-        norms >= 0, as many norms as ids, a total weight >= 0) before anything changes."""
-        if not isinstance(state, dict) or state.get("format") != 1:
-            raise ValueError("not an Accumulator state_dict (format 1)")
+        norms >= 0, as many norms as ids, a total weight >= 0, and the CRC-32 of it all, so a flipped byte in a
+        saved file is caught) before anything changes. Format 1 (saved before the checksum existed) loads without
+        it."""
+        if not isinstance(state, dict) or state.get("format") not in (1, 2):
+            raise ValueError("not an Accumulator state_dict (format 1 or 2)")
         for key in ("numel", "dtype", "buffers", "sum", "sq_norms", "weighted_sq", "total_weight", "client_ids",
-                    "buffer_sums"):
+                    "buffer_sums") + (("crc32",) if state["format"] == 2 else ()):
             if key not in state:
                 raise ValueError(f"the state_dict has no {key!r}")
         if state["numel"] != self._numel or state["dtype"] != str(self._dtype):
@@ -284,6 +289,8 @@ class Accumulator:
         bufs = state["buffer_sums"]
         if len(bufs) != len(self._buffer_names):
             raise ValueError("the state_dict's buffer sums do not match its buffers")
+        if state["format"] == 2 and _state_crc(state) != state["crc32"]:
+            raise ValueError("the state_dict's checksum does not match its contents (a corrupted file?)")
         with self._lock:
             self._sum.copy_(total.to(self.device))
             self._sq_norms = [v.to(torch.float64).to(self.device) for v in sq.unbind()] if len(sq) else []
@@ -416,6 +423,20 @@ class Accumulator:
         in :meth:`fedexp_step`)."""
         return self._from_sums(ops.fixed_rule(lr), params=params, on_nonfinite=on_nonfinite, want_eval=False,
                                group=group)
+
+
+def _state_crc(state: dict) -> int:
+    """CRC-32 of a round state's tensors (their bytes, in place) and of everything else in it (its repr)."""
+    crc = zlib.crc32(repr([state[k] for k in ("format", "numel", "dtype", "buffers", "weighted_sq", "total_weight",
+                                              "client_ids")]).encode())
+    for t in [state["sum"], state["sq_norms"], *state["buffer_sums"]]:
+        if t is None:
+            crc = zlib.crc32(b"None", crc)
+        elif isinstance(t, torch.Tensor):
+            crc = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+        else:
+            raise ValueError(f"the state_dict holds a {type(t).__name__} where a tensor belongs")
+    return crc
 
 
 def _check_id(client_id: Any) -> None:

@@ -110,7 +110,11 @@ def test_a_half_finished_round_survives_a_killed_process(tmp_path):
     (lambda s: s.update(total_weight=-1.0), "non-finite or negative"),
     (lambda s: s.update(numel=7), "7 torch.float64 elements"),
     (lambda s: s.pop("sq_norms"), "no 'sq_norms'"),
-    (lambda s: s.update(format=2), "format 1"),
+    (lambda s: s.update(format=3), "format 1 or 2"),
+    (lambda s: s["sum"].__setitem__(5, s["sum"][5] + 1e-9), "checksum"),  # a flipped bit's worth, still finite
+    (lambda s: s.update(total_weight=s["total_weight"] + 1.0), "checksum"),
+    (lambda s: s.update(client_ids=["x", "y", "q"]), "checksum"),
+    (lambda s: s.pop("crc32"), "no 'crc32'"),
 ])
 def test_a_corrupted_round_state_is_refused_and_changes_nothing(corrupt, message):
     deltas, weights = _clients()
@@ -121,6 +125,35 @@ def test_a_corrupted_round_state_is_refused_and_changes_nothing(corrupt, message
     with pytest.raises(ValueError, match=message):
         target.load_state_dict(state)
     assert torch.equal(torch.as_tensor(target.weighted_sum), before) and target.client_ids == ["w"]
+
+
+def test_a_state_saved_before_the_checksum_still_loads():
+    deltas, weights = _clients()
+    src = _acc(deltas[:3], weights[:3], ids=["x", "y", "z"])
+    state = src.state_dict()
+    del state["crc32"]
+    state["format"] = 1
+    target = fastagg.Accumulator(like=deltas[0])
+    target.load_state_dict(state)
+    assert torch.equal(torch.as_tensor(target.weighted_sum), torch.as_tensor(src.weighted_sum))
+
+
+def test_a_flipped_byte_in_a_saved_round_is_caught(tmp_path):
+    """torch.save'd round state with one byte of the sum's data flipped: the file still loads as valid tensors,
+    the checksum refuses it."""
+    deltas, weights = _clients()
+    path = tmp_path / "round.pt"
+    torch.save(_acc(deltas[:3], weights[:3]).state_dict(), path)
+    raw = bytearray(path.read_bytes())
+    marker = torch.as_tensor(_acc(deltas[:3], weights[:3]).weighted_sum).numpy().tobytes()[64:80]
+    at = bytes(raw).index(marker)  # inside the sum's data
+    raw[at] ^= 0x01
+    path.write_bytes(bytes(raw))
+    state = torch.load(path, weights_only=True)
+    target = fastagg.Accumulator(like=deltas[0])
+    with pytest.raises(ValueError, match="checksum"):
+        target.load_state_dict(state)
+    assert target.num_clients == 0
 
 
 def test_merge_and_state_dict_carry_batchnorm_buffers():
