@@ -78,6 +78,11 @@ class FastaggAggregator(ModelAggregator):
             raise ValueError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite must be 'skip' or 'raise'; got {on_nonfinite!r}")
+        if hyper is not None and not isinstance(hyper, dict):
+            raise TypeError(f"hyper must be a dict of the rule's keyword arguments; got {type(hyper).__name__}")
+        if aggregation_weights is not None and not isinstance(aggregation_weights, dict):
+            raise TypeError(f"aggregation_weights must be a dict of site name -> weight; got "
+                            f"{type(aggregation_weights).__name__}")
         hyper = dict(hyper or {})
         if "betas" in hyper:  # a job config carries lists
             hyper["betas"] = tuple(hyper["betas"])

@@ -213,6 +213,8 @@ def test_float32_numpy_models_stay_float32_and_the_returned_arrays_are_the_calle
     (dict(on_nonfinite="ignore"), "on_nonfinite"),
     (dict(aggregation_weights={"a": -1.0}), "aggregation_weights"),
     (dict(aggregation_weights={"a": float("nan")}), "aggregation_weights"),
+    (dict(aggregation_weights=[("a", 1.0)]), "aggregation_weights must be a dict"),
+    (dict(hyper=[1]), "hyper must be a dict"),
 ])
 def test_bad_construction_is_refused_at_once(kw, error):
     with pytest.raises((TypeError, ValueError), match=error):
