@@ -42,17 +42,29 @@ def _simulate(tmp_path, aggregator, sites: int, nan: bool = False) -> str:
     if nan:
         env["FASTAGG_FLARE_NAN"] = "1"
     cli = os.path.join(os.path.dirname(sys.executable), "nvflare")
-    proc = subprocess.Popen([cli, "simulator", str(tmp_path / "jobs" / "fastagg_job"), "-w", str(tmp_path / "ws"),
-                             "-n", str(sites), "-t", str(sites)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # FLARE's simulator listens on every interface (tcp://0:port) at ports it picked a moment before: run it in a
+    # network namespace of its own with only loopback up (nothing outside can reach it, no port it can race for)
+    isolated = ["unshare", "-n", "--", "sh", "-c", 'ip link set lo up && exec "$0" "$@"']
+    probe = subprocess.run(isolated + ["true"], capture_output=True, text=True, timeout=30)
+    assert probe.returncode == 0, f"needs `unshare -n` and `ip` (a private network namespace): {probe.stderr}"
+    proc = subprocess.Popen(isolated + [cli, "simulator", str(tmp_path / "jobs" / "fastagg_job"), "-w",
+                                        str(tmp_path / "ws"), "-n", str(sites), "-t", str(sites)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    timed_out = False
     try:
         log, _ = proc.communicate(timeout=LIMIT_S)
+    except subprocess.TimeoutExpired:
+        timed_out = True
     finally:
         try:  # the simulator and whatever it started
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait()
+    if timed_out:
+        log, _ = proc.communicate()
+    proc.wait()
+    assert not timed_out, f"nvflare simulator ran past {LIMIT_S} s; its log ends:\n{log[-4000:]}"
     assert proc.returncode == 0, log[-3000:]
     return log
 
