@@ -25,7 +25,10 @@ def _simulate(strategy: str) -> dict:
 
     @app.main()
     def main(grid, context):
-        server_app.run(grid, {"strategy": strategy, "model": "cnn", "num-server-rounds": 3, "fraction-evaluate": 0.0})
+        # every round waits for all 3 nodes: with fewer connected, Flower samples only those, and the two runs
+        # would average different clients
+        server_app.run(grid, {"strategy": strategy, "model": "cnn", "num-server-rounds": 3, "fraction-evaluate": 0.0,
+                              "min-nodes": 3})
 
     run_simulation(server_app=app, client_app=client_app, num_supernodes=3,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},

@@ -15,7 +15,8 @@ LAST_SUMMARY: dict = {}  # filled in-process as well (run_simulation)
 
 def make_strategy(name: str, config) -> object:
     """A strategy by run-config name: fastagg's (``fedexp``, ``fedadam``, ...) or Flower's own (``flower-...``)."""
-    common = dict(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2,
+    nodes = int(cfg(config, "min-nodes"))
+    common = dict(min_available_nodes=nodes, min_train_nodes=nodes, min_evaluate_nodes=nodes,
                   fraction_evaluate=float(cfg(config, "fraction-evaluate")))
     if name.startswith("flower-"):
         from flwr.serverapp import strategy as fl
