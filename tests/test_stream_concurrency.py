@@ -1,0 +1,198 @@
+"""Accumulator.add from several threads at once: adds that queue while another is folded are folded together in
+one sweep (flat combining), and each call still answers for its own client only: folded, refused with its own
+error, never lost or counted twice.
+
+The grouping is made deterministic by holding the accumulator's lock while the adds queue up (a step in progress
+does the same): when it is released, the one thread that folds takes them all."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import fastagg
+from fastagg.testing import assert_close, cpu_backends
+
+QUEUE_LIMIT_S = 30.0  # bounds the wait for the adds to queue (each needs only to start and queue)
+
+
+class _CountingBackend:
+    """The accumulator's backend, counting the stats sweeps it runs."""
+
+    def __init__(self, inner):
+        self.inner, self.sweeps = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def round_stats(self, **kw):
+        self.sweeps += 1
+        return self.inner.round_stats(**kw)
+
+
+def _counting(acc: fastagg.Accumulator) -> _CountingBackend:
+    acc._backend = _CountingBackend(acc._backend)
+    return acc._backend
+
+
+def _add_together(acc: fastagg.Accumulator, calls: list[dict]) -> list:
+    """Run ``acc.add(**call)`` for every call in its own thread, all queued before any is folded; returns each
+    call's result, or the exception it raised."""
+    out: list = [None] * len(calls)
+
+    def run(i):
+        try:
+            out[i] = acc.add(**calls[i])
+        except Exception as e:  # noqa: BLE001 (the test inspects it)
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    with acc._lock:  # what a step in progress does: adds queue behind it
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + QUEUE_LIMIT_S
+        while len(acc._pending) < len(calls) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        queued = len(acc._pending)
+    for t in threads:
+        t.join(QUEUE_LIMIT_S)
+    assert queued == len(calls), f"only {queued} of {len(calls)} adds queued"
+    assert not any(t.is_alive() for t in threads), "an add never returned"
+    return out
+
+
+def _randn(d, seed, dtype=torch.float32):
+    return torch.randn(d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("dtype, rtol, atol", [(torch.float32, 1e-6, 1e-6), (torch.float64, 1e-13, 1e-15)])
+def test_adds_that_queue_are_folded_in_one_sweep(backend, dtype, rtol, atol):
+    d = 10_007
+    acc = fastagg.Accumulator(like=torch.zeros(d, dtype=dtype), backend=backend)
+    counter = _counting(acc)
+    xs = [_randn(d, i, dtype) for i in range(4)]
+    ws = [1.0, 2.5, 0.0, 4.0]
+    out = _add_together(acc, [dict(delta=x, weight=w, client_id=f"c{i}") for i, (x, w) in enumerate(zip(xs, ws))])
+    assert out == [True] * 4
+    assert counter.sweeps == 1  # the four clients went through the kernel together
+    assert sorted(acc.client_ids) == ["c0", "c1", "c2", "c3"] and acc.total_weight == sum(ws)
+    ref = sum(w * x.double() for x, w in zip(xs, ws))
+    assert_close(acc.weighted_sum, ref, rtol=rtol, atol=atol, name="weighted sum")
+    norms = dict(zip(acc.client_ids, acc.sq_norms.tolist()))
+    for i, x in enumerate(xs):
+        assert norms[f"c{i}"] == pytest.approx(float(x.double().square().sum()), rel=rtol)
+    # afterwards a lone add is folded alone, as before
+    assert acc.add(xs[0], 1.0) and counter.sweeps == 2 and acc.num_clients == 5
+
+
+def test_a_bad_client_in_a_group_is_refused_alone():
+    d = 5_000
+    acc = fastagg.Accumulator(like=torch.zeros(d))
+    good = [_randn(d, i) for i in range(2)]
+    nan, inf = _randn(d, 7), _randn(d, 8)
+    nan[17], inf[4000] = float("nan"), float("inf")
+    out = _add_together(acc, [dict(delta=good[0], weight=1.0, client_id="a"),
+                              dict(delta=nan, weight=1.0, client_id="nan"),
+                              dict(delta=inf, weight=1.0, client_id="inf", on_nonfinite="skip"),
+                              dict(delta=good[1], weight=3.0, client_id="b")])
+    assert out[0] is True and out[3] is True and out[2] is False
+    assert isinstance(out[1], ValueError) and "contains NaN or Inf; the accumulator is unchanged by it" in str(out[1])
+    assert sorted(acc.client_ids) == ["a", "b"] and acc.total_weight == 4.0
+    assert_close(acc.weighted_sum, good[0].double() + 3 * good[1].double(), rtol=1e-6, atol=1e-6, name="sum")
+    assert torch.isfinite(acc.weighted_sq_norm_sum)
+
+
+def test_a_client_id_sent_twice_at_once_is_folded_once():
+    d = 1_000
+    acc = fastagg.Accumulator(like=torch.zeros(d))
+    x = _randn(d, 0)
+    acc.add(x, 1.0, client_id="early")
+    out = _add_together(acc, [dict(delta=x, weight=1.0, client_id="dup"), dict(delta=x, weight=1.0, client_id="dup"),
+                              dict(delta=x, weight=1.0, client_id="early"), dict(delta=x, weight=1.0, client_id=7)])
+    assert sum(r is True for r in out[:2]) == 1 and out[3] is True
+    for r in [r for r in out[:2] if r is not True] + [out[2]]:
+        assert isinstance(r, ValueError) and "was already folded into this round" in str(r)
+    assert sorted(map(str, acc.client_ids)) == ["7", "dup", "early"] and acc.total_weight == 3.0
+    assert_close(acc.weighted_sum, 3 * x.double(), rtol=1e-6, atol=1e-6, name="sum")
+
+
+def test_clients_that_overflow_only_together_are_sorted_out_one_by_one():
+    acc = fastagg.Accumulator(like=torch.zeros(8))
+    big = torch.full((8,), 2.0e38)
+    out = _add_together(acc, [dict(delta=big, weight=1.0, client_id="x"), dict(delta=big, weight=1.0, client_id="y"),
+                              dict(delta=torch.ones(8), weight=1.0, client_id="z")])
+    assert out[2] is True and sum(r is True for r in out[:2]) == 1
+    refused = next(r for r in out[:2] if r is not True)
+    assert isinstance(refused, ValueError) and "would overflow the running sums" in str(refused)
+    assert acc.num_clients == 2 and torch.equal(torch.as_tensor(acc.weighted_sum), big + 1)
+
+
+def test_batchnorm_state_dicts_added_at_once_average_their_buffers():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    sds = []
+    for i in range(3):
+        sd = {k: v.clone() for k, v in net.state_dict().items()}
+        sd["0.weight"] += 0.1 * i
+        sd["1.running_mean"] += i
+        sd["1.num_batches_tracked"] += 10 * i
+        sds.append(sd)
+    acc = fastagg.Accumulator(like=net.state_dict())
+    counter = _counting(acc)
+    assert _add_together(acc, [dict(delta=sd, weight=float(i + 1)) for i, sd in enumerate(sds)]) == [True] * 3
+    assert counter.sweeps == 1
+    w = {k: v.clone() for k, v in net.state_dict().items()}
+    acc.fedavg_step(params=w)
+    base = net.state_dict()
+    expect_rm = base["1.running_mean"] + sum((i + 1) * sd["1.running_mean"] for i, sd in enumerate(sds)) / 6
+    assert_close(w["1.running_mean"], expect_rm, rtol=1e-6, atol=1e-6, name="running mean")
+    expect_w = base["0.weight"] + sum((i + 1) * sd["0.weight"] for i, sd in enumerate(sds)) / 6
+    assert_close(w["0.weight"], expect_w, rtol=1e-6, atol=1e-6, name="weight")
+
+
+def test_an_interrupted_folder_loses_no_other_client():
+    """The thread folding the queue is interrupted (KeyboardInterrupt, a signal): the adds it had taken go back to
+    the queue, the next thread folds them; only the interrupted call fails."""
+    d = 2_000
+    acc = fastagg.Accumulator(like=torch.zeros(d))
+    xs = [_randn(d, i) for i in range(4)]
+    fold_group, interrupted = acc._fold_group, []
+
+    class Interrupt(BaseException):
+        pass
+
+    def first_call_interrupted(group):
+        if not interrupted:
+            interrupted.append(threading.current_thread())
+            raise Interrupt
+        return fold_group(group)
+
+    acc._fold_group = first_call_interrupted
+    out = []
+    threads = []
+
+    def run(i):
+        try:
+            out.append((i, acc.add(xs[i], 1.0, client_id=i)))
+        except Interrupt:
+            out.append((i, "interrupted"))
+
+    with acc._lock:
+        for i in range(4):
+            threads.append(threading.Thread(target=run, args=(i,)))
+            threads[-1].start()
+        deadline = time.monotonic() + QUEUE_LIMIT_S
+        while len(acc._pending) < 4 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    for t in threads:
+        t.join(QUEUE_LIMIT_S)
+    assert not any(t.is_alive() for t in threads)
+    results = dict(out)
+    assert list(results.values()).count("interrupted") == 1 and list(results.values()).count(True) == 3
+    lost = next(i for i, r in results.items() if r == "interrupted")
+    assert sorted(acc.client_ids) == sorted(set(range(4)) - {lost})
+    assert_close(acc.weighted_sum, sum(xs[i].double() for i in range(4) if i != lost), rtol=1e-6, atol=1e-6,
+                 name="sum")
