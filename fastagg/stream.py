@@ -214,14 +214,17 @@ class Accumulator:
         return [f.folded for f in folds]
 
     def _fold_group(self, group: list) -> None:
-        """Fold queued adds (caller holds the lock): in one sweep when their rows line up, else one by one."""
-        together = len(group) > 1 and all(f.rows.base is None for f in group) and \
-            len({f.rows.segments.lens for f in group}) == 1
-        if together:
-            try:
-                self._fold(group, _stack([f.rows for f in group]), atomic=False)
-            except Exception:  # noqa: BLE001 (what failed is found client by client below, each its own error)
-                pass
+        """Fold queued adds (caller holds the lock): those whose rows line up (the same segments, and the same base
+        for full models: the model every client started from) in one sweep each, the rest one by one."""
+        alike: dict = {}
+        for f in group:
+            alike.setdefault(_layout_key(f.rows), []).append(f)
+        for folds in alike.values():
+            if len(folds) > 1:
+                try:
+                    self._fold(folds, _stack([f.rows for f in folds]), atomic=False)
+                except Exception:  # noqa: BLE001 (what failed is found client by client below, each its own error)
+                    pass
         for f in group:
             if not f.done:
                 try:
@@ -539,8 +542,14 @@ def _one_client(rows: ClientRows, j: int) -> ClientRows:
     return dataclasses.replace(rows, rows=[[seg[j]] for seg in rows.rows], num_clients=1, matrix=None, buffers=None)
 
 
+def _layout_key(rows: ClientRows) -> tuple:
+    """Rows with equal keys stack into one sweep: their segments, and where their base lies."""
+    base = None if rows.base is None else tuple((t.data_ptr(), t.numel(), t.stride(0)) for t in rows.base)
+    return rows.segments.lens, base
+
+
 def _stack(parts: list) -> ClientRows:
-    """Rows of one client each (same segments, dtype and device, no base) as the rows of all of them, in order."""
+    """Rows of one client each (equal :func:`_layout_key`, dtype and device) as the rows of all of them, in order."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]

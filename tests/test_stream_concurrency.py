@@ -196,3 +196,34 @@ def test_an_interrupted_folder_loses_no_other_client():
     assert sorted(acc.client_ids) == sorted(set(range(4)) - {lost})
     assert_close(acc.weighted_sum, sum(xs[i].double() for i in range(4) if i != lost), rtol=1e-6, atol=1e-6,
                  name="sum")
+
+
+def test_full_models_from_the_same_base_are_folded_together():
+    """Clients sending full models (FLARE's and Flower's default) against the model the server sent: one sweep
+    forms each update ``model - base`` inside the kernel; their BatchNorm buffers advance by ``b - base_b``."""
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    base = {k: v.clone() for k, v in net.state_dict().items()}
+    models = []
+    for i in range(3):
+        sd = {k: v.clone() for k, v in base.items()}
+        sd["0.weight"] += 0.01 * (i + 1) * torch.randn_like(sd["0.weight"])
+        sd["1.running_var"] += 0.5 * i
+        models.append(sd)
+    other_base = {k: v.clone() for k, v in base.items()}  # equal values, another tensor: folded on its own
+    acc = fastagg.Accumulator(like=base)
+    counter = _counting(acc)
+    out = _add_together(acc, [dict(delta=m, weight=float(i + 1), base=base) for i, m in enumerate(models)]
+                        + [dict(delta=models[0], weight=2.0, base=other_base)])
+    assert out == [True] * 4
+    assert counter.sweeps == 2  # the three with the same base together, the fourth alone
+    ws = [1.0, 2.0, 3.0, 2.0]
+    ms = models + [models[0]]
+    expect = sum(w * (m["0.weight"] - base["0.weight"]) for w, m in zip(ws, ms))
+    got = acc.weighted_sum["0.weight"]
+    assert_close(got, expect, rtol=1e-12, atol=1e-15, name="0.weight sum")
+    w = {k: v.clone() for k, v in base.items()}
+    acc.fedavg_step(params=w)
+    expect_var = base["1.running_var"] + sum(wi * (m["1.running_var"] - base["1.running_var"])
+                                             for wi, m in zip(ws, ms)) / sum(ws)
+    assert_close(w["1.running_var"], expect_var, rtol=1e-12, atol=1e-15, name="running var")
