@@ -155,16 +155,25 @@ class Accumulator:
         with self._queue:
             self._pending.append(fold)
             self._arrived.notify()
-            while not fold.done and self._folding:
-                self._queue.wait()
-            if fold.done:
-                return
-            self._folding = True
-            deadline = time.perf_counter() + min(0.1 * self._last_fold_s, 1e-3)
-            while len(self._pending) < self._last_group:
-                left = deadline - time.perf_counter()
-                if left <= 0 or not self._arrived.wait(left):
-                    break
+            mine = False  # this thread is the folder
+            try:
+                while not fold.done and self._folding:
+                    self._queue.wait()
+                if fold.done:
+                    return
+                self._folding = mine = True
+                deadline = time.perf_counter() + min(0.1 * self._last_fold_s, 1e-3)
+                while len(self._pending) < self._last_group:
+                    left = deadline - time.perf_counter()
+                    if left <= 0 or not self._arrived.wait(left):
+                        break
+            except BaseException:  # interrupted while waiting (a signal): withdraw the client unless a folder has it
+                if fold in self._pending:
+                    self._pending.remove(fold)
+                if mine:
+                    self._folding = False
+                    self._queue.notify_all()
+                raise
         group: list = []
         try:
             with self._lock:
@@ -175,8 +184,12 @@ class Accumulator:
                 self._last_group, self._last_fold_s = len(group), time.perf_counter() - t0
         finally:
             with self._queue:
+                # interrupted (a signal) before or while folding: the others' adds go to the next folder, this
+                # thread's own client is withdrawn unless it was folded
                 undone = [f for f in group if not f.done and f is not fold]
-                self._pending[:0] = undone  # this thread was interrupted: the next folder takes them
+                self._pending[:0] = undone
+                if fold in self._pending:
+                    self._pending.remove(fold)
                 self._folding = False
                 self._queue.notify_all()
 
