@@ -198,7 +198,8 @@ class Accumulator:
         """Fold several clients in one sweep: ``sum += sum_j w_j delta_j`` reads the running sum and writes it once
         for all of them (``add`` per client reads and writes it once per client: k clients cost k + 2 d-vectors of
         traffic here against 3k). ``deltas``: the clients' updates as a list (or an ``[k, d]`` tensor);
-        ``weights``: k numbers (default 1 each); ``client_ids``: k ids or None. A client with NaN/Inf raises (the
+        ``weights``: k numbers (default 1 each); ``client_ids``: k ids or None; ``base``: as in :meth:`add` (the
+        deltas are then full models, their updates formed in the kernel). A client with NaN/Inf raises (the
         accumulator unchanged) or, with ``on_nonfinite="skip"``, is left out while the others are folded. Returns
         one bool per client: whether it was folded."""
         check_on_nonfinite(on_nonfinite)
@@ -215,13 +216,15 @@ class Accumulator:
         named = [i for i in ids if i is not None]
         if len(set(named)) != len(named):
             raise ValueError("add_many got the same client id twice")
-        if self._buffer_names or base is not None:  # buffers and full models: one client at a time
-            return [self.add(x, w, base=base, on_nonfinite=on_nonfinite, client_id=i)
-                    for x, w, i in zip(items, ws, ids)]
-        rows = client_rows(items, name="deltas", like=self._like)
-        expect_like("deltas", "the accumulator's `like`", numel=(rows.numel, self._numel),
+        what = "deltas" if base is None else "models"
+        rows = client_rows(items, name=what, like=self._like)
+        expect_like(what, "the accumulator's `like`", numel=(rows.numel, self._numel),
                     dtype=(rows.dtype, self._dtype), device=(rows.device, self.device))
-        folds = [_Fold(_one_client(rows, j), ws[j], ids[j], on_nonfinite, [], name=f"deltas[{j}]") for j in range(k)]
+        base_bufs = None
+        if base is not None:
+            rows, base_bufs = attach_base(rows, base)
+        folds = [_Fold(_one_client(rows, j), ws[j], ids[j], on_nonfinite,
+                       self._client_buffers(rows, ws[j], base_bufs, j), name=f"{what}[{j}]") for j in range(k)]
         with self._lock:
             self._fold(folds, rows, atomic=True)
         return [f.folded for f in folds]
@@ -407,14 +410,14 @@ class Accumulator:
             self._named = set(named)
             self._buffer_sums = [None if b is None else b.to(device=self.device, dtype=torch.float64) for b in bufs]
 
-    def _client_buffers(self, rows, w: float, base: dict | None = None) -> list:
-        """``w * b`` (with a base: ``w * (b - base_b)``) in float64 for each of the client's buffers, in ``like``'s
-        buffer order."""
+    def _client_buffers(self, rows, w: float, base: dict | None = None, client: int = 0) -> list:
+        """``w * b`` (with a base: ``w * (b - base_b)``) in float64 for each buffer of client ``client`` of
+        ``rows``, in ``like``'s buffer order."""
         if not self._buffer_names:
             return []
         if rows.buffers is None:
             raise ValueError(f"delta has no buffers; the accumulator's `like` has {', '.join(self._buffer_names)}")
-        given = dict(zip(rows.buffers.names, (v[0] for v in rows.buffers.values)))
+        given = dict(zip(rows.buffers.names, (v[client] for v in rows.buffers.values)))
         out = []
         for n in self._buffer_names:
             v = given[n].to(device=self.device, dtype=torch.float64)
@@ -551,7 +554,7 @@ class _Fold:
 
 
 def _one_client(rows: ClientRows, j: int) -> ClientRows:
-    """Client j of ``rows`` as rows of one client (views, no copy)."""
+    """Client j of ``rows`` as rows of one client (views, no copy; the same base)."""
     return dataclasses.replace(rows, rows=[[seg[j]] for seg in rows.rows], num_clients=1, matrix=None, buffers=None)
 
 

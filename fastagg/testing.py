@@ -140,3 +140,18 @@ def import_without(package: str, module: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+class SweepCounter:
+    """Wraps an accumulator's backend and counts the stats sweeps it runs (tests of what is folded together)."""
+
+    def __init__(self, acc):
+        self._inner, self.sweeps = acc._backend, 0
+        acc._backend = self
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def round_stats(self, **kw):
+        self.sweeps += 1
+        return self._inner.round_stats(**kw)

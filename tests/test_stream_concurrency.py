@@ -13,28 +13,9 @@ import pytest
 import torch
 
 import fastagg
-from fastagg.testing import assert_close, cpu_backends
+from fastagg.testing import SweepCounter, assert_close, cpu_backends
 
 QUEUE_LIMIT_S = 30.0  # bounds the wait for the adds to queue (each needs only to start and queue)
-
-
-class _CountingBackend:
-    """The accumulator's backend, counting the stats sweeps it runs."""
-
-    def __init__(self, inner):
-        self.inner, self.sweeps = inner, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def round_stats(self, **kw):
-        self.sweeps += 1
-        return self.inner.round_stats(**kw)
-
-
-def _counting(acc: fastagg.Accumulator) -> _CountingBackend:
-    acc._backend = _CountingBackend(acc._backend)
-    return acc._backend
 
 
 def _add_together(acc: fastagg.Accumulator, calls: list[dict]) -> list:
@@ -72,7 +53,7 @@ def _randn(d, seed, dtype=torch.float32):
 def test_adds_that_queue_are_folded_in_one_sweep(backend, dtype, rtol, atol):
     d = 10_007
     acc = fastagg.Accumulator(like=torch.zeros(d, dtype=dtype), backend=backend)
-    counter = _counting(acc)
+    counter = SweepCounter(acc)
     xs = [_randn(d, i, dtype) for i in range(4)]
     ws = [1.0, 2.5, 0.0, 4.0]
     out = _add_together(acc, [dict(delta=x, weight=w, client_id=f"c{i}") for i, (x, w) in enumerate(zip(xs, ws))])
@@ -141,7 +122,7 @@ def test_batchnorm_state_dicts_added_at_once_average_their_buffers():
         sd["1.num_batches_tracked"] += 10 * i
         sds.append(sd)
     acc = fastagg.Accumulator(like=net.state_dict())
-    counter = _counting(acc)
+    counter = SweepCounter(acc)
     assert _add_together(acc, [dict(delta=sd, weight=float(i + 1)) for i, sd in enumerate(sds)]) == [True] * 3
     assert counter.sweeps == 1
     w = {k: v.clone() for k, v in net.state_dict().items()}
@@ -212,7 +193,7 @@ def test_full_models_from_the_same_base_are_folded_together():
         models.append(sd)
     other_base = {k: v.clone() for k, v in base.items()}  # equal values, another tensor: folded on its own
     acc = fastagg.Accumulator(like=base)
-    counter = _counting(acc)
+    counter = SweepCounter(acc)
     out = _add_together(acc, [dict(delta=m, weight=float(i + 1), base=base) for i, m in enumerate(models)]
                         + [dict(delta=models[0], weight=2.0, base=other_base)])
     assert out == [True] * 4

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastagg
-from fastagg.testing import assert_close
+from fastagg.testing import SweepCounter, assert_close
 
 
 def _clients(m=6, d=2003, dtype=torch.float64, seed=0):
@@ -203,3 +203,39 @@ def test_add_many_with_a_nan_client_raises_unchanged_or_skips_only_it():
         acc.add_many(deltas[:1], [1.0], client_ids=["a"])
     with pytest.raises(ValueError, match="2 clients, 1 weights"):
         acc.add_many(deltas[:2], [1.0])
+
+
+def test_add_many_folds_full_models_with_batchnorm_in_one_sweep():
+    """Full client models (state_dicts with BatchNorm buffers) against the model sent: one sweep, the same sums as
+    one add per client; a NaN model raises with nothing folded, or is the only one left out."""
+    torch.manual_seed(2)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    base = {k: v.clone() for k, v in net.state_dict().items()}
+    models = []
+    for i in range(4):
+        sd = {k: v.clone() for k, v in base.items()}
+        sd["0.weight"] += 0.1 * torch.randn_like(sd["0.weight"])
+        sd["1.running_mean"] += i
+        sd["1.num_batches_tracked"] += 5
+        models.append(sd)
+    ws = [1.0, 2.0, 3.0, 4.0]
+    one = fastagg.Accumulator(like=base)
+    for m, w in zip(models, ws):
+        one.add(m, w, base=base)
+    many = fastagg.Accumulator(like=base)
+    counter = SweepCounter(many)
+    assert many.add_many(models, ws, base=base, client_ids=["a", "b", "c", "d"]) == [True] * 4
+    assert counter.sweeps == 1
+    w1, w2 = ({k: v.clone() for k, v in base.items()} for _ in range(2))
+    one.fedavg_step(params=w1)
+    many.fedavg_step(params=w2)
+    for k in base:
+        assert_close(w2[k], w1[k], rtol=1e-13, atol=1e-15, name=k)
+
+    bad = [{k: v.clone() for k, v in m.items()} for m in models[:3]]
+    bad[1]["0.bias"][0] = float("nan")
+    acc = fastagg.Accumulator(like=base)
+    with pytest.raises(ValueError, match=r"models\[1\] contains NaN"):
+        acc.add_many(bad, base=base)
+    assert acc.num_clients == 0 and torch.count_nonzero(torch.as_tensor(acc.weighted_sum["0.weight"])) == 0
+    assert acc.add_many(bad, base=base, on_nonfinite="skip") == [True, False, True] and acc.num_clients == 2
