@@ -6,6 +6,8 @@ The grouping is made deterministic by holding the accumulator's lock while the a
 does the same): when it is released, the one thread that folds takes them all."""
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
 
@@ -210,48 +212,69 @@ def test_full_models_from_the_same_base_are_folded_together():
     assert_close(w["1.running_var"], expect_var, rtol=1e-12, atol=1e-15, name="running var")
 
 
-def test_an_add_interrupted_while_it_waits_is_withdrawn():
-    """A signal (Ctrl-C) reaches the main thread while its add waits for another thread's fold: the call raises
-    and its client is not folded later behind its back."""
-    import signal
+class Interrupt(Exception):
+    """What the test's signal handler raises in the main thread (as Ctrl-C raises KeyboardInterrupt)."""
 
-    d = 1_000
-    acc = fastagg.Accumulator(like=torch.zeros(d))
-    x, y = _randn(d, 0), _randn(d, 1)
 
-    class Interrupt(Exception):
-        pass
+@contextlib.contextmanager
+def _step_in_progress(acc, *, then_signal_after: float):
+    """A thread holds the accumulator's lock (as a step does) until the block ends; inside the block the main thread
+    receives a signal after ``then_signal_after`` seconds, whose handler raises :class:`Interrupt`."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with acc._lock:
+            held.set()
+            release.wait(QUEUE_LIMIT_S)
 
     def on_alarm(signum, frame):
         raise Interrupt
 
-    folder_result, release = [], threading.Event()
-    folder = threading.Thread(target=lambda: folder_result.append(acc.add(y, 1.0, client_id="folder")))
-
-    def step_in_progress():  # holds the lock: the folder thread waits for it, holding the queue
-        with acc._lock:
-            folder.start()
-            release.wait(QUEUE_LIMIT_S)
-
-    stepper = threading.Thread(target=step_in_progress)
+    stepper = threading.Thread(target=hold)
     old = signal.signal(signal.SIGALRM, on_alarm)
     try:
         stepper.start()
-        deadline = time.monotonic() + QUEUE_LIMIT_S
-        while not acc._folding and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert acc._folding
-        signal.setitimer(signal.ITIMER_REAL, 0.2)
-        with pytest.raises(Interrupt):
-            acc.add(x, 1.0, client_id="interrupted")  # waits behind the folder until the signal
-        assert all(f.client_id != "interrupted" for f in acc._pending)
+        assert held.wait(QUEUE_LIMIT_S)
+        signal.setitimer(signal.ITIMER_REAL, then_signal_after)
+        yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
         release.set()
-    stepper.join(QUEUE_LIMIT_S)
+        stepper.join(QUEUE_LIMIT_S)
+
+
+def _add_once_folding(acc, x, client_id, out: list) -> threading.Thread:
+    """A thread that calls ``acc.add`` once another thread has become the folder (so this add queues behind it)."""
+    def run():
+        deadline = time.monotonic() + QUEUE_LIMIT_S
+        while not acc._folding and time.monotonic() < deadline:
+            time.sleep(0.001)
+        out.append(acc.add(x, 1.0, client_id=client_id))
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_an_add_interrupted_while_it_waits_is_withdrawn():
+    """A signal (Ctrl-C) reaches the main thread while its add waits for another thread's fold: the call raises
+    and its client is not folded later behind its back."""
+    d = 1_000
+    acc = fastagg.Accumulator(like=torch.zeros(d))
+    x, y = _randn(d, 0), _randn(d, 1)
+    folded = []
+    with _step_in_progress(acc, then_signal_after=0.3):
+        folder = threading.Thread(target=lambda: folded.append(acc.add(y, 1.0, client_id="folder")))
+        folder.start()  # becomes the folder and waits for the step's lock
+        deadline = time.monotonic() + QUEUE_LIMIT_S
+        while not acc._folding and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with pytest.raises(Interrupt):
+            acc.add(x, 1.0, client_id="interrupted")  # waits behind the folder until the signal
+        assert all(f.client_id != "interrupted" for f in acc._pending)
     folder.join(QUEUE_LIMIT_S)
-    assert folder_result == [True] and acc.client_ids == ["folder"]
+    assert folded == [True] and acc.client_ids == ["folder"]
     assert acc.add(x, 1.0, client_id="interrupted")  # sent again, it is folded once
     assert acc.client_ids == ["folder", "interrupted"]
 
@@ -259,45 +282,14 @@ def test_an_add_interrupted_while_it_waits_is_withdrawn():
 def test_a_folder_interrupted_while_it_waits_for_the_lock_folds_nothing_and_hands_on():
     """The main thread became the folder and waits for the lock (a step holds it); a signal interrupts it: its own
     client is withdrawn, and the add queued behind it is folded by its own thread once the step is done."""
-    import signal
-
     d = 1_000
     acc = fastagg.Accumulator(like=torch.zeros(d))
     x, y = _randn(d, 0), _randn(d, 1)
-
-    class Interrupt(Exception):
-        pass
-
-    def on_alarm(signum, frame):
-        raise Interrupt
-
-    release, held, later = threading.Event(), threading.Event(), []
-
-    def step_in_progress():
-        with acc._lock:
-            held.set()
-            release.wait(QUEUE_LIMIT_S)
-
-    def queued_behind():
-        deadline = time.monotonic() + QUEUE_LIMIT_S
-        while not acc._folding and time.monotonic() < deadline:
-            time.sleep(0.001)
-        later.append(acc.add(y, 1.0, client_id="behind"))
-
-    stepper, behind = threading.Thread(target=step_in_progress), threading.Thread(target=queued_behind)
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    try:
-        stepper.start()
-        assert held.wait(QUEUE_LIMIT_S)
-        behind.start()
-        signal.setitimer(signal.ITIMER_REAL, 0.3)
+    later = []
+    with _step_in_progress(acc, then_signal_after=0.3):
+        behind = _add_once_folding(acc, y, "behind", later)
         with pytest.raises(Interrupt):
             acc.add(x, 1.0, client_id="interrupted")  # becomes the folder, waits for the step's lock
         assert all(f.client_id != "interrupted" for f in acc._pending)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-        release.set()
-    stepper.join(QUEUE_LIMIT_S)
     behind.join(QUEUE_LIMIT_S)
     assert later == [True] and acc.client_ids == ["behind"]
