@@ -16,7 +16,8 @@ client k and the copy of client k+1 run at once, so a round is bound by the PCIe
 A client is folded one ``add`` later than it is given (its copy must be in flight first), so refusals (NaN/Inf,
 overflow, a resent id) are reported by :meth:`flush` rather than raised by ``add``; ``flush`` must be called
 before the accumulator is read. On a CPU accumulator the feeder folds at once (nothing to overlap). Flat
-accumulators only (``like`` a 1-D tensor): flatten models with :mod:`fastagg.flat`.
+accumulators only (``like`` a 1-D tensor): flatten models with :mod:`fastagg.flat`. A feeder belongs to one thread;
+threads that receive updates at once each use their own feeder on the shared accumulator (its adds are thread-safe).
 """
 from __future__ import annotations
 

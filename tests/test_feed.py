@@ -59,3 +59,30 @@ def test_only_flat_accumulators_are_fed():
         fastagg.HostFeeder(fastagg.Accumulator(like=np.zeros(4)))
     with pytest.raises(TypeError, match="Accumulator"):
         fastagg.HostFeeder(torch.zeros(3))
+
+
+def test_threads_with_a_feeder_each_fill_one_accumulator():
+    """Two receiving threads, a feeder each, one shared accumulator: every client is folded once, as if added one by
+    one (the accumulator's adds are thread-safe; a feeder belongs to its thread)."""
+    import threading
+
+    xs = _clients(m=12)
+    acc = fastagg.Accumulator(like=xs[0])
+    reports = {}
+
+    def receive(t):
+        feeder = fastagg.HostFeeder(acc)
+        for i in range(t, 12, 2):
+            feeder.add(xs[i], float(i + 1), client_id=i)
+        reports[t] = feeder.flush()
+
+    threads = [threading.Thread(target=receive, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert sorted(reports[0].folded + reports[1].folded) == list(range(12))
+    assert not reports[0].refused and not reports[1].refused
+    ref = sum((i + 1) * x for i, x in enumerate(xs))
+    assert torch.allclose(torch.as_tensor(acc.weighted_sum), ref, rtol=1e-13, atol=1e-13)
+    assert acc.total_weight == sum(range(1, 13))

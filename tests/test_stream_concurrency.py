@@ -217,9 +217,9 @@ class Interrupt(Exception):
 
 
 @contextlib.contextmanager
-def _step_in_progress(acc, *, then_signal_after: float):
-    """A thread holds the accumulator's lock (as a step does) until the block ends; inside the block the main thread
-    receives a signal after ``then_signal_after`` seconds, whose handler raises :class:`Interrupt`."""
+def _step_in_progress(acc):
+    """A thread holds the accumulator's lock (as a step does) until the block ends. Yields ``arm(seconds)``: the
+    main thread then receives a signal after that long, whose handler raises :class:`Interrupt`."""
     held, release = threading.Event(), threading.Event()
 
     def hold():
@@ -235,8 +235,7 @@ def _step_in_progress(acc, *, then_signal_after: float):
     try:
         stepper.start()
         assert held.wait(QUEUE_LIMIT_S)
-        signal.setitimer(signal.ITIMER_REAL, then_signal_after)
-        yield
+        yield lambda seconds: signal.setitimer(signal.ITIMER_REAL, seconds)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
@@ -264,12 +263,13 @@ def test_an_add_interrupted_while_it_waits_is_withdrawn():
     acc = fastagg.Accumulator(like=torch.zeros(d))
     x, y = _randn(d, 0), _randn(d, 1)
     folded = []
-    with _step_in_progress(acc, then_signal_after=0.3):
+    with _step_in_progress(acc) as arm:
         folder = threading.Thread(target=lambda: folded.append(acc.add(y, 1.0, client_id="folder")))
         folder.start()  # becomes the folder and waits for the step's lock
         deadline = time.monotonic() + QUEUE_LIMIT_S
         while not acc._folding and time.monotonic() < deadline:
             time.sleep(0.001)
+        arm(0.3)
         with pytest.raises(Interrupt):
             acc.add(x, 1.0, client_id="interrupted")  # waits behind the folder until the signal
         assert all(f.client_id != "interrupted" for f in acc._pending)
@@ -286,8 +286,9 @@ def test_a_folder_interrupted_while_it_waits_for_the_lock_folds_nothing_and_hand
     acc = fastagg.Accumulator(like=torch.zeros(d))
     x, y = _randn(d, 0), _randn(d, 1)
     later = []
-    with _step_in_progress(acc, then_signal_after=0.3):
+    with _step_in_progress(acc) as arm:
         behind = _add_once_folding(acc, y, "behind", later)
+        arm(0.3)
         with pytest.raises(Interrupt):
             acc.add(x, 1.0, client_id="interrupted")  # becomes the folder, waits for the step's lock
         assert all(f.client_id != "interrupted" for f in acc._pending)
