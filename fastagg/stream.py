@@ -123,7 +123,9 @@ class Accumulator:
         Several threads may add at once. Adds that arrive while another is being folded wait for it and are then
         folded together, by whichever of them gets the lock first, in one sweep over the running sum (as
         :meth:`add_many`: k clients cost k + 2 d-vectors of traffic instead of 3k); each call still returns (or
-        raises) for its own client only, once it is folded or refused.
+        raises) for its own client only, once it is folded or refused. After a fold of several adds, the next
+        folder waits up to a tenth of that fold's time (1 ms at most) for as many to queue. A call interrupted while
+        it waits (a signal) withdraws its client.
         """
         check_on_nonfinite(on_nonfinite)
         w = check_number(weight, "weight")
