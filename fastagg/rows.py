@@ -149,9 +149,9 @@ def _flat_view(t: torch.Tensor, where: str) -> torch.Tensor:
     return t.detach().reshape(-1)
 
 
-def _client_parts(x: Any, name: str, i: int, names: tuple | None, buffer_names) -> tuple[list, list, list]:
+def _client_parts(x: Any, name: str, i: int, names: tuple | None, buffer_names, ref: str) -> tuple[list, list, list]:
     """One client as (parameter tensors, buffer names, buffer tensors). Named clients (state_dicts, modules) are
-    matched to ``names`` by key, never by position."""
+    matched to ``names`` (those of ``ref``, as an error names it) by key, never by position."""
     where = f"{name}[{i}]"
     if isinstance(x, (torch.Tensor, np.ndarray)):
         t = as_tensor(x)
@@ -166,8 +166,8 @@ def _client_parts(x: Any, name: str, i: int, names: tuple | None, buffer_names) 
             missing = [k for k in names if k not in given]
             extra = [k for k in given if k not in set(names)]
             if missing or extra:
-                raise ValueError(f"{where} has parameter entries {_short(extra)} that {name}[0] / params do not have"
-                                 if extra else f"{where} lacks parameter entries {_short(missing)}")
+                raise ValueError(f"{where} has parameter entries {_short(extra)} not in {ref}" if extra
+                                 else f"{where} lacks parameter entries {_short(missing)} of {ref}")
             params = [(k, given[k]) for k in names]
         parts = [as_tensor(v) for _, v in params]
         for k, (key, t) in zip(range(len(parts)), params):
@@ -182,12 +182,13 @@ def _short(keys: list) -> str:
     return ", ".join(repr(k) for k in keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
-def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "ClientRows | None" = None
-                ) -> ClientRows:
+def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "ClientRows | None" = None,
+                like_name: str = "the model they are matched to") -> ClientRows:
     """Validate and normalize M clients' vectors (see module docstring) without copying them.
 
-    State_dict / module clients are matched by entry name: to ``params``' (or ``like``'s) names when the global
-    model is named, else to the first client's. Their buffers are collected apart (``ClientRows.buffers``)."""
+    State_dict / module clients are matched by entry name: to ``params``' (or ``like``'s, which errors call
+    ``like_name``) names when the global model is named, else to the first client's. Their buffers are collected
+    apart (``ClientRows.buffers``)."""
     if isinstance(x, (torch.Tensor, np.ndarray)):
         m = as_tensor(x)
         if m.ndim != 2:
@@ -210,12 +211,13 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
     named = params is not None and params.form.kind == "dict"
     buffer_names = params.buffer_names if named else None
     names = params.form.names if named else None
+    ref = "params" if named else f"{name}[0]"
     if like is not None and like.form.kind == "dict":
-        names = like.form.names
+        names, ref = like.form.names, like_name
         buffer_names = set(like.buffers.names) if like.buffers is not None else set()
     if names is None and isinstance(x[0], (Mapping, torch.nn.Module)):
         names = tuple(k for k, _ in split_entries(x[0], where=f"{name}[0]")[0])
-    parsed = [_client_parts(c, name, i, names, buffer_names) for i, c in enumerate(x)]
+    parsed = [_client_parts(c, name, i, names, buffer_names, ref) for i, c in enumerate(x)]
     clients = [p for p, _, _ in parsed]
     first = clients[0]
     ref_shapes = [tuple(t.shape) for t in first]
@@ -328,7 +330,7 @@ def check_params_match(p: ParamRows, rows: ClientRows, *, name: str = "params", 
 def attach_base(rows: ClientRows, base: Any, *, name: str = "base") -> tuple[ClientRows, dict]:
     """Client models ``rows`` whose updates are ``model - base``, with ``base`` given in the clients' form (matched by
     entry name for state_dicts). Returns the rows with the base attached and the base's buffers by name."""
-    b = client_rows([base], name=name, like=rows)
+    b = client_rows([base], name=name, like=rows, like_name="the client models")
     if b.dtype != rows.dtype:
         raise TypeError(f"{name} has dtype {b.dtype}; expected {rows.dtype} like the client models")
     if b.device != rows.device:

@@ -131,7 +131,7 @@ class Accumulator:
         w = check_number(weight, "weight")
         _check_id(client_id)
         what = "delta" if base is None else "model"
-        rows = client_rows([delta], name=what, like=self._like)
+        rows = client_rows([delta], name=what, like=self._like, like_name="the accumulator's `like`")
         expect_like(what, "the accumulator's `like`", numel=(rows.numel, self._numel),
                     dtype=(rows.dtype, self._dtype), device=(rows.device, self.device))
         base_bufs = None
@@ -219,7 +219,7 @@ class Accumulator:
         if len(set(named)) != len(named):
             raise ValueError("add_many got the same client id twice")
         what = "deltas" if base is None else "models"
-        rows = client_rows(items, name=what, like=self._like)
+        rows = client_rows(items, name=what, like=self._like, like_name="the accumulator's `like`")
         expect_like(what, "the accumulator's `like`", numel=(rows.numel, self._numel),
                     dtype=(rows.dtype, self._dtype), device=(rows.device, self.device))
         base_bufs = None

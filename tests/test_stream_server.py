@@ -239,3 +239,15 @@ def test_add_many_folds_full_models_with_batchnorm_in_one_sweep():
         acc.add_many(bad, base=base)
     assert acc.num_clients == 0 and torch.count_nonzero(torch.as_tensor(acc.weighted_sum["0.weight"])) == 0
     assert acc.add_many(bad, base=base, on_nonfinite="skip") == [True, False, True] and acc.num_clients == 2
+
+
+def test_a_model_of_another_architecture_is_refused_naming_what_differs():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    acc = fastagg.Accumulator(like=net)
+    with pytest.raises(ValueError, match=r"delta\[0\] has parameter entries 'weight', 'bias' not in the accumulator's"):
+        acc.add(torch.nn.Linear(3, 3), 1.0)
+    with pytest.raises(ValueError, match=r"lacks parameter entries '0.bias' of the accumulator's `like`"):
+        acc.add({k: v for k, v in net.state_dict().items() if k != "0.bias"}, 1.0)
+    with pytest.raises(ValueError, match=r"base\[0\] lacks parameter entries '0.bias' of the client models"):
+        acc.add(net, 1.0, base={k: v for k, v in net.state_dict().items() if k != "0.bias"})
+    assert acc.num_clients == 0
