@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import fastagg
+from fastagg.testing import SweepCounter
 
 M, D = 16, 10_000_000
 
@@ -49,8 +50,11 @@ def main() -> None:
 
     pool = ThreadPoolExecutor(4)  # a server's request threads (gRPC's pool): started once, as a server does
 
+    sweeps = []  # the 4-thread accumulator's sweep counter: how many clients each fold took
+
     def threads():
         acc = fastagg.Accumulator(like=rows[0])  # a server's, reused round after round
+        sweeps.append(SweepCounter(acc))
 
         def run():
             acc.reset()
@@ -72,7 +76,7 @@ def main() -> None:
         med = statistics.median(t)
         print(f"{name:<24} {med * 1e3 / M:6.2f} ms per client  ({med / base:.2f}x torch.add)")
     one, four = statistics.median(times["add() per client"]), statistics.median(times["4 threads add() at once"])
-    print(f"4 threads' throughput: {one / four:.2f}x one thread's")
+    print(f"4 threads' throughput: {one / four:.2f}x one thread's ({5 * M / sweeps[0].sweeps:.1f} clients per sweep)")
 
 
 if __name__ == "__main__":
