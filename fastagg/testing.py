@@ -155,3 +155,33 @@ class SweepCounter:
     def round_stats(self, **kw):
         self.sweeps += 1
         return self._inner.round_stats(**kw)
+
+
+def add_all_queued(acc, calls: list, *, limit_s: float = 30.0) -> list:
+    """Run ``acc.add(**call)`` for every call in its own thread, all queued before any is folded (the accumulator's
+    lock is held meanwhile, as a step in progress holds it); returns each call's result, or the exception it raised.
+    Waits at most ``limit_s`` for the threads to queue and to end."""
+    import threading
+    import time
+
+    out: list = [None] * len(calls)
+
+    def run(i):
+        try:
+            out[i] = acc.add(**calls[i])
+        except Exception as e:  # noqa: BLE001 (the test inspects it)
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    with acc._lock:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + limit_s
+        while len(acc._pending) < len(calls) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        queued = len(acc._pending)
+    for t in threads:
+        t.join(limit_s)
+    assert queued == len(calls), f"only {queued} of {len(calls)} adds queued"
+    assert not any(t.is_alive() for t in threads), "an add never returned"
+    return out

@@ -15,7 +15,7 @@ import torch
 
 import fastagg
 from fastagg import client, server
-from fastagg.testing import assert_close, tolerance
+from fastagg.testing import SweepCounter, add_all_queued, assert_close, tolerance
 
 # Without CUDA the root conftest has set TRITON_INTERPRET=1, so the triton backend runs on CPU tensors.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -381,3 +381,23 @@ def test_host_feeder_overlaps_copies_and_folds_like_plain_adds():
     report = feeder.flush()
     assert report.folded == [0, 1, 2, 4, 5, 6] and [r[0] for r in report.refused] == [3]
     assert torch.equal(acc._sum, ref._sum) and acc.total_weight == ref.total_weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_queued_adds_fold_in_one_sweep_on_device(dtype):
+    """Adds from several threads that queue while the accumulator is busy are folded by the Triton kernel in one
+    sweep (k rows onto the running sum) and equal the float64 sums; a NaN client among them is refused alone."""
+    d = 2_000_003 if ON_GPU else 9_001
+    xs = [(0.1 * _randn(d, seed=80 + i)).to(dtype).to(DEVICE) for i in range(5)]
+    xs[2][77] = float("nan")
+    acc = fastagg.Accumulator(like=torch.zeros(d, dtype=dtype, device=DEVICE), backend="triton")
+    counter = SweepCounter(acc)
+    ws = [1.0, 2.0, 3.0, 4.0, 5.0]
+    out = add_all_queued(acc, [dict(delta=x, weight=w, client_id=i, on_nonfinite="skip")
+                               for i, (x, w) in enumerate(zip(xs, ws))])
+    assert out == [True, True, False, True, True]
+    assert counter.sweeps == 2  # the five together, then the four without the NaN one
+    ref = sum(w * x.double() for i, (x, w) in enumerate(zip(xs, ws)) if i != 2)
+    rtol, atol = tolerance(dtype, "mean")
+    assert_close(acc.weighted_sum, ref, rtol=rtol, atol=atol * 15, name="weighted sum")
+    assert sorted(acc.client_ids) == [0, 1, 3, 4] and acc.total_weight == 12.0

@@ -15,35 +15,9 @@ import pytest
 import torch
 
 import fastagg
-from fastagg.testing import SweepCounter, assert_close, cpu_backends
+from fastagg.testing import SweepCounter, add_all_queued, assert_close, cpu_backends
 
-QUEUE_LIMIT_S = 30.0  # bounds the wait for the adds to queue (each needs only to start and queue)
-
-
-def _add_together(acc: fastagg.Accumulator, calls: list[dict]) -> list:
-    """Run ``acc.add(**call)`` for every call in its own thread, all queued before any is folded; returns each
-    call's result, or the exception it raised."""
-    out: list = [None] * len(calls)
-
-    def run(i):
-        try:
-            out[i] = acc.add(**calls[i])
-        except Exception as e:  # noqa: BLE001 (the test inspects it)
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    with acc._lock:  # what a step in progress does: adds queue behind it
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + QUEUE_LIMIT_S
-        while len(acc._pending) < len(calls) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        queued = len(acc._pending)
-    for t in threads:
-        t.join(QUEUE_LIMIT_S)
-    assert queued == len(calls), f"only {queued} of {len(calls)} adds queued"
-    assert not any(t.is_alive() for t in threads), "an add never returned"
-    return out
+QUEUE_LIMIT_S = 30.0  # bounds every wait for a thread to queue or end (each needs only to start and queue)
 
 
 def _randn(d, seed, dtype=torch.float32):
@@ -58,7 +32,7 @@ def test_adds_that_queue_are_folded_in_one_sweep(backend, dtype, rtol, atol):
     counter = SweepCounter(acc)
     xs = [_randn(d, i, dtype) for i in range(4)]
     ws = [1.0, 2.5, 0.0, 4.0]
-    out = _add_together(acc, [dict(delta=x, weight=w, client_id=f"c{i}") for i, (x, w) in enumerate(zip(xs, ws))])
+    out = add_all_queued(acc, [dict(delta=x, weight=w, client_id=f"c{i}") for i, (x, w) in enumerate(zip(xs, ws))])
     assert out == [True] * 4
     assert counter.sweeps == 1  # the four clients went through the kernel together
     assert sorted(acc.client_ids) == ["c0", "c1", "c2", "c3"] and acc.total_weight == sum(ws)
@@ -77,7 +51,7 @@ def test_a_bad_client_in_a_group_is_refused_alone():
     good = [_randn(d, i) for i in range(2)]
     nan, inf = _randn(d, 7), _randn(d, 8)
     nan[17], inf[4000] = float("nan"), float("inf")
-    out = _add_together(acc, [dict(delta=good[0], weight=1.0, client_id="a"),
+    out = add_all_queued(acc, [dict(delta=good[0], weight=1.0, client_id="a"),
                               dict(delta=nan, weight=1.0, client_id="nan"),
                               dict(delta=inf, weight=1.0, client_id="inf", on_nonfinite="skip"),
                               dict(delta=good[1], weight=3.0, client_id="b")])
@@ -93,7 +67,7 @@ def test_a_client_id_sent_twice_at_once_is_folded_once():
     acc = fastagg.Accumulator(like=torch.zeros(d))
     x = _randn(d, 0)
     acc.add(x, 1.0, client_id="early")
-    out = _add_together(acc, [dict(delta=x, weight=1.0, client_id="dup"), dict(delta=x, weight=1.0, client_id="dup"),
+    out = add_all_queued(acc, [dict(delta=x, weight=1.0, client_id="dup"), dict(delta=x, weight=1.0, client_id="dup"),
                               dict(delta=x, weight=1.0, client_id="early"), dict(delta=x, weight=1.0, client_id=7)])
     assert sum(r is True for r in out[:2]) == 1 and out[3] is True
     for r in [r for r in out[:2] if r is not True] + [out[2]]:
@@ -105,7 +79,7 @@ def test_a_client_id_sent_twice_at_once_is_folded_once():
 def test_clients_that_overflow_only_together_are_sorted_out_one_by_one():
     acc = fastagg.Accumulator(like=torch.zeros(8))
     big = torch.full((8,), 2.0e38)
-    out = _add_together(acc, [dict(delta=big, weight=1.0, client_id="x"), dict(delta=big, weight=1.0, client_id="y"),
+    out = add_all_queued(acc, [dict(delta=big, weight=1.0, client_id="x"), dict(delta=big, weight=1.0, client_id="y"),
                               dict(delta=torch.ones(8), weight=1.0, client_id="z")])
     assert out[2] is True and sum(r is True for r in out[:2]) == 1
     refused = next(r for r in out[:2] if r is not True)
@@ -125,7 +99,7 @@ def test_batchnorm_state_dicts_added_at_once_average_their_buffers():
         sds.append(sd)
     acc = fastagg.Accumulator(like=net.state_dict())
     counter = SweepCounter(acc)
-    assert _add_together(acc, [dict(delta=sd, weight=float(i + 1)) for i, sd in enumerate(sds)]) == [True] * 3
+    assert add_all_queued(acc, [dict(delta=sd, weight=float(i + 1)) for i, sd in enumerate(sds)]) == [True] * 3
     assert counter.sweeps == 1
     w = {k: v.clone() for k, v in net.state_dict().items()}
     acc.fedavg_step(params=w)
@@ -196,7 +170,7 @@ def test_full_models_from_the_same_base_are_folded_together():
     other_base = {k: v.clone() for k, v in base.items()}  # equal values, another tensor: folded on its own
     acc = fastagg.Accumulator(like=base)
     counter = SweepCounter(acc)
-    out = _add_together(acc, [dict(delta=m, weight=float(i + 1), base=base) for i, m in enumerate(models)]
+    out = add_all_queued(acc, [dict(delta=m, weight=float(i + 1), base=base) for i, m in enumerate(models)]
                         + [dict(delta=models[0], weight=2.0, base=other_base)])
     assert out == [True] * 4
     assert counter.sweeps == 2  # the three with the same base together, the fourth alone
