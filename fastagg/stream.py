@@ -138,7 +138,7 @@ class Accumulator:
         if base is not None:
             rows, base_bufs = attach_base(rows, base)
         fold = _Fold(rows, w, client_id, on_nonfinite, self._client_buffers(rows, w, base_bufs))
-        if self._lock._is_owned():  # called under the lock (from a step's caller): no one else can fold it
+        if self._lock._is_owned():  # re-entered by the thread holding the lock: fold here (a folder would wait on it)
             self._fold([fold], rows, atomic=False)
         else:
             self._join_or_fold(fold)
