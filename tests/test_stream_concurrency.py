@@ -268,3 +268,31 @@ def test_a_folder_interrupted_while_it_waits_for_the_lock_folds_nothing_and_hand
         assert all(f.client_id != "interrupted" for f in acc._pending)
     behind.join(QUEUE_LIMIT_S)
     assert later == [True] and acc.client_ids == ["behind"]
+
+
+def test_an_add_by_the_thread_holding_the_lock_does_not_wait_for_a_folder_that_waits_for_it():
+    """A thread that holds the accumulator's lock (re-entered, e.g. from a callback inside a step) adds a client
+    while another thread's add already waits for that lock as the folder: the add folds at once instead of waiting
+    for the folder, which would wait for it in turn (a deadlock)."""
+    d = 1_000
+    acc = fastagg.Accumulator(like=torch.zeros(d))
+    x, y = _randn(d, 0), _randn(d, 1)
+    results = []
+    folder = threading.Thread(target=lambda: results.append(("folder", acc.add(y, 1.0, client_id="folder"))),
+                              daemon=True)
+
+    def holder():
+        with acc._lock:
+            folder.start()
+            deadline = time.monotonic() + QUEUE_LIMIT_S
+            while not acc._folding and time.monotonic() < deadline:
+                time.sleep(0.001)
+            results.append(("holder", acc.add(x, 1.0, client_id="holder")))
+
+    h = threading.Thread(target=holder, daemon=True)
+    h.start()
+    h.join(QUEUE_LIMIT_S)
+    folder.join(QUEUE_LIMIT_S)
+    assert not h.is_alive() and not folder.is_alive(), "deadlock: the lock holder waited for the folder"
+    assert sorted(results) == [("folder", True), ("holder", True)]
+    assert acc.client_ids == ["holder", "folder"]
