@@ -296,3 +296,47 @@ def test_an_add_by_the_thread_holding_the_lock_does_not_wait_for_a_folder_that_w
     assert not h.is_alive() and not folder.is_alive(), "deadlock: the lock holder waited for the folder"
     assert sorted(results) == [("folder", True), ("holder", True)]
     assert acc.client_ids == ["holder", "folder"]
+
+
+def test_the_readme_threaded_server_round():
+    """The README's streaming example: full state_dicts (Conv + BatchNorm) from a pool of threads against the model
+    sent, one NaN reply skipped, FedAdam on the accumulator; the same model as adding the replies one by one."""
+    import concurrent.futures
+    import copy
+
+    from fastagg import server
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                              torch.nn.Linear(144, 3)).double()
+    sent = {k: v.clone() for k, v in net.state_dict().items()}
+    replies = []
+    for i in range(12):
+        m = copy.deepcopy(net)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        m.train()
+        m(torch.randn(4, 1, 8, 8, dtype=torch.float64))
+        sd = {k: v.clone() for k, v in m.state_dict().items()}
+        if i == 5:
+            sd["3.bias"][0] = float("nan")
+        replies.append((sd, 10 + i, f"node{i}"))
+
+    models = {}
+    for threaded in (True, False):
+        model = copy.deepcopy(net)
+        opt = server.FedAdam(model, lr=0.01)
+        acc = fastagg.Accumulator(like=model.state_dict())
+        if threaded:
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                futures = [pool.submit(acc.add, r, n, base=sent, client_id=node, on_nonfinite="skip")
+                           for r, n, node in replies]
+                folded = [f.result(QUEUE_LIMIT_S) for f in futures]
+        else:
+            folded = [acc.add(r, n, base=sent, client_id=node, on_nonfinite="skip") for r, n, node in replies]
+        assert folded == [i != 5 for i in range(12)]
+        opt.step(acc)
+        models[threaded] = model.state_dict()
+    for k, v in models[False].items():
+        assert_close(models[True][k], v, rtol=1e-12, atol=1e-14, name=k)
