@@ -38,8 +38,10 @@ def main() -> None:
 
     @app.main()
     def _main(grid, context):
+        # every round waits for all the clients (a round that starts before they connect trains only some, and
+        # runs of two strategies would then average different clients)
         server_app.run(grid, {"strategy": a.strategy, "model": a.model, "num-server-rounds": a.rounds,
-                              "out-file": a.out})
+                              "min-nodes": a.clients, "out-file": a.out})
 
     t0 = time.time()
     run_simulation(server_app=app, client_app=client_app, num_supernodes=a.clients,
