@@ -1,5 +1,5 @@
 """The simulator as a research tool: every default in --help, per-algorithm settings in one run, the data set's
-per-algorithm paper settings, the summary table and summary.csv, per-round wall-time columns, TOML configs, npz test
+per-algorithm paper settings, the summary table and summary.csv, TOML configs, npz test
 splits and clear messages for labels out of range or a diverging lr, and FedMaSS synchronized as its paper does."""
 from __future__ import annotations
 
@@ -84,8 +84,6 @@ def test_summary_table_and_csv_match_the_metrics(tmp_path):
         assert int(t["seeds_reaching_target"]) == len(reached)
         if reached:
             assert float(t["rounds_to_target_mean"]) == pytest.approx(np.mean(reached))
-        # wall times are reported in their columns (their values are measurements: never asserted in a test)
-        assert {"seconds", "eval_seconds"} <= set(mine[0]) and "seconds_per_round" in t
     for png in ("loss.png", "accuracy.png", "eta.png"):
         assert (out / png).stat().st_size > 1000
 
