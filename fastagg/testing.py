@@ -185,3 +185,20 @@ def add_all_queued(acc, calls: list, *, limit_s: float = 30.0) -> list:
     assert queued == len(calls), f"only {queued} of {len(calls)} adds queued"
     assert not any(t.is_alive() for t in threads), "an add never returned"
     return out
+
+
+def batchnorm_models(n: int, *, seed: int) -> tuple[dict, list]:
+    """A float64 Linear + BatchNorm1d model's state_dict (the model a server sent) and ``n`` clients' full models
+    trained away from it: weights moved by noise, running statistics and the batch counter advanced per client."""
+    g = torch.Generator().manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    base = {k: v.clone() for k, v in net.state_dict().items()}
+    models = []
+    for i in range(n):
+        sd = {k: v.clone() for k, v in base.items()}
+        sd["0.weight"] += 0.1 * torch.randn(sd["0.weight"].shape, generator=g, dtype=torch.float64)
+        sd["1.running_mean"] += i
+        sd["1.running_var"] += 0.5 * i
+        sd["1.num_batches_tracked"] += 5
+        models.append(sd)
+    return base, models

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fastagg
-from fastagg.testing import SweepCounter, add_all_queued, assert_close, cpu_backends
+from fastagg.testing import SweepCounter, add_all_queued, assert_close, batchnorm_models, cpu_backends
 
 QUEUE_LIMIT_S = 30.0  # bounds every wait for a thread to queue or end (each needs only to start and queue)
 
@@ -158,15 +158,7 @@ def test_an_interrupted_folder_loses_no_other_client():
 def test_full_models_from_the_same_base_are_folded_together():
     """Clients sending full models (FLARE's and Flower's default) against the model the server sent: one sweep
     forms each update ``model - base`` inside the kernel; their BatchNorm buffers advance by ``b - base_b``."""
-    torch.manual_seed(1)
-    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
-    base = {k: v.clone() for k, v in net.state_dict().items()}
-    models = []
-    for i in range(3):
-        sd = {k: v.clone() for k, v in base.items()}
-        sd["0.weight"] += 0.01 * (i + 1) * torch.randn_like(sd["0.weight"])
-        sd["1.running_var"] += 0.5 * i
-        models.append(sd)
+    base, models = batchnorm_models(3, seed=1)
     other_base = {k: v.clone() for k, v in base.items()}  # equal values, another tensor: folded on its own
     acc = fastagg.Accumulator(like=base)
     counter = SweepCounter(acc)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastagg
-from fastagg.testing import SweepCounter, assert_close
+from fastagg.testing import SweepCounter, assert_close, batchnorm_models
 
 
 def _clients(m=6, d=2003, dtype=torch.float64, seed=0):
@@ -208,16 +208,7 @@ def test_add_many_with_a_nan_client_raises_unchanged_or_skips_only_it():
 def test_add_many_folds_full_models_with_batchnorm_in_one_sweep():
     """Full client models (state_dicts with BatchNorm buffers) against the model sent: one sweep, the same sums as
     one add per client; a NaN model raises with nothing folded, or is the only one left out."""
-    torch.manual_seed(2)
-    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
-    base = {k: v.clone() for k, v in net.state_dict().items()}
-    models = []
-    for i in range(4):
-        sd = {k: v.clone() for k, v in base.items()}
-        sd["0.weight"] += 0.1 * torch.randn_like(sd["0.weight"])
-        sd["1.running_mean"] += i
-        sd["1.num_batches_tracked"] += 5
-        models.append(sd)
+    base, models = batchnorm_models(4, seed=2)
     ws = [1.0, 2.0, 3.0, 4.0]
     one = fastagg.Accumulator(like=base)
     for m, w in zip(models, ws):
