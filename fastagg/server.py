@@ -239,6 +239,7 @@ class ServerOptimizer:
             if deltas.numel != self._p.segments.numel:
                 raise ValueError(f"the accumulator holds {deltas.numel} elements per client; the optimizer's params "
                                  f"have {self._p.segments.numel}")
+            check_writes(self._written(), deltas._state_reads())
             if self.group is not None:  # every rank folded its own clients
                 from .distributed import accumulator_stats
 

@@ -460,6 +460,11 @@ class Accumulator:
                     and spare.device == self._sum.device and spare.data_ptr() != self._sum.data_ptr():
                 self._scratch = spare
 
+    def _state_reads(self) -> list:
+        """(name, tensor) of the accumulator's state a step reads, for the aliasing checks of what the step writes
+        (params that are a view of the sum would change the round's sums behind the accumulator's back)."""
+        return [("the accumulator's sum (weighted_sum)", self._sum)]
+
     @property
     def numel(self) -> int:
         return self._numel
@@ -493,6 +498,8 @@ class Accumulator:
                 raise ValueError(f"params has {p.segments.numel} elements; expected {self._numel} like the "
                                  "accumulator's `like`")
         with self._lock:
+            if p is not None:
+                check_writes([(f"params entry {k}", t) for k, t in enumerate(p.parts)], self._state_reads())
             mean_dtype = None if p is None else compute_dtype(p.dtype)
             if group is None:
                 stats = self.round_stats(lambda device: self._backend, mean_dtype=mean_dtype,

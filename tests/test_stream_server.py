@@ -242,3 +242,18 @@ def test_a_model_of_another_architecture_is_refused_naming_what_differs():
     with pytest.raises(ValueError, match=r"base\[0\] lacks parameter entries '0.bias' of the client models"):
         acc.add(net, 1.0, base={k: v for k, v in net.state_dict().items() if k != "0.bias"})
     assert acc.num_clients == 0
+
+
+def test_params_that_are_the_accumulators_sum_are_refused_and_nothing_changes():
+    """A step whose params are a view of the accumulator's own sum would rewrite the round's sums: refused by the
+    functional steps and by a server optimizer, before anything is written."""
+    from fastagg import server
+
+    acc = fastagg.Accumulator(like=torch.zeros(10))
+    acc.add(torch.ones(10), 2.0)
+    view = acc.weighted_sum
+    for step in (lambda: acc.fedavg_step(params=view), lambda: acc.fedexp_step(eps=1e-3, params=view),
+                 lambda: server.FedAdam(view).step(acc)):
+        with pytest.raises(ValueError, match="overlaps the accumulator's sum"):
+            step()
+        assert torch.equal(torch.as_tensor(acc.weighted_sum), torch.full((10,), 2.0)) and acc.num_clients == 1
