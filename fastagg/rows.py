@@ -222,15 +222,22 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
     first = clients[0]
     ref_shapes = [tuple(t.shape) for t in first]
     per_layer = _is_listlike(x[0])
+    # every entry has one dtype: the model's it is matched to (like), else the first client's first entry's
+    ref_dtype, dtype_ref = (like.dtype, like_name) if like is not None else (first[0].dtype, f"{name}[0]")
+
+    def entry(i: int, k: int) -> str:
+        key = k if names is None else repr(names[k])
+        return f"{name}[{i}][{key}]" if per_layer else f"{name}[{i}]"
+
     for i, parts in enumerate(clients):
         if len(parts) != len(first):
             raise ValueError(f"{name}[{i}] has {len(parts)} entries; expected {len(first)} like {name}[0]")
         for k, t in enumerate(parts):
-            where = f"{name}[{i}][{k}]" if per_layer else f"{name}[{i}]"
+            where = entry(i, k)
             if tuple(t.shape) != ref_shapes[k]:
                 raise ValueError(f"{where} has shape {tuple(t.shape)}; expected {ref_shapes[k]} like {name}[0]")
-            if t.dtype != first[0].dtype:
-                raise TypeError(f"{where} has dtype {t.dtype}; expected {first[0].dtype} like {name}[0]")
+            if t.dtype != ref_dtype:
+                raise TypeError(f"{where} has dtype {t.dtype}; expected {ref_dtype} like {dtype_ref}")
             if t.device != first[0].device:
                 raise ValueError(f"{where} is on {t.device}; expected {first[0].device} like {name}[0]")
     rows = [[_flat_view(c[k], f"{name}[{i}][{k}]" if per_layer else f"{name}[{i}]") for i, c in enumerate(clients)]

@@ -120,7 +120,7 @@ def test_accumulator_rejects_bad_client_and_stays_unchanged():
         assert acc.add(bad, weight=1, on_nonfinite="skip") is False
         with pytest.raises(ValueError, match=r"delta has 9 elements; expected 10"):
             acc.add(_w(9))
-        with pytest.raises(TypeError, match=r"delta has dtype torch.float64; expected torch.float32"):
+        with pytest.raises(TypeError, match=r"delta\[0\] has dtype torch.float64; expected torch.float32 like the acc"):
             acc.add(_w().double())
         with pytest.raises(ValueError, match=r"weight must be a finite number >= 0"):
             acc.add(_w(), weight=-1)
