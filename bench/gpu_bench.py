@@ -17,6 +17,8 @@ Sections:
   server   all server optimizers (M=16, d=5e7) against the time of their own traffic at copy bandwidth, and
            FedAdam against mean-by-torch + torch.optim.Adam(fused=True); one FedAdam step replayed in a CUDA graph
   client   batched FedSPS (M=1000, d=1e5 and M=100, d=1e6): each schedule and block size, X.add_(G), torch
+  feed     HostFeeder (host updates folded on the card) against the bare pinned host-to-device copy
+  queue    queued adds folded in one Triton sweep (add_many), k + 2 d-vectors against the copy
   sim      pfl-research's CIFAR-10 workload (1000 clients, 50 a round, the pfl CNN, 5 local steps of batch 10):
            a simulator round against a per-client loop of plain torch
 """
@@ -166,6 +168,19 @@ def _round(m: int, d: int, dtype: torch.dtype) -> None:
         ("fastagg stats only, tuned: skip + mean_out=",
          lambda: fastagg.fedexp_step(x, eps=1e-3, on_nonfinite="skip", mean_out=mean), stats_only),
     ]
+    launch = importlib.import_module("fastagg.backends.triton.launch")
+
+    def masked_stores(fn):  # the apply pass with per-element masked stores (before select stores), same run
+        def run():
+            launch.SELECT_STORES = False
+            try:
+                fn()
+            finally:
+                launch.SELECT_STORES = True
+        return run
+
+    cases += [("fastagg skip, per-element masked stores (the old apply stores)", masked_stores(cases[1][1]), full),
+              ("fastagg tuned, per-element masked stores (the old apply stores)", masked_stores(cases[2][1]), full)]
     cases += [(name, (lambda f=f: f(x, p, w, eval_out, 1e-3)), full) for name, f in torch_rounds()]
     for name, fn, nbytes in cases:
         record("round", f"{tag}: {name}", bench(fn), nbytes, M=m, d=d, dtype=str(dtype)[6:])
@@ -386,7 +401,11 @@ def section_client() -> None:
         free()
 
 
-CLIENT_VARIANTS = [("chunks", 4096, 8), ("chunks", 2048, 4), ("chunks", 4096, 4), ("row", 4096, 8)]
+# (schedule, BLOCK, CHUNK, warps, MB of gradient per group of the grouped schedule, select stores)
+CLIENT_VARIANTS = [("chunks", 4096, 16384, 8, None, False), ("chunks", 4096, 16384, 8, None, True),
+                   ("row", 4096, None, 8, None, True)]
+CLIENT_VARIANTS += [("grouped", 4096, chunk, 8, mb, True) for chunk in (16384, 4096) for mb in (4, 8, 16, 32)]
+CLIENT_VARIANTS += [("grouped", 2048, 8192, 4, 8, True)]
 
 
 def _client(m: int, d: int) -> None:
@@ -419,18 +438,23 @@ def _client(m: int, d: int) -> None:
         except AssertionError as e:
             return f"WRONG: {e}"[:300]
 
+    launch = importlib.import_module("fastagg.backends.triton.launch")
     record("client", f"{tag}: fastagg sps_step (chosen: {chosen(m, d)})", bench(sps), nbytes,
            check=checked("chosen"))
-    for schedule, block, warps in CLIENT_VARIANTS:
-        local_mod.local_config = lambda M, n, s=schedule, b=block, w=warps: dict(
-            schedule=s, BLOCK=b, CHUNK=4 * b if s == "chunks" else None, num_warps=w)
-        name = f"{tag}: fastagg sps {schedule} BLOCK={block} warps={warps}"
+    for schedule, block, chunk, warps, mb, select in CLIENT_VARIANTS:
+        rows = max(1, (mb << 20) // (d * 4)) if mb else None
+        local_mod.local_config = lambda M, n, s=schedule, b=block, c=chunk, w=warps, r=rows: dict(
+            schedule=s, BLOCK=b, CHUNK=c, GROUP_ROWS=r, num_warps=w)
+        launch.SELECT_STORES = select
+        name = f"{tag}: fastagg sps {schedule} BLOCK={block} CHUNK={chunk} warps={warps}" + \
+            (f" group={rows} rows ({mb} MB of g)" if mb else "") + ("" if select else " masked stores")
         try:
             record("client", name, bench(sps), nbytes, check=checked(name))
         except Exception as e:  # a configuration that does not compile or fit is a finding, not a crash
             record("client", f"{name} FAILED {e!r:.200}", 0.0)
         finally:
             local_mod.local_config = chosen
+            launch.SELECT_STORES = True
 
     def torch_batched():
         sq = torch.linalg.vector_norm(g, dim=1).double().square()
@@ -442,10 +466,18 @@ def _client(m: int, d: int) -> None:
 
 def section_sim() -> None:
     """One round of pfl-research's CIFAR-10 benchmark workload: the simulator's batched round (fastagg.sim's
-    data, model, client steps and server step) against a per-client loop of plain torch on the same card, with
-    cuDNN's autotuner off and on, and TF32 matmuls off (torch's default) and on (the same settings for all
-    contenders; cuDNN's convolutions use TF32 by default either way). SIM_SETTINGS="bench:tf32,..." picks them."""
-    settings = os.environ.get("SIM_SETTINGS", "0:0,1:0,1:1").split(",")
+    data, model, client steps and server step), eager and with each local step (forward, backward, fused client
+    step) replayed from a CUDA graph, against a per-client loop of plain torch on the same card, with cuDNN's
+    autotuner on and TF32 matmuls off (torch's default) and on (the same settings for all contenders; cuDNN's
+    convolutions use TF32 by default either way). SIM_SETTINGS="bench:tf32,..." picks them. First, the vmapped
+    layer that dominates the round (the second convolution as a 50-group convolution) against its alternatives."""
+    torch.backends.cudnn.benchmark = True
+    try:
+        _conv_variants()
+    finally:
+        torch.backends.cudnn.benchmark = False
+    free()
+    settings = os.environ.get("SIM_SETTINGS", "1:0,1:1").split(",")
     for setting in settings:
         tuned, tf32 = (bool(int(v)) for v in setting.split(":"))
         torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = tuned, tf32
@@ -456,8 +488,68 @@ def section_sim() -> None:
         free()
 
 
+def _conv_variants() -> None:
+    """pfl-cnn's second convolution (32 -> 64 channels, 3x3, on 30x30) for 50 clients x 10 images, forward and
+    backward (input and weight gradients): as vmap runs it (one grouped convolution, NCHW), channels-last, and as
+    im2col by views (Tensor.unfold) + one batched matrix product, fp32 and with TF32 matmuls."""
+    m, b, c, o, hw = 50, 10, 32, 64, 30
+    if DEV != "cuda":
+        m, b, hw = 2, 2, 6
+    x = torch.randn(m, b, c, hw, hw, device=DEV)
+    w = torch.randn(m, o, c, 3, 3, device=DEV) * 0.1
+    go = torch.randn(m, b, o, hw - 2, hw - 2, device=DEV)
+    flops = 3 * 2 * m * b * (hw - 2) ** 2 * o * c * 9
+
+    def grouped(channels_last):
+        xg = x.transpose(0, 1).reshape(b, m * c, hw, hw).detach().requires_grad_()
+        wg = w.reshape(m * o, c, 3, 3).detach().requires_grad_()
+        gg = go.transpose(0, 1).reshape(b, m * o, hw - 2, hw - 2)
+        if channels_last:
+            xg = xg.detach().to(memory_format=torch.channels_last).requires_grad_()
+            wg = wg.detach().to(memory_format=torch.channels_last).requires_grad_()
+            gg = gg.contiguous(memory_format=torch.channels_last)
+
+        def run():
+            out = torch.nn.functional.conv2d(xg, wg, groups=m)
+            out.backward(gg)
+            return out
+        return run
+
+    def unfolded():
+        xu = x.detach().requires_grad_()
+        wu = w.reshape(m, o, c * 9).detach().requires_grad_()
+        gu = go.permute(0, 1, 3, 4, 2).reshape(m, b * (hw - 2) ** 2, o)
+
+        def run():
+            cols = xu.unfold(3, 3, 1).unfold(4, 3, 1).permute(0, 1, 3, 4, 2, 5, 6).reshape(m, -1, c * 9)
+            out = torch.bmm(cols, wu.transpose(1, 2))
+            out.backward(gu)
+            return out.view(m, b, hw - 2, hw - 2, o).permute(0, 1, 4, 2, 3)
+        return run
+
+    def as_ref(out):  # [m, b, o, h, w]
+        if out.shape[0] == b and out.dim() == 4:  # the grouped convolution's [b, m * o, h, w]
+            return out.detach().view(b, m, o, hw - 2, hw - 2).transpose(0, 1)
+        return out.detach()
+
+    ref = as_ref(grouped(False)())
+    for name, fn, tf32 in [("grouped conv (vmap's), NCHW", grouped(False), False),
+                           ("grouped conv, channels-last", grouped(True), False),
+                           ("unfold views + bmm, fp32", unfolded(), False),
+                           ("unfold views + bmm, TF32 matmul", unfolded(), True)]:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            got = as_ref(fn())
+            err = float((got.double() - ref.double()).norm() / ref.double().norm())
+            ms = bench(fn)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = False
+        record("sim", f"conv2 fwd+bwd, {m} clients x {b} images: {name}", ms, None,
+               TFLOPs=round(flops / ms / 1e9, 1), rel_err_vs_grouped=f"{err:.1e}")
+
+
 def _sim_round() -> None:
-    from fastagg import server
+    from fastagg import client, server
     from fastagg.sim import algorithms, data as datasets, models, runner
 
     clients = max(60, size(1000))
@@ -470,27 +562,68 @@ def _sim_round() -> None:
     w = model.init(torch.float32, DEV)
     opt = server.FedAvg(w, on_nonfinite="skip")
 
+    def draw():
+        return torch.sort(torch.randperm(clients, generator=gen)[:m]).values.to(DEV)
+
     def batched_round():
-        ids = torch.sort(torch.randperm(clients, generator=gen)[:m]).values.to(DEV)
+        ids = draw()
         x = runner._local_steps(alg, cfg, model, data, ids, w, None, cfg.lr, gen)
         opt.step(x - w, weights=data.counts[ids].to(torch.float64))
 
-    for _ in range(2):
-        batched_round()
-    sync()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        batched_round()
+    def timed(fn, reps):
+        for _ in range(2):
+            fn()
         sync()
-        times.append(time.perf_counter() - t0)
-    batched = sorted(times)[len(times) // 2]
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    batched = timed(batched_round, 5)
     if DEV == "cuda" and os.environ.get("SIM_PROFILE"):  # where a batched round spends its GPU time
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             batched_round()
             sync()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=70),
               flush=True)
+
+    graphed, graph_note = None, ""
+    if DEV == "cuda":  # each local step (forward, backward, fused client step) captured once, replayed
+        try:
+            ids0 = draw()
+            xs = w.expand(m, -1).clone()
+            xb, yb, mask = (t.clone() for t in runner._batch(data, ids0, cfg.batch_size, gen))
+
+            def local_step():
+                _, grads = model.loss_grad(xs, xb, yb, mask)
+                client.local_step(params=xs, grads=grads, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  clip_norm=cfg.clip_norm)
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    local_step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                local_step()
+
+            def graphed_round():
+                ids = draw()
+                xs.copy_(w.expand(m, -1))
+                for _ in range(cfg.local_steps):
+                    for dst, src in zip((xb, yb, mask), runner._batch(data, ids, cfg.batch_size, gen)):
+                        dst.copy_(src)
+                    graph.replay()
+                opt.step(xs - w, weights=data.counts[ids].to(torch.float64))
+
+            graphed = timed(graphed_round, 5)
+        except Exception as e:  # capture refused (a host sync inside the step): a finding
+            graph_note = f"capture failed: {e!r:.300}"
 
     net = models.pfl_cnn_module().to(DEV)
     global_state = {k: v.clone() for k, v in net.state_dict().items()}
@@ -503,91 +636,183 @@ def _sim_round() -> None:
             sgd = torch.optim.SGD(net.parameters(), lr=cfg.lr)
             for _ in range(cfg.local_steps):
                 idx = torch.randint(0, data.x.shape[1], (cfg.batch_size,), generator=gen).to(DEV)
-                xb = data.x[i, idx].view(-1, 3, 32, 32)
+                xb_ = data.x[i, idx].view(-1, 3, 32, 32)
                 sgd.zero_grad(set_to_none=True)
-                torch.nn.functional.cross_entropy(net(xb), data.y[i, idx]).backward()
+                torch.nn.functional.cross_entropy(net(xb_), data.y[i, idx]).backward()
                 sgd.step()
             states.append({k: v.detach().clone() for k, v in net.state_dict().items()})
         for k in global_state:
             global_state[k].copy_(torch.stack([s[k] for s in states]).mean(0))
 
-    per_client_round()
-    sync()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        per_client_round()
-        sync()
-        times.append(time.perf_counter() - t0)
-    loop = sorted(times)[len(times) // 2]
+    loop = timed(per_client_round, 3)
     bench_mode = ("on" if torch.backends.cudnn.benchmark else "off") + \
         (", TF32 matmuls" if torch.backends.cuda.matmul.allow_tf32 else "")
     record("sim", f"pfl CIFAR-10 round ({clients} clients, 50 a round, 5 steps of batch 10, cudnn.benchmark "
            f"{bench_mode}): fastagg.sim batched", batched * 1e3, speedup_over_loop=round(loop / batched, 1))
+    if graphed is not None:
+        record("sim", f"same round, each local step replayed from a CUDA graph ({bench_mode})", graphed * 1e3,
+               speedup_over_loop=round(loop / graphed, 1))
+    elif graph_note:
+        record("sim", f"same round, CUDA graph: {graph_note}", 0.0)
     record("sim", f"same round: per-client loop of plain torch (nn.Module + SGD, stacked mean, cudnn.benchmark "
            f"{bench_mode})", loop * 1e3)
 
 
 def section_feed() -> None:
-    """Issue 14: client updates in host memory folded into a GPU Accumulator. Per client, wall clock (host work is
-    part of it): the pinned host-to-device copy alone (the PCIe bound), the copy then the fold one after the other,
-    and fastagg.HostFeeder (copy of client k+1 during the fold of client k) from pageable tensors and from its
-    own pinned buffers (a receive writing into feeder.buffer())."""
-    import fastagg
+    """Client updates in host memory folded into a GPU Accumulator (fastagg.HostFeeder), per client, wall clock
+    (host work is part of it): d = 1e8 fp32 and bf16, 16 clients, against the bare pinned host-to-device copy of the
+    same bytes (the PCIe bound). Contenders: the copy then the fold one after the other; HostFeeder from pageable
+    host tensors (what a receive hands a server) with 1 and 4 feeding threads (a feeder each) and several staging
+    chunk sizes; HostFeeder from its own pinned buffers (a receive writing into feeder.buffer()). Also: the host's
+    copy of one update into pinned memory alone, and the pinned bytes the feeders hold."""
+    for dtype in (torch.float32, torch.bfloat16):
+        _feed(size(100_000_000), 16, dtype)
+        free()
 
-    d, m = size(250_000_000), 8  # bf16: 0.5 GB per client
-    host = [(torch.randn(4096) * (1 + k)).to(torch.bfloat16).repeat(d // 4096 + 1)[:d].clone() for k in range(2)]
+
+def _feed(d: int, m: int, dtype: torch.dtype) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import fastagg
+    from fastagg import feed
+
+    es = torch.finfo(dtype).bits // 8
+    tag = f"d={d:.0e} {str(dtype)[6:]}, {m} clients"
+    block = (torch.randn(1 << 16) * 0.01).to(dtype)
+    host = [block.repeat(d // block.numel() + 1)[:d].clone() * (1 + k) for k in range(4)]  # pageable, 4 distinct
     pinned = host[0].pin_memory() if DEV == "cuda" else host[0]
-    dev = torch.empty(d, dtype=torch.bfloat16, device=DEV)
-    like = torch.zeros(d, dtype=torch.bfloat16, device=DEV)
+    dev = torch.empty(d, dtype=dtype, device=DEV)
+    like = torch.zeros(d, dtype=dtype, device=DEV)
+    acc = fastagg.Accumulator(like=like)
 
     def wall(fn, reps=3):
         fn()
         sync()
-        t0 = time.perf_counter()
+        times = []
         for _ in range(reps):
+            t0 = time.perf_counter()
             fn()
-        sync()
-        return (time.perf_counter() - t0) / reps / m * 1e3
+            sync()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2] / m * 1e3
 
     def h2d():
         for _ in range(m):
             dev.copy_(pinned, non_blocking=True)
 
+    def host_copy():
+        for i in range(m):
+            pinned.copy_(host[i % 4])
+
     def serial():
-        acc = fastagg.Accumulator(like=like)
+        acc.reset()
         for i in range(m):
             dev.copy_(pinned, non_blocking=True)
             acc.add(dev, 1.0 + i)
 
-    def fed(from_pinned):
-        acc = fastagg.Accumulator(like=like)
-        feeder = fastagg.HostFeeder(acc)
-        for k in range(2):  # the "received" data then sits in the two pinned buffers (not timed)
-            feeder.add(host[k], 1.0)
-        feeder.flush()
-        pinned_ok = from_pinned and DEV == "cuda"  # the dry run's buffers are fresh host tensors
+    feeders: list = []
+
+    def fed(threads: int, from_pinned: bool = False):
+        local = __import__("threading").local()
+
+        def feeder():
+            if not hasattr(local, "f"):
+                local.f = fastagg.HostFeeder(acc)
+                feeders.append(local.f)
+            return local.f
+
+        def part(ids):
+            f = feeder()
+            for i in ids:
+                f.add(f.buffer(dtype) if from_pinned and DEV == "cuda" else host[i % 4], 1.0 + i)
+            return len(f.flush().folded)
+
+        pool = ThreadPoolExecutor(threads) if threads > 1 else None
 
         def run():
             acc.reset()
-            for i in range(m):
-                feeder.add(feeder.buffer(torch.bfloat16) if pinned_ok else host[i % 2], 1.0 + i)
-            assert len(feeder.flush().folded) == m
-        return run
+            if pool is None:
+                assert part(range(m)) == m
+            else:
+                assert sum(pool.map(part, [range(t, m, threads) for t in range(threads)])) == m
+        return run, pool
 
-    nbytes = d * 2
+    nbytes = d * es
     base = wall(h2d)
-    record("feed", f"pinned H2D copy alone, {nbytes / 1e9:.2f} GB bf16 per client", base, nbytes)
-    record("feed", "H2D copy then Accumulator.add, serial", wall(serial), nbytes)
-    record("feed", "HostFeeder from pageable host tensors", wall(fed(False)), nbytes)
-    ms = wall(fed(True))
-    record("feed", "HostFeeder from its pinned buffers (receive into feeder.buffer())", ms, nbytes,
-           x_h2d_alone=round(ms / base, 3))
+    record("feed", f"{tag}: pinned H2D copy alone, {nbytes / 1e9:.2f} GB per client", base, nbytes)
+    hc = wall(host_copy)
+    record("feed", f"{tag}: host copy of a pageable update into pinned memory alone ({torch.get_num_threads()} "
+           "threads)", hc, None, host_GBps=round(nbytes / hc / 1e6, 1), x_h2d_alone=round(hc / base, 3))
+    record("feed", f"{tag}: H2D copy then Accumulator.add, serial", wall(serial), nbytes)
+    default_chunk = feed.STAGE_CHUNK_BYTES
+    for threads, chunk_mb, from_pinned in [(1, 16, False), (4, 16, False), (1, 4, False), (1, 64, False),
+                                           (4, 64, False), (1, 1 << 20, False), (1, 16, True)]:
+        feed.STAGE_CHUNK_BYTES = chunk_mb << 20
+        run, pool = fed(threads, from_pinned)
+        try:
+            ms = wall(run)
+        finally:
+            feed.STAGE_CHUNK_BYTES = default_chunk
+            if pool is not None:
+                pool.shutdown()
+        what = "its pinned buffers (receive into feeder.buffer())" if from_pinned else "pageable host tensors"
+        chunking = "whole update per chunk" if chunk_mb >= 1 << 20 else f"{chunk_mb} MB chunks"
+        held = [[p for p in getattr(f, "_pinned", []) if p is not None] for f in feeders]  # none on a CPU acc
+        record("feed", f"{tag}: HostFeeder, {threads} thread(s), from {what}, {chunking}", ms, nbytes,
+               x_h2d_alone=round(ms / base, 3), pinned_buffers_per_feeder=max(len(h) for h in held),
+               pinned_GB=round(sum(p.numel() * p.element_size() for h in held for p in h) / 1e9, 2))
+        feeders.clear()
 
 
-SECTIONS = {"copy": section_copy, "feed": section_feed, "round": section_round, "apply": section_apply, "compile": section_compile,
-            "sweep": section_sweep,
-            "server": section_server, "client": section_client, "sim": section_sim}
+def section_queue() -> None:
+    """Queued adds folded in one Triton sweep (Accumulator.add_many: what flat combining runs for k queued adds):
+    k client rows read, the running sum read and the new sum written, k + 2 d-vectors, against the copy. Each
+    fold is checked against one-by-one adds of the same clients (float64)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for k in (2, 4, 8, 16):
+            _queue(size(100_000_000), k, dtype)
+        free()
+
+
+def _queue(d: int, k: int, dtype: torch.dtype) -> None:
+    import fastagg
+    from fastagg.testing import assert_close, tolerance
+
+    es = torch.finfo(dtype).bits // 8
+    xs = (0.01 * torch.randn(k, d, device=DEV)).to(dtype)
+    weights = [1.0 + i for i in range(k)]
+    acc = fastagg.Accumulator(like=torch.zeros(d, dtype=dtype, device=DEV), backend="triton")
+    acc.add_many(xs, weights)
+    one = fastagg.Accumulator(like=torch.zeros(d, dtype=dtype, device=DEV), backend="triton")
+    for x, w in zip(xs, weights):
+        one.add(x, w)
+    try:
+        rtol, atol = tolerance(dtype, "mean")
+        assert_close(acc.weighted_sum, one.weighted_sum.double(), rtol=rtol, atol=atol * k, name="sum")
+        verdict = "same sums as one-by-one adds"
+    except AssertionError as e:
+        verdict = f"WRONG: {e}"[:300]
+    del one
+
+    def fold():
+        acc.reset()
+        acc.add_many(xs, weights)
+
+    nbytes = k * d * es + 2 * 4 * d
+    record("queue", f"d={d:.0e} {str(dtype)[6:]}: {k} queued adds folded in one sweep (add_many)", bench(fold),
+           nbytes, check=verdict)
+    if k == 4:
+        def adds():
+            acc.reset()
+            for x, w in zip(xs, weights):
+                acc.add(x, w)
+        record("queue", f"d={d:.0e} {str(dtype)[6:]}: the same {k} clients added one by one", bench(adds),
+               k * (d * es + 2 * 4 * d))
+
+
+SECTIONS = {"copy": section_copy, "feed": section_feed, "queue": section_queue, "round": section_round,
+            "apply": section_apply, "compile": section_compile, "sweep": section_sweep, "server": section_server,
+            "client": section_client, "sim": section_sim}
 
 
 def main() -> None:

@@ -114,14 +114,15 @@ def test_server_optimizer_on_device(name, dtype, layers):
                      name=f"{name} eval params, round {t}")
 
 
-SCHEDULES = ["row", "chunks"]
+SCHEDULES = ["row", "chunks", "grouped"]
 CLIENT_SHAPES = [(64, 1_000), (3, 70_001), (1000, 5_000)] if ON_GPU else [(16, 1_000), (3, 20_001)]
 
 
 def _forced(schedule: str, block: int):
+    """``grouped``: groups of 2 rows, so that most groups wait on the one before (M = 3: a ragged last group)."""
     def config(num_rows, numel):
-        return dict(schedule=schedule, BLOCK=block, CHUNK=4 * block if schedule == "chunks" else None,
-                    num_warps=8 if block >= 4096 else 4)
+        return dict(schedule=schedule, BLOCK=block, CHUNK=None if schedule == "row" else 4 * block,
+                    GROUP_ROWS=2, num_warps=8 if block >= 4096 else 4)
     return config
 
 
@@ -301,10 +302,13 @@ def test_64bit_offsets_on_device():
 
 
 def test_distributed_collectives_on_one_rank(monkeypatch):
-    """fastagg.distributed's collectives on the device: NCCL on one GPU (gloo without one), world size 1 with the
-    one-rank shortcut off, so every gather and all_reduce runs on the tensors' device. Client-parallel FedExP,
-    FedAdam and FedAvgM, a sharded FedAdam, an Accumulator's step and gather() agree with the single-process steps
-    (float32: the mean's bits are the same, ||mean||^2 comes from its own pass, so eta agrees to rounding)."""
+    """fastagg.distributed on the device: NCCL on one GPU (gloo without one), world size 1.
+
+    Every server optimizer with ``group=``: (1) as shipped, a one-rank group takes the single-process step, bit for
+    bit (the group is only asked its size); (2) with the one-rank shortcut off, so every gather and all_reduce runs
+    on the tensors' device, each optimizer (client-parallel, and FedAdam / FedAvgM sharded), an Accumulator's step
+    and gather() agree with the single-process steps (float32: the mean's bits are the same, ||mean||^2 comes from
+    its own pass, so eta agrees to rounding)."""
     import datetime
 
     import torch.distributed as dist
@@ -322,7 +326,6 @@ def test_distributed_collectives_on_one_rank(monkeypatch):
 
     for fn in ("all_reduce", "all_gather"):
         monkeypatch.setattr(dist, fn, counted(getattr(dist, fn)))
-    monkeypatch.setattr(distributed, "ONE_RANK_IS_LOCAL", False)
     if ON_GPU:
         torch.cuda.set_device(0)
     assert not dist.is_initialized()
@@ -332,20 +335,33 @@ def test_distributed_collectives_on_one_rank(monkeypatch):
         group = dist.group.WORLD
         m, d = 6, (1_000_003 if ON_GPU else 10_007)
         x = (0.1 * _randn(m, d, seed=50)).to(DEVICE)
+        c = (0.05 * _randn(m, d, seed=53)).to(DEVICE)
         weights = torch.arange(1.0, m + 1, dtype=torch.float64)
-        for name, hyper, sharded in (("FedExP", dict(eps=1e-3), False), ("FedAdam", dict(lr=0.1), False),
-                                     ("FedAvgM", dict(momentum=0.9), False), ("FedAdam", dict(lr=0.1), True)):
+
+        def rounds(opt, name):
+            extra = (c,) if name.startswith("Scaffold") else ()
+            return [opt.step(x * (t + 1), *extra, weights=weights) for t in range(3)]
+
+        for name, hyper in SERVER_CASES.items():  # (1) the shortcut: bit for bit
+            w_ref, w = _randn(d, seed=51).to(DEVICE), _randn(d, seed=51).to(DEVICE)
+            before = len(ran)
+            for ref, got in zip(rounds(getattr(server, name)(w_ref, **hyper), name),
+                                rounds(getattr(server, name)(w, group=group, **hyper), name)):
+                assert torch.equal(w, w_ref) and float(got.eta) == float(ref.eta), name
+            assert len(ran) == before, f"{name}: a one-rank group ran a collective"
+        monkeypatch.setattr(distributed, "ONE_RANK_IS_LOCAL", False)
+        cases = [(name, hyper, False) for name, hyper in SERVER_CASES.items()]
+        cases += [("FedAdam", SERVER_CASES["FedAdam"], True), ("FedAvgM", SERVER_CASES["FedAvgM"], True)]
+        for name, hyper, sharded in cases:  # (2) the collectives on the device
             w_ref, w = _randn(d, seed=51).to(DEVICE), _randn(d, seed=51).to(DEVICE)
             ref_opt = getattr(server, name)(w_ref, **hyper)
             opt = getattr(server, name)(w, group=group, sharded=sharded, **hyper)
-            for t in range(3):
-                ref = ref_opt.step(x * (t + 1), weights=weights)
-                before = len(ran)
-                got = opt.step(x * (t + 1), weights=weights)
-                assert len(ran) > before, f"{name}: no collective ran"
+            before = len(ran)
+            for t, (ref, got) in enumerate(zip(rounds(ref_opt, name), rounds(opt, name))):
                 assert float(got.eta) == pytest.approx(float(ref.eta), rel=1e-6), name
                 assert_close(got.sq_norms.cpu(), ref.sq_norms.cpu(), rtol=0, atol=0, name=f"{name} norms")
                 assert_close(w.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6, name=f"{name} params round {t}")
+            assert len(ran) > before, f"{name}: no collective ran"
         acc = fastagg.Accumulator(like=x[0])
         for row, n in zip(x, weights):
             acc.add(row, float(n))
@@ -361,9 +377,13 @@ def test_distributed_collectives_on_one_rank(monkeypatch):
 
 
 @gpu_only
-def test_host_feeder_overlaps_copies_and_folds_like_plain_adds():
+def test_host_feeder_overlaps_copies_and_folds_like_plain_adds(monkeypatch):
     """fastagg.HostFeeder on the GPU: 7 bf16 clients from pageable tensors and from its pinned buffers (one with a
-    NaN) give the same sums as adding the same clients to a CUDA accumulator directly; the NaN client is reported."""
+    NaN), staged in ragged chunks, give the same sums as adding the same clients to a CUDA accumulator directly;
+    the NaN client is reported; the feeder holds two pinned buffers, whatever the number of clients."""
+    from fastagg import feed
+
+    monkeypatch.setattr(feed, "STAGE_CHUNK_BYTES", (1 << 20) + 6)  # 6 MB clients: 6 chunks and a ragged tail
     d = 3_000_017
     xs = [(0.1 * _randn(d, seed=60 + i)).to(torch.bfloat16) for i in range(7)]
     xs[3][123] = float("nan")
@@ -381,6 +401,37 @@ def test_host_feeder_overlaps_copies_and_folds_like_plain_adds():
     report = feeder.flush()
     assert report.folded == [0, 1, 2, 4, 5, 6] and [r[0] for r in report.refused] == [3]
     assert torch.equal(acc._sum, ref._sum) and acc.total_weight == ref.total_weight
+    assert sum(p is not None for p in feeder._pinned) == 2
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_host_feeders_in_four_threads_fold_every_client_once(dtype, monkeypatch):
+    """Four threads, each with its own HostFeeder on one CUDA accumulator (pageable updates, chunked staging), fold
+    all 24 clients exactly once: the sums equal the float64 sum of the same clients, every id is folded once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastagg import feed
+
+    monkeypatch.setattr(feed, "STAGE_CHUNK_BYTES", 1 << 20)
+    d = 1_000_003
+    xs = [(0.1 * _randn(d, seed=90 + i)).to(dtype) for i in range(24)]
+    acc = fastagg.Accumulator(like=torch.zeros(d, dtype=dtype, device="cuda"))
+
+    def feed_some(part):
+        feeder = fastagg.HostFeeder(acc)
+        for i in part:
+            feeder.add(xs[i], float(i + 1), client_id=i)
+        return feeder.flush()
+
+    with ThreadPoolExecutor(4) as pool:
+        reports = list(pool.map(feed_some, [range(t, 24, 4) for t in range(4)]))
+    assert sorted(i for r in reports for i in r.folded) == list(range(24))
+    assert not any(r.refused for r in reports)
+    assert sorted(acc.client_ids) == list(range(24)) and acc.total_weight == sum(range(1, 25))
+    want = sum((i + 1) * x.double() for i, x in enumerate(xs))
+    rtol, atol = tolerance(dtype, "mean")
+    assert_close(acc.weighted_sum.cpu(), want, rtol=rtol, atol=atol * 100, name="weighted sum")  # any fold order
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

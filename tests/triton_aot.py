@@ -97,10 +97,10 @@ def drive_launchers():
                                                         momentum=0.9, nesterov=nesterov, extra_out=extra,
                                                         extra_coef=one, extra_coef_skip=skip,
                                                         overflow_out=torch.zeros(1, dtype=torch.int32))
-            for d, schedule in ((10, "row"), (40_000, "row"), (40_000, "chunks")):
+            for d, schedule in ((10, "row"), (40_000, "row"), (40_000, "chunks"), (40_000, "grouped")):
                 block = min(4096, triton.next_power_of_2(d))
                 local_mod.local_config = lambda m, n, s=schedule, b=block: dict(
-                    schedule=s, BLOCK=b, CHUNK=4 * b if s == "chunks" else None, num_warps=8)
+                    schedule=s, BLOCK=b, CHUNK=None if s == "row" else 4 * b, GROUP_ROWS=2, num_warps=8)
                 xs = torch.zeros(3, d, dtype=dtype)
                 rows, shared = RowTable.rows(xs), RowTable.broadcast(torch.zeros(d, dtype=dtype), 3)
                 vec = torch.zeros(3, **f64)
@@ -128,7 +128,7 @@ def capture_launches():
     for mod, name in ((stats_mod, "_round_stats_kernel"), (stats_mod, "_finalize_kernel"),
                       (momentum_mod, "_momentum_apply_kernel"), (adam_mod, "_adam_apply_kernel"),
                       (local_mod, "_local_step_kernel"), (local_mod, "_chunk_sq_kernel"),
-                      (local_mod, "_chunk_update_kernel")):
+                      (local_mod, "_chunk_update_kernel"), (local_mod, "_grouped_kernel")):
         setattr(mod, name, Capture(getattr(mod, name)))
 
 

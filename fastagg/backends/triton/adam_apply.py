@@ -17,14 +17,14 @@ import triton
 import triton.language as tl
 
 from ...rows import ParamRows
-from .launch import address_table, apply_launch, block_columns, scalar_table, table_address
+from .launch import address_table, apply_launch, block_columns, guarded_store, scalar_table, table_address
 
 RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
 
 
 @triton.jit
 def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, finite, beta1, beta2, tau, ams_eps,
-                overflow, RULE: tl.constexpr):
+                overflow, RULE: tl.constexpr, SELECT: tl.constexpr):
     """One block; ``inb`` is a constant all-true mask for a block wholly inside its segment. An element whose new
     w or state would not be finite keeps its old values and is counted."""
     acc = mean.dtype.element_ty
@@ -40,7 +40,8 @@ def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, fini
         m_old = tl.load(m_buf + off + cols, mask=mask, other=0.0)
         m = beta1 * m_old + (1.0 - beta1) * g
         old_ok = m_old - m_old == 0
-    v = tl.load(v_buf + off + cols, mask=mask, other=0.0)
+    v_old = tl.load(v_buf + off + cols, mask=mask, other=0.0)
+    v = v_old
     old_ok = old_ok & (v - v == 0)
     if RULE == 0 or RULE == 3:
         v = beta2 * v + (1.0 - beta2) * g2
@@ -52,20 +53,21 @@ def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, fini
     denom_sq = v
     if RULE == 3:
         vhat = tl.load(vhat_buf + off + cols, mask=mask, other=0.0)
+        vhat_old = vhat
         old_ok = old_ok & (vhat - vhat == 0)
         denom_sq = tl.maximum(tl.maximum(vhat, v), ams_eps)
-    w = tl.load(wptr + cols, mask=mask, other=0.0).to(acc)
+    w_raw = tl.load(wptr + cols, mask=mask, other=0.0)
+    w = w_raw.to(acc)
     old_ok = old_ok & (w - w == 0)
     w_new = w + lr * m / (tl.sqrt(denom_sq) + tau)
     r = w_new.to(elem).to(acc)
     good = (r - r == 0) & (m - m == 0) & (v - v == 0) & (denom_sq - denom_sq == 0)
-    store = mask & good
     if RULE != 2:
-        tl.store(m_buf + off + cols, m, mask=store)
-    tl.store(v_buf + off + cols, v, mask=store)
+        guarded_store(m_buf + off + cols, m, m_old, good, mask, SELECT)
+    guarded_store(v_buf + off + cols, v, v_old, good, mask, SELECT)
     if RULE == 3:
-        tl.store(vhat_buf + off + cols, denom_sq, mask=store)
-    tl.store(wptr + cols, w_new.to(elem), mask=store)
+        guarded_store(vhat_buf + off + cols, denom_sq, vhat_old, good, mask, SELECT)
+    guarded_store(wptr + cols, w_new.to(elem), w_raw, good, mask, SELECT)
     bad = tl.sum((mask & ~good & old_ok).to(tl.int32))  # a kept element already Inf/NaN: not counted
     if bad > 0:
         tl.atomic_add(overflow, bad)
@@ -75,7 +77,7 @@ def _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, fini
 def _adam_apply_kernel(param_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, m_buf, v_buf, vhat_buf,
                        lr_ptr, finite_ptr, hyper, overflow,
                        RULE: tl.constexpr, SINGLE: tl.constexpr, ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+                       BLOCK_D: tl.constexpr, SELECT: tl.constexpr):
     seg, _, cols, full, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, OFF_MULT)
     finite = tl.load(finite_ptr).to(tl.int32) != 0
     acc = mean.dtype.element_ty
@@ -84,10 +86,10 @@ def _adam_apply_kernel(param_ptrs, like, block_seg, block_start, seg_len, seg_of
     wptr = table_address(param_ptrs, seg, like, ALIGNED)
     if full:
         _adam_block(wptr, cols, tl.full([BLOCK_D], 1, tl.int1), off, mean, m_buf, v_buf, vhat_buf, lr_ptr, finite,
-                    beta1, beta2, tau, ams_eps, overflow, RULE)
+                    beta1, beta2, tau, ams_eps, overflow, RULE, SELECT)
     else:
         _adam_block(wptr, cols, inb, off, mean, m_buf, v_buf, vhat_buf, lr_ptr, finite, beta1, beta2, tau, ams_eps,
-                    overflow, RULE)
+                    overflow, RULE, SELECT)
 
 
 def adam_apply(*, params: ParamRows, mean: torch.Tensor, finite: torch.Tensor, m: torch.Tensor | None,

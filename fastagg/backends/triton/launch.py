@@ -30,6 +30,10 @@ def interpreting() -> bool:
 
 ALIGN = 16  # bytes: one 128-bit access
 HINTS = os.environ.get("FASTAGG_TRITON_HINTS", "1") != "0"  # off: plain 4-byte accesses (bench/ compares both)
+# Guarded stores (an element whose new value is not finite keeps its old one): on, the kept element's old bits are
+# written back under a mask that is uniform across the block, which Triton vectorizes (16-byte stores); off, the
+# store is masked per element, which compiles to one 2- or 4-byte store per element (bench/ compares both).
+SELECT_STORES = os.environ.get("FASTAGG_TRITON_SELECT_STORES", "1") != "0"
 
 
 def addresses_aligned(addresses) -> bool:
@@ -197,7 +201,18 @@ def apply_launch(segments: Segments, device: torch.device, flat_element_size: in
     lens, offs, bseg, bstart, nb, single = segment_tables(segments, cfg["BLOCK_D"], device)
     return nb, (bseg, bstart, lens, offs), dict(SINGLE=single, BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
                                                 OFF_MULT=off_mult(segments, flat_element_size),
-                                                ALIGNED=addresses_aligned(addresses))
+                                                ALIGNED=addresses_aligned(addresses), SELECT=SELECT_STORES)
+
+
+@triton.jit
+def guarded_store(ptrs, new, old, good, mask, SELECT: tl.constexpr):
+    """Store ``new`` where ``good`` and leave ``old`` (the bits loaded from ``ptrs``) elsewhere, within ``mask``.
+    SELECT writes ``old`` back under ``mask`` alone: with a block-uniform mask that is one vector store per thread
+    instead of one store per element (an element kept is rewritten with its own bits)."""
+    if SELECT:
+        tl.store(ptrs, tl.where(good, new, old), mask=mask)
+    else:
+        tl.store(ptrs, new, mask=mask & good)
 
 
 @triton.jit

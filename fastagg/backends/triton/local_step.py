@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from ...rowtable import per_row_tensor
-from .launch import addresses_aligned, local_config, scalar_table
+from . import launch
+from .launch import addresses_aligned, guarded_store, local_config, scalar_table
 
 RULES = {"fixed": 0, "sps": 1}
 MODES = {"none": 0, "heavy": 1, "nesterov": 2, "mass": 3}
@@ -29,8 +30,8 @@ MODES = {"none": 0, "heavy": 1, "nesterov": 2, "mass": 3}
 
 @triton.jit
 def _direction(x_row, g_row, a_row, control, ci_row, cols, mask, prox, ACC: tl.constexpr,
-               HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr):
-    v = tl.load(g_row + cols, mask=mask, other=0.0).to(ACC)
+               HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, EVICT: tl.constexpr = ""):
+    v = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(ACC)
     if HAS_ANCHOR:
         xv = tl.load(x_row + cols, mask=mask, other=0.0).to(ACC)
         v += prox * (xv - tl.load(a_row + cols, mask=mask, other=0.0).to(ACC))
@@ -58,7 +59,7 @@ def _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC: tl.constexpr,
 
 @triton.jit
 def _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr,
-            HAS_CONTROL: tl.constexpr, BLOCK: tl.constexpr):
+            HAS_CONTROL: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr = ""):
     """||dir||^2 over columns [c0, c1): squares and sums in float64, block by block in order. Full blocks first
     (unmasked), then the ragged tail: the same blocks in the same order as a masked loop."""
     offs = tl.arange(0, BLOCK).to(tl.int64)
@@ -66,11 +67,13 @@ def _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC: tl.constexp
     end_full = c0 + (c1 - c0) // BLOCK * BLOCK
     all_in = tl.full([BLOCK], 1, tl.int1)
     for b0 in range(c0, end_full, BLOCK):
-        v = _direction(x_row, g_row, a_row, control, ci_row, b0 + offs, all_in, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
+        v = _direction(x_row, g_row, a_row, control, ci_row, b0 + offs, all_in, prox, ACC, HAS_ANCHOR, HAS_CONTROL,
+                       EVICT)
         s += tl.sum(v.to(tl.float64) * v.to(tl.float64))
     if end_full < c1:
         cols = end_full + offs
-        v = _direction(x_row, g_row, a_row, control, ci_row, cols, cols < c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
+        v = _direction(x_row, g_row, a_row, control, ci_row, cols, cols < c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL,
+                       EVICT)
         s += tl.sum(v.to(tl.float64) * v.to(tl.float64))
     return tl.sum(s)
 
@@ -97,11 +100,13 @@ def _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE: tl.cons
 
 
 @triton.jit
-def _update_block(x_row, b_row, like, first_ptr, i, cols, mask, xv, dir, st, sc, weight_decay, momentum, eta2,
-                  ACC: tl.constexpr, HAS_FIRST: tl.constexpr, MODE: tl.constexpr):
-    """Sweep 2 on one block, given the block's params ``xv`` and direction ``dir``; ``mask`` is off everywhere for
-    a row that takes no step. An element whose new x or state would not be finite keeps its old values."""
+def _update_block(x_row, b_row, like, first_ptr, i, cols, mask, x_raw, dir, st, sc, weight_decay, momentum, eta2,
+                  ACC: tl.constexpr, HAS_FIRST: tl.constexpr, MODE: tl.constexpr, SELECT: tl.constexpr):
+    """Sweep 2 on one block, given the block's params ``x_raw`` (as stored) and direction ``dir``; ``mask`` is off
+    everywhere for a row that takes no step. An element whose new x or state would not be finite keeps its old
+    values."""
     elem = like.dtype.element_ty
+    xv = x_raw.to(ACC)
     dv = sc * dir + weight_decay * xv
     if MODE == 0:
         new_x = xv - st * dv
@@ -123,16 +128,17 @@ def _update_block(x_row, b_row, like, first_ptr, i, cols, mask, xv, dir, st, sc,
             prev = tl.where(tl.load(first_ptr + i) != 0, xv, b_old)
         new_x = bv + momentum * (bv - prev) + eta2 * dv
     r = new_x.to(elem).to(ACC)
-    good = mask & (r - r == 0) & (bv - bv == 0)  # an element already Inf/NaN stays as it was
+    good = (r - r == 0) & (bv - bv == 0)  # an element already Inf/NaN stays as it was
     if MODE != 0:
-        tl.store(b_row + cols, bv, mask=good)
-    tl.store(x_row + cols, new_x.to(elem), mask=good)
+        guarded_store(b_row + cols, bv, b_old, good, mask, SELECT)
+    guarded_store(x_row + cols, new_x.to(elem), x_raw, good, mask, SELECT)
 
 
 @triton.jit
 def _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, c1, step, scale, prox,
             weight_decay, momentum, eta2, ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr,
-            HAS_FIRST: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
+            HAS_FIRST: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, SELECT: tl.constexpr,
+            EVICT: tl.constexpr = ""):
     """Sweep 2 over columns [c0, c1): full blocks unmasked (but for the step), then the tail."""
     offs = tl.arange(0, BLOCK).to(tl.int64)
     st = step.to(ACC)
@@ -141,17 +147,18 @@ def _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0,
     end_full = c0 + (c1 - c0) // BLOCK * BLOCK
     for b0 in range(c0, end_full, BLOCK):
         cols = b0 + offs
-        dv = _direction(x_row, g_row, a_row, control, ci_row, cols, stepping, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
-        xv = tl.load(x_row + cols, mask=stepping, other=0.0).to(ACC)
+        dv = _direction(x_row, g_row, a_row, control, ci_row, cols, stepping, prox, ACC, HAS_ANCHOR, HAS_CONTROL,
+                        EVICT)
+        xv = tl.load(x_row + cols, mask=stepping, other=0.0)
         _update_block(x_row, b_row, like, first_ptr, i, cols, stepping, xv, dv, st, sc, weight_decay, momentum,
-                      eta2, ACC, HAS_FIRST, MODE)
+                      eta2, ACC, HAS_FIRST, MODE, SELECT)
     if end_full < c1:
         cols = end_full + offs
         mask = stepping & (cols < c1)
-        dv = _direction(x_row, g_row, a_row, control, ci_row, cols, mask, prox, ACC, HAS_ANCHOR, HAS_CONTROL)
-        xv = tl.load(x_row + cols, mask=mask, other=0.0).to(ACC)
+        dv = _direction(x_row, g_row, a_row, control, ci_row, cols, mask, prox, ACC, HAS_ANCHOR, HAS_CONTROL, EVICT)
+        xv = tl.load(x_row + cols, mask=mask, other=0.0)
         _update_block(x_row, b_row, like, first_ptr, i, cols, mask, xv, dv, st, sc, weight_decay, momentum, eta2,
-                      ACC, HAS_FIRST, MODE)
+                      ACC, HAS_FIRST, MODE, SELECT)
 
 
 @triton.jit
@@ -166,7 +173,8 @@ def _coefs(coefs, ACC: tl.constexpr):
 def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, lr, loss, l_star,
                        sps_c, cap, first_ptr, step_out, d, coefs,
                        ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, HAS_FIRST: tl.constexpr,
-                       RULE: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                       RULE: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+                       SELECT: tl.constexpr):
     """One program per row: sweep 1, the row's step, sweep 2."""
     prox, clip_norm, weight_decay, momentum, eta2, tiny = _coefs(coefs, ACC)
     i = tl.program_id(0).to(tl.int64)
@@ -175,7 +183,7 @@ def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like,
     step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE, ACC)
     tl.store(step_out + i, step)
     _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, 0, d, step, scale, prox, weight_decay,
-            momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK)
+            momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK, SELECT)
 
 
 @triton.jit
@@ -199,7 +207,7 @@ def _chunk_update_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, lik
                          sps_c, cap, first_ptr, step_out, d, coefs,
                          ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr,
                          HAS_FIRST: tl.constexpr, RULE: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr,
-                         CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr):
+                         CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr, SELECT: tl.constexpr):
     """Split rows, pass 2: every program of row i sums the row's chunk partials (the same fixed order in each),
     takes the row's step, and updates its own chunk; chunk 0 reports the step."""
     prox, clip_norm, weight_decay, momentum, eta2, tiny = _coefs(coefs, ACC)
@@ -214,7 +222,65 @@ def _chunk_update_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, lik
     x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
     c0 = c * CHUNK
     _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, tl.minimum(c0 + CHUNK, d), step,
-            scale, prox, weight_decay, momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK)
+            scale, prox, weight_decay, momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK, SELECT)
+
+
+@triton.jit
+def _grouped_phase(slot, per_phase, ngroups):
+    """(pass, group) of a work slot. Phases run in the order P1(0), then P1(k), P2(k - 1) for k = 1 .. ngroups - 1,
+    then P2(ngroups - 1): a group's second sweep comes one group after its first, while its gradient is still in
+    L2, and every slot of the first sweep it waits for precedes it."""
+    phase = slot // per_phase
+    last = 2 * ngroups - 1
+    is_p2 = (phase == last) | ((phase > 0) & (phase % 2 == 0))
+    group = tl.where(is_p2, tl.where(phase == last, ngroups - 1, phase // 2 - 1), (phase + 1) // 2)
+    return is_p2, group
+
+
+@triton.jit
+def _grouped_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, partial, done, ticket, lr, loss,
+                    l_star, sps_c, cap, first_ptr, step_out, d, M, nchunks, group_rows, coefs,
+                    ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, HAS_FIRST: tl.constexpr,
+                    RULE: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
+                    CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr, SELECT: tl.constexpr):
+    """Both sweeps of the ``chunks`` schedule in one launch, rows taken in groups whose gradients fit in L2.
+
+    A program takes the next work slot from ``ticket`` (so slots are handed out in the order programs start, whatever
+    order the hardware launches them in); a slot is (pass, row, chunk). Pass 1 writes the chunk's partial norm and
+    counts it in ``done[row]``; pass 2 waits until the row's count is complete, then sums the partials in chunk
+    order (the ``chunks`` schedule's order: the same bits) and updates its chunk. A pass-2 slot waits only on
+    slots handed out before it, to programs already running that never wait: no deadlock, however few programs
+    are resident."""
+    prox, clip_norm, weight_decay, momentum, eta2, tiny = _coefs(coefs, ACC)
+    slot = tl.atomic_add(ticket, 1).to(tl.int64)
+    per_phase = group_rows * nchunks
+    ngroups = tl.cdiv(M, group_rows)
+    is_p2, group = _grouped_phase(slot, per_phase, ngroups)
+    within = slot % per_phase
+    i = group * group_rows + within // nchunks
+    c = within % nchunks
+    if i < M:
+        x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
+        c0 = c * CHUNK
+        c1 = tl.minimum(c0 + CHUNK, d)
+        if is_p2:
+            while tl.atomic_add(done + i, 0, sem="acquire") < nchunks:
+                pass
+            k = tl.arange(0, CHUNKS_P2)
+            # .cg: past L1, which may hold a line of partials read before they were all written
+            s = tl.sum(tl.load(partial + i * nchunks + k, mask=k < nchunks, other=0.0, cache_modifier=".cg"))
+            step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE, ACC)
+            if c == 0:
+                tl.store(step_out + i, step)
+            _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, c1, step, scale, prox,
+                    weight_decay, momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK, SELECT,
+                    "evict_first")
+        else:
+            s = _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK,
+                        "evict_last")
+            tl.store(partial + i * nchunks + c, s)
+            tl.debug_barrier()  # the partial is written before it is counted
+            tl.atomic_add(done + i, 1, sem="release")
 
 
 def _rows_aligned(*tables) -> bool:
@@ -246,11 +312,22 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
     coefs = scalar_table((prox, clip_norm, weight_decay, momentum, eta2, tiny), device)
     scalars = (lr, loss, l_star, sps_c, cap, lr if first is None else first, step_out, d, coefs)
     schedule = cfg["schedule"]
+    step_flags["SELECT"] = launch.SELECT_STORES
+    chunks = triton.cdiv(d, cfg["CHUNK"]) if cfg["CHUNK"] else 1
+    if schedule == "grouped":
+        group_rows = min(M, cfg["GROUP_ROWS"])
+        ngroups = triton.cdiv(M, group_rows)
+        partial = torch.empty(M, chunks, dtype=torch.float64, device=device)
+        counters = torch.zeros(M + 1, dtype=torch.int32, device=device)  # done[M], then the ticket
+        _grouped_kernel[(2 * ngroups * group_rows * chunks,)](
+            *rows, partial, counters, counters[M:], *scalars[:-2], d, M, chunks, group_rows, coefs, **flags,
+            **step_flags, CHUNK=cfg["CHUNK"], CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK=cfg["BLOCK"],
+            num_warps=cfg["num_warps"])
+        return
     if schedule == "row" or M > 65535:  # the chunk kernels put rows on grid axis 1 (at most 65535)
         _local_step_kernel[(M,)](*rows, *scalars, **flags, **step_flags, BLOCK=cfg["BLOCK"],
                                  num_warps=cfg["num_warps"])
         return
-    chunks = triton.cdiv(d, cfg["CHUNK"])
     partial = torch.empty(M, chunks, dtype=torch.float64, device=device)
     _chunk_sq_kernel[(chunks, M)](*rows, partial, d, coefs, **flags, CHUNK=cfg["CHUNK"], BLOCK=cfg["BLOCK"],
                                   num_warps=cfg["num_warps"])

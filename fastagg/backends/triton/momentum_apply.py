@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...rows import ParamRows
-from .launch import address_table, apply_launch, block_columns, scalar_table, table_address
+from .launch import address_table, apply_launch, block_columns, guarded_store, scalar_table, table_address
 
 
 @triton.jit
@@ -28,7 +28,8 @@ def _stays_finite(v, elem):
 
 @triton.jit
 def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_skip_ptr, finite, momentum, overflow,
-                    HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr):
+                    HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr,
+                    SELECT: tl.constexpr):
     """One block; ``inb`` is a constant all-true mask for a block wholly inside its segment. An element whose new
     w, buf or extra would not be finite keeps its old values and is counted."""
     acc = mean.dtype.element_ty
@@ -36,7 +37,8 @@ def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_sk
     mask = inb & finite
     lr = tl.load(lr).to(acc)
     m = tl.load(mean + off + cols, mask=mask, other=0.0)
-    w = tl.load(wptr + cols, mask=inb, other=0.0).to(acc)
+    w_raw = tl.load(wptr + cols, mask=inb, other=0.0)
+    w = w_raw.to(acc)
     if HAS_BUF:
         b_old = tl.load(buf + off + cols, mask=inb, other=0.0)
         u = momentum * b_old + m
@@ -54,11 +56,10 @@ def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_sk
         extra = w_new + coef * u
         good = good & _stays_finite(extra, elem)
     old_ok = (w - w == 0) & (b_old - b_old == 0)  # a kept element already Inf/NaN is the caller's: not counted
-    store = mask & good
     bad = tl.sum((mask & ~good & old_ok).to(tl.int32))
-    tl.store(wptr + cols, w_new.to(elem), mask=store)
+    guarded_store(wptr + cols, w_new.to(elem), w_raw, good, mask, SELECT)
     if HAS_BUF:
-        tl.store(buf + off + cols, u, mask=store)
+        guarded_store(buf + off + cols, u, b_old, good, mask, SELECT)
     if HAS_EXTRA:
         if HAS_SKIP:
             kept = w + tl.load(coef_skip_ptr).to(acc) * b_old
@@ -77,7 +78,8 @@ def _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr, coef_ptr, coef_sk
 def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start, seg_len, seg_off, mean, buf,
                            lr_ptr, coef_ptr, coef_skip_ptr, finite_ptr, momentum_ptr, overflow,
                            HAS_BUF: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr,
-                           SINGLE: tl.constexpr, ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr, BLOCK_D: tl.constexpr):
+                           SINGLE: tl.constexpr, ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr, BLOCK_D: tl.constexpr,
+                           SELECT: tl.constexpr):
     seg, _, cols, full, inb, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, OFF_MULT)
     finite = tl.load(finite_ptr).to(tl.int32) != 0
     momentum = tl.load(momentum_ptr).to(mean.dtype.element_ty)
@@ -85,10 +87,10 @@ def _momentum_apply_kernel(param_ptrs, extra_ptrs, like, block_seg, block_start,
     eptr = table_address(extra_ptrs, seg, like, ALIGNED)
     if full:
         _momentum_block(wptr, eptr, cols, tl.full([BLOCK_D], 1, tl.int1), off, mean, buf, lr_ptr, coef_ptr,
-                        coef_skip_ptr, finite, momentum, overflow, HAS_BUF, HAS_EXTRA, HAS_SKIP, NESTEROV)
+                        coef_skip_ptr, finite, momentum, overflow, HAS_BUF, HAS_EXTRA, HAS_SKIP, NESTEROV, SELECT)
     else:
         _momentum_block(wptr, eptr, cols, inb, off, mean, buf, lr_ptr, coef_ptr, coef_skip_ptr, finite, momentum,
-                        overflow, HAS_BUF, HAS_EXTRA, HAS_SKIP, NESTEROV)
+                        overflow, HAS_BUF, HAS_EXTRA, HAS_SKIP, NESTEROV, SELECT)
 
 
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
