@@ -12,13 +12,14 @@
 # fastagg is imported from the checkout (PYTHONPATH): the GPU checks need no C++ build, and skipping it saves
 # device time (`pip install --no-build-isolation --no-deps -e .` also works there). Everything lands in $OUT:
 # device_check.txt (the whole log), pytest.txt, gpu_bench.md / .json (the tables for bench/RESULTS.md).
+# TEST_FILTER (a pytest -k expression) reruns part of the tests after a fix.
 set -uo pipefail
 OUT="${OUT:-/tmp/fastagg-device}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # the sections most likely to hang or fail last (the grouped client schedule spins on counters); one section's
 # failure is recorded and the others run (gpu_bench.py), and the tables are written after every section
-SECTIONS="${1:-copy,round,queue,feed,server,sim,client}"
+SECTIONS="${1:-copy,round,queue,feed,pageable,server,sim,client}"
 TEST_LIMIT="${TEST_LIMIT:-220}" BENCH_LIMIT="${BENCH_LIMIT:-240}"  # seconds
 {
   date -u
@@ -27,7 +28,7 @@ TEST_LIMIT="${TEST_LIMIT:-220}" BENCH_LIMIT="${BENCH_LIMIT:-240}"  # seconds
   start=$(date +%s)
   # correctness first; a kernel that hangs is killed with its worker (thread timeout) and reported
   timeout "$TEST_LIMIT" python3 -m pytest -q -p no:cacheprovider tests/test_on_device.py -n 14 --timeout 150 \
-      --timeout-method=thread -ra 2>&1 | tee "$OUT/pytest.txt"
+      --timeout-method=thread -ra ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 | tee "$OUT/pytest.txt"
   echo "== pytest: $(( $(date +%s) - start )) s"
   start=$(date +%s)
   timeout "$BENCH_LIMIT" python3 bench/gpu_bench.py --out "$OUT" --sections "$SECTIONS"

@@ -764,6 +764,51 @@ def _feed(d: int, m: int, dtype: torch.dtype) -> None:
         feeders.clear()
 
 
+def section_pageable() -> None:
+    """Ways to move a pageable host update to the card without the host's copy into pinned memory (d = 1e8 fp32,
+    per client, against the pinned copy): the driver's own staging (copy_ from pageable memory), and pinning the
+    update in place (cudaHostRegister, copy, cudaHostUnregister)."""
+    d, m = size(100_000_000), 8
+    host = [torch.full((d,), 0.5 + k) for k in range(2)]
+    pinned = host[0].pin_memory() if DEV == "cuda" else host[0]
+    dev = torch.empty(d, device=DEV)
+
+    def wall(fn, reps=3):
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / reps / m * 1e3
+
+    def pinned_copy():
+        for _ in range(m):
+            dev.copy_(pinned, non_blocking=True)
+
+    def pageable_copy():
+        for i in range(m):
+            dev.copy_(host[i % 2], non_blocking=True)
+
+    def registered_copy():
+        cudart = torch.cuda.cudart()
+        for i in range(m):
+            t = host[i % 2]
+            assert int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * 4, 0)) == 0
+            dev.copy_(t, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            assert int(cudart.cudaHostUnregister(t.data_ptr())) == 0
+
+    base = wall(pinned_copy)
+    record("pageable", "d=1e8 fp32: pinned H2D copy", base, d * 4)
+    record("pageable", "d=1e8 fp32: H2D copy from pageable memory (driver staging)", wall(pageable_copy), d * 4,
+           x_pinned=round(wall(pageable_copy) / base, 3))
+    if DEV == "cuda":
+        ms = wall(registered_copy)
+        record("pageable", "d=1e8 fp32: cudaHostRegister in place, copy, unregister", ms, d * 4,
+               x_pinned=round(ms / base, 3))
+
+
 def section_queue() -> None:
     """Queued adds folded in one Triton sweep (Accumulator.add_many: what flat combining runs for k queued adds):
     k client rows read, the running sum read and the new sum written, k + 2 d-vectors, against the copy. Each
@@ -810,7 +855,7 @@ def _queue(d: int, k: int, dtype: torch.dtype) -> None:
                k * (d * es + 2 * 4 * d))
 
 
-SECTIONS = {"copy": section_copy, "feed": section_feed, "queue": section_queue, "round": section_round,
+SECTIONS = {"copy": section_copy, "feed": section_feed, "pageable": section_pageable, "queue": section_queue, "round": section_round,
             "apply": section_apply, "compile": section_compile, "sweep": section_sweep, "server": section_server,
             "client": section_client, "sim": section_sim}
 

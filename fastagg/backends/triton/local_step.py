@@ -30,7 +30,7 @@ MODES = {"none": 0, "heavy": 1, "nesterov": 2, "mass": 3}
 
 @triton.jit
 def _direction(x_row, g_row, a_row, control, ci_row, cols, mask, prox, ACC: tl.constexpr,
-               HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, EVICT: tl.constexpr = ""):
+               HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, EVICT: tl.constexpr):
     v = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(ACC)
     if HAS_ANCHOR:
         xv = tl.load(x_row + cols, mask=mask, other=0.0).to(ACC)
@@ -59,7 +59,7 @@ def _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC: tl.constexpr,
 
 @triton.jit
 def _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr,
-            HAS_CONTROL: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr = ""):
+            HAS_CONTROL: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr):
     """||dir||^2 over columns [c0, c1): squares and sums in float64, block by block in order. Full blocks first
     (unmasked), then the ragged tail: the same blocks in the same order as a masked loop."""
     offs = tl.arange(0, BLOCK).to(tl.int64)
@@ -138,7 +138,7 @@ def _update_block(x_row, b_row, like, first_ptr, i, cols, mask, x_raw, dir, st, 
 def _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, c1, step, scale, prox,
             weight_decay, momentum, eta2, ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr,
             HAS_FIRST: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, SELECT: tl.constexpr,
-            EVICT: tl.constexpr = ""):
+            EVICT: tl.constexpr):
     """Sweep 2 over columns [c0, c1): full blocks unmasked (but for the step), then the tail."""
     offs = tl.arange(0, BLOCK).to(tl.int64)
     st = step.to(ACC)
@@ -179,11 +179,11 @@ def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like,
     prox, clip_norm, weight_decay, momentum, eta2, tiny = _coefs(coefs, ACC)
     i = tl.program_id(0).to(tl.int64)
     x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
-    s = _sq_sum(x_row, g_row, a_row, control, ci_row, 0, d, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK)
+    s = _sq_sum(x_row, g_row, a_row, control, ci_row, 0, d, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK, "")
     step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE, ACC)
     tl.store(step_out + i, step)
     _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, 0, d, step, scale, prox, weight_decay,
-            momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK, SELECT)
+            momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK, SELECT, "")
 
 
 @triton.jit
@@ -198,7 +198,7 @@ def _chunk_sq_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, p
     x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
     c0 = c * CHUNK
     c1 = tl.minimum(c0 + CHUNK, d)
-    s = _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK)
+    s = _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK, "")
     tl.store(partial + i * tl.num_programs(0) + c, s)
 
 
@@ -222,7 +222,8 @@ def _chunk_update_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, lik
     x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
     c0 = c * CHUNK
     _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, tl.minimum(c0 + CHUNK, d), step,
-            scale, prox, weight_decay, momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK, SELECT)
+            scale, prox, weight_decay, momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK, SELECT,
+            "")
 
 
 @triton.jit
