@@ -25,11 +25,13 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import json
 import os
 import time
+import warnings
 
 import torch
 
@@ -549,12 +551,12 @@ def _conv_variants() -> None:
 
 
 def _sim_round() -> None:
-    from fastagg import client, server
+    from fastagg import server
     from fastagg.sim import algorithms, data as datasets, models, runner
 
     clients = max(60, size(1000))
     data = datasets.cifar_synthetic(num_clients=clients).to(DEV, torch.float32)
-    cfg = runner.Config(dataset="cifar-synthetic", algorithms=("fedavg",), device=DEV).resolved(data)
+    cfg = runner.Config(dataset="cifar-synthetic", algorithms=("fedavg",), device=DEV, cuda_graph=False).resolved(data)
     m = 50
     alg = algorithms.resolve("fedavg", cfg)
     gen = torch.Generator().manual_seed(0)
@@ -591,39 +593,17 @@ def _sim_round() -> None:
               flush=True)
 
     graphed, graph_note = None, ""
-    if DEV == "cuda":  # each local step (forward, backward, fused client step) captured once, replayed
-        try:
-            ids0 = draw()
-            xs = w.expand(m, -1).clone()
-            xb, yb, mask = (t.clone() for t in runner._batch(data, ids0, cfg.batch_size, gen))
+    graphs = runner.step_graphs_for(alg, dataclasses.replace(cfg, cuda_graph=True), model, torch.device(DEV))
+    if graphs is not None:  # the simulator's own path: each local step replayed from a CUDA graph (sim/graphs.py)
+        def graphed_round():
+            ids = draw()
+            x = runner._local_steps(alg, cfg, model, data, ids, w, None, cfg.lr, gen, graphs=graphs)
+            opt.step(x - w, weights=data.counts[ids].to(torch.float64))
 
-            def local_step():
-                _, grads = model.loss_grad(xs, xb, yb, mask)
-                client.local_step(params=xs, grads=grads, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  clip_norm=cfg.clip_norm)
-
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    local_step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                local_step()
-
-            def graphed_round():
-                ids = draw()
-                xs.copy_(w.expand(m, -1))
-                for _ in range(cfg.local_steps):
-                    for dst, src in zip((xb, yb, mask), runner._batch(data, ids, cfg.batch_size, gen)):
-                        dst.copy_(src)
-                    graph.replay()
-                opt.step(xs - w, weights=data.counts[ids].to(torch.float64))
-
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             graphed = timed(graphed_round, 5)
-        except Exception as e:  # capture refused (a host sync inside the step): a finding
-            graph_note = f"capture failed: {e!r:.300}"
+        graph_note = "; ".join(str(c.message)[:200] for c in caught)
 
     net = models.pfl_cnn_module().to(DEV)
     global_state = {k: v.clone() for k, v in net.state_dict().items()}
@@ -650,10 +630,8 @@ def _sim_round() -> None:
     record("sim", f"pfl CIFAR-10 round ({clients} clients, 50 a round, 5 steps of batch 10, cudnn.benchmark "
            f"{bench_mode}): fastagg.sim batched", batched * 1e3, speedup_over_loop=round(loop / batched, 1))
     if graphed is not None:
-        record("sim", f"same round, each local step replayed from a CUDA graph ({bench_mode})", graphed * 1e3,
-               speedup_over_loop=round(loop / graphed, 1))
-    elif graph_note:
-        record("sim", f"same round, CUDA graph: {graph_note}", 0.0)
+        record("sim", f"same round, fastagg.sim replaying each local step from a CUDA graph ({bench_mode})"
+               + (f" [{graph_note}]" if graph_note else ""), graphed * 1e3, speedup_over_loop=round(loop / graphed, 1))
     record("sim", f"same round: per-client loop of plain torch (nn.Module + SGD, stacked mean, cudnn.benchmark "
            f"{bench_mode})", loop * 1e3)
 
@@ -662,8 +640,8 @@ def section_feed() -> None:
     """Client updates in host memory folded into a GPU Accumulator (fastagg.HostFeeder), per client, wall clock
     (host work is part of it): d = 1e8 fp32 and bf16, 16 clients, against the bare pinned host-to-device copy of the
     same bytes (the PCIe bound). Contenders: the copy then the fold one after the other; HostFeeder from pageable
-    host tensors (what a receive hands a server) with 1 and 4 feeding threads (a feeder each) and several staging
-    chunk sizes; HostFeeder from its own pinned buffers (a receive writing into feeder.buffer()). Also: the host's
+    host tensors (what a receive hands a server) with 1 and 4 feeding threads (a feeder each); HostFeeder from its
+    own pinned buffers (a receive writing into feeder.buffer()). Also: the host's
     copy of one update into pinned memory alone, and the pinned bytes the feeders hold."""
     for dtype in (torch.float32, torch.bfloat16):
         _feed(size(100_000_000), 16, dtype)
@@ -674,7 +652,6 @@ def _feed(d: int, m: int, dtype: torch.dtype) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     import fastagg
-    from fastagg import feed
 
     es = torch.finfo(dtype).bits // 8
     tag = f"d={d:.0e} {str(dtype)[6:]}, {m} clients"
@@ -744,21 +721,16 @@ def _feed(d: int, m: int, dtype: torch.dtype) -> None:
     record("feed", f"{tag}: host copy of a pageable update into pinned memory alone ({torch.get_num_threads()} "
            "threads)", hc, None, host_GBps=round(nbytes / hc / 1e6, 1), x_h2d_alone=round(hc / base, 3))
     record("feed", f"{tag}: H2D copy then Accumulator.add, serial", wall(serial), nbytes)
-    default_chunk = feed.STAGE_CHUNK_BYTES
-    for threads, chunk_mb, from_pinned in [(1, 16, False), (4, 16, False), (1, 4, False), (1, 64, False),
-                                           (4, 64, False), (1, 1 << 20, False), (1, 16, True)]:
-        feed.STAGE_CHUNK_BYTES = chunk_mb << 20
+    for threads, from_pinned in [(1, False), (4, False), (1, True)]:
         run, pool = fed(threads, from_pinned)
         try:
             ms = wall(run)
         finally:
-            feed.STAGE_CHUNK_BYTES = default_chunk
             if pool is not None:
                 pool.shutdown()
         what = "its pinned buffers (receive into feeder.buffer())" if from_pinned else "pageable host tensors"
-        chunking = "whole update per chunk" if chunk_mb >= 1 << 20 else f"{chunk_mb} MB chunks"
         held = [[p for p in getattr(f, "_pinned", []) if p is not None] for f in feeders]  # none on a CPU acc
-        record("feed", f"{tag}: HostFeeder, {threads} thread(s), from {what}, {chunking}", ms, nbytes,
+        record("feed", f"{tag}: HostFeeder, {threads} thread(s), from {what}", ms, nbytes,
                x_h2d_alone=round(ms / base, 3), pinned_buffers_per_feeder=max(len(h) for h in held),
                pinned_GB=round(sum(p.numel() * p.element_size() for h in held for p in h) / 1e9, 2))
         feeders.clear()
@@ -846,6 +818,13 @@ def _queue(d: int, k: int, dtype: torch.dtype) -> None:
     nbytes = k * d * es + 2 * 4 * d
     record("queue", f"d={d:.0e} {str(dtype)[6:]}: {k} queued adds folded in one sweep (add_many)", bench(fold),
            nbytes, check=verdict)
+    from fastagg.passes import run_stats
+    from fastagg.rows import client_rows
+
+    rows = client_rows(list(xs), name="deltas")
+    coef = torch.tensor(weights, dtype=torch.float64, device=DEV)
+    record("queue", f"d={d:.0e} {str(dtype)[6:]}: the fold's sweep alone ({k} rows onto the sum, no host read)",
+           bench(lambda: run_stats(rows, coef, acc._backend, mean_init=acc._sum, mean_out=acc._scratch)), nbytes)
     if k == 4:
         def adds():
             acc.reset()

@@ -3,11 +3,9 @@ overlapping the fold of the current one.
 
 Client updates reach a server in host memory (sockets, files). ``HostFeeder`` keeps two pinned host staging
 buffers and two device buffers; ``add(update)`` copies the update into a free pinned buffer (no copy when the
-update *is* that buffer: :meth:`HostFeeder.buffer` hands it out for a receive to write into) one chunk of
-``STAGE_CHUNK_BYTES`` at a time, starting each chunk's host-to-device copy on a copy stream as soon as the chunk is
-staged (the link carries chunk j while the host stages chunk j + 1), and only then folds the client before it on
-the compute stream. The fold of client k and the copy of client k+1 run at once, so a round is bound by the PCIe
-link (or the host's copy into pinned memory, when that is slower), not by link + fold::
+update *is* that buffer: :meth:`HostFeeder.buffer` hands it out for a receive to write into), starts its
+host-to-device copy on a copy stream, and only then folds the client before it on the compute stream. The fold of
+client k and the copy of client k+1 run at once, so a round is bound by the PCIe link, not by link + fold::
 
     feeder = fastagg.HostFeeder(acc)              # acc = fastagg.Accumulator(like=w_on_gpu), flat
     for update, n, node in arriving():            # host tensors / numpy arrays of acc.numel elements
@@ -17,7 +15,12 @@ link (or the host's copy into pinned memory, when that is slower), not by link +
 
 A client is folded one ``add`` later than it is given (its copy must be in flight first), so refusals (NaN/Inf,
 overflow, a resent id) are reported by :meth:`flush` rather than raised by ``add``; ``flush`` must be called
-before the accumulator is read. On a CPU accumulator the feeder folds at once (nothing to overlap). Flat
+before the accumulator is read. On a CPU accumulator the feeder folds at once (nothing to overlap).
+
+Receive into :meth:`buffer` where you can: on an H200 (bench/RESULTS.md) a client staged there costs 1.03x a bare
+pinned host-to-device copy of its bytes, while an update in pageable memory first takes the host's copy into
+pinned memory, which ran at 35-45 GB/s on 16 threads against the link's 55 GB/s (1.8x per client; staging in
+chunks so that link and host overlap was slower, both then contending for host memory). Flat
 accumulators only (``like`` a 1-D tensor): flatten models with :mod:`fastagg.flat`. A feeder belongs to one thread;
 threads that receive updates at once each use their own feeder on the shared accumulator (its adds are thread-safe).
 """
@@ -30,11 +33,6 @@ import numpy as np
 import torch
 
 from .stream import Accumulator
-
-# Bytes staged per host copy before its host-to-device copy starts: small enough that the link starts early and the
-# host and the link overlap, large enough that the per-chunk launch cost (~10 us) stays small against a chunk's
-# transfer (~0.3 ms at 50 GB/s).
-STAGE_CHUNK_BYTES = 16 << 20
 
 
 @dataclass
@@ -99,17 +97,13 @@ class HostFeeder:
         self._next ^= 1
         self._wait_host(k)
         pinned = self._staging(k, x.dtype)
-        staged = x.data_ptr() == pinned.data_ptr()
-        src, dev = x.reshape(-1), self._device[k]
-        step = max(1, STAGE_CHUNK_BYTES // x.element_size())
+        if x.data_ptr() != pinned.data_ptr():
+            pinned.copy_(x.reshape(-1))
+        dev = self._device[k]
         with torch.cuda.stream(self._copy_stream):
             if self._read[k] is not None:
                 self._copy_stream.wait_event(self._read[k])  # the fold that read this device buffer is done
-            for lo in range(0, src.numel(), step):
-                hi = min(lo + step, src.numel())
-                if not staged:
-                    pinned[lo:hi].copy_(src[lo:hi])
-                dev[lo:hi].copy_(pinned[lo:hi], non_blocking=True)
+            dev.copy_(pinned, non_blocking=True)
             self._copied[k].record(self._copy_stream)
         previous, self._pending = self._pending, (k, weight, client_id, name)
         if previous is not None:

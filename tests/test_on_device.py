@@ -172,6 +172,30 @@ def test_client_steps_on_device(schedule, m, d, dtype, monkeypatch):
                      atol=1e-5 if dtype == torch.float32 else atol * 9, name=f"state {k}")
 
 
+def test_grouped_schedule_gives_the_bits_of_chunks(monkeypatch):
+    """The grouped schedule (one launch, rows in L2-sized groups, pass 2 waiting on per-row counts) sums each row's
+    chunk partials in the order ``chunks`` does: the same params, steps and momentum, bit for bit, for groups of one
+    row, several rows and a ragged last group."""
+    m, d = (37, 100_003) if ON_GPU else (5, 20_001)
+    block = 4096 if ON_GPU else 8192
+    x0, g = _randn(m, d, seed=70).to(DEVICE), (0.1 * _randn(m, d, seed=71)).to(DEVICE)
+    losses = (1.0 + torch.rand(m, generator=torch.Generator().manual_seed(72), dtype=torch.float64)).to(DEVICE)
+    out = {}
+    for schedule, rows in (("chunks", None), ("grouped", 1), ("grouped", 2), ("grouped", m)):
+        monkeypatch.setattr(local_mod, "local_config", lambda M, n, s=schedule, r=rows: dict(
+            schedule=s, BLOCK=block, CHUNK=4 * block, GROUP_ROWS=r, num_warps=8 if block >= 4096 else 4))
+        x = x0.clone()
+        state = client.ClientState(m, d, device=DEVICE)
+        steps = [client.sps_step(params=x, grads=g, losses=losses, gamma_b=0.3, backend="triton"),
+                 client.local_step(params=x, grads=g, lr=0.05, momentum=0.9, state=state,
+                                   client_ids=torch.arange(m), backend="triton")]
+        out[(schedule, rows)] = (x, steps, state.vector("momentum"))
+    ref = out[("chunks", None)]
+    for key, (x, steps, buf) in out.items():
+        assert torch.equal(x, ref[0]) and torch.equal(buf, ref[2]), key
+        assert all(torch.equal(a, b) for a, b in zip(steps, ref[1])), key
+
+
 def _reference_in(dtype, run):
     """The reference backend run on ``dtype`` params on the CPU (the same per-step rounding of params)."""
     return run("cpu", dtype, "reference")
@@ -377,13 +401,10 @@ def test_distributed_collectives_on_one_rank(monkeypatch):
 
 
 @gpu_only
-def test_host_feeder_overlaps_copies_and_folds_like_plain_adds(monkeypatch):
+def test_host_feeder_overlaps_copies_and_folds_like_plain_adds():
     """fastagg.HostFeeder on the GPU: 7 bf16 clients from pageable tensors and from its pinned buffers (one with a
-    NaN), staged in ragged chunks, give the same sums as adding the same clients to a CUDA accumulator directly;
-    the NaN client is reported; the feeder holds two pinned buffers, whatever the number of clients."""
-    from fastagg import feed
-
-    monkeypatch.setattr(feed, "STAGE_CHUNK_BYTES", (1 << 20) + 6)  # 6 MB clients: 6 chunks and a ragged tail
+    NaN) give the same sums as adding the same clients to a CUDA accumulator directly; the NaN client is reported;
+    the feeder holds two pinned buffers, whatever the number of clients."""
     d = 3_000_017
     xs = [(0.1 * _randn(d, seed=60 + i)).to(torch.bfloat16) for i in range(7)]
     xs[3][123] = float("nan")
@@ -406,14 +427,11 @@ def test_host_feeder_overlaps_copies_and_folds_like_plain_adds(monkeypatch):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_host_feeders_in_four_threads_fold_every_client_once(dtype, monkeypatch):
-    """Four threads, each with its own HostFeeder on one CUDA accumulator (pageable updates, chunked staging), fold
-    all 24 clients exactly once: the sums equal the float64 sum of the same clients, every id is folded once."""
+def test_host_feeders_in_four_threads_fold_every_client_once(dtype):
+    """Four threads, each with its own HostFeeder on one CUDA accumulator (pageable updates), fold all 24 clients
+    exactly once: the sums equal the float64 sum of the same clients, every id is folded once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from fastagg import feed
-
-    monkeypatch.setattr(feed, "STAGE_CHUNK_BYTES", 1 << 20)
     d = 1_000_003
     xs = [(0.1 * _randn(d, seed=90 + i)).to(dtype) for i in range(24)]
     acc = fastagg.Accumulator(like=torch.zeros(d, dtype=dtype, device="cuda"))
@@ -452,3 +470,27 @@ def test_queued_adds_fold_in_one_sweep_on_device(dtype):
     rtol, atol = tolerance(dtype, "mean")
     assert_close(acc.weighted_sum, ref, rtol=rtol, atol=atol * 15, name="weighted sum")
     assert sorted(acc.client_ids) == [0, 1, 3, 4] and acc.total_weight == 12.0
+
+
+@gpu_only
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedsps"])
+def test_simulator_steps_replayed_from_a_cuda_graph_equal_eager_steps(algorithm, monkeypatch):
+    """fastagg.sim on the GPU: the same run with every local step replayed from a CUDA graph (the default for
+    stateless client rules) and with eager steps gives the same losses round by round, and the graph was used."""
+    from fastagg.sim import data as datasets, runner
+
+    made = []
+    real = runner.step_graphs_for
+    monkeypatch.setattr(runner, "step_graphs_for", lambda *a: made.append(real(*a)) or made[-1])
+    data = datasets.cifar_synthetic(num_clients=40, per_client=20, test_size=100)
+    losses = {}
+    for graph in (False, True):
+        cfg = runner.Config(dataset="cifar-synthetic", model="cnn", algorithms=(algorithm,), rounds=4,
+                            participation=0.25, device="cuda", cuda_graph=graph).resolved(data)
+        rows = []
+        assert runner.run_one(cfg, data, algorithm, 0, on_row=rows.append) is None
+        losses[graph] = [r["train_loss"] for r in rows]
+    assert made[0] is None and made[1] is not None
+    shapes = list(made[1]._shapes.values())
+    assert len(shapes) == 1 and shapes[0]._graph is not None and not shapes[0]._failed
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)

@@ -236,3 +236,19 @@ def test_small_cnn_takes_three_channel_images():
     assert model.input_shape == (3, 32, 32) and model.dim == 3 * 8 * 9 + 8 + 8 * 16 * 16 * 10 + 10
     with pytest.raises(ValueError, match="square images of 1 or 3 channels"):
         models.make("cnn", datasets.synthetic(num_clients=3))
+
+
+def test_cuda_graphs_are_used_only_on_cuda_for_stateless_client_rules():
+    """--no-cuda-graph turns the graphed local step off; on the CPU, or for a client rule with per-client state,
+    steps run eagerly whatever the setting (the graphed path itself is checked on a GPU: test_on_device.py)."""
+    from fastagg.sim.runner import step_graphs_for
+
+    a = cli.parser().parse_args(["--no-cuda-graph"])
+    assert cli._config(a, ["--no-cuda-graph"])[0].cuda_graph is False
+    assert cli._config(cli.parser().parse_args([]), [])[0].cuda_graph is True
+    cfg = Config(algorithms=("fedavg",))
+    for name, device in [("fedavg", "cpu"), ("nesterov-fedavg", "cuda"), ("fedmass", "cuda")]:
+        alg = algorithms.resolve(name, cfg)
+        assert step_graphs_for(alg, cfg, None, torch.device(device)) is None
+    assert step_graphs_for(algorithms.resolve("fedavg", cfg), Config(cuda_graph=False), None,
+                           torch.device("cuda")) is None

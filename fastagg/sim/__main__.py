@@ -91,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"],
                    help="fastagg kernels: auto picks C++ on CPU, Triton on CUDA")
+    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="on CUDA, run every local step "
+                   "eagerly (default: stateless client rules replay each step from a CUDA graph)")
     p.add_argument("--dtype", choices=["float32", "float64"], help="(default: float64 for fedexp-linreg, float32 "
                    "otherwise)")
     p.add_argument("--out", help="folder for config.json, metrics.csv, summary.csv, checkpoint.pt and the plots "
@@ -123,7 +125,8 @@ FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichl
                "sps_c": "sps_c", "gamma_b": "gamma_b", "fedexpm_beta": "fedexpm_beta",
                "nesterov_momentum": "nesterov_momentum", "mass_gam": "mass_gam", "mass_eta2": "mass_eta2",
                "mass_average": "mass_average", "target": "target", "eval_every": "eval_every", "seeds": "seeds",
-               "seed": "seeds", "device": "device", "backend": "backend", "dtype": "dtype"}
+               "seed": "seeds", "device": "device", "backend": "backend", "dtype": "dtype",
+               "cuda_graph": "cuda_graph"}
 
 
 def _seeds(a) -> tuple:
@@ -177,7 +180,7 @@ def _config(a, argv) -> tuple:
                  sps_c=a.sps_c, gamma_b=a.gamma_b, fedexpm_beta=a.fedexpm_beta,
                  nesterov_momentum=a.nesterov_momentum, mass_gam=a.mass_gam, mass_eta2=a.mass_eta2,
                  mass_average=a.mass_average, target=a.target, eval_every=a.eval_every, seeds=_seeds(a),
-                 device=a.device, backend=a.backend, dtype=a.dtype, out=a.out)
+                 device=a.device, backend=a.backend, cuda_graph=a.cuda_graph, dtype=a.dtype, out=a.out)
     explicit = {FLAG_FIELDS[k] for k in given if k in FLAG_FIELDS} | ({"out"} if "out" in given else set())
     merged = {**flags, **{k: v for k, v in settings.items() if k not in explicit}}
     return Config(**merged), explicit

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .. import client
-from . import algorithms, data as datasets, models, outdir
+from . import algorithms, data as datasets, graphs as step_graphs, models, outdir
 
 # seconds: training wall time (local steps and server step) of the rounds since the previous row; eval_seconds:
 # this row's evaluation (train loss of the reported and last iterate over all clients' data, test metrics)
@@ -64,6 +64,7 @@ class Config:
     seeds: tuple = (0,)
     device: str = "cpu"
     backend: str = "auto"
+    cuda_graph: bool = True  # on CUDA, stateless client rules replay each local step from a CUDA graph (graphs.py)
     dtype: str | None = None  # float64 for fedexp-linreg, float32 otherwise
     out: str | None = None
 
@@ -200,19 +201,29 @@ def _batch(data, ids, batch_size, gen, mine=None):
     return data.x[rows, idx], data.y[rows, idx], torch.ones(idx.shape, dtype=data.x.dtype, device=data.x.device)
 
 
-def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=None, mine=None):
+def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=None, mine=None, graphs=None):
     """cfg.local_steps fused steps of every participant at once, from ``anchor``; returns their models [M, d].
     ``lr``: one local lr for the round, or a list of one per local step. ``mine``: indices into ``ids`` of the
-    clients this process trains (several ranks); the random draws are still made for all of ``ids``."""
+    clients this process trains (several ranks); the random draws are still made for all of ``ids``. ``graphs``:
+    a :class:`~fastagg.sim.graphs.StepGraphs` of this run (:func:`step_graphs_for`) replays each step of a
+    stateless client rule from a CUDA graph."""
     kw = dict(backend=cfg.backend, clip_norm=cfg.clip_norm)
     everyone, ids = ids, (ids if mine is None else ids[mine])
     lrs = lr if isinstance(lr, list) else [lr] * cfg.local_steps
     if not isinstance(lr, list) and cfg.batch_size == 0 and alg.client_rule == "sgd" and cfg.weight_decay == 0 and \
             cfg.clip_norm is None and hasattr(model, "local_gd"):
         return model.local_gd(anchor, ids, cfg.local_steps, lr)
+    full = _full_batch(data, ids) if cfg.batch_size == 0 else None
+    if graphs is not None:
+        shape = None
+        for lr in lrs:
+            batch = full if full is not None else _batch(data, everyone, cfg.batch_size, gen, mine)
+            if shape is None:
+                shape = graphs.start(anchor.expand(len(ids), -1), batch)
+            shape.step(batch, lr)
+        return shape.x.clone()  # the static buffer is the next round's
     sync_w = alg.client_rule == "mass" and cfg.mass_average == "w"
     x = _mass_start(cfg, state, ids, anchor) if sync_w else anchor.expand(len(ids), -1).clone()
-    full = _full_batch(data, ids) if cfg.batch_size == 0 else None
     for lr in lrs:
         xb, yb, mask = full if full is not None else _batch(data, everyone, cfg.batch_size, gen, mine)
         losses, grads = model.loss_grad(x, xb, yb, mask)
@@ -240,6 +251,22 @@ def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=Non
             client.local_step(params=x, grads=grads, lr=lr, prox=prox, control=ctrl, weight_decay=cfg.weight_decay,
                               **kw)
     return _mass_end(state, ids, x) if sync_w else x
+
+
+def step_graphs_for(alg, cfg, model, device: torch.device):
+    """A :class:`~fastagg.sim.graphs.StepGraphs` replaying this algorithm's local step, or None where steps run
+    eagerly: off in the config, not on CUDA, or a client rule with per-client state."""
+    if not cfg.cuda_graph or device.type != "cuda" or alg.client_rule not in step_graphs.GRAPHED_RULES:
+        return None
+    kw = dict(backend=cfg.backend, clip_norm=cfg.clip_norm)
+
+    def step(x, xb, yb, mask, lr):
+        losses, grads = model.loss_grad(x, xb, yb, mask)
+        if alg.client_rule == "sps":
+            client.sps_step(params=x, grads=grads, losses=losses, c=cfg.sps_c, gamma_b=cfg.gamma_b, **kw)
+        else:
+            client.local_step(params=x, grads=grads, lr=lr, weight_decay=cfg.weight_decay, **kw)
+    return step_graphs.StepGraphs(step)
 
 
 # FedMaSS as paper 004 synchronizes it (App. G): the server averages each client's w_{t+1} = u_t - eta1 g(u_t),
@@ -327,6 +354,7 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
     torch.set_num_threads(intra_op_threads(d, model, m, cfg.batch_size, d.x.element_size()))
     needs_state = alg.client_rule in ("decsps", "nesterov", "mass", "scaffold")
     state = client.ClientState(n, model.dim, dtype=dtype, device=device) if needs_state else None
+    graphs = step_graphs_for(alg, cfg, model, device)
 
     train_s = 0.0  # training time since the last row
 
@@ -364,7 +392,7 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         control = opt.control if alg.client_rule == "scaffold" else None
         # several ranks: each trains a contiguous share of the sorted participants; the server step reduces them
         mine = None if group is None else torch.tensor_split(torch.arange(len(ids)), world)[rank].to(device)
-        x = _local_steps(alg, cfg, model, d, ids, anchor, state, lr, gen, control, mine=mine)
+        x = _local_steps(alg, cfg, model, d, ids, anchor, state, lr, gen, control, mine=mine, graphs=graphs)
         participants = ids
         if mine is not None:
             ids = ids[mine]

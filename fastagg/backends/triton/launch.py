@@ -102,24 +102,28 @@ def apply_config(numel: int) -> dict:
 
 
 def local_config(num_rows: int, numel: int) -> dict:
-    """Client local steps: the schedule (local_step.py: ``row`` or ``chunks``), BLOCK columns per block, CHUNK
-    columns per program of the ``chunks`` schedule.
+    """Client local steps: the schedule (local_step.py: ``row``, ``chunks`` or ``grouped``), BLOCK columns per
+    block, CHUNK columns per program of the split schedules, GROUP_ROWS rows per group of ``grouped``.
 
-    GPU: a row of at most two 4096-column blocks is one program; longer rows are cut into 16384-column chunks
-    (measured on an H200 at M = 1000, d = 1e5 and M = 100, d = 1e6: 0.68-0.69 of copy bandwidth by the step's
-    unavoidable bytes, against 0.41-0.65 for one program per row). The choice depends only on the shape, never on
-    the device, so a shape always sums in the same order.
+    GPU: a row of at most two 4096-column blocks is one program; longer rows are cut into 16384-column chunks and
+    run in groups of rows holding about 8 MB of gradient (at 4 bytes an element), so that a chunk's second read
+    finds it in L2. On an H200 (bench/RESULTS.md) that ran at 0.74-0.76 of copy bandwidth by the step's unavoidable
+    bytes at M = 1000, d = 1e5 and M = 100, d = 1e6, against 0.57-0.68 for ``chunks`` (both sweeps as separate
+    launches) and 0.43-0.65 for one program per row; groups of 16-32 MB and 4096-column chunks were slower. The
+    choice depends only on the shape, never on the device, and ``grouped`` sums a row in the order ``chunks`` does.
     Interpreter: big blocks (each program costs ms); rows above 16384 columns are split into 8192-column chunks so
     the CPU tests run the split kernels too.
     """
     if interpreting():
         if numel > 16384:
-            return dict(schedule="chunks", BLOCK=8192, CHUNK=8192, num_warps=4)
-        return dict(schedule="row", BLOCK=min(1 << 16, _pow2_at_least(numel)), CHUNK=None, num_warps=4)
+            return dict(schedule="chunks", BLOCK=8192, CHUNK=8192, GROUP_ROWS=None, num_warps=4)
+        return dict(schedule="row", BLOCK=min(1 << 16, _pow2_at_least(numel)), CHUNK=None, GROUP_ROWS=None,
+                    num_warps=4)
     block = min(4096, _pow2_at_least(numel))
     if numel <= 2 * block:
-        return dict(schedule="row", BLOCK=block, CHUNK=None, num_warps=8 if numel >= 4096 else 4)
-    return dict(schedule="chunks", BLOCK=block, CHUNK=4 * block, num_warps=8)
+        return dict(schedule="row", BLOCK=block, CHUNK=None, GROUP_ROWS=None, num_warps=8 if numel >= 4096 else 4)
+    return dict(schedule="grouped", BLOCK=block, CHUNK=4 * block, GROUP_ROWS=max(1, (8 << 20) // (4 * numel)),
+                num_warps=8)
 
 
 @functools.lru_cache(maxsize=64)

@@ -3,12 +3,16 @@ read in two sweeps: sweep 1 sums ||dir||^2 (in float64, block by block in order)
 (clip scale, the fixed or SPS step, the safeguards) are computed in-program; sweep 2 applies the step with stores
 masked off for a row that takes none. See ``backends/reference.py::local_step`` for the exact rule.
 
-Two schedules (``launch.local_config`` picks by shape; each sums a shape in one fixed order):
+Three schedules (``launch.local_config`` picks by shape; each sums a shape in one fixed order):
 
 - ``row``: one program per row does both sweeps (``_local_step_kernel``). Rows of one block.
 - ``chunks``: longer rows are cut into chunks of columns and each (chunk, row) is a program: pass 1 writes the
   chunks' partial norms, pass 2 has every chunk's program sum its row's partials in the same order, take the
-  row's step and update its chunk. The direction is read twice.
+  row's step and update its chunk. The direction is read twice, in two launches.
+- ``grouped`` (the GPU's choice for long rows): both passes of ``chunks`` in one launch, rows taken in groups that
+  fit in L2 and a group's second pass run right after the next group's first, so the second read of a chunk
+  mostly hits L2 (``_grouped_kernel``: work slots handed out by an atomic ticket, pass 2 waiting on a per-row
+  count; the same sums as ``chunks``, bit for bit).
 
 Blocks wholly inside the row take an unmasked path; with 16-byte-aligned rows they compile to 16-byte accesses
 (launch.py). Tried and removed (bench/RESULTS.md): persistent teams of programs that held a row's direction in
