@@ -251,8 +251,34 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
     else:
         form = Layout("flat", (None,), (ref_shapes[0],), (first[0].dtype,), numpy_in)
     segs = Segments.of_lengths([r[0].numel() for r in rows])
-    return ClientRows(rows, segs, len(clients), first[0].dtype, first[0].device, form,
-                      buffers=_client_buffers(parsed, name))
+    buffers = _client_buffers(parsed, name)
+    if params is not None and params.buffers:
+        check_client_buffers(buffers, dict(params.buffers), "params", name)
+    if like is not None and like.buffers is not None:
+        check_client_buffers(buffers, {n: v[0] for n, v in zip(like.buffers.names, like.buffers.values)}, like_name,
+                             name)
+    return ClientRows(rows, segs, len(clients), first[0].dtype, first[0].device, form, buffers=buffers)
+
+
+def check_buffer(t: torch.Tensor, ref: torch.Tensor, what: str, ref_name: str) -> None:
+    """A client's buffer ``t`` can update the model's ``ref``: the same shape (no broadcasting), and a real number
+    of a kind ``ref`` can hold (a floating value is refused where ``ref`` is an integer counter)."""
+    if tuple(t.shape) != tuple(ref.shape):
+        raise ValueError(f"{what} has shape {tuple(t.shape)}; expected {tuple(ref.shape)} like {ref_name}")
+    if t.is_complex() or (t.is_floating_point() and not ref.is_floating_point()):
+        raise TypeError(f"{what} has dtype {t.dtype}; {ref_name}'s is {ref.dtype} (a count, not a measurement)"
+                        if not t.is_complex() else f"{what} has dtype {t.dtype}; expected real numbers like "
+                        f"{ref_name}")
+
+
+def check_client_buffers(buffers: "Buffers | None", ref: dict, ref_name: str, name: str) -> None:
+    """Every client's buffers against the model's (``ref``: name -> tensor) before anything is written."""
+    if buffers is None:
+        return
+    for n, values in zip(buffers.names, buffers.values):
+        if n in ref:
+            for i, t in enumerate(values):
+                check_buffer(t, ref[n], f"{name}[{i}][{n!r}]", ref_name)
 
 
 def _client_buffers(parsed: list, name: str) -> Buffers | None:

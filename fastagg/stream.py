@@ -6,6 +6,7 @@ step is exact (the same formula as the batched call; equal to float32 rounding).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import threading
 import time
@@ -22,7 +23,7 @@ from .backends import resolve
 from .flat import Layout
 from .ops import round_reads
 from .passes import RoundStats, run_stats, sum_stats
-from .rows import Buffers, ClientRows, attach_base, client_rows, compute_dtype, param_rows
+from .rows import Buffers, ClientRows, attach_base, check_buffer, client_rows, compute_dtype, param_rows
 
 
 class Accumulator:
@@ -58,53 +59,65 @@ class Accumulator:
         self._backend_name = backend
         self._backend = resolve(backend, rows.device)
         cdt = compute_dtype(rows.dtype)
-        self._sum = torch.zeros(rows.numel, dtype=cdt, device=rows.device)
-        self._scratch = torch.empty_like(self._sum)
         self._buffer_names = rows.buffers.names if rows.buffers is not None else ()
-        self._lock = threading.RLock()
-        queue_lock = threading.Lock()  # guards the adds waiting to be folded (add)
-        self._queue = threading.Condition(queue_lock)  # a fold ended
-        self._arrived = threading.Condition(queue_lock)  # an add was queued
+        self._buffer_like = {} if rows.buffers is None else \
+            {n: v[0] for n, v in zip(rows.buffers.names, rows.buffers.values)}
+        self._lock = threading.RLock()  # held while folding or stepping
+        self._qlock = threading.Lock()  # guards the adds waiting to be folded (add)
         self._pending: list = []
-        self._folding = False  # a thread is folding the queue
         self._last_group, self._last_fold_s = 1, 0.0  # how many adds the last fold took, and its seconds
-        self.reset()
+        self._round = _Round.empty(torch.zeros(rows.numel, dtype=cdt, device=rows.device),
+                                   torch.empty(rows.numel, dtype=cdt, device=rows.device), len(self._buffer_names))
 
     def reset(self) -> None:
         """Forget every client (start a new round)."""
         with self._lock:
-            self._sum.zero_()
-            self._sq_norms: list = []
-            self._weighted_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-            self._buffer_sums = [None] * len(self._buffer_names)
-            self.total_weight = 0.0
-            self._ids: list = []  # each folded client's id (None when add() was given none)
-            self._named: set = set()  # the ids that are not None: a resend is found in O(1)
+            r = self._round
+            fresh = r.scratch if r.scratch is not None else torch.empty_like(r.sum)
+            fresh.zero_()
+            self._round = _Round.empty(fresh, r.sum, len(self._buffer_names))  # one assignment: old or new round
+
+    # the round's state, read from the round last committed (see _Round)
+    _sum = property(lambda self: self._round.sum)
+    _scratch = property(lambda self: self._round.scratch)
+    _weighted_sq = property(lambda self: self._round.weighted_sq)
+    _buffer_sums = property(lambda self: list(self._round.buffer_sums))
+    _ids = property(lambda self: list(self._round.ids))
+    _named = property(lambda self: self._round.named)
+    total_weight = property(lambda self: self._round.total_weight,
+                            doc="``sum_i n_i`` over the clients folded in (float).")
+
+    @property
+    def _folding(self) -> bool:
+        """Adds are waiting to be folded (their threads wait for the lock, then one folds them all)."""
+        return bool(self._pending)
 
     @property
     def num_clients(self) -> int:
-        return len(self._sq_norms)
+        return len(self._round.sq_norms)
 
     @property
     def weighted_sum(self) -> Any:
         """``sum_i n_i delta_i`` in the form of one update (views of the internal buffer; do not modify)."""
-        return self._form.unflatten(self._sum.numpy() if self._form.numpy else self._sum)
+        total = self._round.sum
+        return self._form.unflatten(total.numpy() if self._form.numpy else total)
 
     @property
     def weighted_sq_norm_sum(self) -> torch.Tensor:
-        return self._weighted_sq
+        return self._round.weighted_sq
 
     @property
     def sq_norms(self) -> torch.Tensor:
         """``||delta_i||^2`` of every client added so far, float64 ``(M,)``."""
-        if not self._sq_norms:
+        norms = self._round.sq_norms
+        if not norms:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
-        return torch.stack(self._sq_norms)
+        return torch.stack(norms)
 
     @property
     def client_ids(self) -> list:
         """The ids given to :meth:`add` (None for clients added without one), in the order they were folded."""
-        return list(self._ids)
+        return list(self._round.ids)
 
     def add(self, delta: Any, weight: float = 1.0, *, base: Any = None, on_nonfinite: str = "raise",
             client_id: Any = None) -> bool:
@@ -124,8 +137,12 @@ class Accumulator:
         folded together, by whichever of them gets the lock first, in one sweep over the running sum (as
         :meth:`add_many`: k clients cost k + 2 d-vectors of traffic instead of 3k); each call still returns (or
         raises) for its own client only, once it is folded or refused. After a fold of several adds, the next
-        folder waits up to a tenth of that fold's time (1 ms at most) for as many to queue. A call interrupted while
-        it waits (a signal) withdraws its client.
+        folder waits up to a tenth of that fold's time (1 ms at most) for as many to queue.
+
+        A signal (Ctrl-C, a timer whose handler raises) may interrupt a call anywhere: the accumulator stays usable
+        and consistent (the round's sums, client count and ids change together, in one assignment, or not at
+        all). A call interrupted while it waits withdraws its client; one interrupted after its client was
+        folded raises, and the client stays folded (``client_ids`` shows it); the other threads' adds go on.
         """
         check_on_nonfinite(on_nonfinite)
         w = check_number(weight, "weight")
@@ -139,7 +156,10 @@ class Accumulator:
             rows, base_bufs = attach_base(rows, base)
         fold = _Fold(rows, w, client_id, on_nonfinite, self._client_buffers(rows, w, base_bufs))
         if self._lock._is_owned():  # re-entered by the thread holding the lock: fold here (a folder would wait on it)
-            self._fold([fold], rows, atomic=False)
+            try:
+                self._fold([fold], rows, atomic=False)
+            finally:
+                self._settle([fold])
         else:
             self._join_or_fold(fold)
         if fold.error is not None:
@@ -147,53 +167,62 @@ class Accumulator:
         return fold.folded
 
     def _join_or_fold(self, fold: "_Fold") -> None:
-        """Queue ``fold``; wait while another thread folds the queue (it may take this one along), else become the
-        one that folds: take the lock, then every add queued by then, in one sweep (flat combining).
+        """Queue ``fold``, then take the lock: whoever gets it first folds every add queued by then in one sweep
+        (flat combining); an add already folded by another thread finds itself done and returns.
 
-        When the last fold took several adds, their threads are about to queue their next ones: the new folder
-        waits for as many (at most a tenth of the last fold's time, 1 ms at most; PostgreSQL's commit_delay with
+        When the last fold took several adds, their threads are about to queue their next ones: the folder waits
+        for as many (at most a tenth of the last fold's time, 1 ms at most; PostgreSQL's commit_delay with
         commit_siblings, for the same reason), so the adds keep folding together instead of one alone, then the rest.
+
+        Signal safety: no wait here can leave a lock or a condition half-taken (a lock's acquire interrupted by a
+        signal raises without holding it; ``with`` releases what it took), and whether a client is in the round is
+        read from the round itself (its token), so a fold taken by a folder that was interrupted is folded by the
+        next one, never twice.
         """
-        with self._queue:
-            self._pending.append(fold)
-            self._arrived.notify()
-            mine = False  # this thread is the folder
-            try:
-                while not fold.done and self._folding:
-                    self._queue.wait()
-                if fold.done:
-                    return
-                self._folding = mine = True
-                deadline = time.perf_counter() + min(0.1 * self._last_fold_s, 1e-3)
-                while len(self._pending) < self._last_group:
-                    left = deadline - time.perf_counter()
-                    if left <= 0 or not self._arrived.wait(left):
-                        break
-            except BaseException:  # interrupted while waiting (a signal): withdraw the client unless a folder has it
-                if fold in self._pending:
-                    self._pending.remove(fold)
-                if mine:
-                    self._folding = False
-                    self._queue.notify_all()
-                raise
-        group: list = []
         try:
-            with self._lock:
-                with self._queue:
-                    group, self._pending = self._pending, []
-                t0 = time.perf_counter()
-                self._fold_group(group)
-                self._last_group, self._last_fold_s = len(group), time.perf_counter() - t0
-        finally:
-            with self._queue:
-                # interrupted (a signal) before or while folding: the others' adds go to the next folder, this
-                # thread's own client is withdrawn unless it was folded
-                undone = [f for f in group if not f.done and f is not fold]
-                self._pending[:0] = undone
+            with self._qlock:
+                self._pending.append(fold)
+            while not self._settled(fold):
+                with self._lock:
+                    if self._settled(fold):
+                        break
+                    self._fold_queue(fold)
+        except BaseException:  # interrupted (a signal): withdraw the client unless it was folded already
+            with self._qlock:
                 if fold in self._pending:
                     self._pending.remove(fold)
-                self._folding = False
-                self._queue.notify_all()
+            raise
+
+    def _settled(self, fold: "_Fold") -> bool:
+        """``fold`` is done: refused, or folded (it is in the committed round: the round's word is final)."""
+        if not fold.done and fold.token in self._round.members:
+            fold.finish(folded=True)
+        return fold.done
+
+    def _fold_queue(self, mine: "_Fold") -> None:
+        """Fold every queued add (caller holds the lock), ``mine`` among them even when an interrupted folder took it
+        off the queue and never put it back."""
+        deadline = time.perf_counter() + min(0.1 * self._last_fold_s, 1e-3)
+        while len(self._pending) < self._last_group and time.perf_counter() < deadline:
+            time.sleep(2e-5)  # no condition variable: an interrupted wait on one can leave its lock released
+        with self._qlock:
+            group, self._pending = self._pending, []
+        if mine not in group:
+            group.append(mine)
+        t0 = time.perf_counter()
+        try:
+            self._fold_group(group)
+        finally:
+            self._settle(group)
+            undone = [f for f in group if not f.done and f is not mine]
+            if undone:  # interrupted (a signal): the others' adds go to the next folder
+                with self._qlock:
+                    self._pending[:0] = undone
+        self._last_group, self._last_fold_s = len(group), time.perf_counter() - t0
+
+    def _settle(self, group: list) -> None:
+        for f in group:
+            self._settled(f)
 
     def add_many(self, deltas: Any, weights: Any = None, *, base: Any = None, on_nonfinite: str = "raise",
                  client_ids: Any = None) -> list:
@@ -267,10 +296,16 @@ class Accumulator:
             f.finish(error=err)
 
         live, seen = [], set()
+        total = self._round.total_weight
         for f in folds:
             if f.client_id is not None and (f.client_id in self._named or f.client_id in seen):
                 refuse(f, "was already folded into this round", nonfinite=False)
                 continue
+            if not math.isfinite(total + f.weight):  # huge finite weights: the one that would overflow is refused
+                refuse(f, f"has weight {f.weight:g}, which would overflow the round's total weight {total:g}",
+                       nonfinite=True)
+                continue
+            total += f.weight
             try:
                 check_writes([("the accumulator's sum", self._spare())], round_reads(f.rows))
             except ValueError as e:
@@ -285,7 +320,7 @@ class Accumulator:
             rows = _stack([f.rows for f in live]) if live else None
         while live:
             coef = torch.tensor([f.weight for f in live], dtype=torch.float64, device=self.device)
-            _, sq, bad, msq = run_stats(rows, coef, self._backend, mean_init=self._sum, mean_out=self._scratch)
+            _, sq, bad, msq = run_stats(rows, coef, self._backend, mean_init=self._sum, mean_out=self._spare())
             sq_new = self._weighted_sq + (coef * sq).sum()
             fine = ~bad.any() & torch.isfinite(msq) & torch.isfinite(sq_new)
             for f in live:
@@ -311,110 +346,183 @@ class Accumulator:
             rows = _stack([f.rows for f in live]) if live else None
         if not live:
             return
-        self._sum, self._scratch = self._scratch, self._sum
-        self._sq_norms += list(sq.unbind())
-        self._weighted_sq = sq_new
+        r = self._round
+        buffer_sums = list(r.buffer_sums)
         for f in live:
-            self._buffer_sums = [b if s is None else s + b for s, b in zip(self._buffer_sums, f.buffers)]
-            self.total_weight += f.weight
-            self._ids.append(f.client_id)
-            if f.client_id is not None:
-                self._named.add(f.client_id)
+            buffer_sums = [b if s is None else s + b for s, b in zip(buffer_sums, f.buffers)]
+        committed = _Round(sum=self._spare(), scratch=r.sum, sq_norms=r.sq_norms + tuple(sq.unbind()),
+                           weighted_sq=sq_new, buffer_sums=tuple(buffer_sums),
+                           total_weight=r.total_weight + sum(f.weight for f in live),
+                           ids=r.ids + tuple(f.client_id for f in live),
+                           named=r.named | {f.client_id for f in live if f.client_id is not None},
+                           members=r.members | {f.token for f in live})
+        self._round = committed  # the one write that folds them: a signal lands before it or after it
+        for f in live:
             f.finish(folded=True)
 
     def merge(self, other: "Accumulator") -> None:
-        """Fold in every client of ``other`` (an accumulator of the same ``like``: size, dtype, device, buffers):
-        afterwards this one is as if it had seen both sets of clients (the sums added in another order: equal to
-        rounding). For hierarchical aggregation: edge accumulators merged at the root. ``other`` is not changed; a
-        client id present in both is refused, and nothing changes then."""
+        """Fold in every client of ``other`` (an accumulator of the same ``like``: entries matched by key, size, dtype,
+        device, buffers): afterwards this one is as if it had seen both sets of clients (the sums added in another
+        order: equal to rounding). For hierarchical aggregation: edge accumulators merged at the root. ``other`` is
+        not changed; a client id present in both is refused, and nothing changes then."""
         if not isinstance(other, Accumulator):
             raise TypeError(f"merge takes an Accumulator, got {type(other).__name__}")
         if other is self:
             raise ValueError("an accumulator cannot merge itself (its clients would count twice)")
         expect_like("the other accumulator", "this accumulator", numel=(other._numel, self._numel),
                     dtype=(other._dtype, self._dtype), device=(other.device, self.device))
-        if other._buffer_names != self._buffer_names:
-            raise ValueError(f"the other accumulator's buffers are {list(other._buffer_names)}; this one's "
-                             f"{list(self._buffer_names)}")
+        slices = self._entry_slices(other._form.signature(), "the other accumulator")
+        take_buffer = self._buffer_order(list(other._buffer_names), "the other accumulator")
         first, second = sorted((self, other), key=id)  # one lock order for any two accumulators
         with first._lock, second._lock:
-            twice = other._named & self._named
+            r, o = self._round, other._round
+            twice = o.named & r.named
             if twice:
                 raise ValueError(f"clients {sorted(map(repr, twice))[:5]} are in both accumulators; nothing was merged")
-            new_sum = self._sum + other._sum
-            new_sq = self._weighted_sq + other._weighted_sq
-            if not bool(torch.isfinite(new_sum).all() & torch.isfinite(new_sq)):
+            new_sum = r.sum + _reordered(o.sum, slices)
+            new_sq = r.weighted_sq + o.weighted_sq
+            total = r.total_weight + o.total_weight
+            if not (bool(torch.isfinite(new_sum).all() & torch.isfinite(new_sq)) and math.isfinite(total)):
                 raise ValueError("the merged sums overflow; nothing was merged")
-            self._sum.copy_(new_sum)
-            self._weighted_sq = new_sq
-            self._sq_norms += list(other._sq_norms)
-            self._buffer_sums = [o if s is None else s if o is None else s + o
-                                 for s, o in zip(self._buffer_sums, other._buffer_sums)]
-            self.total_weight += other.total_weight
-            self._ids += list(other._ids)
-            self._named |= other._named
+            theirs = [o.buffer_sums[k] for k in take_buffer]
+            merged = tuple(b if a is None else a if b is None else a + b for a, b in zip(r.buffer_sums, theirs))
+            self._round = dataclasses.replace(
+                r, sum=new_sum, weighted_sq=new_sq, sq_norms=r.sq_norms + o.sq_norms, buffer_sums=merged,
+                total_weight=total, ids=r.ids + o.ids, named=r.named | o.named, members=r.members | o.members)
+
+    def _entry_slices(self, signature: tuple, what: str) -> list | None:
+        """How to read a flat vector laid out as ``signature`` (name, shape, dtype per entry) in this accumulator's
+        entry order: None when it already is, else one (offset, numel) per entry of this layout. State_dicts are
+        matched by key (the same keys in another order are reordered); anything else must match entry by entry."""
+        mine = self._form.signature()
+        theirs = tuple((n, tuple(shape), str(dt)) for n, shape, dt in signature)
+        if theirs == mine:
+            return None
+        if self._form.kind == "dict" and all(n is not None for n, _, _ in theirs):
+            by_name = {}
+            off = 0
+            for n, shape, dt in theirs:
+                numel = math.prod(shape)
+                by_name[n] = (off, numel, shape, dt)
+                off += numel
+            missing = [n for n, _, _ in mine if n not in by_name]
+            extra = [n for n in by_name if n not in {m for m, _, _ in mine}]
+            if not missing and not extra:
+                out = []
+                for n, shape, dt in mine:
+                    o, numel, their_shape, their_dt = by_name[n]
+                    if (their_shape, their_dt) != (shape, dt):
+                        raise ValueError(f"{what}'s entry {n!r} has shape {their_shape} dtype {their_dt}; this "
+                                         f"accumulator's has shape {shape} dtype {dt}")
+                    out.append((o, numel))
+                return out
+            raise ValueError(f"{what} has entries {sorted(extra)[:4]} this accumulator does not, and lacks "
+                             f"{sorted(missing)[:4]}" if extra and missing else
+                             f"{what} has entries this accumulator does not: {sorted(extra)[:4]}" if extra else
+                             f"{what} lacks this accumulator's entries {sorted(missing)[:4]}")
+        for k, (a, b) in enumerate(zip(theirs, mine)):
+            if a != b:
+                raise ValueError(f"{what}'s entry {a[0] if a[0] is not None else k} has shape {a[1]} dtype {a[2]}; "
+                                 f"this accumulator's has shape {b[1]} dtype {b[2]}")
+        raise ValueError(f"{what} has {len(theirs)} entries; this accumulator has {len(mine)}")
+
+    def _buffer_order(self, names: list, what: str) -> list:
+        """For each of this accumulator's buffers, its index among ``names`` (buffers matched by name)."""
+        if sorted(map(str, names)) != sorted(map(str, self._buffer_names)) or len(set(names)) != len(names):
+            raise ValueError(f"{what}'s buffers are {list(names)}; this accumulator's {list(self._buffer_names)}")
+        return [list(names).index(n) for n in self._buffer_names]
 
     def state_dict(self) -> dict:
         """A half-finished round: the sums, every folded client's squared norm and id, the total weight, the
-        buffers' sums, and what they must match (size, dtype). With :meth:`load_state_dict` a restarted server
-        resumes the round without asking the folded clients again (their ids are refused if they resend)."""
+        buffers' sums, and what they must match (the entries by key, shape and dtype). With :meth:`load_state_dict`
+        a restarted server resumes the round without asking the folded clients again (their ids are refused if they
+        resend)."""
         with self._lock:
-            state = {"format": 2, "numel": self._numel, "dtype": str(self._dtype), "buffers": list(self._buffer_names),
-                     "sum": self._sum.detach().cpu().clone(), "sq_norms": self.sq_norms.cpu().clone(),
-                     "weighted_sq": float(self._weighted_sq), "total_weight": float(self.total_weight),
-                     "client_ids": list(self._ids),
-                     "buffer_sums": [None if b is None else b.cpu().clone() for b in self._buffer_sums]}
+            r = self._round
+            state = {"format": 3, "numel": self._numel, "dtype": str(self._dtype), "buffers": list(self._buffer_names),
+                     "layout": [list(e) for e in self._form.signature()],
+                     "sum": r.sum.detach().cpu().clone(), "sq_norms": self.sq_norms.cpu().clone(),
+                     "weighted_sq": float(r.weighted_sq), "total_weight": float(r.total_weight),
+                     "client_ids": list(r.ids),
+                     "buffer_sums": [None if b is None else b.cpu().clone() for b in r.buffer_sums]}
         state["crc32"] = _state_crc(state)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s round. Everything is checked (format, size, dtype, buffers, finite sums,
-        norms >= 0, as many norms as ids, a total weight >= 0, and the CRC-32 of it all, so a flipped byte in a
-        saved file is caught) before anything changes. Format 1 (saved before the checksum existed) loads without
-        it."""
-        if not isinstance(state, dict) or state.get("format") not in (1, 2):
-            raise ValueError("not an Accumulator state_dict (format 1 or 2)")
+        """Restore :meth:`state_dict`'s round. Everything is checked (format, entries by key, size, dtype, buffers by
+        name, finite sums, norms >= 0, as many norms as ids, a finite total weight >= 0, and the CRC-32 of it all, so
+        a flipped byte in a saved file is caught) before anything changes. Formats 1 and 2 (saved before the
+        checksum, and before the entries' keys were kept) load with the checks they allow."""
+        if not isinstance(state, dict) or state.get("format") not in (1, 2, 3):
+            raise ValueError("not an Accumulator state_dict (format 1, 2 or 3)")
+        fmt = state["format"]
         for key in ("numel", "dtype", "buffers", "sum", "sq_norms", "weighted_sq", "total_weight", "client_ids",
-                    "buffer_sums") + (("crc32",) if state["format"] == 2 else ()):
+                    "buffer_sums") + (("crc32",) if fmt >= 2 else ()) + (("layout",) if fmt >= 3 else ()):
             if key not in state:
                 raise ValueError(f"the state_dict has no {key!r}")
         if state["numel"] != self._numel or state["dtype"] != str(self._dtype):
             raise ValueError(f"the state_dict is of {state['numel']} {state['dtype']} elements; this accumulator "
                              f"holds {self._numel} {self._dtype}")
-        if list(state["buffers"]) != list(self._buffer_names):
-            raise ValueError(f"the state_dict's buffers are {state['buffers']}; this accumulator's "
-                             f"{list(self._buffer_names)}")
-        total, sq, ids = state["sum"], state["sq_norms"], list(state["client_ids"])
-        if not isinstance(total, torch.Tensor) or total.shape != self._sum.shape or total.dtype != self._sum.dtype:
-            raise ValueError(f"the state_dict's sum must be a {self._sum.dtype} tensor of {self._numel} elements")
-        if not isinstance(sq, torch.Tensor) or sq.dim() != 1 or len(sq) != len(ids):
+        total = _state_tensor(state["sum"], "sum", dtype=self._sum.dtype, shape=tuple(self._sum.shape))
+        sq = _state_tensor(state["sq_norms"], "sq_norms")
+        for key in ("buffers", "client_ids", "buffer_sums") + (("layout",) if fmt >= 3 else ()):
+            if not isinstance(state[key], (list, tuple)):
+                raise ValueError(f"the state_dict's {key} must be a list, got {type(state[key]).__name__}")
+        ids = list(state["client_ids"])
+        if sq.dim() != 1 or len(sq) != len(ids):
             raise ValueError("the state_dict's sq_norms must be one per client id")
-        ok = bool(torch.isfinite(total).all()) and bool(torch.isfinite(sq).all() & (sq >= 0).all())
-        ws, tw = float(state["weighted_sq"]), float(state["total_weight"])
-        if not (ok and math.isfinite(ws) and ws >= 0 and math.isfinite(tw) and tw >= 0):
+        try:
+            ws = check_number(state["weighted_sq"], "weighted_sq", minimum=0.0)
+            tw = check_number(state["total_weight"], "total_weight", minimum=0.0)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the state_dict holds a non-finite or negative sum, norm or weight ({e})") from None
+        if not (bool(torch.isfinite(total).all()) and bool(torch.isfinite(sq).all() & (sq >= 0).all())):
             raise ValueError("the state_dict holds a non-finite or negative sum, norm or weight")
         for i in ids:
             _check_id(i)
         named = [i for i in ids if i is not None]
         if len(set(named)) != len(named):
             raise ValueError("the state_dict's client ids repeat")
-        bufs = state["buffer_sums"]
-        if len(bufs) != len(self._buffer_names):
+        bufs = list(state["buffer_sums"])
+        if len(bufs) != len(state["buffers"]):
             raise ValueError("the state_dict's buffer sums do not match its buffers")
-        if state["format"] == 2 and _state_crc(state) != state["crc32"]:
+        if fmt >= 2 and _state_crc(state) != state["crc32"]:
             raise ValueError("the state_dict's checksum does not match its contents (a corrupted file?)")
+        if fmt >= 3:  # entries and buffers matched by key
+            try:
+                layout = tuple((n, tuple(int(v) for v in shape), str(dt)) for n, shape, dt in state["layout"])
+            except (TypeError, ValueError):
+                raise ValueError("the state_dict's layout must list (name, shape, dtype) per entry") from None
+            slices = self._entry_slices(layout, "the state_dict")
+            order = self._buffer_order(list(state["buffers"]), "the state_dict")
+        else:
+            slices, order = None, list(range(len(bufs)))
+            if list(state["buffers"]) != list(self._buffer_names):
+                raise ValueError(f"the state_dict's buffers are {state['buffers']}; this accumulator's "
+                                 f"{list(self._buffer_names)}")
+        buffer_sums = []
+        for name, k in zip(self._buffer_names, order):
+            b = bufs[k]
+            if b is not None:
+                b = _state_tensor(b, f"buffer sum {name!r}", shape=tuple(self._buffer_like[name].shape))
+                if not bool(torch.isfinite(b).all()):
+                    raise ValueError(f"the state_dict's buffer sum {name!r} is not finite")
+                b = b.to(device=self.device, dtype=torch.float64)
+            buffer_sums.append(b)
         with self._lock:
-            self._sum.copy_(total.to(self.device))
-            self._sq_norms = [v.to(torch.float64).to(self.device) for v in sq.unbind()] if len(sq) else []
-            self._weighted_sq = torch.tensor(ws, dtype=torch.float64, device=self.device)
-            self.total_weight = tw
-            self._ids = ids
-            self._named = set(named)
-            self._buffer_sums = [None if b is None else b.to(device=self.device, dtype=torch.float64) for b in bufs]
+            r = self._round
+            target = r.scratch if r.scratch is not None else torch.empty_like(r.sum)
+            target.copy_(_reordered(total, slices).to(self.device))
+            norms = tuple(v.to(torch.float64).to(self.device) for v in sq.unbind())
+            self._round = _Round(sum=target, scratch=r.sum, sq_norms=norms,
+                                 weighted_sq=torch.tensor(ws, dtype=torch.float64, device=self.device),
+                                 buffer_sums=tuple(buffer_sums), total_weight=tw, ids=tuple(ids),
+                                 named=frozenset(named), members=frozenset())
 
     def _client_buffers(self, rows, w: float, base: dict | None = None, client: int = 0) -> list:
         """``w * b`` (with a base: ``w * (b - base_b)``) in float64 for each buffer of client ``client`` of
-        ``rows``, in ``like``'s buffer order."""
+        ``rows``, in ``like``'s buffer order. Each buffer must have ``like``'s shape, and a floating value is refused
+        where ``like``'s buffer is an integer (a counter): checked here, before anything is folded."""
         if not self._buffer_names:
             return []
         if rows.buffers is None:
@@ -422,6 +530,9 @@ class Accumulator:
         given = dict(zip(rows.buffers.names, (v[client] for v in rows.buffers.values)))
         out = []
         for n in self._buffer_names:
+            ref = self._buffer_like[n]
+            for what, t in [("buffer", given[n])] + ([] if base is None or n not in base else [("base", base[n])]):
+                check_buffer(t, ref, f"{what} {n!r}", "the accumulator's `like`")
             v = given[n].to(device=self.device, dtype=torch.float64)
             if base is not None:
                 if n not in base:
@@ -439,26 +550,29 @@ class Accumulator:
     def _spare(self) -> torch.Tensor:
         """The buffer an add writes the new sum into (then swapped with the sum: a refused client leaves the sum
         as it was); allocated again here after a step took it as its mean."""
-        if self._scratch is None:
-            self._scratch = torch.empty_like(self._sum)
-        return self._scratch
+        r = self._round
+        if r.scratch is None:
+            self._round = r = dataclasses.replace(r, scratch=torch.empty_like(r.sum))
+        return r.scratch
 
     def _take_spare(self, dtype: torch.dtype | None) -> torch.Tensor | None:
         """Hand the spare buffer to a step as its mean output (caller holds the lock): a step at the end of a round
         then needs no fresh d-vector (at 1e9 parameters, 4 GB less and no first touch of it). A functional step's
         result keeps it (a later add allocates a new spare); a server optimizer gives it back when its step is
         done (:meth:`_return_spare`). None when the step wants another dtype."""
-        if self._scratch is None or (dtype is not None and dtype != self._scratch.dtype):
+        r = self._round
+        if r.scratch is None or (dtype is not None and dtype != r.scratch.dtype):
             return None
-        spare, self._scratch = self._scratch, None
-        return spare
+        self._round = dataclasses.replace(r, scratch=None)
+        return r.scratch
 
     def _return_spare(self, spare: torch.Tensor) -> None:
         """A spare lent to a step (as its mean) comes back once the step is done with it."""
         with self._lock:
-            if self._scratch is None and spare.shape == self._sum.shape and spare.dtype == self._sum.dtype \
-                    and spare.device == self._sum.device and spare.data_ptr() != self._sum.data_ptr():
-                self._scratch = spare
+            r = self._round
+            if r.scratch is None and spare.shape == r.sum.shape and spare.dtype == r.sum.dtype \
+                    and spare.device == r.sum.device and spare.data_ptr() != r.sum.data_ptr():
+                self._round = dataclasses.replace(r, scratch=spare)
 
     def _state_reads(self) -> list:
         """(name, tensor) of the accumulator's state a step reads, for the aliasing checks of what the step writes
@@ -480,13 +594,14 @@ class Accumulator:
         optimizers."""
         with self._lock:
             self._check_ready()
-            stats = sum_stats(self.weighted_sum, self._weighted_sq, self.total_weight, self.num_clients, backend_of,
+            r = self._round
+            stats = sum_stats(self.weighted_sum, r.weighted_sq, r.total_weight, self.num_clients, backend_of,
                               name="accumulator", aux=aux, aux_coef=aux_coef, mean_out=mean_out,
                               mean_dtype=mean_dtype)
             stats.sq_norms = self.sq_norms
             if self._buffer_names:
                 stats.buffers = Buffers(self._buffer_names, [])
-                stats.buffer_sums = [s / self.total_weight for s in self._buffer_sums]
+                stats.buffer_sums = [None if s is None else s / r.total_weight for s in r.buffer_sums]
             return stats
 
     def _from_sums(self, rule, *, params, on_nonfinite, want_eval, group=None) -> ops.RoundResult:
@@ -544,6 +659,33 @@ class Accumulator:
                                group=group)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Round:
+    """Everything a round has folded. It is never changed, only replaced by a new one in a single assignment, so
+    a call interrupted anywhere (a signal) leaves the old round or the new one, never a mix: the sums, the client
+    count and the ids always agree. ``scratch`` is the spare sum buffer (None while a step holds it as its mean);
+    ``members`` the tokens of the adds folded in (how an add learns it was folded by a folder that was
+    interrupted before it could say so)."""
+
+    sum: torch.Tensor
+    scratch: torch.Tensor | None
+    sq_norms: tuple
+    weighted_sq: torch.Tensor
+    buffer_sums: tuple
+    total_weight: float
+    ids: tuple
+    named: frozenset
+    members: frozenset
+
+    @classmethod
+    def empty(cls, zeros: torch.Tensor, scratch: torch.Tensor | None, num_buffers: int) -> "_Round":
+        return cls(zeros, scratch, (), torch.zeros((), dtype=torch.float64, device=zeros.device),
+                   (None,) * num_buffers, 0.0, (), frozenset(), frozenset())
+
+
+_tokens = itertools.count()
+
+
 @dataclasses.dataclass(eq=False)
 class _Fold:
     """One client on its way into the sums, and how that ended: ``folded``, or ``error`` (raised by its adder)."""
@@ -557,6 +699,7 @@ class _Fold:
     done: bool = False
     folded: bool = False
     error: BaseException | None = None
+    token: int = dataclasses.field(default_factory=lambda: next(_tokens))
 
     def finish(self, *, folded: bool = False, error: BaseException | None = None) -> None:
         self.folded, self.error, self.done = folded, error, True
@@ -582,10 +725,33 @@ def _stack(parts: list) -> ClientRows:
                                num_clients=len(parts), matrix=None, buffers=None)
 
 
+def _reordered(flat: torch.Tensor, slices: list | None) -> torch.Tensor:
+    """``flat`` read in another entry order (``Accumulator._entry_slices``)."""
+    if slices is None:
+        return flat
+    return torch.cat([flat[o:o + n] for o, n in slices])
+
+
+def _state_tensor(t: Any, name: str, *, dtype: torch.dtype | None = None, shape: tuple | None = None) -> torch.Tensor:
+    """A tensor of a saved round, checked: real floating point, readable (not on the meta device), of ``dtype`` and
+    ``shape`` where given."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"the state_dict's {name} must be a tensor, got {type(t).__name__}")
+    if t.device.type == "meta":
+        raise ValueError(f"the state_dict's {name} is on the meta device (it holds no values)")
+    if not t.is_floating_point():
+        raise ValueError(f"the state_dict's {name} has dtype {t.dtype}; expected a real floating point tensor")
+    if dtype is not None and t.dtype != dtype or shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"the state_dict's {name} must be a {dtype or 'floating point'} tensor of shape "
+                         f"{shape if shape is not None else 'any'}, got {t.dtype} of shape {tuple(t.shape)}")
+    return t
+
+
 def _state_crc(state: dict) -> int:
     """CRC-32 of a round state's tensors (their bytes, in place) and of everything else in it (its repr)."""
-    crc = zlib.crc32(repr([state[k] for k in ("format", "numel", "dtype", "buffers", "weighted_sq", "total_weight",
-                                              "client_ids")]).encode())
+    keys = ("format", "numel", "dtype", "buffers", "weighted_sq", "total_weight", "client_ids") + \
+        (("layout",) if state.get("format", 0) >= 3 else ())
+    crc = zlib.crc32(repr([state[k] for k in keys]).encode())
     for t in [state["sum"], state["sq_norms"], *state["buffer_sums"]]:
         if t is None:
             crc = zlib.crc32(b"None", crc)

@@ -110,7 +110,7 @@ def test_a_half_finished_round_survives_a_killed_process(tmp_path):
     (lambda s: s.update(total_weight=-1.0), "non-finite or negative"),
     (lambda s: s.update(numel=7), "7 torch.float64 elements"),
     (lambda s: s.pop("sq_norms"), "no 'sq_norms'"),
-    (lambda s: s.update(format=3), "format 1 or 2"),
+    (lambda s: s.update(format=4), "format 1, 2 or 3"),
     (lambda s: s["sum"].__setitem__(5, s["sum"][5] + 1e-9), "checksum"),  # a flipped bit's worth, still finite
     (lambda s: s.update(total_weight=s["total_weight"] + 1.0), "checksum"),
     (lambda s: s.update(client_ids=["x", "y", "q"]), "checksum"),
