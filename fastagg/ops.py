@@ -19,8 +19,9 @@ from ._checks import check_number, check_on_nonfinite, out_buffer
 from ._docs import share_docs
 from .backends import resolve
 from ._aliasing import check_writes
-from .passes import (RoundStats, apply_buffers, check_finite, check_overflow, client_stats, device_scalar,
-                     like_params, overflow_counter, round_dtype, sum_stats, warn_unmatched_buffers)
+from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, client_stats, device_scalar,
+                     like_params, overflow_counter, round_dtype, sum_stats, warn_unmatched_buffers,
+                     write_buffers)
 from .rows import ClientRows, ParamRows, check_params_match, client_rows, compute_dtype, param_rows, with_base
 
 __all__ = ["RoundResult", "fedexp_step", "fedavg_step", "fedexp_step_from_sums"]
@@ -119,6 +120,7 @@ def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows
                       models: bool = False) -> RoundResult:
     """Check finiteness, run the apply pass ``w += eta * mean`` (and the evaluation model), average the buffers,
     package the result."""
+    updates = [] if params is None else buffer_updates(params, stats, models=models)  # before any write
     finite = check_finite(stats, eta, on_nonfinite, dtype=None if params is None else compute_dtype(params.dtype))
     eval_params = None
     if params is not None:
@@ -135,7 +137,7 @@ def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows
         backend.momentum_apply(params=params, mean=stats.mean, lr=eta, finite=finite, buf=None, momentum=0.0,
                                nesterov=False, extra_out=extra, extra_coef=-0.5 * eta, extra_coef_skip=zero,
                                overflow_out=overflow)
-        apply_buffers(params, stats, finite, models=models)
+        write_buffers(updates, finite)
         warn_unmatched_buffers(params, stats)
         check_overflow(overflow, on_nonfinite, "params")
     per_client = stats.sq_norms is not None

@@ -36,7 +36,7 @@ class RoundStats:
     form: Layout                  # one client's form, to give results back in it
     name: str                     # what the clients were called ("deltas", "models", "weighted_sum")
     coefs: torch.Tensor | None = None   # [M] float64 p_i (None from sums alone)
-    buffers: Buffers | None = None      # the clients' buffers, averaged apart (apply_buffers)
+    buffers: Buffers | None = None      # the clients' buffers, averaged apart (buffer_updates)
     buffer_sums: list | None = None     # from an Accumulator: sum_i p_i buffer_i per buffer (same order as names)
 
 
@@ -163,37 +163,83 @@ def warn_unmatched_buffers(params: ParamRows, stats: RoundStats) -> None:
                       "they are ignored", RuntimeWarning, stacklevel=3)
 
 
-def apply_buffers(params: ParamRows, stats: RoundStats, finite: torch.Tensor, *, models: bool) -> None:
-    """The global model's buffers (BatchNorm running statistics, counters) from the clients': never extrapolated,
-    never in eta or an optimizer's state. Floating buffers become the clients' weighted average
-    (``sum_i p_i b_i``, computed in float64); integer buffers (``num_batches_tracked``) advance by the weighted
-    average of the clients' advances, rounded to the nearest integer. Nothing changes when the round is not
-    finite. ``models``: the clients sent full models (else updates: ``b_i - b_global``)."""
+def buffer_updates(params: ParamRows, stats: RoundStats, *, models: bool) -> list:
+    """The global model's new buffers (BatchNorm running statistics, counters) from the clients', checked before
+    anything of the round is written: never extrapolated, never in eta or an optimizer's state. Floating buffers
+    become the clients' weighted average (``sum_i p_i b_i``, computed in float64); integer buffers
+    (``num_batches_tracked``) advance by the weighted average of the clients' advances, rounded to the nearest
+    integer, in int64 arithmetic (a counter near 2^63 has no float64 neighbours 1 apart). ``models``: the clients
+    sent full models (else updates: ``b_i - b_global``). A buffer of another shape than the model's raises
+    ``ValueError`` here. Returns (buffer, new value, which elements may take it) for :func:`write_buffers`."""
     if not params.buffers:
-        return
-    have = {}
+        return []
+    sums, raw = {}, {}
     if stats.buffer_sums is not None:
-        have = dict(zip(stats.buffers.names, stats.buffer_sums))
+        sums = {n: b for n, b in zip(stats.buffers.names, stats.buffer_sums) if b is not None}
     elif stats.buffers is not None:
-        coefs = stats.coefs
-        for name, values in zip(stats.buffers.names, stats.buffers.values):
-            acc = torch.zeros(values[0].shape, dtype=torch.float64, device=params.device)
-            for c, v in zip(coefs, values):
-                acc += c * v.to(device=params.device, dtype=torch.float64)
-            have[name] = acc
+        raw = dict(zip(stats.buffers.names, stats.buffers.values))
+    out = []
     for name, g in params.buffers:
-        if name not in have:
+        if name not in sums and name not in raw:
             continue
-        avg = have[name]
-        if tuple(avg.shape) != tuple(g.shape):
-            raise ValueError(f"the clients' buffer {name!r} has shape {tuple(avg.shape)}; the global model's has "
-                             f"{tuple(g.shape)}")
-        new = avg if models else g.to(torch.float64) + avg
-        if not g.is_floating_point():
-            new = torch.round(new)
-        ok = finite & torch.isfinite(new).all()
-        g.copy_(torch.where(ok, new.to(g.dtype), g))
+        shape = tuple(sums[name].shape) if name in sums else tuple(raw[name][0].shape)
+        if shape != tuple(g.shape):
+            raise ValueError(f"the clients' buffer {name!r} has shape {shape}; the global model's has "
+                             f"{tuple(g.shape)}; nothing was updated")
+        if g.is_floating_point():
+            avg = sums[name] if name in sums else _weighted(raw[name], stats.coefs, params.device, g.shape)
+            new = avg if models else g.to(torch.float64) + avg
+            out.append((g, new, None))
+        else:
+            ok = torch.ones(g.shape, dtype=torch.bool, device=g.device)
+            if name in sums:
+                advance = sums[name]
+            elif models:  # each client's advance b_i - g, exact in int64 (or refused where it overflows)
+                g64 = g.to(torch.int64)
+                diffs = []
+                for v in raw[name]:
+                    v64 = v.to(device=g.device, dtype=torch.int64)
+                    d = v64 - g64
+                    ok &= ~(((v64 ^ g64) < 0) & ((d ^ v64) < 0))
+                    diffs.append(d)
+                advance = _weighted(diffs, stats.coefs, params.device, g.shape)
+            else:
+                advance = _weighted(raw[name], stats.coefs, params.device, g.shape)
+            new, fits = _advanced(g, advance)
+            out.append((g, new, ok & fits))
+    return out
 
+
+def _weighted(values: list, coefs: torch.Tensor, device, shape) -> torch.Tensor:
+    """``sum_i coefs_i values_i`` in float64."""
+    acc = torch.zeros(shape, dtype=torch.float64, device=device)
+    for c, v in zip(coefs, values):
+        acc += c * v.to(device=device, dtype=torch.float64)
+    return acc
+
+
+def _advanced(g: torch.Tensor, advance: torch.Tensor) -> tuple:
+    """(``g + round(advance)`` in int64, where it fits ``g``'s dtype without wrapping)."""
+    step = torch.round(advance)
+    fits = torch.isfinite(step) & (step.abs() < 2.0 ** 62)
+    g64, step64 = g.to(torch.int64), torch.where(fits, step, 0.0).to(torch.int64)
+    new = g64 + step64  # |step| < 2^62: a wrap past the int64 range shows as a sign flip
+    fits &= ~(((g64 >= 0) & (step64 >= 0) & (new < 0)) | ((g64 < 0) & (step64 < 0) & (new >= 0)))
+    if g.dtype == torch.bool:
+        return new, fits & (new >= 0) & (new <= 1)
+    info = torch.iinfo(g.dtype)
+    return new, fits & (new >= info.min) & (new <= info.max)
+
+
+def write_buffers(updates: list, finite: torch.Tensor) -> None:
+    """Write :func:`buffer_updates`' values (no host sync). Nothing changes when the round is not finite, and an
+    element whose new value the buffer's dtype cannot hold keeps its old value: never Inf in a float16 / float32
+    statistic whose average overflows, never a wrapped integer (an int64 counter at its maximum stays there, a
+    uint8 that would pass 255 stays as it was)."""
+    for g, new, ok in updates:
+        if ok is None:
+            ok = torch.isfinite(new.to(g.dtype))
+        g.copy_(torch.where(ok & finite, new.to(g.dtype), g))
 
 
 def like_params(params: ParamRows, flat: torch.Tensor) -> ParamRows:

@@ -22,8 +22,8 @@ from ._aliasing import check_writes
 from ._checks import check_number, check_on_nonfinite, check_prob
 from .backends import resolve
 from .ops import round_reads
-from .passes import (RoundStats, apply_buffers, check_finite, check_overflow, client_stats, device_scalar,
-                     like_params, overflow_counter, warn_unmatched_buffers)
+from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, client_stats, device_scalar,
+                     like_params, overflow_counter, warn_unmatched_buffers, write_buffers)
 from .rows import ParamRows, attach_base, client_rows, compute_dtype, param_rows
 from .stream import Accumulator
 
@@ -299,9 +299,10 @@ class ServerOptimizer:
                 raise TypeError("base= does not apply to an Accumulator: pass base to its add()")
             try:
                 stats = self._stats(deltas, weights, base=base)
+                updates = buffer_updates(self._p, stats, models=base is not None)  # checked before any write
                 self._overflow = overflow_counter(stats.mean)
                 eta, finite = self._round(stats)
-                self._finish(stats, finite, models=base is not None)
+                self._finish(stats, finite, updates)
             finally:
                 self._return_borrowed()
         self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, finite, stats.nonfinite,
@@ -316,9 +317,10 @@ class ServerOptimizer:
             acc, spare = self._borrowed.pop()
             acc._return_spare(spare)
 
-    def _finish(self, stats: RoundStats, finite: torch.Tensor, models: bool = False) -> None:
-        """After the apply pass: the model's buffers (averaged, never stepped) and the round counter."""
-        apply_buffers(self._p, stats, finite, models=models)
+    def _finish(self, stats: RoundStats, finite: torch.Tensor, updates: list) -> None:
+        """After the apply pass: the model's buffers (averaged, never stepped; ``updates`` from
+        :func:`~fastagg.passes.buffer_updates`) and the round counter."""
+        write_buffers(updates, finite)
         warn_unmatched_buffers(self._p, stats)
         self._advance(finite)
 
@@ -530,6 +532,7 @@ class _ControlVariate:
     def _scaffold_step(self, deltas, control_deltas, weights) -> StepStats:
         stats = self._stats(deltas, weights)
         cstats = self._stats(control_deltas, None, name="control_deltas")
+        updates = buffer_updates(self._p, stats, models=False)  # checked before any write
         self._overflow = overflow_counter(stats.mean)
         if cstats.num_clients != stats.num_clients:
             raise ValueError(f"control_deltas has {cstats.num_clients} clients; deltas has {stats.num_clients}")
@@ -544,7 +547,7 @@ class _ControlVariate:
         self._backend.momentum_apply(params=self._control, mean=cstats.mean, lr=ratio, finite=both, buf=None,
                                      momentum=0.0, nesterov=False, extra_out=None, extra_coef=None,
                                      extra_coef_skip=None, overflow_out=self._overflow)
-        self._finish(stats, both)
+        self._finish(stats, both, updates)
         self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, both, stats.nonfinite,
                                     stats.num_clients, self._overflow)
         check_overflow(self._overflow, self.on_nonfinite, "params or the control variate")
