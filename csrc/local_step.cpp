@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -106,8 +107,11 @@ struct Row {
     return part;
   }
 
+  // Mirror image of the overflow: a float32 block sum below 2^-80 may have lost squares to underflow (gradients
+  // below ~1e-19), so it is summed again in float64 too.
   double checked(C sum, int64_t b0, int64_t end) const {
-    return std::isfinite(sum) ? double(sum) : block_sq_in<double>(b0, end);
+    const bool tiny = std::is_same_v<C, float> && double(sum) < 0x1p-80;
+    return std::isfinite(sum) && !tiny ? double(sum) : block_sq_in<double>(b0, end);
   }
 
   double block_sq(int64_t b0, int64_t end) const { return checked(block_sq_in<C>(b0, end), b0, end); }

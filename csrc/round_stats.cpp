@@ -7,11 +7,14 @@
 // are summed in C within a block (at most kStatsBlock terms per row) and the blocks' sums in float64, in block
 // order, so results are bit-identical for any thread count. A block whose C sum overflows while its elements are
 // finite (float32 values near 1e18) is summed again in float64: the float64 path costs ~20% of the pass when it
-// runs on every element (measured, bench/RESULTS.md), the check costs nothing.
+// runs on every element (measured, bench/RESULTS.md), the check costs nothing. Its mirror image: a float32 block sum
+// below 2^-80 may have lost squares to underflow (values below ~1e-19 square to subnormals, below ~1e-23 to zero),
+// so such a block (tiny values, or zeros) is summed again in float64 too.
 #include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
@@ -20,6 +23,8 @@
 namespace fastagg {
 namespace {
 
+constexpr double kTinySum = 0x1p-80;  // a float32 block sum this small is redone in float64 (see above): the
+                                     // squares lost below FLT_MIN (8192 x 1.2e-38 at most) are then < 1e-9 of it
 constexpr int64_t kStatsBlock = 8192;  // 32 KiB of float32 accumulators per thread; 8192-float runs per row
                                        // keep 16 row streams prefetchable (4096 measured ~5% slower, M=16)
 
@@ -157,7 +162,11 @@ void round_stats_impl(const StatsArgs& a) {
         part_sq[b * M + i] = sq[0];
       }
       for (i = 0; i < M; ++i) {
-        if (std::isfinite(part_sq[b * M + i])) continue;
+        const double s = part_sq[b * M + i];
+        if (std::isfinite(s)) {
+          if (std::is_same_v<C, float> && s < kTinySum) part_sq[b * M + i] = sq_norm_f64<T, C, HasBase>(x[i], base, n);
+          continue;
+        }
         part_bad[b * M + i] = has_nonfinite<T, C, HasBase>(x[i], base, n);
         if (!part_bad[b * M + i]) part_sq[b * M + i] = sq_norm_f64<T, C, HasBase>(x[i], base, n);
       }

@@ -81,6 +81,7 @@ class ServerOptimizer:
     # -- hyperparameters and state ------------------------------------------------------------------------------
     _hyper: tuple = ()
     _vector_state: tuple = ()  # names of the d-vector buffers a subclass keeps (beside 'extra')
+    _nonnegative_state: tuple = ()  # buffers whose every element is >= 0 (load_state_dict checks it)
     _scalar_state: tuple = ()  # names of its 0-d buffers (beside 'step')
 
     @property
@@ -194,6 +195,9 @@ class ServerOptimizer:
                 raise TypeError(f"state_dict buffer {name!r} has dtype {t.dtype}; expected {dtype}")
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"state_dict buffer {name!r} holds NaN or Inf")
+            if name in self._nonnegative_state and bool((t < 0).any()):
+                raise ValueError(f"state_dict buffer {name!r} holds negative values; {type(self).__name__}'s "
+                                 f"{name} is a sum of squares (a step would divide by the square root of it)")
             out[name] = t.detach().to(device=self.device, copy=True)
         step = float(out["step"])
         if step < 0 or step != int(step):
@@ -649,6 +653,8 @@ BIAS_CORRECTIONS = ("flower", "adam", None)
 
 
 class _AdamFamily(ServerOptimizer):
+    _nonnegative_state = ("v", "vhat")  # second moments: load_state_dict refuses negative ones
+
     rule = "adam"
 
     def _init_adam(self, lr, betas, tau, bias_correction):

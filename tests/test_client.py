@@ -362,6 +362,23 @@ def test_client_state_device_spelled_without_index():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_sps_with_gradients_whose_squares_underflow_matches_the_float64_oracle(backend):
+    """Gradients of 1e-21 square to float32 subnormals (1e-23 to zero): the SPS step divides by that norm, so the
+    block is summed again in float64 and the step matches the oracle's."""
+    g = torch.randn(3, 10_000, generator=torch.Generator().manual_seed(3)) * 1e-21
+    g[1] *= 1e-2
+    x0 = torch.randn(3, 10_000, generator=torch.Generator().manual_seed(4))
+    losses = torch.full((3,), 1e-38, dtype=torch.float64)
+    steps = {}
+    for b, dt in ((backend, torch.float32), ("reference", torch.float64)):
+        x = x0.to(dt).clone()
+        steps[b if dt == torch.float32 else "oracle"] = client.sps_step(
+            params=x, grads=g.to(dt), losses=losses, gamma_b=1e30, min_sq_norm=1e-300, backend=b)
+    assert bool((steps["oracle"] > 0).all())
+    assert_close(steps[backend], steps["oracle"], rtol=1e-5, atol=0, name="steps")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sps_with_gradients_near_1e18_matches_the_float64_oracle(backend):
     """A 4096-element block of gradients near 1e18 has a squared norm beyond float32: that block is summed again in
     float64, so the Polyak step (tiny, not zero or NaN) matches the float64 oracle."""

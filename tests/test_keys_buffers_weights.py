@@ -210,3 +210,23 @@ def test_huge_weights_never_overflow_the_total(backend):
     again = fastagg.Accumulator(like=torch.zeros(d, dtype=torch.float64), backend=backend)
     again.load_state_dict(acc.state_dict())  # the round stays loadable
     assert again.client_ids == ["a", "d"]
+
+
+# ---- optimizer checkpoints keep their rule's invariants --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, entry", [("FedAdagrad", "v"), ("FedAdam", "v"), ("FedYogi", "v"), ("FedAMS", "v"),
+                                         ("FedAMS", "vhat")])
+def test_a_checkpoint_with_a_negative_second_moment_is_refused(name, entry):
+    """A second moment is a sum of squares: a checkpoint holding a negative one (FedAdagrad then took a ~1400x
+    step) is refused at load, and the optimizer keeps its state."""
+    w = torch.zeros(64)
+    opt = getattr(server, name)(w, lr=0.1)
+    opt.step(torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 0.1)
+    sd = opt.state_dict()
+    sd["state"][entry] = sd["state"][entry].clone()
+    sd["state"][entry][5] = -0.999 * float(sd["state"][entry].abs().max() + 1e-3)
+    before = snapshot(opt.state_dict()["state"])
+    with pytest.raises(ValueError, match="negative"):
+        opt.load_state_dict(sd)
+    assert_unchanged(before, opt.state_dict()["state"], "state")

@@ -226,6 +226,24 @@ def test_float32_inputs_near_1e18_match_the_float64_oracle(backend, huge):
     assert_close(got.sq_norms, ref.sq_norms, rtol=1e-5, atol=0, name="sq_norms")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tiny", ["all", "one block"])
+def test_float32_inputs_whose_squares_underflow_match_the_float64_oracle(backend, tiny):
+    """The mirror image: squares of 1e-23 underflow float32 (to 0; below ~1e-19 to subnormals), so a block whose
+    float32 sum is that small is summed in float64, and eta matches the float64 oracle's (it was off by orders of
+    magnitude on the CPU backend: the norms came out 0 or a few subnormals)."""
+    x = torch.randn(4, 20_000, generator=torch.Generator().manual_seed(1))
+    if tiny == "all":
+        x *= 1e-23
+    else:
+        x *= 1e-21
+        x[:, 8192:16384] *= 1e-2
+    got = fastagg.fedexp_step(x, eps=0.0, backend=backend)
+    ref = fastagg.fedexp_step(x.double(), eps=0.0, backend="reference")
+    assert_close(got.sq_norms, ref.sq_norms, rtol=1e-5, atol=0, name="sq_norms")
+    assert_close(got.eta, ref.eta, rtol=1e-5, atol=0, name="eta")
+
+
 def test_cpu_backend_is_bit_identical_run_after_run():
     deltas = make(9, 100_003, torch.float32, seed=11)
     a = fastagg.fedexp_step(deltas, eps=1e-3, backend="cpu")
