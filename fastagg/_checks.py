@@ -28,18 +28,29 @@ def check_on_nonfinite(on_nonfinite: str) -> None:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
 
 
+def _as_float(value: Any, name: str) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float64's range (10**400)
+        raise ValueError(f"{name} must be a finite number, got an integer too large for a float") from None
+
+
 def check_number(value: Any, name: str, *, minimum: float = 0.0, allow_equal: bool = True) -> float:
     if type(value) is float or type(value) is int:  # the common case, without the ABC checks below
-        value = float(value)
+        value = _as_float(value, name)
         if math.isfinite(value) and (value >= minimum if allow_equal else value > minimum):
             return value
     if isinstance(value, torch.Tensor) and value.numel() == 1:
+        if value.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device (it holds no value)")
+        if value.is_complex():
+            raise TypeError(f"{name} must be a real number, got a {value.dtype} tensor")
         value = value.item()
     if isinstance(value, np.ndarray) and value.size == 1:
         value = value.item()
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    value = _as_float(value, name)
     ok = math.isfinite(value) and (value >= minimum if allow_equal else value > minimum)
     if not ok:
         op = ">=" if allow_equal else ">"
@@ -59,12 +70,13 @@ def normalized_weights(weights: Any, num_clients: int, device: torch.device, *, 
     if weights is None:
         return torch.full((num_clients,), 1.0 / num_clients, dtype=torch.float64, device=device)
     if isinstance(weights, torch.Tensor):
+        if weights.device.type == "meta":
+            raise ValueError("weights are on the meta device (they hold no values)")
+        if weights.is_complex() or weights.dtype == torch.bool:
+            raise TypeError(f"weights must be real numbers, got a {weights.dtype} tensor")
         w = weights.detach().to(torch.float64)
     else:
-        try:
-            w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"weights must be numbers, got {weights!r}") from e
+        w = torch.as_tensor(_weights_array(weights))
     if tuple(w.shape) != (num_clients,):
         raise ValueError(f"weights must have shape ({num_clients},), got {tuple(w.shape)}")
     if not sync and w.device.type != "cpu":
@@ -83,6 +95,24 @@ def normalized_weights(weights: Any, num_clients: int, device: torch.device, *, 
         raise ValueError("weights are all zero; at least one participant needs a positive weight")
     scaled = host / top  # a sum of huge finite weights may overflow; the largest scaled weight is 1
     return torch.from_numpy(scaled / scaled.sum()).to(device)
+
+
+def _weights_array(weights: Any) -> np.ndarray:
+    """Weights given as numbers (a sequence or an array) as float64; strings, bools, complex numbers and integers too
+    large for a float are refused, naming the first (``np.asarray(..., float64)`` would parse "3" and raise
+    OverflowError on 10**400)."""
+    try:
+        raw = np.asarray(weights)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(f"weights must be numbers, got {weights!r}") from e
+    if raw.dtype.kind in "iuf":
+        return raw.astype(np.float64)
+    out = []
+    for i, v in enumerate(raw.reshape(-1).tolist()):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"weights[{i}] is {v!r}; weights must be real numbers")
+        out.append(_as_float(v, f"weights[{i}]"))
+    return np.asarray(out, dtype=np.float64).reshape(raw.shape)
 
 
 def check_prob(value: Any, name: str) -> float:

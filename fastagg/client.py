@@ -46,9 +46,9 @@ class ClientState:
 
     def __init__(self, num_clients: int, dim: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-        if not isinstance(num_clients, int) or num_clients < 1:
+        if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
             raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
-        if not isinstance(dim, int) or dim < 1:
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
             raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"ClientState dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -122,6 +122,8 @@ def _matrix(t: Any, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.ndim != 2:
         raise ValueError(f"{name} must be a 2-D [num_clients, num_params] tensor, got "
                          f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (it holds no data)")
     if not t.is_floating_point():
         raise TypeError(f"{name} has dtype {t.dtype}; expected a floating dtype")
     if t.shape[1] > 1 and t.stride(1) != 1:
@@ -255,6 +257,7 @@ class _Batch:
             buf: RowTable | None = None, momentum: float = 0.0, eta2: float = 0.0, first=None,
             min_sq_norm: float = MIN_SQ_NORM) -> torch.Tensor:
         """Runs the backend's local step; returns the step each row took (float64 [M], 0: none)."""
+        min_sq_norm = check_number(min_sq_norm, "min_sq_norm")  # NaN would make every client skip, silently
         step = torch.empty(self.m, dtype=torch.float64, device=self.device)
         unused = 0.0  # per-row scalars the rule does not read
         self.backend.local_step(

@@ -29,9 +29,13 @@ import torch
 __all__ = ["Layout", "flatten", "is_floating", "as_tensor", "split_entries", "is_buffer_name", "BUFFER_NAMES"]
 
 
-def as_tensor(x: Any) -> torch.Tensor:
-    """A torch view of ``x``: tensors pass through, numpy arrays are wrapped without a copy."""
+def as_tensor(x: Any, name: str | None = None) -> torch.Tensor:
+    """A torch view of ``x``: tensors pass through, numpy arrays are wrapped without a copy. Tensors on the meta
+    device (shapes without data) are refused, naming ``name``: there is nothing to read or write."""
     if isinstance(x, torch.Tensor):
+        if x.device.type == "meta":
+            raise ValueError(f"{name or f'a tensor of shape {tuple(x.shape)}'} is on the meta device (it holds no "
+                             "data); fastagg reads and writes real tensors")
         return x
     if isinstance(x, np.ndarray):
         if x.flags.writeable:
@@ -193,8 +197,14 @@ def flatten(obj: Any, *, buffers: bool = False, out: torch.Tensor | None = None,
     if not tensors:
         raise ValueError("model has no floating entries to flatten")
     dtype = dtype or tensors[0].dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch dtype, got {dtype!r}")
     if out is None:
         out = torch.empty(layout.numel, dtype=dtype, device=tensors[0].device)
+    elif not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    elif not out.is_floating_point():
+        raise TypeError(f"out has dtype {out.dtype}; the entries are floating (an integer buffer would truncate them)")
     elif out.shape != (layout.numel,):
         raise ValueError(f"out must have shape ({layout.numel},), got {tuple(out.shape)}")
     for t, o, n in zip(tensors, layout.offsets, layout.numels):

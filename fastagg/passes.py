@@ -85,7 +85,13 @@ def sum_stats(weighted_sum: Any, weighted_sq_norm_sum: Any, total_weight: Any, n
     rows = client_rows([weighted_sum], name=name)
     dev = rows.device
     if isinstance(weighted_sq_norm_sum, torch.Tensor):
-        sq_sum = weighted_sq_norm_sum.detach().to(device=dev, dtype=torch.float64).reshape(())
+        t = weighted_sq_norm_sum
+        if t.numel() != 1 or t.is_complex() or t.device.type == "meta":
+            raise ValueError(f"weighted_sq_norm_sum must be a number or a real one-element tensor, got "
+                             f"{t.dtype} of shape {tuple(t.shape)} on {t.device}")
+        if t.device.type == "cpu" and not float(t) >= 0:  # on a GPU, checked on the device (the round is refused)
+            raise ValueError(f"weighted_sq_norm_sum must be a finite number >= 0, got {float(t)!r}")
+        sq_sum = t.detach().to(device=dev, dtype=torch.float64).reshape(())
     else:
         sq_sum = torch.tensor(check_number(weighted_sq_norm_sum, "weighted_sq_norm_sum"), dtype=torch.float64,
                               device=dev)
@@ -93,7 +99,8 @@ def sum_stats(weighted_sum: Any, weighted_sq_norm_sum: Any, total_weight: Any, n
     mean, _, bad, msq = run_stats(rows, coefs, backend_of(dev), aux=aux, aux_coef=aux_coef, mean_out=mean_out,
                                   mean_dtype=mean_dtype)
     avg_sq = sq_sum / total
-    return RoundStats(mean, None, bad | ~torch.isfinite(avg_sq), msq, avg_sq, int(num_clients), rows.form, name)
+    return RoundStats(mean, None, bad | ~torch.isfinite(avg_sq) | (avg_sq < 0), msq, avg_sq, int(num_clients),
+                      rows.form, name)
 
 
 def step_fits(step_size: torch.Tensor, mean_sq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

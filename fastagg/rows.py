@@ -154,7 +154,7 @@ def _client_parts(x: Any, name: str, i: int, names: tuple | None, buffer_names, 
     matched to ``names`` (those of ``ref``, as an error names it) by key, never by position."""
     where = f"{name}[{i}]"
     if isinstance(x, (torch.Tensor, np.ndarray)):
-        t = as_tensor(x)
+        t = as_tensor(x, where)
         if t.ndim != 1:
             raise ValueError(f"{where} must be a 1-D (flat) vector, got shape {tuple(t.shape)}")
         _check_dtype(t, where)
@@ -169,12 +169,13 @@ def _client_parts(x: Any, name: str, i: int, names: tuple | None, buffer_names, 
                 raise ValueError(f"{where} has parameter entries {_short(extra)} not in {ref}" if extra
                                  else f"{where} lacks parameter entries {_short(missing)} of {ref}")
             params = [(k, given[k]) for k in names]
-        parts = [as_tensor(v) for _, v in params]
-        for k, (key, t) in zip(range(len(parts)), params):
-            _check_dtype(as_tensor(t), f"{where}[{key!r}]" if key is not None else f"{where}[{k}]")
+        wheres = [f"{where}[{key!r}]" if key is not None else f"{where}[{k}]" for k, (key, _) in enumerate(params)]
+        parts = [as_tensor(v, w) for w, (_, v) in zip(wheres, params)]
+        for w, t in zip(wheres, parts):
+            _check_dtype(t, w)
         if not parts:
             raise ValueError(f"{where} has no floating entries")
-        return parts, [n for n, _ in bufs], [as_tensor(b) for _, b in bufs]
+        return parts, [n for n, _ in bufs], [as_tensor(b, f"{where}[{n!r}]") for n, b in bufs]
     raise TypeError(f"{where} is a {type(x).__name__}; expected a tensor, numpy array, list of them or state_dict")
 
 
@@ -190,7 +191,7 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
     ``like_name``) names when the global model is named, else to the first client's. Their buffers are collected
     apart (``ClientRows.buffers``)."""
     if isinstance(x, (torch.Tensor, np.ndarray)):
-        m = as_tensor(x)
+        m = as_tensor(x, name)
         if m.ndim != 2:
             raise ValueError(f"{name} must be a 2-D [num_clients, num_params] tensor or a list of clients, "
                              f"got shape {tuple(m.shape)}")
@@ -319,7 +320,7 @@ def param_rows(params: Any, *, name: str = "params") -> ParamRows:
     autograd), every entry must own its memory (no entry overlaps another or itself), and a module's or
     state_dict's buffers are kept apart (``ParamRows.buffers``)."""
     if isinstance(params, (torch.Tensor, np.ndarray)):
-        t = as_tensor(params)
+        t = as_tensor(params, name)
         if t.ndim != 1:
             raise ValueError(f"{name} must be a 1-D (flat) vector or a per-layer list, got shape {tuple(t.shape)}")
         if isinstance(params, np.ndarray) and not params.flags.writeable:
@@ -333,7 +334,7 @@ def param_rows(params: Any, *, name: str = "params") -> ParamRows:
             if isinstance(v, np.ndarray) and not v.flags.writeable:
                 raise ValueError(f"{name}[{key if key is not None else k}] is a read-only numpy array; it is updated "
                                  "in place")
-    parts = [as_tensor(v) for _, v in named]
+    parts = [as_tensor(v, name if key is None else f"{name}[{key!r}]") for key, v in named]
     first = parts[0]
     flat_input = len(parts) == 1 and isinstance(params, (torch.Tensor, np.ndarray))
     wheres = [name if flat_input else f"{name}[{key!r}]" if key is not None else f"{name}[{k}]"
@@ -345,7 +346,7 @@ def param_rows(params: Any, *, name: str = "params") -> ParamRows:
         if t.device != first.device:
             raise ValueError(f"{where} is on {t.device}; expected {first.device} like {wheres[0]}")
     flat = [_flat_view(t, w) for w, t in zip(wheres, parts)]
-    buffers = [(n, as_tensor(b).detach()) for n, b in bufs]
+    buffers = [(n, as_tensor(b, f"{name}[{n!r}]").detach()) for n, b in bufs]
     check_writes([(w, t) for w, t in zip(wheres, flat)] + [(f"{name}[{n!r}]", b) for n, b in buffers])
     form = Layout.of(params)
     return ParamRows(flat, Segments.of_lengths([t.numel() for t in flat]), first.dtype, first.device, form, params,
