@@ -123,7 +123,7 @@ def _matrix(t: Any, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must be a 2-D [num_clients, num_params] tensor, got "
                          f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     if t.device.type == "meta":
-        raise ValueError(f"{name} is on the meta device (it holds no data)")
+        raise ValueError(f"{name} is on meta: the meta device holds no data")
     if not t.is_floating_point():
         raise TypeError(f"{name} has dtype {t.dtype}; expected a floating dtype")
     if t.shape[1] > 1 and t.stride(1) != 1:

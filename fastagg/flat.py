@@ -34,8 +34,8 @@ def as_tensor(x: Any, name: str | None = None) -> torch.Tensor:
     device (shapes without data) are refused, naming ``name``: there is nothing to read or write."""
     if isinstance(x, torch.Tensor):
         if x.device.type == "meta":
-            raise ValueError(f"{name or f'a tensor of shape {tuple(x.shape)}'} is on the meta device (it holds no "
-                             "data); fastagg reads and writes real tensors")
+            raise ValueError(f"{name or f'a tensor of shape {tuple(x.shape)}'} is on meta: the meta device holds no "
+                             "data, and fastagg reads and writes real tensors")
         return x
     if isinstance(x, np.ndarray):
         if x.flags.writeable:

@@ -637,8 +637,14 @@ class FedACG(ServerOptimizer):
         self.lam = check_prob(lam, "lam")
 
     def broadcast(self):
-        """``b = w + lam m`` in the params' form (a buffer the step rewrites)."""
-        self._extra_out()
+        """``b = w + lam m`` in the params' form, from the params and momentum as they are now (params loaded or
+        changed in place since the last step count), into a buffer the next step or broadcast rewrites."""
+        extra = self._extra_out()
+        m = self.state.get("momentum")
+        with torch.no_grad():
+            for dst, w, mk in zip(extra.parts, self._p.parts,
+                                  self._p.segments.slice(m) if m is not None else self._p.parts):
+                dst.copy_(w if m is None else torch.add(w.to(mk.dtype), mk, alpha=self.lam))
         return self._user_form(self.state["extra"])
 
     def _round(self, stats):

@@ -546,3 +546,153 @@ def test_finite_values_at_the_edge_of_float32_never_put_inf_in_the_model(on_nonf
         assert torch.isfinite(v).all(), k
     for k, v in s.optimizer.state.items():
         assert torch.isfinite(v).all(), k
+
+
+# -- one client must not stop a round (issue 19) ---------------------------------------------------------------------
+
+def _round_with(strategy, bad_reply, nodes=(1, 2, 3), rnd=1):
+    """Round ``rnd`` of ``strategy`` where node 2 replies ``bad_reply(msg)`` and the others honestly (with a float
+    ``loss`` metric); returns the messages, the replies and the honest replies (for a reference round without
+    node 2)."""
+    msgs = sorted(strategy.configure_train(rnd, rec(initial()), ConfigRecord(), Grid(list(nodes))),
+                  key=lambda m: m.metadata.dst_node_id)
+    honest = clients_for_round(rnd, list(nodes))
+
+    def good(m):
+        r = honest(m)
+        metrics = next(iter(r.content.metric_records.values()))
+        return reply(m, next(iter(r.content.array_records.values())), metrics["num-examples"],
+                     loss=float(m.metadata.dst_node_id))
+
+    replies = [bad_reply(m) if m.metadata.dst_node_id == 2 else good(m) for m in msgs]
+    return msgs, replies, [good(m) for m in msgs if m.metadata.dst_node_id != 2]
+
+
+def _huge(msg):
+    """Finite float32 values near the largest, with a large weight: the round's mean has a norm past float32's
+    range, so no step of it can be taken safely."""
+    arrays = {k: np.full_like(v, 3.3e38) for k, v in arrays_of(msg.content["arrays"]).items()}
+    return reply(msg, arrays, 1000, loss=1e30)
+
+
+def _reference(name, honest_of):
+    ref = getattr(fa, name)(min_available_nodes=1, **({"eps": 1e-3} if name == "FedExP" else {}))
+    _, _, honest = _round_with(ref, lambda m: m)
+    return ref.aggregate_train(1, honest)
+
+
+@pytest.mark.parametrize("name", ["FedAvg", "FedAvgM", "FedExP"])
+def test_skip_leaves_out_a_finite_reply_so_large_the_round_would_overflow(name, caplog):
+    kw = {"eps": 1e-3} if name == "FedExP" else {}
+    s = getattr(fa, name)(min_available_nodes=1, on_nonfinite="skip", **kw)
+    msgs, replies, _ = _round_with(s, _huge)
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addHandler(caplog.handler)
+    try:
+        arrays, metrics = s.aggregate_train(1, replies)
+    finally:
+        flwr_logger.removeHandler(caplog.handler)
+    assert arrays is not None, "the honest nodes' round was dropped"
+    want, want_metrics = _reference(name, None)
+    for k, v in arrays_of(arrays).items():
+        np.testing.assert_allclose(v, arrays_of(want)[k], rtol=1e-6, atol=1e-7)
+    assert "node 2 left out of round 1" in caplog.text and "overflow" in caplog.text
+    assert metrics["loss"] == pytest.approx(want_metrics["loss"])  # node 2's loss of 1e30 is not in them
+
+
+def test_raise_refuses_a_round_with_a_reply_that_would_overflow_naming_the_node():
+    s = fa.FedAvg(min_available_nodes=1)
+    _, replies, _ = _round_with(s, _huge)
+    before = {k: v.clone() for k, v in s.global_model.items()}
+    with pytest.raises(AggregationError, match="node 2.*overflow"):
+        s.aggregate_train(1, replies)
+    for k, v in s.global_model.items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_node_left_out_is_left_out_of_the_train_metrics():
+    s = fa.FedAvg(min_available_nodes=1, on_nonfinite="skip")
+
+    def nan_reply(msg):
+        arrays = arrays_of(msg.content["arrays"])
+        arrays["fc.bias"][0] = np.nan
+        return reply(msg, arrays, 1000, loss=1e9)
+
+    _, replies, honest = _round_with(s, nan_reply)
+    _, metrics = s.aggregate_train(1, replies)
+    ref = fa.FedAvg(min_available_nodes=1)
+    _round_with(ref, lambda m: m)
+    _, want = ref.aggregate_train(1, honest)
+    assert metrics["loss"] == pytest.approx(want["loss"]) and metrics["loss"] <= 3
+
+
+@pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
+def test_a_metric_of_another_type_is_caught_before_the_model_changes(on_nonfinite):
+    s = fa.FedAdam(eta=0.05, min_available_nodes=1, on_nonfinite=on_nonfinite)
+
+    def listy(msg):
+        return reply(msg, {k: v + 0.01 for k, v in arrays_of(msg.content["arrays"]).items()}, 3, loss=[1.0, 2.0])
+
+    _, replies, honest = _round_with(s, listy)
+    before = {k: v.clone() for k, v in s.global_model.items()}
+    state_before = {k: v.clone() for k, v in s.optimizer.state.items()}
+    if on_nonfinite == "raise":
+        with pytest.raises(AggregationError, match="node 2"):
+            s.aggregate_train(1, replies)
+        for k, v in s.global_model.items():
+            assert torch.equal(v, before[k]), k
+        for k, v in s.optimizer.state.items():
+            assert torch.equal(v, state_before[k]), k
+    else:
+        arrays, metrics = s.aggregate_train(1, replies)
+        assert arrays is not None and isinstance(metrics["loss"], float)
+
+
+def test_a_user_metric_aggregation_that_fails_fails_before_the_step():
+    def broken(records, key):
+        raise RuntimeError("boom")
+
+    s = fa.FedAvg(min_available_nodes=1, train_metrics_aggr_fn=broken)
+    _, replies, _ = _round_with(s, lambda m: clients_for_round(1, [1, 2, 3])(m))
+    before = {k: v.clone() for k, v in s.global_model.items()}
+    with pytest.raises(AggregationError, match="train metrics cannot be aggregated"):
+        s.aggregate_train(1, replies)
+    for k, v in s.global_model.items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
+def test_a_weight_too_large_for_a_float_is_a_bad_weight(on_nonfinite):
+    """num-examples = 10**400 (a valid Python int in a MetricRecord): refused or left out like any bad weight, never
+    an OverflowError."""
+    s = fa.FedAvg(min_available_nodes=1, on_nonfinite=on_nonfinite)
+
+    def enormous(msg):
+        return reply(msg, {k: v + 0.01 for k, v in arrays_of(msg.content["arrays"]).items()}, 10**400)
+
+    _, replies, _ = _round_with(s, enormous)
+    if on_nonfinite == "raise":
+        with pytest.raises(AggregationError, match="node 2.*num-examples"):
+            s.aggregate_train(1, replies)
+    else:
+        arrays, _ = s.aggregate_train(1, replies)
+        want, _ = _reference("FedAvg", None)
+        for k, v in arrays_of(arrays).items():
+            np.testing.assert_array_equal(v, arrays_of(want)[k])
+
+
+def test_fedacg_sends_the_look_ahead_of_the_model_it_is_handed():
+    """configure_train handed another model than the one aggregate_train returned (a restart, a rollback): the
+    look-ahead b = w + lam m sent to clients starts from that model, not from the previous one."""
+    s = fa.FedACG(min_available_nodes=1, lam=0.5)
+    arrays = rec(initial())
+    for rnd in (1, 2):
+        _, (arrays, _) = train_round(s, rnd, arrays, [1, 2, 3], clients_for_round(rnd, [1, 2, 3]))
+    other = {k: v * 0 + 0.25 for k, v in initial(seed=9).items()}
+    msgs = list(s.configure_train(3, rec(other), ConfigRecord(), Grid([1, 2, 3])))
+    sent = arrays_of(msgs[0].content["arrays"])
+    m = s.optimizer.state["momentum"]
+    flat_w = torch.cat([torch.from_numpy(other[k]).reshape(-1) for k in s.global_model])
+    want = flat_w + 0.5 * m
+    got = torch.cat([torch.from_numpy(sent[k]).reshape(-1) for k in s.global_model])
+    assert_close(got, want, rtol=1e-6, atol=1e-7, name="look-ahead")

@@ -56,6 +56,19 @@ __all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "
            "FedACG"]
 
 
+def _finite(x) -> bool:
+    """A finite float (an int too large for one, 10**400, is not)."""
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def _metric_kind(value) -> tuple:
+    """What a metric value is, for comparing replies: ("list", length) or ("number",)."""
+    return ("list", len(value)) if isinstance(value, list) else ("number",)
+
+
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype)).dtype
 
@@ -138,8 +151,8 @@ class _Fastagg:
         if self.weighted_by_key not in metrics:
             raise ReplyError(f"has no {self.weighted_by_key!r} metric (its weight)")
         weight = metrics[self.weighted_by_key]
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-            raise ReplyError(f"has {self.weighted_by_key!r} = {weight!r}; expected a finite number >= 0")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight) or weight < 0:
+            raise ReplyError(f"has {self.weighted_by_key!r} = {weight!r:.60}; expected a finite number >= 0")
         key, record = next(iter(content.array_records.items()))
         views = record_views(record, f"ArrayRecord {key!r}")
         self._check_like_global(views, f"ArrayRecord {key!r}")
@@ -170,13 +183,14 @@ class _Fastagg:
                 usable.append((m, *self._read(m)))
             except (ValueError, TypeError) as e:
                 self._refuse_or_skip(server_round, m, str(e), e)
-        stats = self._step(server_round, usable)
+        usable = self._metrics_alike(server_round, usable)
+        self._check_metrics(server_round, [m.content for m, _, _ in usable])  # before the model can change
+        stats, usable = self._step(server_round, usable)
         if stats is None:
             log(WARNING, "aggregate_train: no usable reply with a positive %r in round %d: the global model is kept",
                 self.weighted_by_key, server_round)
             return None, None
-        accepted = [m.content for m, _, _ in usable]
-        metrics = self.train_metrics_aggr_fn(accepted, self.weighted_by_key)
+        metrics = self._metrics([m.content for m, _, _ in usable])  # the replies aggregated, no others
         if not bool(stats.finite):
             log(WARNING, "aggregate_train: round %d's step does not fit the model's dtype (eta=%s): the global model "
                 "is kept", server_round, float(stats.eta))
@@ -190,10 +204,48 @@ class _Fastagg:
         self._returned = to_record(self.global_model)
         return self._returned, metrics
 
-    def _step(self, server_round: int, usable: list) -> server.StepStats | None:
-        """The optimizer's step over ``usable`` (dropping, or refusing on, the replies the stats pass flags as
-        NaN/Inf); None when nothing is left to aggregate. The optimizer runs in "skip" mode: a round it flags writes
-        nothing, so this method decides what a flagged reply means."""
+    def _metrics_alike(self, server_round: int, usable: list) -> list:
+        """The replies whose train metrics have the kind (a number, or a list of one length) that the first reply's
+        have for the same key: Flower's metric aggregation would otherwise raise on them after the step."""
+        if not usable:
+            return usable
+        kinds: dict = {}
+        out = []
+        for entry in usable:
+            metrics = next(iter(entry[0].content.metric_records.values()))
+            clash = next((k for k, v in metrics.items() if k in kinds and kinds[k] != _metric_kind(v)), None)
+            if clash is not None:
+                self._refuse_or_skip(server_round, entry[0], f"has metric {clash!r} of another kind than the other "
+                                     f"replies' ({_metric_kind(metrics[clash])[0]} vs {kinds[clash][0]})")
+                continue
+            for k, v in metrics.items():
+                kinds.setdefault(k, _metric_kind(v))
+            out.append(entry)
+        return out
+
+    def _check_metrics(self, server_round: int, contents: list) -> None:
+        """Run the train-metrics aggregation once before the step: a function that fails on these replies fails
+        while the global model is still unchanged."""
+        if not contents:
+            return
+        try:
+            self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        except Exception as e:  # noqa: BLE001 (whatever the user's aggregation raises)
+            raise AggregationError(f"round {server_round}: the train metrics cannot be aggregated ({e!r:.200}); the "
+                                   "round is refused and the global model is unchanged") from e
+
+    def _metrics(self, contents: list) -> MetricRecord:
+        try:
+            return self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        except Exception as e:  # noqa: BLE001 (checked before the step; a subset cannot fail but a user fn might)
+            log(WARNING, "aggregate_train: the train metrics of the replies aggregated could not be aggregated: %r", e)
+            return MetricRecord()
+
+    def _step(self, server_round: int, usable: list) -> tuple:
+        """The optimizer's step over ``usable`` (dropping, or refusing on, the replies the stats pass flags: NaN/Inf,
+        or finite values so large that the round's sums overflow); (stats, the replies aggregated), stats None when
+        nothing is left to aggregate. The optimizer runs in "skip" mode: a round it flags writes nothing, so this
+        method decides what a flagged reply means."""
         while usable and sum(w for _, _, w in usable) > 0:
             self.optimizer.state["step"].fill_(server_round - 1)  # Flower's round numbering (FedAdam's bias corr.)
             stats = self.optimizer.step([v for _, v, _ in usable], weights=[w for _, _, w in usable], base=self._sent)
@@ -205,19 +257,31 @@ class _Fastagg:
                         "optimizer's state would have become Inf or NaN (values at the edge of their dtype); those "
                         "elements kept their previous values, every other element was updated")
                 self.last_stats = stats
-                return stats
+                return stats, usable
             bad = stats.nonfinite.nonzero().flatten().tolist()
-            if not bad:  # every reply finite: the step itself does not fit the dtype
+            why = "contains NaN or Inf"
+            if not bad:
+                bad, why = self._overflowing(usable, stats), "is so large that the round's sums would overflow"
+            if not bad:  # every reply of an ordinary size: the step itself does not fit the dtype
                 if self.on_nonfinite == "raise":
                     raise AggregationError(f"round {server_round}: the step does not fit the model's dtype "
                                            f"(eta={float(stats.eta)!r}); the round is refused and the global model "
                                            "is unchanged")
                 self.last_stats = stats
-                return stats
+                return stats, usable
             for i in bad:
-                self._refuse_or_skip(server_round, usable[i][0], "contains NaN or Inf")
+                self._refuse_or_skip(server_round, usable[i][0], why)
             usable = [u for i, u in enumerate(usable) if i not in set(bad)]
-        return None
+        return None, usable
+
+    def _overflowing(self, usable: list, stats: server.StepStats) -> list:
+        """The replies that can make the weighted mean overflow its dtype: if an element of ``sum_i p_i d_i`` passes
+        the dtype's largest value F, some reply has ``p_i ||d_i|| > F / M``; an honest update is nowhere near."""
+        w = np.array([wt for _, _, wt in usable], dtype=np.float64)
+        p = (w / w.max()) / (w / w.max()).sum()
+        norms = np.sqrt(stats.sq_norms.detach().cpu().double().numpy())
+        limit = torch.finfo(self.optimizer._cdt).max / len(usable)
+        return [i for i in range(len(usable)) if not np.isfinite(norms[i]) or p[i] * norms[i] > limit]
 
     def _round_metrics(self, stats: server.StepStats) -> dict:
         return {}
