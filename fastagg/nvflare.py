@@ -130,7 +130,8 @@ class FastaggAggregator(ModelAggregator):
                 params = {k: v.clone() for k, v in base.items()}
                 opt = RULES[self.rule](params, backend=self.backend, on_nonfinite=self.on_nonfinite, **self.hyper)
                 if self._restored:
-                    opt.load_state_dict(self._restored)
+                    restored, self._restored = self._restored, None  # a state that does not fit fails this once
+                    opt.load_state_dict(restored)
                 # one accumulator for every round (reset each round): its sum and spare are allocated once
                 acc = Accumulator(like=params, backend=self.backend)
                 self._params, self._opt, self._restored, self._round_acc = params, opt, None, acc
@@ -163,7 +164,11 @@ class FastaggAggregator(ModelAggregator):
                 params = _client_params(model.params, self._base)
             except (TypeError, ValueError) as e:
                 return self._refuse(site, str(e))
-            weight = float(self.aggregation_weights.get(site, 1.0)) * _num_steps(meta)
+            admin, steps = float(self.aggregation_weights.get(site, 1.0)), _num_steps(meta)
+            weight = admin * steps
+            if not math.isfinite(weight) or not math.isfinite(self._acc.total_weight + weight):
+                return self._refuse(site, f"has weight {admin:g} x {steps:g} steps, which would overflow the round's "
+                                    "total weight")
             base = None if model.params_type == ParamsType.DIFF else self._base  # FULL (FLARE's default)
             if not self._acc.add(params, weight, base=base, on_nonfinite=self.on_nonfinite, client_id=site):
                 return self._refuse(site, "contains NaN or Inf (or would overflow the running sum)")
@@ -206,7 +211,14 @@ class FastaggAggregator(ModelAggregator):
     def load_state_dict(self, state: dict) -> None:
         """Resume the server optimizer from :meth:`state_dict` (e.g. after a server restart): loaded now if the
         first round has begun, else when it begins (the optimizer is built from the first model sent). A state of
-        another rule or model size is refused then, with nothing changed."""
+        another rule is refused here; one of another model size when the first round begins, which then raises
+        once and starts from a fresh state (it never fails every later round)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from FastaggAggregator.state_dict(), got {type(state).__name__}")
+        rule_cls = RULES[self.rule].__name__
+        if state and state.get("optimizer") != rule_cls:  # caught now, not at the first round (which it would fail)
+            raise ValueError(f"the state is of {state.get('optimizer')!r}; this aggregator's rule {self.rule!r} keeps "
+                             f"{rule_cls}'s")
         with self._lock:
             if self._opt is not None:
                 self._opt.load_state_dict(state)
@@ -257,13 +269,16 @@ def _client_params(params: Any, base: dict) -> dict:
 
 
 def _num_steps(meta: dict) -> float:
-    """FLARE's weight rule: NUM_STEPS_CURRENT_ROUND when it is a finite number > 0, else 1."""
+    """FLARE's weight rule: NUM_STEPS_CURRENT_ROUND when it is a finite number > 0, else 1; an integer too large for
+    a float (10**400) is infinite here, so the site is left out rather than weighted 1."""
     v = meta.get(WEIGHT_KEY)
     if v is None or isinstance(v, bool):
         return 1.0
     try:
         w = float(v)
-    except (TypeError, ValueError, OverflowError):
+    except OverflowError:
+        return math.inf
+    except (TypeError, ValueError):
         return 1.0
     return w if math.isfinite(w) and w > 0 else 1.0
 

@@ -264,3 +264,41 @@ def test_a_restarted_aggregator_resumes_the_optimizer_state():
     wrong.load_state_dict(agg.state_dict())
     with pytest.raises((ValueError, TypeError)):
         wrong.set_model(FLModel(params_type=ParamsType.FULL, params={"other": np.zeros(5)}))
+
+
+@pytest.mark.parametrize("steps, admin", [(1e308, 2.0), (10**400, 1.0), (3e307, 10.0)],
+                         ids=["1e308 steps x 2", "10**400 steps", "3e307 steps x 10"])
+def test_a_site_with_a_weight_that_overflows_is_left_out_and_the_rounds_go_on(steps, admin, caplog):
+    """A site reports a huge NUM_STEPS_CURRENT_ROUND (or its admin weight overflows with it): that site is left out
+    with a warning, round after round; the honest sites' rounds equal rounds without it."""
+    w = _model(60)
+    honest = [_result(_model(61 + i), f"s{i}", i + 1) for i in range(2)]
+    greedy = _result(_model(70), "greedy")
+    greedy.meta["NUM_STEPS_CURRENT_ROUND"] = steps
+    agg = FastaggAggregator(rule="fedavg", aggregation_weights={"greedy": admin})
+    ref = FastaggAggregator(rule="fedavg")
+    with caplog.at_level(logging.WARNING):
+        for r in range(2):
+            out = _round(agg, w, honest + [greedy], r)
+            want = _round(ref, w, honest, r)
+            np.testing.assert_array_equal(_flat(out.params), _flat(want.params))
+    assert any("greedy" in rec.getMessage() and "left out" in rec.getMessage() for rec in caplog.records)
+
+
+def test_a_restored_state_of_another_rule_is_refused_at_load_and_never_wedges_the_rounds():
+    w = _model(80)
+    adam = FastaggAggregator(rule="fedadam", hyper={"lr": 0.1})
+    _round(adam, w, [_result(_model(81), "s0")], 0)
+    yogi = FastaggAggregator(rule="fedyogi", hyper={"lr": 0.1})
+    with pytest.raises(ValueError, match="FedAdam"):
+        yogi.load_state_dict(adam.state_dict())
+    out = _round(yogi, w, [_result(_model(82), "s0")], 0)  # the rounds go on
+    assert out.params is not None
+    other_size = FastaggAggregator(rule="fedadam", hyper={"lr": 0.1})
+    other_size.load_state_dict(adam.state_dict())
+    small = {"dense.weight": np.zeros((2, 2), np.float32)}
+    with pytest.raises((ValueError, TypeError)):
+        other_size.set_model(FLModel(params_type=ParamsType.FULL, params=small))
+    other_size.set_model(FLModel(params_type=ParamsType.FULL, params=small))  # raised once; fresh from then on
+    assert other_size.accept_model(_result({"dense.weight": np.ones((2, 2), np.float32)}, "s0"))
+    assert other_size.aggregate_model().params is not None
