@@ -152,20 +152,27 @@ def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows
 
 def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool,
          mean_out=None, eval_out=None, group=None):
-    check_on_nonfinite(on_nonfinite)
-    rows, p, name = prepare(deltas, models, params)
-    cdt = round_dtype(rows.dtype, None if p is None else p.dtype)
-    mean_buf = out_buffer(mean_out, "mean_out", rows.numel, cdt, rows.device)
-    eval_buf = None
-    if eval_out is not None:
-        if p is None:
-            raise TypeError("eval_out= needs params= (the evaluation model is computed from the updated params)")
-        eval_buf = out_buffer(eval_out, "eval_out", p.segments.numel, p.dtype, p.device)
-    writes = [(f"params entry {k}", t) for k, t in enumerate(p.parts)] if p is not None else []
-    writes += [(n, t) for n, t in (("mean_out", mean_buf), ("eval_out", eval_buf)) if t is not None]
-    if writes:
-        check_writes(writes, round_reads(rows))
-    backend = resolve(backend_name, rows.device)
+    try:
+        check_on_nonfinite(on_nonfinite)
+        rows, p, name = prepare(deltas, models, params)
+        cdt = round_dtype(rows.dtype, None if p is None else p.dtype)
+        mean_buf = out_buffer(mean_out, "mean_out", rows.numel, cdt, rows.device)
+        eval_buf = None
+        if eval_out is not None:
+            if p is None:
+                raise TypeError("eval_out= needs params= (the evaluation model is computed from the updated params)")
+            eval_buf = out_buffer(eval_out, "eval_out", p.segments.numel, p.dtype, p.device)
+        writes = [(f"params entry {k}", t) for k, t in enumerate(p.parts)] if p is not None else []
+        writes += [(n, t) for n, t in (("mean_out", mean_buf), ("eval_out", eval_buf)) if t is not None]
+        if writes:
+            check_writes(writes, round_reads(rows))
+        backend = resolve(backend_name, rows.device)
+    except Exception as e:  # noqa: BLE001 (with a group: every other rank learns at once, then this one raises)
+        if group is not None:
+            from .distributed import fail_step
+
+            fail_step(group, "clients", e)
+        raise
     if group is None:
         stats = client_stats(rows, weights, backend, name=name, mean_out=mean_buf, sync=on_nonfinite == "raise",
                              mean_dtype=cdt)

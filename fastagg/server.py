@@ -119,13 +119,18 @@ class ServerOptimizer:
     def state_dict(self) -> dict:
         """Hyperparameters, the round counter, every buffer (cloned), a format version and the layout signature.
         Like torch optimizers, the parameters themselves are not included: save the model alongside."""
-        return {
+        out = {
             "format": FORMAT_VERSION,
             "optimizer": type(self).__name__,
             "hyperparameters": self.hyperparameters,
             "layout": self.layout.signature(),
             "state": {k: v.detach().clone() for k, v in self.state.items()},
         }
+        if self.sharded:  # which slice this is: distributed.reshard puts the slices back in order by it
+            import torch.distributed as dist
+
+            out["shard"] = {"rank": dist.get_rank(self.group), "world": dist.get_world_size(self.group)}
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a checkpoint of the same optimizer class and parameter layout (hyperparameters included).
@@ -145,6 +150,7 @@ class ServerOptimizer:
         for key in ("layout", "hyperparameters", "state"):
             if key not in state_dict:
                 raise ValueError(f"state_dict has no {key!r} entry")
+        self._check_shard(state_dict.get("shard"))
         mine, theirs = self.layout.signature(), tuple(tuple(e) for e in state_dict["layout"])
         for k, (a, b) in enumerate(zip(mine, theirs)):
             if tuple(a) != (b[0], tuple(b[1]), b[2]):
@@ -166,6 +172,20 @@ class ServerOptimizer:
             setattr(self, k, tuple(v) if k == "betas" else v)
         self.state = state
         self._extra = None
+
+    def _check_shard(self, tag) -> None:
+        """A sharded checkpoint is one rank's slice: only that rank of a group of that size may load it."""
+        if tag is None:
+            return
+        if not self.sharded:
+            raise ValueError(f"state_dict is one slice of a sharded optimizer ({tag!r}); this one is not sharded "
+                             "(fastagg.distributed.reshard(..., 1) joins the slices)")
+        import torch.distributed as dist
+
+        mine = {"rank": dist.get_rank(self.group), "world": dist.get_world_size(self.group)}
+        if not isinstance(tag, dict) or {k: tag.get(k) for k in mine} != mine:
+            raise ValueError(f"state_dict is the slice of {tag!r}; this optimizer is rank {mine['rank']} of "
+                             f"{mine['world']} (fastagg.distributed.reshard re-cuts the slices)")
 
     def _state_kinds(self) -> dict:
         """Name -> (shape, dtype) of every buffer this optimizer may keep."""
@@ -231,8 +251,8 @@ class ServerOptimizer:
         out += [(f"the optimizer's {k!r} buffer", v) for k, v in self.state.items() if v.dim() > 0]
         return out
 
-    def _stats(self, deltas: Any, weights: Any, name: str = "deltas", base: Any = None) -> RoundStats:
-        aux, aux_coef = self._aux()
+    def _rows(self, deltas: Any, weights: Any, name: str, base: Any):
+        """This rank's input, validated: the clients' rows (None for an Accumulator, checked instead)."""
         if isinstance(deltas, Accumulator):
             if self.sharded:
                 raise TypeError("a sharded optimizer takes each client's slice, not an Accumulator")
@@ -244,6 +264,34 @@ class ServerOptimizer:
                 raise ValueError(f"the accumulator holds {deltas.numel} elements per client; the optimizer's params "
                                  f"have {self._p.segments.numel}")
             check_writes(self._written(), deltas._state_reads())
+            return None
+        if base is not None:
+            name = "models"
+        rows = client_rows(deltas, name=name, params=self._p)
+        if base is not None:
+            rows, _ = attach_base(rows, base)
+        if rows.device != self.device:
+            raise ValueError(f"{name} are on {rows.device}; the params are on {self.device}")
+        if rows.numel != self._p.segments.numel:
+            raise ValueError(f"{name} have {rows.numel} elements per client; the optimizer's params have "
+                             f"{self._p.segments.numel}")
+        check_writes(self._written(), round_reads(rows))
+        return rows
+
+    def _stats(self, deltas: Any, weights: Any, name: str = "deltas", base: Any = None) -> RoundStats:
+        try:
+            rows = self._rows(deltas, weights, name, base)
+        except Exception as e:  # noqa: BLE001 (with a group: every other rank learns at once, then this one raises)
+            if self.group is not None:
+                from .distributed import fail_step
+
+                kind = "sharded" if self.sharded else "accumulator" if isinstance(deltas, Accumulator) else "clients"
+                fail_step(self.group, kind, e, self.device)
+            raise
+        aux, aux_coef = self._aux()
+        if base is not None:
+            name = "models"
+        if isinstance(deltas, Accumulator):
             if self.group is not None:  # every rank folded its own clients
                 from .distributed import accumulator_stats
 
@@ -256,17 +304,6 @@ class ServerOptimizer:
                 return deltas.round_stats(lambda device: self._backend, aux=aux, aux_coef=aux_coef,
                                           mean_out=spare if spare is not None else
                                           self._mean_buffer(name, self._cdt, deltas.numel))
-        if base is not None:
-            name = "models"
-        rows = client_rows(deltas, name=name, params=self._p)
-        if base is not None:
-            rows, _ = attach_base(rows, base)
-        if rows.device != self.device:
-            raise ValueError(f"{name} are on {rows.device}; the params are on {self.device}")
-        if rows.numel != self._p.segments.numel:
-            raise ValueError(f"{name} have {rows.numel} elements per client; the optimizer's params have "
-                             f"{self._p.segments.numel}")
-        check_writes(self._written(), round_reads(rows))
         if self.group is not None and self.sharded:  # fastagg.distributed: this rank's slice of every client
             from .distributed import sharded_stats
 

@@ -295,5 +295,115 @@ def sharded_checkpoint(rank: int, world: int, group) -> dict:
     return out
 
 
+def _attempt(fn) -> dict:
+    """fn()'s outcome on this rank: the error it raised (type, message) and how long it took."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        fn()
+        return {"raised": None, "seconds": time.monotonic() - t0}
+    except Exception as e:  # noqa: BLE001 - the test inspects what each rank raised
+        return {"raised": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
+
+
+def local_failure(rank: int, world: int, group) -> dict:
+    """The last rank's input is bad (one element too many per client, which its own params do not have): it raises
+    its own error, every other rank a ValueError naming it, at once (not after the group's timeout); params stay;
+    the next step works on every rank."""
+    sl = share(rank, world)
+    deltas, _, weights = data(0)
+    w = params0()
+    opt = server.FedAdam(w, group=group)
+    bad = torch.ones(sl.stop - sl.start, DIM + 1) if rank == world - 1 else deltas[sl]
+    out = {"first": _attempt(lambda: opt.step(bad, weights=weights[sl]))}
+    out["unchanged"] = bool(torch.equal(w, params0()))
+    out["second"] = _attempt(lambda: opt.step(deltas[sl], weights=weights[sl]))
+    out["w"] = w.clone()
+    return out
+
+
+def failure_in_pass(rank: int, world: int, group) -> dict:
+    """The last rank fails inside its own stats pass, after the header exchange: every rank learns it before the
+    d-vector collective (none waits for the group's timeout); the next step works."""
+    from fastagg import distributed
+
+    sl = share(rank, world)
+    deltas, _, weights = data(0)
+    w = params0()
+    opt = server.FedAvg(w, group=group)
+    real = distributed.run_stats
+    if rank == world - 1:
+        def broken(*a, **k):
+            distributed.run_stats = real
+            raise RuntimeError("out of memory (simulated)")
+        distributed.run_stats = broken
+    out = {"first": _attempt(lambda: opt.step(deltas[sl], weights=weights[sl]))}
+    out["unchanged"] = bool(torch.equal(w, params0()))
+    out["second"] = _attempt(lambda: opt.step(deltas[sl], weights=weights[sl]))
+    return out
+
+
+def out_of_step(rank: int, world: int, group) -> dict:
+    """The last rank calls distributed.gather while the others step: every rank raises that the group is out of
+    step, nothing combined, params unchanged."""
+    from fastagg import distributed
+
+    sl = share(rank, world)
+    deltas, _, weights = data(0)
+    w = params0()
+    if rank == world - 1:
+        res = _attempt(lambda: distributed.gather(torch.ones(5), group))
+    else:
+        res = _attempt(lambda: server.FedAvg(w, group=group).step(deltas[sl], weights=weights[sl]))
+    return {**res, "unchanged": bool(torch.equal(w, params0()))}
+
+
+def _state_dict_of(rank: int, world: int, reverse: bool) -> dict:
+    base = {"a.weight": torch.arange(6.0).view(2, 3) / 10, "b.bias": torch.arange(4.0) / 7, "c.w": torch.ones(5)}
+    return dict(reversed(list(base.items()))) if reverse else base
+
+
+def keys_in_another_order(rank: int, world: int, group) -> dict:
+    """The last rank's model and clients list the same state_dict keys in another order: entries are matched by
+    key (summed with their own keys, not crosswise), and every rank ends with the one process's params."""
+    reverse = group is not None and rank == world - 1
+    w = _state_dict_of(rank, world, reverse)
+    opt = server.FedAvgM(w, momentum=0.5, group=group)
+    deltas, _, weights = data(0)
+    sl = share(rank, world) if group is not None else slice(0, TOTAL)
+    for rnd in range(2):
+        clients = []
+        for i in range(sl.start, sl.stop):
+            row = deltas[i] + rnd
+            sd = {"a.weight": row[:6].view(2, 3), "b.bias": row[6:10], "c.w": row[10:15]}
+            clients.append(dict(reversed(list(sd.items()))) if reverse else sd)
+        opt.step(clients, weights=weights[sl])
+    return {k: v.clone() for k, v in w.items()}
+
+
+def sharded_permuted_weights(rank: int, world: int, group) -> dict:
+    """Sharded ranks whose weights are the same numbers in another order (a permutation the old sum-based check
+    passed: [1, 2, 2, 1] and [2, 1, 1, 2] have equal sums and equal sum_i i w_i): refused on every rank."""
+    from fastagg import distributed
+
+    w = distributed.shard(params0(torch.float64), group).clone()
+    before = w.clone()
+    weights = [1.0, 2.0, 2.0, 1.0] if rank == 0 else [2.0, 1.0, 1.0, 2.0]
+    deltas = torch.ones(4, w.numel(), dtype=torch.float64)
+    res = _attempt(lambda: server.FedAvg(w, group=group, sharded=True).step(deltas, weights=weights))
+    return {**res, "unchanged": bool(torch.equal(w, before))}
+
+
+def gather_dtypes(rank: int, world: int, group) -> dict:
+    """Slices of different dtypes: gather refuses on every rank (gloo would otherwise abort one process)."""
+    from fastagg import distributed
+
+    t = torch.ones(5, dtype=torch.float32 if rank == 0 else torch.float64)
+    return _attempt(lambda: distributed.gather(t, group))
+
+
 CASES = {"buffer_mismatch": buffer_mismatch, "batchnorm_accumulated": batchnorm_accumulated, "sharded_batchnorm": sharded_batchnorm, "many_clients": many_clients, "batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
-         "mismatch": mismatch, "dead_rank": dead_rank}
+         "mismatch": mismatch, "dead_rank": dead_rank, "local_failure": local_failure,
+         "failure_in_pass": failure_in_pass, "out_of_step": out_of_step, "keys_in_another_order": keys_in_another_order,
+         "sharded_permuted_weights": sharded_permuted_weights, "gather_dtypes": gather_dtypes}

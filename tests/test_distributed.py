@@ -237,3 +237,84 @@ def test_a_rank_with_more_clients_than_the_header_carries(tmp_path):
     for res in ranks:
         torch.testing.assert_close(res["w"], ref["w"], rtol=1e-13, atol=1e-15)
         assert res["eta"] == pytest.approx(ref["eta"], rel=1e-12)
+
+
+# -- ranks out of step, keys by name (issue 19) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_whose_input_is_bad_makes_every_rank_fail_that_step_at_once(world, tmp_path):
+    ranks = spawn("local_failure", world, tmp_path, timeout_s=60)
+    for r, res in enumerate(ranks):
+        first = res["first"]
+        assert first["seconds"] < 15, "a rank waited for the group's timeout"
+        if r == world - 1:
+            assert first["raised"] == "ValueError" and "1004 elements" in first["message"]
+        else:
+            assert first["raised"] == "ValueError" and f"rank {world - 1} could not take part" in first["message"]
+        assert res["unchanged"] and res["second"]["raised"] is None
+        assert torch.equal(res["w"], ranks[0]["w"])  # the next step: the same bits on every rank
+
+
+def test_a_rank_that_fails_inside_its_pass_makes_every_rank_fail_at_once(tmp_path):
+    ranks = spawn("failure_in_pass", 2, tmp_path, timeout_s=60)
+    assert ranks[1]["first"]["raised"] == "RuntimeError" and "simulated" in ranks[1]["first"]["message"]
+    assert ranks[0]["first"]["raised"] == "RuntimeError" and "another rank failed" in ranks[0]["first"]["message"]
+    for res in ranks:
+        assert res["first"]["seconds"] < 15 and res["unchanged"] and res["second"]["raised"] is None
+
+
+def test_ranks_out_of_step_raise_on_every_rank_and_combine_nothing(tmp_path):
+    for res in spawn("out_of_step", 2, tmp_path):
+        assert res["raised"] == "RuntimeError" and "out of step" in res["message"], res
+        assert res["unchanged"]
+
+
+def test_state_dict_entries_are_matched_by_key_across_ranks(tmp_path):
+    ranks = spawn("keys_in_another_order", 2, tmp_path)
+    ref = CASES["keys_in_another_order"](0, 1, None)
+    for res in ranks:
+        for k, v in ref.items():
+            torch.testing.assert_close(res[k], v, rtol=1e-6, atol=1e-7, msg=k)
+        for k in ref:
+            assert torch.equal(res[k], ranks[0][k]), k
+
+
+def test_sharded_ranks_with_permuted_weights_are_refused(tmp_path):
+    for res in spawn("sharded_permuted_weights", 2, tmp_path):
+        assert res["raised"] == "ValueError" and "same order" in res["message"], res
+        assert res["unchanged"]
+
+
+def test_gather_refuses_slices_of_different_dtypes_on_every_rank(tmp_path):
+    for res in spawn("gather_dtypes", 2, tmp_path):
+        assert res["raised"] == "TypeError" and "differ in dtype" in res["message"], res
+
+
+def test_reshard_refuses_checkpoints_out_of_order_twice_malformed_or_of_the_wrong_size(tmp_path):
+    from fastagg import distributed
+
+    ranks = spawn("sharded_checkpoint", 2, tmp_path)
+    a, b = (res["FedAdam"][0] for res in ranks)
+    assert a["shard"] == {"rank": 0, "world": 2} and b["shard"] == {"rank": 1, "world": 2}
+    with pytest.raises(ValueError, match="out of rank order"):
+        distributed.reshard([b, a], 1)
+    with pytest.raises(ValueError, match="rank 0 twice"):
+        distributed.reshard([a, a], 1)
+    short = {**b, "state": {**b["state"], "m": b["state"]["m"][:-1]}}
+    with pytest.raises(ValueError, match="buffer 'm' has shape"):
+        distributed.reshard([a, short], 1)
+    with pytest.raises(ValueError, match="not a state_dict"):
+        distributed.reshard([a, "b"], 1)
+    with pytest.raises(ValueError, match="has no 'state'"):
+        distributed.reshard([a, {k: v for k, v in b.items() if k != "state"}], 1)
+    with pytest.raises(ValueError, match="world size"):
+        distributed.reshard([a, b], 0)
+    with pytest.raises(ValueError, match="group of 2 ranks; 3"):
+        distributed.reshard([a, b, b], 1)
+    untagged = [{k: v for k, v in sd.items() if k != "shard"} for sd in (a, b)]
+    swapped = [untagged[1], untagged[0]]
+    if untagged[0]["layout"][0][1] != untagged[1]["layout"][0][1]:  # uneven slices: caught by their sizes
+        with pytest.raises(ValueError, match="slice holds"):
+            distributed.reshard(swapped, 1)
+    (whole,) = distributed.reshard([a, b], 1)
+    assert "shard" not in whole
