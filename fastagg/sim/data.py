@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import zipfile
+
 import numpy as np
 import torch
 
@@ -245,6 +247,10 @@ def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int 
     where = f"npz data set {path!r}"
     try:
         arrays = np.load(path, allow_pickle=False)
+        if not isinstance(arrays, np.lib.npyio.NpzFile):
+            raise ValueError("is a single array (.npy); a data set is an .npz file holding 'x' and 'y' "
+                             "(numpy.savez)")
+        _check_headers(arrays)
         missing = [k for k in ("x", "y") if k not in arrays.files]
         if missing:
             raise ValueError(f"has no array {missing[0]!r} (needs 'x' and 'y', optional 'client')")
@@ -254,7 +260,7 @@ def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int 
             raise ValueError("has only one of 'x_test' and 'y_test' (a test set needs both)")
         test = (arrays["x_test"], np.asarray(arrays["y_test"])) if "x_test" in arrays.files else None
         num_classes = np.asarray(arrays["num_classes"]) if "num_classes" in arrays.files else None
-    except (OSError, ValueError, EOFError) as e:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise ValueError(f"cannot read {where}: {e}") from e
     x = _features(x_raw, "x", where)
     classification = np.issubdtype(y.dtype, np.integer)
@@ -270,6 +276,12 @@ def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int 
     n_classes = 0
     if classification:
         largest = max(int(y.max()), int(test[1].max()) if test is not None else 0)
+        wanted = largest + 1
+        if num_classes is not None and num_classes.shape == () and np.issubdtype(num_classes.dtype, np.integer):
+            wanted = max(wanted, int(num_classes))
+        if wanted > MAX_CLASSES:  # a model of that many outputs would be allocated: refused first
+            raise ValueError(f"{where}: its labels or num_classes ask for {wanted} classes; at most {MAX_CLASSES} "
+                             "are supported")
         if num_classes is None:
             n_classes = largest + 1
         else:
@@ -289,6 +301,9 @@ def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int 
             raise ValueError(f"{where}: 'client' must hold integer client ids, got dtype {owner.dtype}")
         if (owner < 0).any():
             raise ValueError(f"{where}: 'client' holds negative ids (e.g. {int(owner[owner < 0][0])})")
+        if int(owner.max()) >= len(x):  # ids 0..N-1 each used: N is at most the number of samples
+            raise ValueError(f"{where}: 'client' holds id {int(owner.max())} but there are only {len(x)} samples "
+                             "(ids must be 0..N-1, each used)")
         n_clients = int(owner.max()) + 1
         empty = np.setdiff1d(np.arange(n_clients), owner)
         if len(empty):
@@ -309,6 +324,29 @@ def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int 
                          defaults=dict(participation=1.0, batch_size=20, local_steps=5, lr=0.05, rounds=100,
                                        model="softmax" if classification else "linear"),
                          test_x=test_x, test_y=test_y)
+
+
+MAX_CLASSES = 1 << 20  # a label beyond this is a corrupt file, not a data set: refused before any model is built
+
+
+def _check_headers(arrays) -> None:
+    """Every array's header against the bytes its member holds, before any array is read: a header that claims more
+    data than the file has (a corrupt or hostile file) would otherwise make numpy allocate what the header says."""
+    for info in arrays.zip.infolist():
+        with arrays.zip.open(info) as f:
+            try:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+                else:
+                    shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+            except ValueError as e:
+                raise ValueError(f"member {info.filename!r} is not a numpy array ({e})") from None
+            claimed = int(np.prod(shape, dtype=object)) * dtype.itemsize
+            held = info.file_size - f.tell()
+            if claimed > held:
+                raise ValueError(f"member {info.filename!r} claims {claimed} bytes of data ({dtype} of shape "
+                                 f"{shape}) but holds {held}")
 
 
 def _features(raw: np.ndarray, name: str, where: str) -> np.ndarray:

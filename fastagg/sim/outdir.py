@@ -1,11 +1,15 @@
-"""A run's output folder, kept safe: one run writes it at a time (a lock file), a finished or stopped run's
-results are never overwritten unless asked (``--overwrite``), and a checkpoint is loaded without executing
-anything it contains (``weights_only``) and only into the run it belongs to."""
+"""A run's output folder, kept safe: one run writes it at a time (a lock the kernel holds for a live process only),
+a finished or stopped run's results are never overwritten unless asked (``--overwrite``), nothing is ever written
+through a symbolic link planted in it (files are created fresh, without following links, and renamed into
+place), and a checkpoint is loaded without executing anything it contains (``weights_only``) and only into the
+run it belongs to."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import warnings
+from typing import Callable
 
 import torch
 
@@ -16,31 +20,28 @@ SIGNATURE = ("dataset", "model", "algorithms", "seeds", "clients", "dirichlet", 
 
 
 class Lock:
-    """The folder's lock file, holding the owner's pid; ``release()`` removes it."""
+    """The folder's lock: the lock file, held with ``flock`` (the kernel drops it when the process dies, however it
+    dies, so a killed run never leaves a folder locked), holding the owner's pid for the message others get."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, fd: int):
+        self.path, self.fd = path, fd
 
     def release(self) -> None:
-        try:
-            os.remove(self.path)
+        if self.fd is None:
+            return
+        try:  # unlinked while still held: a run that opened this file meanwhile sees it is gone and retries
+            os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        os.close(self.fd)
+        self.fd = None
 
 
 def claim(out: str, *, resume: bool, overwrite: bool) -> Lock:
     """Make ``out`` this run's: create it, refuse one that holds another run's results (unless ``resume`` or
-    ``overwrite``), refuse one another live run is writing, and take its lock. Raises ValueError, one line."""
+    ``overwrite``), refuse one another live run is writing, and take its lock. Two runs can never both hold a
+    folder: the lock is taken with ``flock`` on the file that is at the lock's path at that moment. Raises
+    ValueError, one line."""
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
@@ -48,33 +49,65 @@ def claim(out: str, *, resume: bool, overwrite: bool) -> Lock:
     if not os.access(out, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out!r} is not writable")
     path = os.path.join(out, LOCK)
-    for _ in range(2):
+    while True:
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                with open(path) as f:
-                    pid = int(f.read().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if pid and pid != os.getpid() and _alive(pid):
-                raise ValueError(f"another run (pid {pid}) is writing to {out!r}; wait for it or choose another "
-                                 "--out") from None
-            os.remove(path)  # a killed run's stale lock
-            continue
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
         except OSError as e:
-            raise ValueError(f"cannot write to --out {out!r}: {os.strerror(e.errno or errno.EACCES)}") from e
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        break
-    lock = Lock(path)
+            why = "a symbolic link" if e.errno == errno.ELOOP else "a directory" if e.errno == errno.EISDIR else \
+                os.strerror(e.errno or errno.EACCES)
+            raise ValueError(f"cannot use the lock file {path!r}: it is {why}; remove it") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ValueError(f"another run (pid {holder}) is writing to {out!r}; wait for it or choose another "
+                             "--out") from None
+        try:  # the file locked must be the one at the path now (another run may have released and unlinked it)
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        mine = os.fstat(fd)
+        if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    lock = Lock(path, fd)
     if not resume and not overwrite:
-        held = [name for name in RESULTS if os.path.exists(os.path.join(out, name))]
+        held = [name for name in RESULTS if os.path.lexists(os.path.join(out, name))]
         if held:
             lock.release()
             raise ValueError(f"{out!r} already holds a run ({', '.join(held)}); pass --overwrite to replace it or "
                              "--resume to continue it")
     return lock
+
+
+def open_new(out: str, name: str, *, binary: bool = False):
+    """A fresh file ``name`` in ``out``, opened for writing: whatever entry has that name is removed first (a file,
+    or a symbolic link someone planted: the link itself, never what it points to), and the file is created
+    exclusively without following links. Raises ValueError (one line) when that cannot be done."""
+    path = os.path.join(out, name)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise ValueError(f"cannot replace {path!r}: {os.strerror(e.errno or errno.EACCES)}") from None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except OSError as e:  # re-planted between the unlink and the open
+        raise ValueError(f"cannot create {path!r}: {os.strerror(e.errno or errno.EACCES)}") from None
+    return os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", newline="")
+
+
+def write_file(out: str, name: str, write: Callable, *, binary: bool = False) -> None:
+    """``name`` in ``out`` written whole or not at all: ``write(f)`` fills a fresh temporary file (:func:`open_new`),
+    which is then renamed over ``name`` (a rename replaces a link at ``name`` itself, never its target)."""
+    tmp = name + ".tmp"
+    with open_new(out, tmp, binary=binary) as f:
+        write(f)
+    os.replace(os.path.join(out, tmp), os.path.join(out, name))
 
 
 def signature(cfg) -> dict:
@@ -84,9 +117,7 @@ def signature(cfg) -> dict:
 
 def save_checkpoint(out: str, ckpt: dict) -> None:
     """Written to a temporary file and renamed: a killed process leaves the previous checkpoint whole."""
-    tmp = os.path.join(out, CHECKPOINT + ".tmp")
-    torch.save(ckpt, tmp)
-    os.replace(tmp, os.path.join(out, CHECKPOINT))
+    write_file(out, CHECKPOINT, lambda f: torch.save(ckpt, f), binary=True)
 
 
 def load_checkpoint(out: str, cfg) -> dict:

@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+from . import outdir
+
 
 def _curves(rows, algorithm, field):
     seeds = sorted({r["seed"] for r in rows if r["algorithm"] == algorithm})
@@ -47,8 +49,8 @@ def plot(history, out_dir: str) -> list:
         ax.set_title(f"{history.config.dataset}: {label}")
         ax.legend()
         fig.tight_layout()
-        path = os.path.join(out_dir, {"train_loss": "loss.png", "test_acc": "accuracy.png", "eta": "eta.png"}[field])
-        fig.savefig(path, dpi=120)
+        name = {"train_loss": "loss.png", "test_acc": "accuracy.png", "eta": "eta.png"}[field]
+        outdir.write_file(out_dir, name, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
         plt.close(fig)
-        paths.append(path)
+        paths.append(os.path.join(out_dir, name))
     return paths

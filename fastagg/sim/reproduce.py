@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .. import client
-from . import data as datasets, models
+from . import data as datasets, models, outdir
 from .runner import Config, run
 
 
@@ -342,8 +342,7 @@ def main(argv=None) -> int:
         claims.append(c)
     text = report(claims, a.quick, time.perf_counter() - t0)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "REPRODUCTION.md"), "w") as f:
-        f.write(text + "\n")
+    outdir.write_file(a.out, "REPRODUCTION.md", lambda f: f.write(text + "\n"))  # never through a planted link
     return 0
 
 

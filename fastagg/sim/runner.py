@@ -96,9 +96,12 @@ class Config:
             name, cfg = self.for_algorithm(spec, data)
             try:
                 cfg._check_settings()
-            except ValueError as e:
+                alg = algorithms.resolve(name, cfg)
+                alg.server_cls(torch.zeros(2, dtype=torch.float64), **alg.server_kwargs)  # its own checks, now
+                if alg.client_rule == "scaffold" and not cfg.lr > 0:
+                    raise ValueError(f"lr must be > 0 for {name} (its control variates divide by it), got {cfg.lr}")
+            except (TypeError, ValueError) as e:
                 raise ValueError(f"{spec}: {e}" if ":" in spec else str(e)) from None
-            algorithms.resolve(name, cfg)
         if self.target is not None and not (isinstance(self.target, (int, float)) and math.isfinite(self.target)):
             raise ValueError(f"target must be a finite number, got {self.target!r}")
         if not self.seeds or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.seeds):
@@ -137,6 +140,29 @@ class Config:
             raise ValueError(f"eps_mode must be 'paper' or 'official', got {self.eps_mode!r}")
         if self.mass_average not in ("w", "u"):
             raise ValueError(f"mass_average must be 'w' (paper 004) or 'u', got {self.mass_average!r}")
+        if self.server_lr is not None and not (isinstance(self.server_lr, (int, float)) and
+                                               math.isfinite(self.server_lr) and self.server_lr >= 0):
+            raise ValueError(f"server_lr must be a finite number >= 0, got {self.server_lr!r}")
+        if not self.lr_decay > 0:  # a decay of 0 leaves rounds with no local step (SCAFFOLD divides by it)
+            raise ValueError(f"lr_decay must be a finite number > 0, got {self.lr_decay!r}")
+        for name in ("sps_c", "gamma_b"):  # the client rules' own numbers, checked here, not at their first step
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("nesterov_momentum", "mass_gam", "server_momentum", "fedexpm_beta", "lam"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1):
+                raise ValueError(f"{name} must be a number in [0, 1), got {v!r}")
+        for name in ("mass_eta2",):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.clip_norm is not None and not (isinstance(self.clip_norm, (int, float)) and
+                                               math.isfinite(self.clip_norm) and self.clip_norm > 0):
+            raise ValueError(f"clip_norm must be a finite number > 0, got {self.clip_norm!r}")
+        for name, top in (("local_steps", 10**7), ("batch_size", 10**7), ("rounds", 10**9), ("eval_every", 10**9)):
+            if getattr(self, name) > top:  # work or memory in proportion to a mistaken value: refused at once
+                raise ValueError(f"{name} must be at most {top:.0e}, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass
@@ -519,7 +545,30 @@ def checked_settings(settings: Any, where: str) -> dict:
             if not isinstance(out[k], (list, tuple)):
                 raise ValueError(f"{where}: {k} must be a list")
             out[k] = tuple(out[k])
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    for k, v in out.items():
+        if not _of_type(v, types[k]):
+            raise ValueError(f"{where}: {k} must be {types[k].replace('|', 'or')}, got {type(v).__name__} {v!r:.60}")
     return out
+
+
+def _of_type(value: Any, annotation: str) -> bool:
+    """``value`` fits a Config field's annotation (``"float | None"``, ``"int"``, ``"tuple"``...): ints count as
+    floats, bools as neither, and a tuple's items are names (algorithms) or integers (seeds)."""
+    for t in (a.strip() for a in annotation.split("|")):
+        if t == "None" and value is None:
+            return True
+        if t == "bool" and isinstance(value, bool):
+            return True
+        if isinstance(value, bool):
+            continue
+        if t == "int" and isinstance(value, int) or t == "float" and isinstance(value, (int, float)) or \
+                t == "str" and isinstance(value, str):
+            return True
+        if t == "tuple" and isinstance(value, tuple) and all(isinstance(x, (str, int)) and not isinstance(x, bool)
+                                                             for x in value):
+            return True
+    return False
 
 
 def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrite: bool = False) -> History:
@@ -550,21 +599,71 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
     if world > 1 and not _agree(True):
         raise ValueError("rank 0 could not start the run (its error is in its output); nothing was run")
     try:
-        ckpt = outdir.load_checkpoint(cfg.out, cfg) if resume else \
-            {"rows": [], "done": [], "current": None, "run": outdir.signature(cfg)}
+        if resume:
+            ckpt = outdir.load_checkpoint(cfg.out, cfg)
+            check_resume_state(cfg, data, ckpt)  # before anything in the folder is rewritten
+        else:
+            ckpt = {"rows": [], "done": [], "current": None, "run": outdir.signature(cfg)}
         return _run_all(cfg, data, ckpt, verbose)
     finally:
         if lock is not None:
             lock.release()
 
 
+def check_resume_state(cfg: Config, data, ckpt: dict) -> None:
+    """A checkpoint's contents fit this run: the metric rows, the finished (algorithm, seed) pairs, and the run in
+    progress -- its round, params (size and dtype of the model), optimizer state (loaded into a probe optimizer of
+    its algorithm, which checks shapes, dtypes, counters and the rule's invariants), clients' state and random
+    generator. Raises ValueError naming the first problem; nothing is written or changed here."""
+    where = f"{os.path.join(cfg.out, CHECKPOINT)!r}"
+    rows, done, current = ckpt["rows"], ckpt["done"], ckpt["current"]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and set(METRIC_FIELDS) <= set(r) for r in rows):
+        raise ValueError(f"{where}: its metric rows are malformed")
+    pairs = {(a, sd) for a in cfg.algorithms for sd in cfg.seeds}
+    if not isinstance(done, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 and tuple(p) in pairs
+                                             for p in done):
+        raise ValueError(f"{where}: its finished runs are not (algorithm, seed) pairs of this run")
+    if current is None:
+        return
+    keys = {"algorithm", "seed", "round", "params", "optimizer", "clients", "generator"}
+    if not isinstance(current, dict) or not keys <= set(current):
+        raise ValueError(f"{where}: its run in progress is malformed (needs {sorted(keys)})")
+    if (current["algorithm"], current["seed"]) not in pairs:
+        raise ValueError(f"{where}: its run in progress ({current['algorithm']!r}, seed {current['seed']!r}) is not "
+                         "one of this run's")
+    name, acfg = cfg.for_algorithm(current["algorithm"], data)
+    rnd = current["round"]
+    if not isinstance(rnd, int) or isinstance(rnd, bool) or not 0 <= rnd <= acfg.rounds:
+        raise ValueError(f"{where}: its round {rnd!r} is not in 0..{acfg.rounds}")
+    device, dtype = torch.device(acfg.device), getattr(torch, acfg.dtype)
+    model = models.make(acfg.model, data)
+    params = current["params"]
+    if not isinstance(params, torch.Tensor) or tuple(params.shape) != (model.dim,) or params.dtype != dtype:
+        got = f"{params.dtype} of shape {tuple(params.shape)}" if isinstance(params, torch.Tensor) else \
+            type(params).__name__
+        raise ValueError(f"{where}: its params are {got}; the model has {model.dim} {dtype} parameters")
+    if not bool(torch.isfinite(params).all()):
+        raise ValueError(f"{where}: its params hold NaN or Inf")
+    alg = algorithms.resolve(name, acfg)
+    probe = alg.server_cls(torch.zeros(model.dim, dtype=dtype, device=device), backend=acfg.backend,
+                           **alg.server_kwargs)
+    try:
+        probe.load_state_dict(current["optimizer"])
+        if alg.client_rule in ("decsps", "nesterov", "mass", "scaffold"):
+            state = client.ClientState(data.num_clients, model.dim, dtype=dtype, device=device)
+            state.load_state_dict(current["clients"])
+        torch.Generator().set_state(current["generator"])
+    except (TypeError, ValueError, RuntimeError, AttributeError, KeyError) as e:
+        raise ValueError(f"{where}: its run in progress cannot be restored ({str(e).splitlines()[0][:160]})") \
+            from None
+
+
 def _run_all(cfg: Config, data, ckpt: dict, verbose: bool) -> History:
     rows = list(ckpt["rows"])
     out_file = writer = None
-    if cfg.out:
-        with open(os.path.join(cfg.out, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
-        out_file = open(os.path.join(cfg.out, "metrics.csv"), "w", newline="")
+    if cfg.out:  # never through a link planted in the folder (outdir.open_new / write_file)
+        outdir.write_file(cfg.out, "config.json", lambda f: json.dump(dataclasses.asdict(cfg), f, indent=2))
+        out_file = outdir.open_new(cfg.out, "metrics.csv")
         writer = csv.DictWriter(out_file, fieldnames=METRIC_FIELDS)
         writer.writeheader()
         writer.writerows(rows)
@@ -618,10 +717,12 @@ def _run_all(cfg: Config, data, ckpt: dict, verbose: bool) -> History:
         if verbose:
             print(format_summary(table), flush=True)
         if cfg.out:
-            with open(os.path.join(cfg.out, "summary.csv"), "w", newline="") as f:
+            def write_summary(f):
                 w = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
                 w.writeheader()
                 w.writerows(table)
+
+            outdir.write_file(cfg.out, "summary.csv", write_summary)
             from .plots import plot
 
             plot(history, cfg.out)
