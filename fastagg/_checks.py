@@ -105,10 +105,14 @@ def _weights_array(weights: Any) -> np.ndarray:
         raw = np.asarray(weights)
     except (TypeError, ValueError, OverflowError) as e:
         raise TypeError(f"weights must be numbers, got {weights!r}") from e
-    if raw.dtype.kind in "iuf":
+    if raw.dtype.kind in "iuf" and not (isinstance(weights, (list, tuple)) and
+                                        any(isinstance(v, (bool, np.bool_)) for v in weights)):
         return raw.astype(np.float64)
     out = []
-    for i, v in enumerate(raw.reshape(-1).tolist()):
+    items = list(weights) if isinstance(weights, (list, tuple)) and raw.ndim == 1 else raw.reshape(-1).tolist()
+    for i, v in enumerate(items):
+        if isinstance(v, np.generic):
+            v = v.item()
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"weights[{i}] is {v!r}; weights must be real numbers")
         out.append(_as_float(v, f"weights[{i}]"))

@@ -299,3 +299,98 @@ def test_fuzz_client_steps(backend, data):
     _close(args[0], ref_args[0], dtype, "params", "params")
     assert bool(torch.isfinite(args[0]).all()) or not bool(torch.isfinite(x).all()) or \
         not bool(torch.isfinite(ref_args[0]).all())
+
+
+# -- issue 19: keys by name, hostile scalars -------------------------------------------------------------------
+
+KEYS = ["a.weight", "b.bias", "c.w", "d.running_mean"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@FUZZ
+@given(data=st.data())
+def test_fuzz_keyed_accumulators_merge_and_reload_by_key(backend, data):
+    """Accumulators of one state_dict model whose keys come in random orders (the model's, each client's, the
+    other accumulator's, the one a saved round is loaded into): every sum equals the float64 sum by key, or the
+    call raises ValueError/TypeError with the accumulator unchanged."""
+    shapes = {k: data.draw(st.sampled_from([(3,), (2, 2), (1,)]), label=f"shape {k}") for k in KEYS}
+
+    def model(seed, order):
+        g = torch.Generator().manual_seed(seed)
+        return {k: torch.randn(*shapes[k], generator=g, dtype=torch.float64) for k in order}
+
+    def order():
+        return data.draw(st.permutations(KEYS), label="key order")
+
+    acc = fastagg.Accumulator(like=model(0, order()), backend=backend)
+    other = fastagg.Accumulator(like=model(0, order()), backend=backend)
+    want = {k: torch.zeros(shapes[k], dtype=torch.float64) for k in KEYS}
+    for i in range(data.draw(st.integers(1, 4), label="clients")):
+        target = data.draw(st.sampled_from([acc, other]), label="which")
+        w = data.draw(st.sampled_from([1.0, 2.5, 0.0, 1e308, 10**400, -1.0, "3", True]), label="weight")
+        c = model(10 + i, order())
+        try:
+            ok = target.add(c, w, client_id=f"c{i}")
+        except (TypeError, ValueError):
+            continue
+        if ok:
+            for k in KEYS:
+                want[k] += float(w) * c[k]
+    try:
+        acc.merge(other)
+    except ValueError:  # the merged sums overflow (1e308 weights): nothing merged
+        want = None
+    def by_key(a):  # the parameter sums (weighted_sum) and the buffers' sums, by key
+        out = dict(a.weighted_sum)
+        out.update({n: b for n, b in zip(a._buffer_names, a._buffer_sums) if b is not None})
+        return out
+
+    if want is not None:
+        got = by_key(acc)
+        for k in KEYS:
+            if k in got:
+                assert_close(got[k].reshape(shapes[k]), want[k], rtol=1e-12, atol=1e-300, name=k)
+    reloaded = fastagg.Accumulator(like=model(0, order()), backend=backend)
+    reloaded.load_state_dict(acc.state_dict())
+    mine, theirs = by_key(reloaded), by_key(acc)
+    assert set(mine) == set(theirs)
+    for k in mine:
+        assert torch.equal(torch.as_tensor(mine[k]), torch.as_tensor(theirs[k])), k
+    assert reloaded.client_ids == acc.client_ids and reloaded.total_weight == acc.total_weight
+
+
+HOSTILE = [float("nan"), float("inf"), -1.0, 10**400, "1", True, None, [1.0], 1j, torch.tensor(float("nan")),
+           torch.ones(2), torch.tensor(1 + 1j)]
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_hostile_scalars_get_a_type_or_value_error(data):
+    """Every numeric argument of every entry point, given a hostile value, raises TypeError or ValueError (never
+    OverflowError, RuntimeError or a silent result) and leaves its buffers unchanged."""
+    value = data.draw(st.sampled_from(HOSTILE), label="value")
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    w = torch.zeros(8)
+    losses = torch.ones(3, dtype=torch.float64)
+    calls = {
+        "eps": lambda: fastagg.fedexp_step(x, eps=value, params=w),
+        "lr": lambda: fastagg.fedavg_step(x, lr=value, params=w),
+        "weights": lambda: fastagg.fedexp_step(x, eps=1e-3, weights=[1.0, value, 1.0], params=w),
+        "server lr": lambda: server.FedAdam(w, lr=value),
+        "momentum": lambda: server.FedAvgM(w, momentum=value),
+        "sps c": lambda: client.sps_step(params=x.clone(), grads=x, losses=losses, c=value),
+        "min_sq_norm": lambda: client.sps_step(params=x.clone(), grads=x, losses=losses, min_sq_norm=value),
+        "accumulator weight": lambda: fastagg.Accumulator(like=w).add(x[0], value),
+        "from sums": lambda: fastagg.fedexp_step_from_sums(x[0], value, 3.0, 3, eps=1e-3),
+    }
+    name = data.draw(st.sampled_from(sorted(calls)), label="argument")
+    before = snapshot([x, w])
+    try:
+        calls[name]()
+    except (TypeError, ValueError):
+        pass
+    else:  # a few hostile values are valid for some arguments (None for optional ones, a one-element tensor)
+        assert value is None or isinstance(value, torch.Tensor) and value.numel() == 1 and \
+            bool(torch.isfinite(value)) or value is True and name == "eps", (name, value)
+    for b, a in zip(before, [x, w]):
+        assert torch.equal(b, a) or name in ("lr", "eps", "weights", "from sums", "accumulator weight")
