@@ -82,8 +82,7 @@ class Accumulator:
     _scratch = property(lambda self: self._round.scratch)
     _weighted_sq = property(lambda self: self._round.weighted_sq)
     _buffer_sums = property(lambda self: list(self._round.buffer_sums))
-    _ids = property(lambda self: list(self._round.ids))
-    _named = property(lambda self: self._round.named)
+    _ids = property(lambda self: self._round.ids())
     total_weight = property(lambda self: self._round.total_weight,
                             doc="``sum_i n_i`` over the clients folded in (float).")
 
@@ -94,7 +93,7 @@ class Accumulator:
 
     @property
     def num_clients(self) -> int:
-        return len(self._round.sq_norms)
+        return self._round.n
 
     @property
     def weighted_sum(self) -> Any:
@@ -109,7 +108,7 @@ class Accumulator:
     @property
     def sq_norms(self) -> torch.Tensor:
         """``||delta_i||^2`` of every client added so far, float64 ``(M,)``."""
-        norms = self._round.sq_norms
+        norms = self._round.norms()
         if not norms:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
         return torch.stack(norms)
@@ -117,7 +116,7 @@ class Accumulator:
     @property
     def client_ids(self) -> list:
         """The ids given to :meth:`add` (None for clients added without one), in the order they were folded."""
-        return list(self._round.ids)
+        return self._round.ids()
 
     def add(self, delta: Any, weight: float = 1.0, *, base: Any = None, on_nonfinite: str = "raise",
             client_id: Any = None) -> bool:
@@ -195,7 +194,7 @@ class Accumulator:
 
     def _settled(self, fold: "_Fold") -> bool:
         """``fold`` is done: refused, or folded (it is in the committed round: the round's word is final)."""
-        if not fold.done and fold.token in self._round.members:
+        if not fold.done and self._round.has_token(fold.token):
             fold.finish(folded=True)
         return fold.done
 
@@ -298,7 +297,7 @@ class Accumulator:
         live, seen = [], set()
         total = self._round.total_weight
         for f in folds:
-            if f.client_id is not None and (f.client_id in self._named or f.client_id in seen):
+            if f.client_id is not None and (self._round.has_id(f.client_id) or f.client_id in seen):
                 refuse(f, "was already folded into this round", nonfinite=False)
                 continue
             if not math.isfinite(total + f.weight):  # huge finite weights: the one that would overflow is refused
@@ -350,12 +349,11 @@ class Accumulator:
         buffer_sums = list(r.buffer_sums)
         for f in live:
             buffer_sums = [b if s is None else s + b for s, b in zip(buffer_sums, f.buffers)]
-        committed = _Round(sum=self._spare(), scratch=r.sum, sq_norms=r.sq_norms + tuple(sq.unbind()),
-                           weighted_sq=sq_new, buffer_sums=tuple(buffer_sums),
-                           total_weight=r.total_weight + sum(f.weight for f in live),
-                           ids=r.ids + tuple(f.client_id for f in live),
-                           named=r.named | {f.client_id for f in live if f.client_id is not None},
-                           members=r.members | {f.token for f in live})
+        spare = self._spare()
+        r = self._round
+        committed = r.extended([(norm, f.client_id, f.token) for norm, f in zip(sq.unbind(), live)],
+                               sum=spare, scratch=r.sum, weighted_sq=sq_new, buffer_sums=tuple(buffer_sums),
+                               total_weight=r.total_weight + sum(f.weight for f in live))
         self._round = committed  # the one write that folds them: a signal lands before it or after it
         for f in live:
             f.finish(folded=True)
@@ -376,7 +374,7 @@ class Accumulator:
         first, second = sorted((self, other), key=id)  # one lock order for any two accumulators
         with first._lock, second._lock:
             r, o = self._round, other._round
-            twice = o.named & r.named
+            twice = [i for i in o.ids() if i is not None and r.has_id(i)]
             if twice:
                 raise ValueError(f"clients {sorted(map(repr, twice))[:5]} are in both accumulators; nothing was merged")
             new_sum = r.sum + _reordered(o.sum, slices)
@@ -386,9 +384,8 @@ class Accumulator:
                 raise ValueError("the merged sums overflow; nothing was merged")
             theirs = [o.buffer_sums[k] for k in take_buffer]
             merged = tuple(b if a is None else a if b is None else a + b for a, b in zip(r.buffer_sums, theirs))
-            self._round = dataclasses.replace(
-                r, sum=new_sum, weighted_sq=new_sq, sq_norms=r.sq_norms + o.sq_norms, buffer_sums=merged,
-                total_weight=total, ids=r.ids + o.ids, named=r.named | o.named, members=r.members | o.members)
+            self._round = r.extended([(norm, i, None) for norm, i in zip(o.norms(), o.ids())], sum=new_sum,
+                                     weighted_sq=new_sq, buffer_sums=merged, total_weight=total)
 
     def _entry_slices(self, signature: tuple, what: str) -> list | None:
         """How to read a flat vector laid out as ``signature`` (name, shape, dtype per entry) in this accumulator's
@@ -443,7 +440,7 @@ class Accumulator:
                      "layout": [list(e) for e in self._form.signature()],
                      "sum": r.sum.detach().cpu().clone(), "sq_norms": self.sq_norms.cpu().clone(),
                      "weighted_sq": float(r.weighted_sq), "total_weight": float(r.total_weight),
-                     "client_ids": list(r.ids),
+                     "client_ids": r.ids(),
                      "buffer_sums": [None if b is None else b.cpu().clone() for b in r.buffer_sums]}
         state["crc32"] = _state_crc(state)
         return state
@@ -513,11 +510,11 @@ class Accumulator:
             r = self._round
             target = r.scratch if r.scratch is not None else torch.empty_like(r.sum)
             target.copy_(_reordered(total, slices).to(self.device))
-            norms = tuple(v.to(torch.float64).to(self.device) for v in sq.unbind())
-            self._round = _Round(sum=target, scratch=r.sum, sq_norms=norms,
-                                 weighted_sq=torch.tensor(ws, dtype=torch.float64, device=self.device),
-                                 buffer_sums=tuple(buffer_sums), total_weight=tw, ids=tuple(ids),
-                                 named=frozenset(named), members=frozenset())
+            norms = [v.to(torch.float64).to(self.device) for v in sq.unbind()]
+            fresh = _Round.empty(target, r.sum, len(self._buffer_names))
+            self._round = fresh.extended([(norm, i, None) for norm, i in zip(norms, ids)],
+                                         weighted_sq=torch.tensor(ws, dtype=torch.float64, device=self.device),
+                                         buffer_sums=tuple(buffer_sums), total_weight=tw)
 
     def _client_buffers(self, rows, w: float, base: dict | None = None, client: int = 0) -> list:
         """``w * b`` (with a base: ``w * (b - base_b)``) in float64 for each buffer of client ``client`` of
@@ -659,28 +656,79 @@ class Accumulator:
                                group=group)
 
 
+class _Log:
+    """The clients of a round in fold order, append-only: their squared norms, ids and fold tokens, with the
+    positions of the ids and tokens (membership in O(1)). Only the first ``n`` entries of a :class:`_Round` count;
+    entries past it are what an interrupted fold appended before its round was committed, dropped by the next
+    fold (so a fold costs O(its clients), not O(the round))."""
+
+    def __init__(self):
+        self.norms: list = []
+        self.ids: list = []
+        self.tokens: list = []
+        self.id_pos: dict = {}
+        self.token_pos: dict = {}
+
+    def truncate(self, n: int) -> None:
+        # the lists may differ in length past n (an append interrupted half-way); a key is in a table only once it
+        # is in its list, so the lists' tails name every table entry to drop
+        for keys, table in ((self.ids, self.id_pos), (self.tokens, self.token_pos)):
+            for key in keys[n:]:
+                if key is not None and table.get(key, -1) >= n:
+                    del table[key]
+        del self.norms[n:], self.ids[n:], self.tokens[n:]
+
+    def append(self, norm: torch.Tensor, client_id: Any, token: int | None) -> None:
+        i = len(self.ids)
+        self.norms.append(norm)
+        self.ids.append(client_id)
+        self.tokens.append(token)
+        if client_id is not None:
+            self.id_pos[client_id] = i
+        if token is not None:
+            self.token_pos[token] = i
+
+
 @dataclasses.dataclass(frozen=True)
 class _Round:
     """Everything a round has folded. It is never changed, only replaced by a new one in a single assignment, so
     a call interrupted anywhere (a signal) leaves the old round or the new one, never a mix: the sums, the client
     count and the ids always agree. ``scratch`` is the spare sum buffer (None while a step holds it as its mean);
-    ``members`` the tokens of the adds folded in (how an add learns it was folded by a folder that was
-    interrupted before it could say so)."""
+    the first ``n`` entries of ``log`` are the round's clients (see :class:`_Log`); a fold's token there tells an add
+    that it was folded by a folder that was interrupted before it could say so."""
 
     sum: torch.Tensor
     scratch: torch.Tensor | None
-    sq_norms: tuple
+    n: int
+    log: _Log
     weighted_sq: torch.Tensor
     buffer_sums: tuple
     total_weight: float
-    ids: tuple
-    named: frozenset
-    members: frozenset
 
     @classmethod
     def empty(cls, zeros: torch.Tensor, scratch: torch.Tensor | None, num_buffers: int) -> "_Round":
-        return cls(zeros, scratch, (), torch.zeros((), dtype=torch.float64, device=zeros.device),
-                   (None,) * num_buffers, 0.0, (), frozenset(), frozenset())
+        return cls(zeros, scratch, 0, _Log(), torch.zeros((), dtype=torch.float64, device=zeros.device),
+                   (None,) * num_buffers, 0.0)
+
+    def ids(self) -> list:
+        return self.log.ids[:self.n]
+
+    def norms(self) -> list:
+        return self.log.norms[:self.n]
+
+    def has_id(self, client_id: Any) -> bool:
+        return self.log.id_pos.get(client_id, self.n) < self.n
+
+    def has_token(self, token: int) -> bool:
+        return self.log.token_pos.get(token, self.n) < self.n
+
+    def extended(self, entries: list, **changes) -> "_Round":
+        """This round with ``entries`` ((norm, id, token) each) folded in, and ``changes`` to its other fields;
+        appends to the shared log (past this round's ``n``: invisible until the new round is assigned)."""
+        self.log.truncate(self.n)
+        for norm, client_id, token in entries:
+            self.log.append(norm, client_id, token)
+        return dataclasses.replace(self, n=self.n + len(entries), **changes)
 
 
 _tokens = itertools.count()
