@@ -728,7 +728,10 @@ class _Round:
         self.log.truncate(self.n)
         for norm, client_id, token in entries:
             self.log.append(norm, client_id, token)
-        return dataclasses.replace(self, n=self.n + len(entries), **changes)
+        fields = {"sum": self.sum, "scratch": self.scratch, "log": self.log, "weighted_sq": self.weighted_sq,
+                  "buffer_sums": self.buffer_sums, "total_weight": self.total_weight}  # (dataclasses.replace: slow)
+        fields.update(changes)
+        return _Round(n=self.n + len(entries), **fields)
 
 
 _tokens = itertools.count()
