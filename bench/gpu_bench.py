@@ -61,6 +61,21 @@ def bench(fn, *, rep_ms: int = 200) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
+def wall(fn, *, reps: int = 3, warmup: int = 1) -> float:
+    """Median wall-clock seconds of ``fn()`` (synchronized after each call): for work whose host side is part of
+    what is measured (feeding from host memory, a whole simulator round), where ``bench`` times the device alone."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def record(section: str, name: str, ms: float, nbytes: float | None = None, **extra) -> dict:
     row = dict(section=section, name=name, ms=round(ms, 4), **extra)
     if nbytes:
@@ -573,16 +588,7 @@ def _sim_round() -> None:
         opt.step(x - w, weights=data.counts[ids].to(torch.float64))
 
     def timed(fn, reps):
-        for _ in range(2):
-            fn()
-        sync()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        return wall(fn, reps=reps, warmup=2)
 
     batched = timed(batched_round, 5)
     if DEV == "cuda" and os.environ.get("SIM_PROFILE"):  # where a batched round spends its GPU time
@@ -662,16 +668,8 @@ def _feed(d: int, m: int, dtype: torch.dtype) -> None:
     like = torch.zeros(d, dtype=dtype, device=DEV)
     acc = fastagg.Accumulator(like=like)
 
-    def wall(fn, reps=3):
-        fn()
-        sync()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2] / m * 1e3
+    def per_client(fn):  # ms per client of m
+        return wall(fn) / m * 1e3
 
     def h2d():
         for _ in range(m):
@@ -715,16 +713,16 @@ def _feed(d: int, m: int, dtype: torch.dtype) -> None:
         return run, pool
 
     nbytes = d * es
-    base = wall(h2d)
+    base = per_client(h2d)
     record("feed", f"{tag}: pinned H2D copy alone, {nbytes / 1e9:.2f} GB per client", base, nbytes)
-    hc = wall(host_copy)
+    hc = per_client(host_copy)
     record("feed", f"{tag}: host copy of a pageable update into pinned memory alone ({torch.get_num_threads()} "
            "threads)", hc, None, host_GBps=round(nbytes / hc / 1e6, 1), x_h2d_alone=round(hc / base, 3))
-    record("feed", f"{tag}: H2D copy then Accumulator.add, serial", wall(serial), nbytes)
+    record("feed", f"{tag}: H2D copy then Accumulator.add, serial", per_client(serial), nbytes)
     for threads, from_pinned in [(1, False), (4, False), (1, True)]:
         run, pool = fed(threads, from_pinned)
         try:
-            ms = wall(run)
+            ms = per_client(run)
         finally:
             if pool is not None:
                 pool.shutdown()
@@ -745,14 +743,8 @@ def section_pageable() -> None:
     pinned = host[0].pin_memory() if DEV == "cuda" else host[0]
     dev = torch.empty(d, device=DEV)
 
-    def wall(fn, reps=3):
-        fn()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        return (time.perf_counter() - t0) / reps / m * 1e3
+    def per_client(fn):  # ms per client of m
+        return wall(fn) / m * 1e3
 
     def pinned_copy():
         for _ in range(m):
@@ -771,12 +763,13 @@ def section_pageable() -> None:
             torch.cuda.current_stream().synchronize()
             assert int(cudart.cudaHostUnregister(t.data_ptr())) == 0
 
-    base = wall(pinned_copy)
+    base = per_client(pinned_copy)
     record("pageable", "d=1e8 fp32: pinned H2D copy", base, d * 4)
-    record("pageable", "d=1e8 fp32: H2D copy from pageable memory (driver staging)", wall(pageable_copy), d * 4,
-           x_pinned=round(wall(pageable_copy) / base, 3))
+    ms = per_client(pageable_copy)
+    record("pageable", "d=1e8 fp32: H2D copy from pageable memory (driver staging)", ms, d * 4,
+           x_pinned=round(ms / base, 3))
     if DEV == "cuda":
-        ms = wall(registered_copy)
+        ms = per_client(registered_copy)
         record("pageable", "d=1e8 fp32: cudaHostRegister in place, copy, unregister", ms, d * 4,
                x_pinned=round(ms / base, 3))
 

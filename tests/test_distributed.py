@@ -243,10 +243,12 @@ def test_a_rank_with_more_clients_than_the_header_carries(tmp_path):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_rank_whose_input_is_bad_makes_every_rank_fail_that_step_at_once(world, tmp_path):
+    """The other ranks raise the error that names the failing rank, not the group's timeout error (which they
+    raised before: they waited in the collective the failing rank never joined)."""
     ranks = spawn("local_failure", world, tmp_path, timeout_s=60)
     for r, res in enumerate(ranks):
         first = res["first"]
-        assert first["seconds"] < 15, "a rank waited for the group's timeout"
+        assert "timeout" not in first["message"]
         if r == world - 1:
             assert first["raised"] == "ValueError" and "1004 elements" in first["message"]
         else:
@@ -259,8 +261,9 @@ def test_a_rank_that_fails_inside_its_pass_makes_every_rank_fail_at_once(tmp_pat
     ranks = spawn("failure_in_pass", 2, tmp_path, timeout_s=60)
     assert ranks[1]["first"]["raised"] == "RuntimeError" and "simulated" in ranks[1]["first"]["message"]
     assert ranks[0]["first"]["raised"] == "RuntimeError" and "another rank failed" in ranks[0]["first"]["message"]
-    for res in ranks:
-        assert res["first"]["seconds"] < 15 and res["unchanged"] and res["second"]["raised"] is None
+    for res in ranks:  # told by the status check, not by the group's timeout
+        assert "timeout" not in res["first"]["message"]
+        assert res["unchanged"] and res["second"]["raised"] is None
 
 
 def test_ranks_out_of_step_raise_on_every_rank_and_combine_nothing(tmp_path):
