@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from ._checks import _weights_array, normalized_weights
-from .passes import RoundStats, run_stats
+from .passes import RoundStats, run_stats, weighted_f64
 from .rows import Buffers, ClientRows, client_rows, compute_dtype
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -319,12 +319,8 @@ def _buffer_code(buffers: Buffers | None) -> float:
 def _reduced_buffers(buffers: Buffers, coefs: torch.Tensor, group, cdev, dev) -> list:
     """Each buffer's ``sum_i p_i b_i`` over this rank's clients, added across the group (one all_reduce, the buffers
     in name order on every rank), in this rank's buffer order."""
-    parts = []
-    for values in buffers.values:
-        acc = torch.zeros(values[0].numel(), dtype=torch.float64, device=dev)
-        for c, v in zip(coefs, values):
-            acc += c * v.reshape(-1).to(device=dev, dtype=torch.float64)
-        parts.append(acc)
+    parts = [weighted_f64([v.reshape(-1) for v in values], coefs, dev, (values[0].numel(),))
+             for values in buffers.values]
     return _all_reduce_by_name(parts, list(buffers.names), [v[0] for v in buffers.values], group, cdev, dev)
 
 

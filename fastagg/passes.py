@@ -194,7 +194,7 @@ def buffer_updates(params: ParamRows, stats: RoundStats, *, models: bool) -> lis
             raise ValueError(f"the clients' buffer {name!r} has shape {shape}; the global model's has "
                              f"{tuple(g.shape)}; nothing was updated")
         if g.is_floating_point():
-            avg = sums[name] if name in sums else _weighted(raw[name], stats.coefs, params.device, g.shape)
+            avg = sums[name] if name in sums else weighted_f64(raw[name], stats.coefs, params.device, g.shape)
             new = avg if models else g.to(torch.float64) + avg
             out.append((g, new, None))
         else:
@@ -209,15 +209,15 @@ def buffer_updates(params: ParamRows, stats: RoundStats, *, models: bool) -> lis
                     d = v64 - g64
                     ok &= ~(((v64 ^ g64) < 0) & ((d ^ v64) < 0))
                     diffs.append(d)
-                advance = _weighted(diffs, stats.coefs, params.device, g.shape)
+                advance = weighted_f64(diffs, stats.coefs, params.device, g.shape)
             else:
-                advance = _weighted(raw[name], stats.coefs, params.device, g.shape)
+                advance = weighted_f64(raw[name], stats.coefs, params.device, g.shape)
             new, fits = _advanced(g, advance)
             out.append((g, new, ok & fits))
     return out
 
 
-def _weighted(values: list, coefs: torch.Tensor, device, shape) -> torch.Tensor:
+def weighted_f64(values: list, coefs: torch.Tensor, device, shape) -> torch.Tensor:
     """``sum_i coefs_i values_i`` in float64."""
     acc = torch.zeros(shape, dtype=torch.float64, device=device)
     for c, v in zip(coefs, values):

@@ -49,19 +49,11 @@ from flwr.serverapp.strategy.fedopt import FedOpt as _FlFedOpt
 from flwr.supercore import log
 
 from .. import server
-from .._checks import check_on_nonfinite
+from .._checks import check_number, check_on_nonfinite
 from .records import ReplyError, record_views, to_record
 
 __all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "FedAMS", "FedExP", "FedExPM",
            "FedACG"]
-
-
-def _finite(x) -> bool:
-    """A finite float (an int too large for one, 10**400, is not)."""
-    try:
-        return math.isfinite(float(x))
-    except OverflowError:
-        return False
 
 
 def _metric_kind(value) -> tuple:
@@ -151,12 +143,17 @@ class _Fastagg:
         if self.weighted_by_key not in metrics:
             raise ReplyError(f"has no {self.weighted_by_key!r} metric (its weight)")
         weight = metrics[self.weighted_by_key]
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight) or weight < 0:
-            raise ReplyError(f"has {self.weighted_by_key!r} = {weight!r:.60}; expected a finite number >= 0")
+        try:  # (an int too large for a float, 10**400, is refused like any other bad weight)
+            weight = check_number(weight, self.weighted_by_key) if isinstance(weight, (int, float)) else None
+        except (TypeError, ValueError):
+            weight = None
+        if weight is None:
+            raise ReplyError(f"has {self.weighted_by_key!r} = {metrics[self.weighted_by_key]!r:.60}; expected a "
+                             "finite number >= 0")
         key, record = next(iter(content.array_records.items()))
         views = record_views(record, f"ArrayRecord {key!r}")
         self._check_like_global(views, f"ArrayRecord {key!r}")
-        return views, float(weight)
+        return views, weight
 
     def _refuse_or_skip(self, server_round: int, msg: Message, problem: str, cause: Exception | None = None) -> None:
         node = msg.metadata.src_node_id

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .. import client
+from .._checks import check_number, check_prob
 from . import algorithms, data as datasets, graphs as step_graphs, models, outdir
 
 # seconds: training wall time (local steps and server step) of the rounds since the previous row; eval_seconds:
@@ -125,41 +126,25 @@ class Config:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.batch_size < 0:
             raise ValueError(f"batch_size must be >= 0 (0 = full batch), got {self.batch_size}")
-        for name in ("lr", "weight_decay", "lr_decay", "eps", "prox_mu", "acg_beta", "tau"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        # every number a run's algorithms will read, checked here (not at an algorithm's first step, after the
+        # earlier ones trained and files were written): >= 0, > 0 (positive), or in [0, 1) (prob)
+        for name in ("lr", "weight_decay", "eps", "prox_mu", "acg_beta", "tau", "mass_eta2"):
+            check_number(getattr(self, name), name)
+        for name in ("lr_decay", "sps_c", "gamma_b"):  # a decay of 0 leaves rounds without a local step
+            check_number(getattr(self, name), name, allow_equal=False)
+        for name in ("nesterov_momentum", "mass_gam", "server_momentum", "fedexpm_beta", "lam"):
+            check_prob(getattr(self, name), name)
+        for name, positive in (("lr_c", True), ("clip_norm", True), ("server_lr", False)):  # optional ones
+            if getattr(self, name) is not None:
+                check_number(getattr(self, name), name, allow_equal=not positive)
         if self.weighting not in ("examples", "uniform"):
             raise ValueError(f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
-        if self.lr_c is not None and not (isinstance(self.lr_c, (int, float)) and math.isfinite(self.lr_c)
-                                          and self.lr_c > 0):
-            raise ValueError(f"lr_c must be a finite number > 0, got {self.lr_c!r}")
         if self.eps_mode not in ("paper", "official"):
             raise ValueError(f"eps_mode must be 'paper' or 'official', got {self.eps_mode!r}")
         if self.mass_average not in ("w", "u"):
             raise ValueError(f"mass_average must be 'w' (paper 004) or 'u', got {self.mass_average!r}")
-        if self.server_lr is not None and not (isinstance(self.server_lr, (int, float)) and
-                                               math.isfinite(self.server_lr) and self.server_lr >= 0):
-            raise ValueError(f"server_lr must be a finite number >= 0, got {self.server_lr!r}")
-        if not self.lr_decay > 0:  # a decay of 0 leaves rounds with no local step (SCAFFOLD divides by it)
-            raise ValueError(f"lr_decay must be a finite number > 0, got {self.lr_decay!r}")
-        for name in ("sps_c", "gamma_b"):  # the client rules' own numbers, checked here, not at their first step
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        for name in ("nesterov_momentum", "mass_gam", "server_momentum", "fedexpm_beta", "lam"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1):
-                raise ValueError(f"{name} must be a number in [0, 1), got {v!r}")
-        for name in ("mass_eta2",):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        if self.clip_norm is not None and not (isinstance(self.clip_norm, (int, float)) and
-                                               math.isfinite(self.clip_norm) and self.clip_norm > 0):
-            raise ValueError(f"clip_norm must be a finite number > 0, got {self.clip_norm!r}")
         for name, top in (("local_steps", 10**7), ("batch_size", 10**7), ("rounds", 10**9), ("eval_every", 10**9)):
             if getattr(self, name) > top:  # work or memory in proportion to a mistaken value: refused at once
                 raise ValueError(f"{name} must be at most {top:.0e}, got {getattr(self, name)}")
@@ -254,8 +239,8 @@ def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=Non
         xb, yb, mask = full if full is not None else _batch(data, everyone, cfg.batch_size, gen, mine)
         losses, grads = model.loss_grad(x, xb, yb, mask)
         rule = alg.client_rule
-        if rule == "sps":
-            client.sps_step(params=x, grads=grads, losses=losses, c=cfg.sps_c, gamma_b=cfg.gamma_b, **kw)
+        if rule in step_graphs.GRAPHED_RULES:  # the step a CUDA graph replays, the same function
+            _stateless_step(alg, cfg, x, grads, losses, lr)
         elif rule == "decsps":
             client.decsps_step(params=x, grads=grads, losses=losses, state=state, client_ids=ids.cpu(),
                                c0=cfg.sps_c, gamma_b=cfg.gamma_b, **kw)
@@ -279,19 +264,24 @@ def _local_steps(alg, cfg, model, data, ids, anchor, state, lr, gen, control=Non
     return _mass_end(state, ids, x) if sync_w else x
 
 
+def _stateless_step(alg, cfg, x, grads, losses, lr) -> None:
+    """The client step of a rule without per-client state (``step_graphs.GRAPHED_RULES``), eager or captured."""
+    kw = dict(backend=cfg.backend, clip_norm=cfg.clip_norm)
+    if alg.client_rule == "sps":
+        client.sps_step(params=x, grads=grads, losses=losses, c=cfg.sps_c, gamma_b=cfg.gamma_b, **kw)
+    else:
+        client.local_step(params=x, grads=grads, lr=lr, weight_decay=cfg.weight_decay, **kw)
+
+
 def step_graphs_for(alg, cfg, model, device: torch.device):
     """A :class:`~fastagg.sim.graphs.StepGraphs` replaying this algorithm's local step, or None where steps run
     eagerly: off in the config, not on CUDA, or a client rule with per-client state."""
     if not cfg.cuda_graph or device.type != "cuda" or alg.client_rule not in step_graphs.GRAPHED_RULES:
         return None
-    kw = dict(backend=cfg.backend, clip_norm=cfg.clip_norm)
 
     def step(x, xb, yb, mask, lr):
         losses, grads = model.loss_grad(x, xb, yb, mask)
-        if alg.client_rule == "sps":
-            client.sps_step(params=x, grads=grads, losses=losses, c=cfg.sps_c, gamma_b=cfg.gamma_b, **kw)
-        else:
-            client.local_step(params=x, grads=grads, lr=lr, weight_decay=cfg.weight_decay, **kw)
+        _stateless_step(alg, cfg, x, grads, losses, lr)
     return step_graphs.StepGraphs(step)
 
 
