@@ -60,6 +60,7 @@ class Accumulator:
         self._backend = resolve(backend, rows.device)
         cdt = compute_dtype(rows.dtype)
         self._buffer_names = rows.buffers.names if rows.buffers is not None else ()
+        self._largest_sq = torch.finfo(cdt).max ** 2 if cdt != torch.float64 else float("inf")
         self._buffer_like = {} if rows.buffers is None else \
             {n: v[0] for n, v in zip(rows.buffers.names, rows.buffers.values)}
         self._lock = threading.RLock()  # held while folding or stepping
@@ -321,6 +322,9 @@ class Accumulator:
             coef = torch.tensor([f.weight for f in live], dtype=torch.float64, device=self.device)
             _, sq, bad, msq = run_stats(rows, coef, self._backend, mean_init=self._sum, mean_out=self._spare())
             sq_new = self._weighted_sq + (coef * sq).sum()
+            # an update whose own norm passes the dtype's largest value cannot be stepped even alone (at lr 1):
+            # folded in, it would make every later step of the round refuse, so it is refused like NaN here
+            bad = bad | (sq > self._largest_sq)
             fine = ~bad.any() & torch.isfinite(msq) & torch.isfinite(sq_new)
             for f in live:
                 for b in f.buffers:
@@ -340,7 +344,9 @@ class Accumulator:
                     self._fold([f], f.rows, atomic=False)
                 return
             for j in sorted(flagged):
-                refuse(live[j], "contains NaN or Inf", nonfinite=True)
+                refuse(live[j], "contains NaN or Inf" if not bool(sq[j] > self._largest_sq) else
+                       "is so large that no step could take it (its norm passes the dtype's largest value)",
+                       nonfinite=True)
             live = [f for j, f in enumerate(live) if j not in flagged]
             rows = _stack([f.rows for f in live]) if live else None
         if not live:

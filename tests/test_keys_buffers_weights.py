@@ -230,3 +230,23 @@ def test_a_checkpoint_with_a_negative_second_moment_is_refused(name, entry):
     with pytest.raises(ValueError, match="negative"):
         opt.load_state_dict(sd)
     assert_unchanged(before, opt.state_dict()["state"], "state")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_finite_client_too_large_to_ever_step_is_refused_and_the_round_steps(backend):
+    """A client of finite float32 values near 3e38 (its norm passes float32's range): folded in, no step of the
+    round could be taken, so one client would stop the round; it is refused like a NaN client instead."""
+    d = 1000
+    acc = fastagg.Accumulator(like=torch.zeros(d), backend=backend)
+    honest = [torch.randn(d, generator=torch.Generator().manual_seed(i)) * 0.01 for i in range(3)]
+    for i, x in enumerate(honest):
+        assert acc.add(x, 1.0, client_id=i)
+    huge = torch.full((d,), 3e38)
+    assert acc.add(huge, 1.0, client_id="huge", on_nonfinite="skip") is False
+    with pytest.raises(ValueError, match="so large that no step could take it"):
+        acc.add(huge, 1.0, client_id="huge")
+    assert acc.client_ids == [0, 1, 2]
+    w = torch.zeros(d)
+    res = acc.fedavg_step(params=w)
+    assert bool(res.finite)
+    assert_close(w, sum(honest) / 3, rtol=1e-5, atol=1e-7, name="params")

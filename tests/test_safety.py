@@ -279,9 +279,11 @@ def test_a_client_that_would_poison_the_accumulator_is_rejected(backend):
     acc.add(torch.ones(6), weight=2.0)
     acc.add(torch.full((6,), 3.0), weight=1.0)
     before = snapshot([acc.weighted_sum, acc.weighted_sq_norm_sum])
+    poison = torch.zeros(6)
+    poison[2] = 3e38  # finite and steppable alone, but 10 * 3e38 overflows the float32 sum
     with pytest.raises(ValueError, match="would overflow the running sums"):
-        acc.add(torch.full((6,), 3e38), weight=10.0)  # finite, but 10 * 3e38 overflows float32
-    assert not acc.add(torch.full((6,), 3e38), weight=10.0, on_nonfinite="skip")
+        acc.add(poison, weight=10.0)
+    assert not acc.add(poison, weight=10.0, on_nonfinite="skip")
     assert_unchanged(before, [acc.weighted_sum, acc.weighted_sq_norm_sum], "accumulator")
     assert acc.num_clients == 2 and acc.total_weight == 3.0
 
