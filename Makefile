@@ -8,13 +8,16 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TRITON ?= triton==3.7.1
 
-.PHONY: run demo test test-asan test-nvflare bench flower-example clean
+.PHONY: run demo test test-asan test-nvflare test-package bench flower-example clean
 
+# pip's progress stays on: the first install takes ~6 minutes here (torch, Flower with ray, the C++ build).
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
+	@echo "== creating $(VENV) and installing $(TORCH) $(TRITON), then fastagg with its test and simulator extras"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH) $(TRITON)
-	$(PY) -m pip install -q -e '.[test,sim]'
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install $(TORCH) $(TRITON)
+	@echo "== fastagg (editable: compiles fastagg._C and fastagg._C_avx2, about 2 minutes)"
+	$(PY) -m pip install -e '.[test,sim]'
 	touch $@
 
 run: $(VENV)/.installed
@@ -32,6 +35,11 @@ test: $(VENV)/.installed
 test-asan: $(VENV)/.installed
 	PY=$(PY) bash .ci/asan.sh
 
+# The package as users install it: sdist -> wheel built from the sdist alone -> a fresh venv -> one fused step
+# imported from another directory (.ci/package.sh). CI runs it.
+test-package: $(VENV)/.installed
+	PY=$(PY) bash .ci/package.sh
+
 # fastagg.nvflare in an environment of its own (NVIDIA FLARE pins protobuf 7, Flower < 7): the aggregator driven
 # directly and inside `nvflare simulator` (tests_nvflare/). fastagg is installed as a package, not editable: FLARE's
 # job export copies a component's non-site-packages sources into the job, which would shadow an editable checkout.
@@ -39,9 +47,9 @@ NVFLARE_VENV ?= .venv-nvflare
 NVPY := $(NVFLARE_VENV)/bin/python
 $(NVFLARE_VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(shell find fastagg -name '*.py')
 	test -x $(NVPY) || $(PYTHON) -m venv $(NVFLARE_VENV)
-	$(NVPY) -m pip install -q --upgrade pip
-	$(NVPY) -m pip install -q $(TORCH) 'nvflare==2.9.0' pytest
-	$(NVPY) -m pip install -q --no-deps --force-reinstall .
+	$(NVPY) -m pip install --upgrade pip
+	$(NVPY) -m pip install $(TORCH) 'nvflare==2.9.0' pytest
+	$(NVPY) -m pip install --no-deps --force-reinstall .
 	touch $@
 
 test-nvflare: $(NVFLARE_VENV)/.installed

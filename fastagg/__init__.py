@@ -10,6 +10,23 @@ from .stream import Accumulator
 
 __version__ = "0.1.0"
 
+# Submodules reachable as attributes (``fastagg.server.FedAdam``) without importing them with the package: the
+# server optimizers, client steps and torch.distributed support load on first use, so ``import fastagg`` stays
+# light, and the optional integrations (flower, nvflare) import their framework only when asked for.
+_SUBMODULES = ("client", "distributed", "flower", "nvflare", "server", "sim", "testing")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")  # sets the attribute: later lookups skip this
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_SUBMODULES))
+
 __all__ = [
     "Accumulator",
     "FeedReport",

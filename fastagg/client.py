@@ -1,7 +1,7 @@
 """Batched client local steps: M clients' parameters as rows of one ``[M, d]`` buffer, their mini-batch gradients
 ``[M, d]`` and losses ``[M]``, updated by one fused call (Triton on GPU, C++ on CPU, plain torch as the oracle).
 
-Order inside one step (ALGORITHMS.md section 8)::
+Order inside one step (docs/ALGORITHMS.md section 8)::
 
     dir = grad + prox * (x - anchor) + (c - c_i)        # loss-side corrections: FedProx/FedACG, SCAFFOLD
     dir = dir * min(1, clip_norm / ||dir||)             # a global per-client norm, complete before any update
@@ -20,6 +20,7 @@ to the host. Math is float32 (float64 for float64 params); the returned steps ar
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -56,6 +57,10 @@ class ClientState:
         self.device = canonical_device(device)  # "cuda" is cuda:0 here, as the params' tensors say
         self.vectors: dict[str, torch.Tensor] = {}
         self.scalars: dict[str, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return (f"ClientState(num_clients={self.num_clients}, dim={self.dim}, dtype={self.dtype}, "
+                f"device={self.device}, vectors={sorted(self.vectors)}, scalars={sorted(self.scalars)})")
 
     def vector(self, name: str) -> torch.Tensor:
         if name not in self.vectors:
@@ -158,10 +163,19 @@ def _per_client(value: Any, name: str, m: int, device, *, minimum: float | None 
 
 
 def _client_ids(ids: Any, m: int, state: ClientState | None, device) -> torch.Tensor:
-    """Validated on the host (range, duplicates): pass them as a CPU tensor and no device read is needed; they
-    are copied to ``device`` for the kernels."""
+    """Validated on the host (range, duplicates): pass them as a CPU tensor, a list or a numpy array and no device
+    read is needed; they are copied to ``device`` for the kernels."""
+    if isinstance(ids, (list, tuple)) or type(ids).__module__ == "numpy":
+        integral = (getattr(getattr(ids, "dtype", None), "kind", "") in "iu" if not isinstance(ids, (list, tuple))
+                    else all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids))
+        if not integral:
+            raise TypeError("client_ids must be integers (a list, a numpy array or a 1-D integer tensor)")
+        try:
+            ids = torch.as_tensor(ids, dtype=torch.int64) if len(ids) else torch.zeros(0, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise TypeError("client_ids must be integers (a list, a numpy array or a 1-D integer tensor)") from None
     if not isinstance(ids, torch.Tensor) or ids.ndim != 1 or ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError("client_ids must be a 1-D integer tensor")
+        raise TypeError("client_ids must be a 1-D integer tensor (or a list or numpy array of integers)")
     if ids.numel() != m:
         raise ValueError(f"client_ids has {ids.numel()} entries; params has {m} rows")
     if ids.device.type != "cpu" and ids.device != torch.device(device):
@@ -241,7 +255,9 @@ class _Batch:
                 _bad_shape(name, t, f"({self.m}, {self.d}) (or [N, d] with client_ids)")
             return RowTable.rows(t)
         if t.shape[1] != self.d or (self.state is not None and t.shape[0] != self.state.num_clients):
-            _bad_shape(name, t, f"(num_clients, {self.d}) indexed by client_ids")
+            rows = f"{self.state.num_clients}" if self.state is not None else "N"
+            whose = " (the state's clients)" if self.state is not None else ""
+            _bad_shape(name, t, f"({rows}, {self.d}): a row per client{whose}, indexed by client_ids")
         lo, hi = int(self.ids.min()), int(self.ids.max())
         if lo < 0 or hi >= t.shape[0]:
             raise ValueError(f"client_ids must be in [0, {t.shape[0]}) ({name} has {t.shape[0]} rows); got values in "
@@ -377,7 +393,7 @@ def decsps_step(*, params, grads, losses, state: ClientState, client_ids, c0: An
 def local_step(*, params, grads, lr: Any, prox=None, control=None, clip_norm=None, weight_decay: float = 0.0,
                momentum: float = 0.0, nesterov: bool = False, state: ClientState | None = None, client_ids=None,
                backend: str = "auto") -> torch.Tensor:
-    """One plain local step for every row, in ALGORITHMS.md section 8's order::
+    """One plain local step for every row, in docs/ALGORITHMS.md section 8's order::
 
         d = clip(grad + prox (x - anchor) + (c - c_i)) + weight_decay x
         b = momentum b + d;  x <- x - lr (d + momentum b if nesterov else b)      (torch SGD, dampening 0)

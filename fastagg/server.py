@@ -49,6 +49,13 @@ class StepStats:
     overflowed: torch.Tensor | None = None  # int32 [1]: elements left unchanged because their new value overflowed
 
 
+def _per_client(stats) -> torch.Tensor:
+    """One non-finite flag per client, whatever the input: an Accumulator's statistics carry one flag for its sum
+    (a non-finite client was refused at ``add``, so each folded client gets the sum's flag)."""
+    flags = stats.nonfinite
+    return flags if flags.numel() == stats.num_clients else flags.reshape(-1)[:1].expand(stats.num_clients).clone()
+
+
 class ServerOptimizer:
     """Base class: the global model as in-place views, lazily created flat state buffers (float32; float64 for
     float64 params), a device round counter, ``state_dict`` / ``load_state_dict``.
@@ -346,7 +353,7 @@ class ServerOptimizer:
                 self._finish(stats, finite, updates)
             finally:
                 self._return_borrowed()
-        self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, finite, stats.nonfinite,
+        self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, finite, _per_client(stats),
                                     stats.num_clients, self._overflow)
         check_overflow(self._overflow, self.on_nonfinite, "params or the optimizer's state")
         return self.last_stats
@@ -589,7 +596,7 @@ class _ControlVariate:
                                      momentum=0.0, nesterov=False, extra_out=None, extra_coef=None,
                                      extra_coef_skip=None, overflow_out=self._overflow)
         self._finish(stats, both, updates)
-        self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, both, stats.nonfinite,
+        self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, both, _per_client(stats),
                                     stats.num_clients, self._overflow)
         check_overflow(self._overflow, self.on_nonfinite, "params or the control variate")
         return self.last_stats

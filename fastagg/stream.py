@@ -586,6 +586,11 @@ class Accumulator:
     def numel(self) -> int:
         return self._numel
 
+    def __repr__(self) -> str:
+        r = self._round  # one snapshot: the count and the weight agree
+        return (f"Accumulator(numel={self._numel}, dtype={self._sum.dtype}, device={self.device}, "
+                f"clients={r.n}, total_weight={r.total_weight:g}, backend={self._backend.name!r})")
+
     @property
     def compute_dtype(self) -> torch.dtype:
         return self._sum.dtype

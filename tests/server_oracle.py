@@ -1,4 +1,4 @@
-"""Plain float64 torch implementations of the server rules, written straight from ALGORITHMS.md sections 1-5,
+"""Plain float64 torch implementations of the server rules, written straight from docs/ALGORITHMS.md sections 1-5,
 independently of fastagg's kernels: the oracle the optimizer tests compare against."""
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from .._optional import MissingDependency
 from . import algorithms, data
 from .runner import Config, checked_settings, run, saved_config
 
@@ -26,7 +27,7 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings or \
                 isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction)):
             return text
-        shown = "the data set's" if action.default is None else "%(default)s"
+        shown = "the data set's: table below" if action.default is None else "%(default)s"
         return f"{text} (default: {shown})" if text else f"default: {shown}"
 
 
@@ -62,12 +63,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server-lr", type=float, help="server learning rate (default: the algorithm's: 1 for "
                    "FedAvg/FedProx/FedAvgM/SCAFFOLD, 0.1 FedAdam/FedAdagrad/FedAMS, 0.01 FedYogi; fedexp-linreg's "
                    "FedAvg 10)")
-    p.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM")
+    p.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM's momentum (fastagg.server.FedAvgM's "
+                   "own default is Flower's 0.0; paper 002 tunes it in {0.4, 0.6, 0.8})")
     p.add_argument("--weighting", default="examples", choices=["examples", "uniform"],
                    help="server average weighted by the clients' sample counts or uniform")
     p.add_argument("--eps", type=float, help="FedExP's eps (fedexp-linreg: 0)")
     p.add_argument("--eps-mode", default="paper", choices=["paper", "official"],
-                   help="FedExP's eps in the paper's units or the official code's (ALGORITHMS.md)")
+                   help="FedExP's eps: paper = eta's denominator 2(||mean||^2 + eps); official = the FedExP code's "
+                   "eps, used as M * eps (docs/ALGORITHMS.md section 1)")
     p.add_argument("--eps-decay", type=float, default=1.0, help="per-round factor on FedExP's eps")
     p.add_argument("--lam", type=float, default=0.85, help="FedACG look-ahead / momentum")
     p.add_argument("--acg-beta", type=float, default=0.01, help="FedACG's local regularizer")
@@ -83,7 +86,10 @@ def parser() -> argparse.ArgumentParser:
                    "synchronization: w (paper 004, App. G) or u (the extrapolated iterate; with eta2 = 0 it equals "
                    "nesterov-fedavg)")
     p.add_argument("--eval-every", type=int, default=1, help="evaluate the model (a metrics row) every this many "
-                   "rounds and after the last")
+                   "rounds, round 0 (the initial model) included, and after the last")
+    p.add_argument("--eval-samples", type=int, help="measure the training loss on a fixed sample of this many of the "
+                   "clients' samples (the same sample every round; least squares always uses all) (default: all, up "
+                   "to 25000; cifar-synthetic: 2000)")
     p.add_argument("--target", type=float, help="a train loss; the summary reports the rounds to reach it "
                    "(default: none)")
     p.add_argument("--seed", type=int, default=None, help="one seed (overrides --seeds; default: --seeds)")
@@ -103,16 +109,35 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _defaults_table() -> str:
+    """The data sets' paper settings (data.PAPER_DEFAULTS) as the text table --help shows."""
+    cols = [("model", "model"), ("clients", "clients"), ("participation", "particip."), ("local_steps", "steps"),
+            ("batch_size", "batch"), ("lr", "lr"), ("rounds", "rounds"), ("eval_samples", "eval samples")]
+    rows = [["data set"] + [title for _, title in cols]]
+    for name, d in data.PAPER_DEFAULTS.items():
+        shown = {**d, "batch_size": "full" if d["batch_size"] == 0 else d["batch_size"],
+                 "eval_samples": d.get("eval_samples", "all")}
+        rows.append([name] + [f"{shown[k]:g}" if isinstance(shown[k], float) else str(shown[k]) for k, _ in cols])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
 EPILOG = """\
-Defaults marked "the data set's" come from the data set's paper settings (fedexp-linreg: 20 clients, all
-participate, 20 full-batch local steps, lr 0.1, eps 0, 200 rounds, FedAvg with server lr 10; see
-fastagg/sim/data.py for the others). A run writes metrics.csv (one row per algorithm, seed and round: train loss
-of the reported and last iterate, test loss and accuracy, the server step size eta, the training wall time since
-the previous row and the evaluation's), summary.csv (per algorithm: final train loss and test accuracy, mean and
-std over seeds, rounds to --target, training time per round, time per evaluation) and loss/accuracy/eta plots.
+Defaults marked "the data set's" are the data set's paper settings:
+
+{table}
+
+eps (FedExP) is 1e-3 except fedexp-linreg's 0; fedexp-linreg runs FedAvg with server lr 10 (the FedExP paper's
+Table 3); cifar-synthetic samples 50 clients a round (all of them when fewer); eval samples "all" means up to
+25000. A run writes metrics.csv (one row per algorithm, seed and evaluated round: train loss of the reported and
+last iterate, test loss and accuracy, the server step size eta, the wall time of the rounds since the previous
+row -- local steps, server step, checkpoint -- and the evaluation's), summary.csv (per algorithm: final train loss
+and test accuracy, mean and std over the finished seeds, rounds to --target, time per round, time per evaluation;
+a seed stopped early gets a row of its own, marked unfinished) and loss/accuracy/eta plots.
 Momentum methods (nesterov-fedavg, fedmass) keep each client's momentum state between its rounds: under partial
-participation a returning client continues from stale state.
-"""
+participation a returning client continues from stale state. The update rules and the conventions fixed where
+the papers and their code differ: docs/ALGORITHMS.md.
+""".replace("{table}", _defaults_table())
 
 # Config fields the flags set (flag dest -> Config field), for --config and --resume
 FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichlet", "model": "model",
@@ -124,7 +149,7 @@ FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichl
                "eps_decay": "eps_decay", "lam": "lam", "acg_beta": "acg_beta", "prox_mu": "prox_mu", "tau": "tau",
                "sps_c": "sps_c", "gamma_b": "gamma_b", "fedexpm_beta": "fedexpm_beta",
                "nesterov_momentum": "nesterov_momentum", "mass_gam": "mass_gam", "mass_eta2": "mass_eta2",
-               "mass_average": "mass_average", "target": "target", "eval_every": "eval_every", "seeds": "seeds",
+               "mass_average": "mass_average", "target": "target", "eval_every": "eval_every", "eval_samples": "eval_samples", "seeds": "seeds",
                "seed": "seeds", "device": "device", "backend": "backend", "dtype": "dtype",
                "cuda_graph": "cuda_graph"}
 
@@ -179,7 +204,8 @@ def _config(a, argv) -> tuple:
                  eps_decay=a.eps_decay, lam=a.lam, acg_beta=a.acg_beta, prox_mu=a.prox_mu, tau=a.tau,
                  sps_c=a.sps_c, gamma_b=a.gamma_b, fedexpm_beta=a.fedexpm_beta,
                  nesterov_momentum=a.nesterov_momentum, mass_gam=a.mass_gam, mass_eta2=a.mass_eta2,
-                 mass_average=a.mass_average, target=a.target, eval_every=a.eval_every, seeds=_seeds(a),
+                 mass_average=a.mass_average, target=a.target, eval_every=a.eval_every,
+                 eval_samples=a.eval_samples, seeds=_seeds(a),
                  device=a.device, backend=a.backend, cuda_graph=a.cuda_graph, dtype=a.dtype, out=a.out)
     explicit = {FLAG_FIELDS[k] for k in given if k in FLAG_FIELDS} | ({"out"} if "out" in given else set())
     merged = {**flags, **{k: v for k, v in settings.items() if k not in explicit}}
@@ -205,10 +231,10 @@ def main(argv=None) -> int:
         cfg, explicit = _config(a, argv)
         if a.resume:
             _check_resume(cfg, explicit)
-        elif a.out is None and a.overwrite:
+        elif cfg.out is None and a.overwrite:  # --out may come from the --config file
             raise ValueError("--overwrite needs --out")
         history = run(cfg, verbose=True, resume=a.resume, overwrite=a.overwrite)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, MissingDependency) as e:
         if os.environ.get("FASTAGG_DEBUG"):
             raise
         print(f"fastagg-sim: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)

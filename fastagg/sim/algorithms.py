@@ -1,11 +1,12 @@
 """Each algorithm = a client rule (how the batched local steps move) + a server optimizer (fastagg.server).
 
 Every local step of every participating client runs in one fused call of ``fastagg.client``; the server step is
-one call of a ``fastagg.server`` optimizer. Defaults follow ALGORITHMS.md.
+one call of a ``fastagg.server`` optimizer. Defaults follow docs/ALGORITHMS.md.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 from .. import server
 
@@ -65,6 +66,17 @@ PER_ALGORITHM = {"lr": float, "lr_decay": float, "lr_c": float, "weight_decay": 
                  "mass_eta2": float, "mass_average": str, "local_steps": int, "batch_size": int}
 
 
+def _unknown_setting(key: str) -> str:
+    """Why ``key`` cannot follow an algorithm's name: a run-wide setting, or unknown (with the nearest names)."""
+    from .runner import Config
+
+    if key in {f.name for f in dataclasses.fields(Config)}:
+        return f"{key!r} is a setting of the whole run, not of one algorithm (pass --{key.replace('_', '-')})"
+    near = difflib.get_close_matches(key, PER_ALGORITHM, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+    return f"unknown setting {key!r}{hint}; per-algorithm settings: {', '.join(sorted(PER_ALGORITHM))}"
+
+
 def parse_spec(spec: str) -> tuple[str, dict]:
     """``"fedavg:server_lr=10:lr=0.05"`` -> ``("fedavg", {"server_lr": 10.0, "lr": 0.05})``; a bare name has no
     overrides. Unknown algorithms, unknown or shared settings and unparsable values are refused."""
@@ -80,8 +92,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         if not eq or not key:
             raise ValueError(f"algorithm {spec!r}: {pair!r} is not key=value")
         if key not in PER_ALGORITHM:
-            raise ValueError(f"algorithm {spec!r}: {key!r} cannot be set per algorithm (one of: "
-                             f"{', '.join(sorted(PER_ALGORITHM))})")
+            raise ValueError(f"algorithm {spec!r}: {_unknown_setting(key)}")
         if key in overrides:
             raise ValueError(f"algorithm {spec!r}: {key!r} given twice")
         try:

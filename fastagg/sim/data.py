@@ -12,8 +12,31 @@ import zipfile
 import numpy as np
 import torch
 
+from .._optional import require
+
 __all__ = ["FederatedData", "fedexp_linreg", "synthetic", "quadratic", "digits", "cifar_synthetic", "dirichlet_split",
            "DATASETS", "load"]
+
+
+# Each data set's paper settings: what a run uses where it leaves a setting unset (``--help`` prints this table).
+# Settings that depend on the data set's arguments (its number of clients) are filled in by its builder.
+PAPER_DEFAULTS = {
+    "fedexp-linreg": dict(clients=20, participation=1.0, batch_size=0, local_steps=20, lr=0.1, eps=0.0, model="linear",
+                          rounds=200),
+    "synthetic": dict(clients=30, participation=1.0, batch_size=20, local_steps=5, lr=0.1, model="softmax",
+                      rounds=300),
+    "synthetic-iid": dict(clients=10, participation=1.0, batch_size=20, local_steps=5, lr=0.1, model="softmax",
+                          rounds=300),
+    "quadratic": dict(clients=2, participation=1.0, batch_size=0, local_steps=5, lr=0.1, model="quadratic", rounds=50),
+    "digits": dict(clients=20, participation=0.25, batch_size=20, local_steps=5, lr=0.05, model="mlp", rounds=300),
+    "digits-noisy": dict(clients=20, participation=0.25, batch_size=20, local_steps=5, lr=0.05, model="mlp",
+                         rounds=300),
+    "cifar-synthetic": dict(clients=1000, participation=0.05, batch_size=10, local_steps=5, lr=0.05, model="pfl-cnn",
+                            rounds=100, eval_samples=2000),
+    "w8a-like": dict(clients=1, participation=1.0, batch_size=4, local_steps=5, lr=0.5, model="softmax", rounds=400),
+    "npz:PATH": dict(clients=20, participation=1.0, batch_size=20, local_steps=5, lr=0.05, model="softmax or linear",
+                     rounds=100),
+}
 
 
 @dataclasses.dataclass
@@ -28,15 +51,30 @@ class FederatedData:
     test_x: torch.Tensor | None = None  # held-out test set [n_test, f] (one pool, not split by client)
     test_y: torch.Tensor | None = None
 
+    # the training loss is measured on at most this many of the clients' samples (a fixed uniform sample, the same
+    # every round and run); None: all of them
+    eval_limit: int | None = None
+
     _samples: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def samples(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every client's real samples, padding dropped: ``(x [n, f], y [n])``, built once. The training loss is
-        measured on these (padded rows are 7x the real ones in Synthetic(1, 1), whose clients hold 50-5162)."""
+        """The clients' real samples the training loss is measured on, padding dropped: ``(x [n, f], y [n])``,
+        built once. All of them, or with ``eval_limit`` a fixed uniform sample of that many (drawn with seed 0, in
+        the clients' order), gathered without copying the rest (padded rows are 7x the real ones in Synthetic(1,
+        1), whose clients hold 50-5162)."""
         if self._samples is None:
             keep = torch.arange(self.x.shape[1], device=self.x.device)[None, :] < self.counts[:, None]
-            self._samples = (self.x[keep], self.y[keep])
+            rows = keep.flatten().nonzero().squeeze(1)
+            if self.eval_limit is not None and len(rows) > self.eval_limit:
+                pick = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))[:self.eval_limit]
+                rows = rows[pick.sort().values.to(rows.device)]
+            self._samples = (self.x.flatten(0, 1)[rows], self.y.flatten(0, 1)[rows])
         return self._samples
+
+    @property
+    def num_samples(self) -> int:
+        """The clients' real samples, all of them."""
+        return int(self.counts.sum())
 
     @property
     def num_clients(self) -> int:
@@ -54,6 +92,10 @@ class FederatedData:
             test = dict(test_x=self.test_x.to(device, dtype), test_y=test_y)
         return dataclasses.replace(self, x=self.x.to(device, dtype), y=y, counts=self.counts.to(device), _samples=None,
                                    **test)
+
+    def with_eval_limit(self, limit: int | None) -> "FederatedData":
+        """The same data, its training loss measured on at most ``limit`` samples (:meth:`samples`)."""
+        return dataclasses.replace(self, eval_limit=limit, _samples=None)
 
 
 def _pad(xs: list, ys: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,8 +131,7 @@ def fedexp_linreg() -> FederatedData:
         ys.append(y_i / np.linalg.norm(y_i))
     x, y, counts = _pad(xs, ys)
     return FederatedData("fedexp-linreg", x, y, counts, "least_squares",
-                         defaults=dict(clients=20, participation=1.0, batch_size=0, local_steps=20, lr=0.1, eps=0.0,
-                                       model="linear", rounds=200,
+                         defaults=dict(PAPER_DEFAULTS["fedexp-linreg"],
                                        # the paper's Table 3 and notebook: FedAvg with server lr 10
                                        algorithms={"fedavg": dict(server_lr=10.0)}))
 
@@ -125,16 +166,14 @@ def synthetic(alpha: float = 1.0, beta: float = 1.0, num_clients: int = 30, seed
         ys.append(np.argmax(x @ w.T + bias, axis=1).astype(np.int64))
     x, y, counts = _pad(xs, ys)
     return FederatedData(f"synthetic({alpha:g},{beta:g})", x, y, counts, "classification", num_classes=classes,
-                         defaults=dict(clients=num_clients, participation=1.0, batch_size=20, local_steps=5, lr=0.1,
-                                       model="softmax", rounds=300))
+                         defaults=dict(PAPER_DEFAULTS["synthetic"], clients=num_clients))
 
 
 def quadratic(a: float = 2.0) -> FederatedData:
     """Paper 003's example: f_1(x) = (a/2) x^2, f_2(x) = (1/2) x^2 (two clients, one parameter)."""
     x = torch.tensor([[[a]], [[1.0]]], dtype=torch.float64)  # curvature per client
     return FederatedData("quadratic", x, torch.zeros(2, 1, dtype=torch.float64), torch.ones(2, dtype=torch.int64),
-                         "quadratic", defaults=dict(clients=2, participation=1.0, batch_size=0, local_steps=5,
-                                                    lr=0.1, model="quadratic", rounds=50))
+                         "quadratic", defaults=dict(PAPER_DEFAULTS["quadratic"]))
 
 
 def dirichlet_split(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.RandomState,
@@ -164,6 +203,7 @@ def digits(num_clients: int = 20, alpha: float = 0.3, seed: int = 0, test_fracti
     stratified ``test_fraction`` is held out, the rest split across clients by a Dirichlet(alpha) label partition
     (alpha = 0.3 as in the FedExP/FedACG experiments). ``label_noise``: the fraction of training labels replaced by
     another class drawn uniformly (the test labels stay clean), so no model interpolates the training set."""
+    require("sklearn", "sim", "the digits data set")
     from sklearn.datasets import load_digits
 
     ds = load_digits()
@@ -179,8 +219,7 @@ def digits(num_clients: int = 20, alpha: float = 0.3, seed: int = 0, test_fracti
     parts = dirichlet_split(y[train], num_clients, alpha, rng, min_size)
     xp, yp, counts = _pad([x[train][p] for p in parts], [y[train][p] for p in parts])
     return FederatedData("digits-noisy" if label_noise else "digits", xp, yp, counts, "classification", num_classes=10,
-                         defaults=dict(participation=0.25, batch_size=20, local_steps=5, lr=0.05, model="mlp",
-                                       rounds=300),
+                         defaults=dict(PAPER_DEFAULTS["digits"], clients=num_clients),
                          test_x=torch.from_numpy(x[test]), test_y=torch.from_numpy(y[test]))
 
 
@@ -202,8 +241,8 @@ def cifar_synthetic(num_clients: int = 1000, per_client: int = 50, seed: int = 0
     return FederatedData("cifar-synthetic", x[:train].view(num_clients, per_client, -1),
                          y[:train].view(num_clients, per_client),
                          torch.full((num_clients,), per_client, dtype=torch.int64), "classification", num_classes=10,
-                         defaults=dict(participation=50 / num_clients if num_clients >= 50 else 1.0, batch_size=10,
-                                       local_steps=5, lr=0.05, model="pfl-cnn", rounds=100),
+                         defaults=dict(PAPER_DEFAULTS["cifar-synthetic"], clients=num_clients,
+                                       participation=50 / num_clients if num_clients >= 50 else 1.0),
                          test_x=x[train:], test_y=y[train:])
 
 
@@ -225,8 +264,7 @@ def w8a_like(num_clients: int = 1, num_samples: int = 20_000, num_features: int 
     parts = np.array_split(rng.permutation(num_samples), num_clients)
     xp, yp, counts = _pad([x[i] for i in parts], [y[i] for i in parts])
     return FederatedData("w8a-like", xp, yp, counts, "classification", num_classes=2,
-                         defaults=dict(participation=1.0, batch_size=4, local_steps=5, lr=0.5, model="softmax",
-                                       rounds=400))
+                         defaults=dict(PAPER_DEFAULTS["w8a-like"], clients=num_clients))
 
 
 DATASETS = {"fedexp-linreg": fedexp_linreg, "synthetic": synthetic, "synthetic-iid": synthetic_iid,
@@ -321,7 +359,7 @@ def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int 
         test_x = torch.from_numpy(_features(test[0], "x_test", where))
         test_y = torch.from_numpy(test[1].astype(np.int64 if classification else np.float64))
     return FederatedData(f"npz:{path}", xp, yp, counts, task, num_classes=n_classes,
-                         defaults=dict(participation=1.0, batch_size=20, local_steps=5, lr=0.05, rounds=100,
+                         defaults=dict(PAPER_DEFAULTS["npz:PATH"], clients=num_clients,
                                        model="softmax" if classification else "linear"),
                          test_x=test_x, test_y=test_y)
 

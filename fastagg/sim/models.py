@@ -12,9 +12,27 @@ from .data import FederatedData
 
 class Model:
     """``dim`` parameters per client; ``loss_grad(w [M, d], x [M, B, f], y [M, B], mask [M, B])`` returns the
-    per-client losses [M] and gradients [M, d]; ``loss(w [d], data)`` the global training loss the paper reports."""
+    per-client losses [M] and gradients [M, d]; ``loss(w [d], data)`` the global training loss the paper reports.
+    Classifiers evaluate in chunks of ``eval_chunk`` samples (:func:`chunked_metrics`), so memory stays bounded
+    whatever the data set's size."""
 
     dim: int
+    eval_chunk: int = 1 << 16
+
+
+def chunked_metrics(metrics, w, x, y, chunk: int):
+    """``metrics(w, x, y) -> (mean loss, accuracy)`` over ``x`` in chunks of ``chunk`` rows, combined by size in
+    float64 (one call when ``x`` fits one chunk: the same numbers as before chunking)."""
+    if len(x) <= chunk:
+        return metrics(w, x, y)
+    loss = torch.zeros((), dtype=torch.float64, device=x.device)
+    acc = torch.zeros((), dtype=torch.float64, device=x.device)
+    for start in range(0, len(x), chunk):
+        xc, yc = x[start:start + chunk], y[start:start + chunk]
+        part_loss, part_acc = metrics(w, xc, yc)
+        loss += part_loss.double() * len(xc)
+        acc += part_acc.double() * len(xc)
+    return (loss / len(x)).to(w.dtype), (acc / len(x)).to(w.dtype)
 
 
 class LeastSquares(Model):
@@ -144,6 +162,9 @@ class Softmax(Model):
         return self.test_metrics(w, *data.samples())[1]
 
     def test_metrics(self, w, x, y):
+        return chunked_metrics(self._metrics, w, x, y, self.eval_chunk)
+
+    def _metrics(self, w, x, y):
         W, b = self._split(w)
         logp = torch.log_softmax(x @ W + b, dim=1)
         return -logp.gather(1, y.unsqueeze(1)).mean(), (logp.argmax(1) == y).to(w.dtype).mean()
@@ -200,6 +221,9 @@ class MLP(Model):
         return self.test_metrics(w, *data.samples())[1]
 
     def test_metrics(self, w, x, y):
+        return chunked_metrics(self._metrics, w, x, y, self.eval_chunk)
+
+    def _metrics(self, w, x, y):
         logp = self._logp(w, x)
         return -logp.gather(1, y.unsqueeze(1)).mean(), (logp.argmax(1) == y).to(w.dtype).mean()
 
@@ -215,6 +239,8 @@ class Functional(Model):
         self.shapes = [p.shape for p in params.values()]
         self.sizes = [p.numel() for p in params.values()]
         self.dim = sum(self.sizes)
+        # activations of a convolution take far more memory than its input: evaluate ~256 samples at a time
+        self.eval_chunk = 256
         # dropout draws its own mask per client in training; evaluation runs the module in eval mode
         self.randomness = "different" if any(isinstance(m, torch.nn.Dropout) for m in module.modules()) else "error"
 
@@ -246,6 +272,9 @@ class Functional(Model):
     @torch.no_grad()
     def test_metrics(self, w, x, y):
         self.module.to(w.dtype).eval()
+        return chunked_metrics(self._metrics, w, x, y, self.eval_chunk)
+
+    def _metrics(self, w, x, y):
         logits = self._logits(w, x)
         return torch.nn.functional.cross_entropy(logits, y), (logits.argmax(1) == y).to(w.dtype).mean()
 

@@ -5,6 +5,7 @@ place), and a checkpoint is loaded without executing anything it contains (``wei
 run it belongs to."""
 from __future__ import annotations
 
+import csv
 import errno
 import fcntl
 import os
@@ -133,7 +134,8 @@ def load_checkpoint(out: str, cfg) -> dict:
     except Exception as e:  # an unpickling error, a truncated file...: one line, no traceback
         first = str(e).splitlines()[0] if str(e) else ""
         raise ValueError(f"cannot load {path!r} as a checkpoint ({type(e).__name__}: {first[:160]})") from None
-    if not isinstance(ckpt, dict) or not {"rows", "done", "current", "run"} <= set(ckpt):
+    if not isinstance(ckpt, dict) or not {"done", "current", "run"} <= set(ckpt) or \
+            not ({"rows", "rows_written"} & set(ckpt)):
         raise ValueError(f"{path!r} is not a fastagg-sim checkpoint (missing entries)")
     mine, theirs = signature(cfg), ckpt["run"]
     if not isinstance(theirs, dict) or theirs != mine:
@@ -143,3 +145,34 @@ def load_checkpoint(out: str, cfg) -> dict:
         raise ValueError(f"{path!r} belongs to another run: its {', '.join(diff)} differ from {out!r}'s config.json "
                          f"({shown})")
     return ckpt
+
+
+def read_metrics(out: str, count: int, fields: list) -> list:
+    """The first ``count`` rows of ``out``'s metrics.csv, typed (algorithm: str; seed, round: int; the rest:
+    float), read without following a link planted at its name. Raises ValueError (one line) when the file is
+    missing, has another header, fewer rows or a malformed value."""
+    path = os.path.join(out, "metrics.csv")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ValueError(f"cannot read {path!r} (the checkpoint's metrics): {os.strerror(e.errno or errno.EIO)}") \
+            from None
+    rows = []
+    with os.fdopen(fd, newline="") as f:
+        reader = csv.reader(f)
+        if next(reader, None) != list(fields):
+            raise ValueError(f"{path!r} is not this simulator's metrics file (its header differs)")
+        for line, values in enumerate(reader, start=2):
+            if len(rows) == count:
+                break
+            try:
+                if len(values) != len(fields):
+                    raise ValueError(f"{len(values)} values")
+                row = dict(zip(fields, values))
+                rows.append({k: v if k == "algorithm" else int(v) if k in ("seed", "round") else float(v)
+                             for k, v in row.items()})
+            except ValueError as e:
+                raise ValueError(f"{path!r} line {line} is malformed ({e})") from None
+    if len(rows) < count:
+        raise ValueError(f"{path!r} holds {len(rows)} metric rows; the checkpoint recorded {count}")
+    return rows

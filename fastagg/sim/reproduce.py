@@ -4,7 +4,7 @@ papers' claims on the set-ups closest to the papers' that fit this simulator and
 reproduced" by a rule fixed in this file before the runs. Settings are never tuned until a claim passes; where a
 method is tuned (a baseline's lr grid), the grid is stated and every point reported.
 
-Set-ups follow the review of the first experiments (the project's REPRODUCTION_REVIEW.md): noisy labels so that
+Set-ups follow a review of the first run against the papers (REPRODUCTION.md's introduction): noisy labels so that
 FedSPS's step is not stuck at its cap, F - F* instead of raw losses where the claim is about the optimum, paper
 004's decaying lr and an F - F* target for the speedup, a K = 20 low-participation set-up for FedACG, and a tuned
 FedAvg baseline for FedExP.
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .. import client
+from .._optional import MissingDependency, require
 from . import data as datasets, models, outdir
 from .runner import Config, run
 
@@ -325,12 +326,22 @@ def report(claims: list, quick: bool, total: float) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=".", help="folder for REPRODUCTION.md (default: .)")
+    ap.add_argument("--out", default=os.path.join("runs", "reproduce"),
+                    help="folder for REPRODUCTION.md (default: runs/reproduce; the repository's own report changes "
+                    "only when given its folder and --overwrite)")
+    ap.add_argument("--overwrite", action="store_true", help="replace a REPRODUCTION.md already in --out")
     ap.add_argument("--quick", action="store_true", help="few rounds and one seed: a smoke run, not the claims")
     ap.add_argument("--claims", default="1,2,3,4,5", help="which claims (default: all)")
     ap.add_argument("--full-speedup", action="store_true", help="claim 3 on the review's full grid (N up to 32, 5 "
                     "values of c, 3 seeds; about 10 minutes here)")
     a = ap.parse_args(argv)
+    target = os.path.join(a.out, "REPRODUCTION.md")
+    if os.path.lexists(target) and not a.overwrite:  # checked before the runs, not after them
+        ap.exit(2, f"{ap.prog}: error: {target} exists; pass --overwrite to replace it or choose another --out\n")
+    try:
+        require("sklearn", "sim", "the claims' digits data set")
+    except MissingDependency as e:
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     t0 = time.perf_counter()
     claims = []
     for k in (int(x) for x in a.claims.split(",")):
@@ -343,6 +354,7 @@ def main(argv=None) -> int:
     text = report(claims, a.quick, time.perf_counter() - t0)
     os.makedirs(a.out, exist_ok=True)
     outdir.write_file(a.out, "REPRODUCTION.md", lambda f: f.write(text + "\n"))  # never through a planted link
+    print(f"wrote {target}")
     return 0
 
 

@@ -14,15 +14,24 @@ import torch
 
 from .. import client
 from .._checks import check_number, check_prob
+from .._optional import require
 from . import algorithms, data as datasets, graphs as step_graphs, models, outdir
 
-# seconds: training wall time (local steps and server step) of the rounds since the previous row; eval_seconds:
-# this row's evaluation (train loss of the reported and last iterate over all clients' data, test metrics)
+# seconds: wall time of the rounds since the previous row, as the user waits for it: local steps, server step and
+# the checkpoint written after each round (a round's checkpoint counts toward the next row); evaluation excluded.
+# eval_seconds: this row's evaluation (train loss of the reported and last iterate on the evaluation sample of the
+# clients' data, test metrics)
 METRIC_FIELDS = ["algorithm", "seed", "round", "train_loss", "train_loss_last", "test_loss", "test_acc", "eta",
                  "seconds", "eval_seconds"]
-SUMMARY_FIELDS = ["algorithm", "seeds", "rounds", "train_loss_mean", "train_loss_std", "test_acc_mean",
+SUMMARY_FIELDS = ["algorithm", "status", "seeds", "rounds", "train_loss_mean", "train_loss_std", "test_acc_mean",
                   "test_acc_std", "target", "rounds_to_target_mean", "seeds_reaching_target", "seconds_per_round",
                   "eval_seconds"]
+
+
+# Default size of the fixed sample of clients' training data the training loss is measured on: every data set of
+# the papers' claims holds fewer samples (at most 22,349), so their train loss is exact; cifar-synthetic's 50,000
+# images default to 2,000 (data.py), so evaluation stays a fraction of a round.
+EVAL_SAMPLES = 25_000
 
 
 @dataclasses.dataclass
@@ -61,7 +70,8 @@ class Config:
     mass_eta2: float = 0.0
     mass_average: str = "w"  # FedMaSS synchronizes w (paper 004, App. G); "u" averages the extrapolated iterate
     target: float | None = None  # train loss; the summary reports the rounds to reach it
-    eval_every: int = 1  # evaluate (and write a metrics row) every this many rounds, and after the last
+    eval_every: int = 1  # evaluate (and write a metrics row) every this many rounds (round 0 too), and after the last
+    eval_samples: int | None = None  # train loss on a fixed sample of this many clients' samples; None: the data set's
     seeds: tuple = (0,)
     device: str = "cpu"
     backend: str = "auto"
@@ -72,9 +82,9 @@ class Config:
     def resolved(self, data: datasets.FederatedData) -> "Config":
         d = data.defaults
         c = dataclasses.replace(self)
-        for field in ("model", "rounds", "participation", "local_steps", "batch_size", "lr", "eps"):
+        for field in ("model", "rounds", "participation", "local_steps", "batch_size", "lr", "eps", "eval_samples"):
             if getattr(c, field) is None:
-                setattr(c, field, d.get(field, {"eps": 1e-3}.get(field)))
+                setattr(c, field, d.get(field, {"eps": 1e-3, "eval_samples": EVAL_SAMPLES}.get(field)))
         if c.dtype is None:
             c.dtype = "float64" if data.name == "fedexp-linreg" else "float32"
         c.clients = data.num_clients
@@ -121,7 +131,7 @@ class Config:
     def _check_settings(self) -> None:
         if not 0 < self.participation <= 1:
             raise ValueError(f"participation must be in (0, 1], got {self.participation}")
-        for name in ("rounds", "local_steps", "eval_every"):
+        for name in ("rounds", "local_steps", "eval_every", "eval_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.batch_size < 0:
@@ -145,7 +155,8 @@ class Config:
             raise ValueError(f"eps_mode must be 'paper' or 'official', got {self.eps_mode!r}")
         if self.mass_average not in ("w", "u"):
             raise ValueError(f"mass_average must be 'w' (paper 004) or 'u', got {self.mass_average!r}")
-        for name, top in (("local_steps", 10**7), ("batch_size", 10**7), ("rounds", 10**9), ("eval_every", 10**9)):
+        for name, top in (("local_steps", 10**7), ("batch_size", 10**7), ("rounds", 10**9), ("eval_every", 10**9),
+                          ("eval_samples", 10**9)):
             if getattr(self, name) > top:  # work or memory in proportion to a mistaken value: refused at once
                 raise ValueError(f"{name} must be at most {top:.0e}, got {getattr(self, name)}")
 
@@ -157,6 +168,7 @@ class History:
     config: Config
     rows: list
     stopped: str | None = None
+    planned: dict = dataclasses.field(default_factory=dict)  # algorithm -> its rounds; a seed short of them is unfinished
 
     def series(self, algorithm: str, field: str, seed: int | None = None) -> list:
         return [r[field] for r in self.rows if r["algorithm"] == algorithm and (seed is None or r["seed"] == seed)]
@@ -334,10 +346,11 @@ SMALL_WORK_BYTES = 16 << 20
 
 def intra_op_threads(data, model, participants: int, batch_size: int, itemsize: int) -> int:
     """torch's intra-op thread count for a run: 1 for small work, else torch's default. The work is the largest of
-    the participants' parameters, their samples in one step, and the whole training set (evaluated every round)."""
+    the participants' parameters, their samples in one step, and the training samples evaluated."""
     samples = batch_size if batch_size else data.x.shape[1]
+    evaluated = min(data.num_samples, data.eval_limit or data.num_samples)
     largest = max(participants * max(model.dim, samples * data.num_features),
-                  int(data.counts.sum()) * data.num_features) * itemsize
+                  evaluated * data.num_features) * itemsize
     return 1 if largest < SMALL_WORK_BYTES else torch.get_num_threads()
 
 
@@ -358,7 +371,7 @@ def run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row=None, on_rou
 def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, resume, progress) -> str | None:
     name, cfg = cfg.for_algorithm(algorithm, data)
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
-    d = data.to(device, dtype)
+    d = data.to(device, dtype).with_eval_limit(cfg.eval_samples)
     model = models.make(cfg.model, d)
     alg = algorithms.resolve(name, cfg)
     gen = torch.Generator().manual_seed(seed)
@@ -432,9 +445,11 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         if evaluated:
             loss = record(t, eta)
         if on_round:
+            saving = time.perf_counter()
             on_round(dict(algorithm=algorithm, seed=seed, round=t, params=w.clone(), optimizer=opt.state_dict(),
                           clients=None if state is None else state.state_dict(), generator=gen.get_state(),
                           train_seconds=train_s))
+            train_s += time.perf_counter() - saving  # what the user waits for: counted in the next row's seconds
         if progress:
             progress(algorithm, seed, t, cfg.rounds, loss)
         if evaluated and not math.isfinite(loss):
@@ -571,6 +586,8 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
         if not config.out:
             raise ValueError("resume needs the run's folder (--out)")
         config = Config(**{**saved_config(config.out), "out": config.out})  # the folder given, wherever it moved
+    if config.out:
+        require("matplotlib", "sim", "--out (for its loss, accuracy and eta plots)")
     data = datasets.load(config.dataset, clients=config.clients, dirichlet=config.dirichlet)
     cfg = config.resolved(data)
     cfg.check(data)
@@ -591,22 +608,35 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
     try:
         if resume:
             ckpt = outdir.load_checkpoint(cfg.out, cfg)
-            check_resume_state(cfg, data, ckpt)  # before anything in the folder is rewritten
+            rows = _rows_of(cfg, ckpt)
+            check_resume_state(cfg, data, ckpt, rows)  # before anything in the folder is rewritten
         else:
-            ckpt = {"rows": [], "done": [], "current": None, "run": outdir.signature(cfg)}
-        return _run_all(cfg, data, ckpt, verbose)
+            ckpt, rows = {"rows_written": 0, "done": [], "current": None, "run": outdir.signature(cfg)}, []
+        return _run_all(cfg, data, ckpt, rows, verbose)
     finally:
         if lock is not None:
             lock.release()
 
 
-def check_resume_state(cfg: Config, data, ckpt: dict) -> None:
+def _rows_of(cfg: Config, ckpt: dict) -> list:
+    """The metric rows a checkpoint covers: the first ``rows_written`` rows of metrics.csv (the checkpoint holds the
+    state, not the metrics, so it costs O(state) however many rounds ran); a checkpoint of fastagg 0.1's first
+    format carries its rows itself."""
+    if "rows" in ckpt:
+        return ckpt["rows"]
+    count = ckpt["rows_written"]
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"{os.path.join(cfg.out, CHECKPOINT)!r}: its metric row count {count!r} is malformed")
+    return outdir.read_metrics(cfg.out, count, METRIC_FIELDS)
+
+
+def check_resume_state(cfg: Config, data, ckpt: dict, rows: list) -> None:
     """A checkpoint's contents fit this run: the metric rows, the finished (algorithm, seed) pairs, and the run in
     progress -- its round, params (size and dtype of the model), optimizer state (loaded into a probe optimizer of
     its algorithm, which checks shapes, dtypes, counters and the rule's invariants), clients' state and random
     generator. Raises ValueError naming the first problem; nothing is written or changed here."""
     where = f"{os.path.join(cfg.out, CHECKPOINT)!r}"
-    rows, done, current = ckpt["rows"], ckpt["done"], ckpt["current"]
+    done, current = ckpt["done"], ckpt["current"]
     if not isinstance(rows, list) or not all(isinstance(r, dict) and set(METRIC_FIELDS) <= set(r) for r in rows):
         raise ValueError(f"{where}: its metric rows are malformed")
     pairs = {(a, sd) for a in cfg.algorithms for sd in cfg.seeds}
@@ -648,8 +678,11 @@ def check_resume_state(cfg: Config, data, ckpt: dict) -> None:
             from None
 
 
-def _run_all(cfg: Config, data, ckpt: dict, verbose: bool) -> History:
-    rows = list(ckpt["rows"])
+def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool) -> History:
+    rows = list(rows)
+    ckpt.pop("rows", None)  # an old-format checkpoint is rewritten in the current one
+    ckpt["rows_written"] = len(rows)
+    planned = {spec: cfg.for_algorithm(spec, data)[1].rounds for spec in cfg.algorithms}
     out_file = writer = None
     if cfg.out:  # never through a link planted in the folder (outdir.open_new / write_file)
         outdir.write_file(cfg.out, "config.json", lambda f: json.dump(dataclasses.asdict(cfg), f, indent=2))
@@ -665,9 +698,9 @@ def _run_all(cfg: Config, data, ckpt: dict, verbose: bool) -> History:
             out_file.flush()
 
     def on_round(snapshot):
-        if cfg.out:
+        if cfg.out:  # after the round's metrics row (if any) was flushed to metrics.csv
             ckpt["current"] = snapshot
-            ckpt["rows"] = rows
+            ckpt["rows_written"] = len(rows)
             outdir.save_checkpoint(cfg.out, ckpt)
 
     progress = _progress if verbose else None
@@ -701,7 +734,7 @@ def _run_all(cfg: Config, data, ckpt: dict, verbose: bool) -> History:
     finally:
         if out_file:
             out_file.close()
-    history = History(cfg, rows, stopped)
+    history = History(cfg, rows, stopped, planned)
     if rows:
         table = summary(history)
         if verbose:
@@ -720,33 +753,48 @@ def _run_all(cfg: Config, data, ckpt: dict, verbose: bool) -> History:
 
 
 def summary(history: History) -> list:
-    """One row per algorithm: final train loss and test accuracy, mean and (population) std over the seeds that
-    ran; with ``config.target``, the mean rounds to reach a train loss <= target (at an evaluated round) over the
-    seeds that reached it; the training wall time per round and the wall time of one evaluation."""
+    """One row per algorithm over its finished seeds: final train loss and test accuracy, mean and (population)
+    std; with ``config.target``, the mean rounds to reach a train loss <= target (at an evaluated round) over the
+    seeds that reached it; the wall time per round (local steps, server step, checkpoint) and of one evaluation.
+    A seed that stopped short of its algorithm's rounds (Ctrl-C, a non-finite loss) gets a row of its own,
+    ``status`` "unfinished" with the rounds it reached: it is never averaged with finished seeds."""
     out = []
-    target = history.config.target
     for algorithm in dict.fromkeys(r["algorithm"] for r in history.rows):
         rows = [r for r in history.rows if r["algorithm"] == algorithm]
         seeds = list(dict.fromkeys(r["seed"] for r in rows))
-        finals = [[r for r in rows if r["seed"] == s][-1] for s in seeds]
-        loss = torch.tensor([f["train_loss"] for f in finals], dtype=torch.float64)
-        acc = torch.tensor([f["test_acc"] for f in finals], dtype=torch.float64)
-        reached = [history.rounds_to(algorithm, "train_loss", target, s) for s in seeds] if target is not None else []
-        reached = [r for r in reached if r is not None]
-        timed = [r for r in rows if r.get("seconds") not in (None, "")]
-        train_s = sum(float(r["seconds"]) for r in timed)
-        timed_rounds = sum(f["round"] for f in finals) if len(timed) == len(rows) else 0
-        evals = [float(r["eval_seconds"]) for r in timed if r.get("eval_seconds") not in (None, "")]
-        out.append(dict(
-            algorithm=algorithm, seeds=len(seeds), rounds=max(f["round"] for f in finals),
-            train_loss_mean=float(loss.mean()), train_loss_std=float(loss.std(unbiased=False)),
-            test_acc_mean=float(acc.mean()), test_acc_std=float(acc.std(unbiased=False)),
-            target=float("nan") if target is None else target,
-            rounds_to_target_mean=sum(reached) / len(reached) if reached else float("nan"),
-            seeds_reaching_target=len(reached) if target is not None else "",
-            seconds_per_round=train_s / timed_rounds if timed_rounds else float("nan"),
-            eval_seconds=sum(evals) / len(evals) if evals else float("nan")))
+        planned = history.planned.get(algorithm)
+        last = {s: [r for r in rows if r["seed"] == s][-1]["round"] for s in seeds}
+        finished = [s for s in seeds if planned is None or last[s] >= planned]
+        if finished:
+            out.append(_summary_row(history, algorithm, [r for r in rows if r["seed"] in finished], "finished"))
+        for s in seeds:
+            if s not in finished:
+                out.append(_summary_row(history, algorithm, [r for r in rows if r["seed"] == s], "unfinished"))
     return out
+
+
+def _summary_row(history: History, algorithm: str, rows: list, status: str) -> dict:
+    target = history.config.target
+    seeds = list(dict.fromkeys(r["seed"] for r in rows))
+    finals = [[r for r in rows if r["seed"] == s][-1] for s in seeds]
+    loss = torch.tensor([f["train_loss"] for f in finals], dtype=torch.float64)
+    acc = torch.tensor([f["test_acc"] for f in finals], dtype=torch.float64)
+    reached = [history.rounds_to(algorithm, "train_loss", target, s) for s in seeds] if target is not None else []
+    reached = [r for r in reached if r is not None]
+    timed = [r for r in rows if r.get("seconds") not in (None, "")]
+    train_s = sum(float(r["seconds"]) for r in timed)
+    timed_rounds = sum(f["round"] for f in finals) if len(timed) == len(rows) else 0
+    evals = [float(r["eval_seconds"]) for r in timed if r.get("eval_seconds") not in (None, "")]
+    return dict(
+        algorithm=algorithm, status=status if status == "finished" else f"unfinished (seed {seeds[0]})",
+        seeds=len(seeds), rounds=max(f["round"] for f in finals),
+        train_loss_mean=float(loss.mean()), train_loss_std=float(loss.std(unbiased=False)),
+        test_acc_mean=float(acc.mean()), test_acc_std=float(acc.std(unbiased=False)),
+        target=float("nan") if target is None else target,
+        rounds_to_target_mean=sum(reached) / len(reached) if reached else float("nan"),
+        seeds_reaching_target=len(reached) if target is not None else "",
+        seconds_per_round=train_s / timed_rounds if timed_rounds else float("nan"),
+        eval_seconds=sum(evals) / len(evals) if evals else float("nan"))
 
 
 def _duration(seconds: float) -> str:
@@ -757,11 +805,12 @@ def format_summary(table: list) -> str:
     """The summary as an aligned text table."""
     has_acc = any(math.isfinite(r["test_acc_mean"]) for r in table)
     has_target = any(math.isfinite(r["target"]) for r in table)
-    head = ["algorithm", "seeds", "rounds", "final train loss"] + (["test accuracy"] if has_acc else []) + \
-        ([f"rounds to loss <= {table[0]['target']:g}"] if has_target else []) + ["training / round", "evaluation"]
+    has_status = any(r["status"] != "finished" for r in table)
+    head = ["algorithm"] + (["status"] if has_status else []) + ["seeds", "rounds", "final train loss"] + (["test accuracy"] if has_acc else []) + \
+        ([f"rounds to loss <= {table[0]['target']:g}"] if has_target else []) + ["time / round", "evaluation"]
     lines = []
     for r in table:
-        cells = [r["algorithm"], str(r["seeds"]), str(r["rounds"]),
+        cells = [r["algorithm"]] + ([r["status"]] if has_status else []) + [str(r["seeds"]), str(r["rounds"]),
                  f"{r['train_loss_mean']:.4g} +- {r['train_loss_std']:.2g}"]
         if has_acc:
             cells.append(f"{r['test_acc_mean']:.4f} +- {r['test_acc_std']:.4f}")

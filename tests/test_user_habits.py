@@ -1,0 +1,76 @@
+"""Small habits users bring (the rough edges a newcomer met): submodules reachable from ``import fastagg`` without
+making the import heavier, ``client_ids`` as a list or numpy array like weights, one non-finite flag per client
+whatever the input, readable reprs, shape errors that give the number."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import fastagg
+from fastagg import client
+
+
+def test_submodules_are_reachable_lazily():
+    code = ("import sys, fastagg\n"
+            "heavy = [m for m in ('fastagg.server', 'fastagg.distributed', 'fastagg.client', 'flwr', 'fastagg.sim')"
+            " if m in sys.modules]\n"
+            "assert not heavy, heavy\n"
+            "assert fastagg.server.FedAdam and fastagg.distributed.shard and fastagg.client.sps_step\n"
+            "assert {'server', 'client', 'distributed'} <= set(dir(fastagg))\n"
+            "try:\n    fastagg.no_such_thing\nexcept AttributeError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "no attribute 'no_such_thing'" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("ids", [[0, 2, 4], (0, 2, 4), np.array([0, 2, 4]), np.array([0, 2, 4], dtype=np.int32),
+                                 torch.tensor([0, 2, 4])])
+def test_client_ids_as_a_list_or_numpy_array(ids):
+    x, g = torch.randn(3, 10), torch.randn(3, 10)
+    state = client.ClientState(5, 10)
+    x_ref, state_ref = x.clone(), client.ClientState(5, 10)
+    client.local_step(params=x, grads=g, lr=0.1, momentum=0.9, state=state, client_ids=ids)
+    client.local_step(params=x_ref, grads=g, lr=0.1, momentum=0.9, state=state_ref, client_ids=torch.tensor([0, 2, 4]))
+    assert torch.equal(x, x_ref) and torch.equal(state.vector("momentum"), state_ref.vector("momentum"))
+
+
+@pytest.mark.parametrize("ids", [[0, 1.5, 2], [True, 0, 1], np.array([0.0, 1, 2]), np.array([True, False, True]),
+                                 [0, 1, 10**30], "abc"])
+def test_client_ids_that_are_not_integers_are_refused(ids):
+    x = torch.randn(3, 10)
+    before = x.clone()
+    with pytest.raises(TypeError, match="client_ids"):
+        client.local_step(params=x, grads=torch.randn(3, 10), lr=0.1, momentum=0.9, state=client.ClientState(5, 10),
+                          client_ids=ids)
+    assert torch.equal(x, before)
+
+
+def test_a_shape_error_gives_the_number_of_clients():
+    x = torch.randn(3, 10)
+    with pytest.raises(ValueError, match=r"expected \(5, 10\): a row per client"):
+        client.local_step(params=x, grads=torch.randn(3, 10), lr=0.1, control=(torch.zeros(10), torch.zeros(3, 10)),
+                          state=client.ClientState(5, 10), client_ids=[0, 1, 2])
+
+
+def test_a_step_on_an_accumulator_flags_every_client():
+    w = torch.zeros(10)
+    acc = fastagg.Accumulator(like=w)
+    for i in range(3):
+        acc.add(torch.randn(10), weight=2, client_id=i)
+    stats = fastagg.server.FedAvg(w).step(acc)
+    assert stats.nonfinite.shape == (3,) and not stats.nonfinite.any()
+    assert stats.nonfinite.shape == fastagg.server.FedAvg(torch.zeros(10)).step(torch.randn(3, 10)).nonfinite.shape
+
+
+def test_reprs_say_what_they_hold():
+    acc = fastagg.Accumulator(like=torch.zeros(10))
+    acc.add(torch.ones(10), weight=2.5, client_id="a")
+    assert repr(acc) == ("Accumulator(numel=10, dtype=torch.float32, device=cpu, clients=1, total_weight=2.5, "
+                         "backend='cpu')")
+    state = client.ClientState(4, 10)
+    state.vector("momentum")
+    assert repr(state) == ("ClientState(num_clients=4, dim=10, dtype=torch.float32, device=cpu, "
+                           "vectors=['momentum'], scalars=[])")
