@@ -27,7 +27,8 @@ TEST_LIMIT="${TEST_LIMIT:-220}" BENCH_LIMIT="${BENCH_LIMIT:-240}"  # seconds
   python3 -c "import torch, triton; print('python', __import__('sys').version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
   start=$(date +%s)
   # correctness first; a kernel that hangs is killed with its worker (thread timeout) and reported
-  timeout "$TEST_LIMIT" python3 -m pytest -q -p no:cacheprovider tests/test_on_device.py -n 14 --timeout 150 \
+  timeout "$TEST_LIMIT" python3 -m pytest -q -p no:cacheprovider tests/test_on_device.py \
+      "tests/test_readme.py::test_blocks_run_elsewhere_compile_here" -n 14 --timeout 150 \
       --timeout-method=thread -ra ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 | tee "$OUT/pytest.txt"
   echo "== pytest: $(( $(date +%s) - start )) s"
   start=$(date +%s)
