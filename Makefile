@@ -26,9 +26,10 @@ run: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m fastagg.demo
 
-# Triton kernels run on the CPU through the interpreter; it must be set before triton is imported.
+# Triton kernels run on the CPU through the interpreter; it must be set before triton is imported. Progress: one
+# line per test file with its percentage; the 15 slowest tests at the end.
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest --durations=15
 
 # The C++ kernels under AddressSanitizer + UBSan (fastagg._C_asan): a canary proves the sanitizer is active, then
 # the C++-backend tests run against the sanitized module (.ci/asan.sh). CI runs it after `make test`.
@@ -59,8 +60,14 @@ test-nvflare: $(NVFLARE_VENV)/.installed
 flower-example: $(VENV)/.installed
 	$(PY) examples/flower/simulate.py --strategy fedexp --rounds 5 --clients 4
 
+# The benchmarks (~15 minutes on 2 cores), their JSON in $(BENCH_JSON), then bench/report.py's tables and its summary
+# of the interleaved ratios the README quotes. Run it on a quiet machine.
+BENCH_JSON ?= .benchmarks/make-bench.json
 bench: $(VENV)/.installed
-	$(PY) -m pytest bench --benchmark-enable --benchmark-only --benchmark-columns=min,median,iqr,ops
+	mkdir -p $(dir $(BENCH_JSON))
+	$(PY) -m pytest bench --benchmark-enable --benchmark-only --benchmark-columns=min,median,iqr,ops \
+	    --benchmark-json=$(BENCH_JSON)
+	$(PY) bench/report.py $(BENCH_JSON)
 
 clean:
 	rm -rf $(VENV) $(NVFLARE_VENV) build fastagg/*.so *.egg-info

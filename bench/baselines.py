@@ -44,3 +44,32 @@ def flower_numpy(layers_per_client: list, num_examples: list, eps: float):
     p = np.asarray(num_examples, dtype=np.float64) / total
     mean_sq = sum(float(np.sum(layer ** 2)) for layer in mean)
     return mean, sq, fedexp_eta(float(p @ sq), mean_sq, eps)
+
+
+def interleaved_ratios(benchmark, calls: dict, pairs: dict, rounds: int, seed: int = 0) -> dict:
+    """Time ``calls`` (name -> zero-argument function) in a fresh random order every round, ``rounds`` rounds, and
+    record in ``benchmark.extra_info`` each contender's median time (``NAME_ms``) and, for every ``pairs`` entry
+    ``label: (a, b)``, the median over rounds of time(a) / time(b): ratios within a round are immune to this VM's
+    drift between back-to-back groups. ``bench/report.py`` prints every such ratio in its summary table."""
+    import random
+    import statistics
+    import time
+
+    def run():
+        times = {k: [] for k in calls}
+        order = list(calls)
+        rng = random.Random(seed)
+        for _ in range(rounds):
+            rng.shuffle(order)
+            for k in order:
+                t0 = time.perf_counter()
+                calls[k]()
+                times[k].append(time.perf_counter() - t0)
+        return times
+
+    times = benchmark.pedantic(run, rounds=1, iterations=1)
+    ratios = {label: statistics.median(x / y for x, y in zip(times[a], times[b])) for label, (a, b) in pairs.items()}
+    medians = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
+    benchmark.extra_info.update({"ratios": ratios, **medians, "rounds": rounds})
+    print(f"\ninterleaved, {rounds} rounds: " + ", ".join(f"{k} {v:.3f}" for k, v in {**medians, **ratios}.items()))
+    return ratios

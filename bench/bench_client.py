@@ -10,13 +10,11 @@ plain torch calls. Shapes: FASTAGG_BENCH_CLIENT_SCALE (default 1) divides M for 
 from __future__ import annotations
 
 import os
-import random
-import statistics
-import time
 
 import pytest
 import torch
 
+from baselines import interleaved_ratios
 from fastagg import client
 
 SCALE = int(os.environ.get("FASTAGG_BENCH_CLIENT_SCALE", "1"))
@@ -106,8 +104,7 @@ def test_torch_loop_sps(benchmark, shape):
 def test_interleaved_ratios(benchmark):
     """The bandwidth shape's three contenders called in a fresh random order every round: ratios within a round
     are immune to this VM's drift between pytest-benchmark's back-to-back groups (we have seen a plain X.add_ move
-    by 30% from one group to the next). Records the median per-round ratios fastagg / X.add_ and torch /
-    fastagg in extra_info and prints them. 300 rounds when benchmarking, 3 as a smoke test."""
+    by 30% from one group to the next). 300 rounds when benchmarking, 3 as a smoke test."""
     x, g, f = _data("bandwidth")
     _group(benchmark, "bandwidth")
     calls = {
@@ -115,25 +112,15 @@ def test_interleaved_ratios(benchmark):
         "fastagg": lambda: client.sps_step(params=x, grads=g, losses=f, c=0.5, gamma_b=1e-3, backend="cpu"),
         "torch": lambda: torch_batched_sps(x, g, f, gamma_b=1e-3),
     }
-    rounds = 3 if benchmark.disabled else 300
+    interleaved_ratios(benchmark, calls, {"fastagg / add": ("fastagg", "add"), "torch / fastagg": ("torch", "fastagg")},
+                       rounds=3 if benchmark.disabled else 300)
 
-    def interleaved():
-        times = {k: [] for k in calls}
-        order = list(calls)
-        rng = random.Random(0)
-        for _ in range(rounds):
-            rng.shuffle(order)
-            for k in order:
-                t0 = time.perf_counter()
-                calls[k]()
-                times[k].append(time.perf_counter() - t0)
-        return times
 
-    times = benchmark.pedantic(interleaved, rounds=1, iterations=1)
-    ratios = {
-        "fastagg_over_add": statistics.median(a / b for a, b in zip(times["fastagg"], times["add"])),
-        "torch_over_fastagg": statistics.median(a / b for a, b in zip(times["torch"], times["fastagg"])),
-    }
-    medians = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
-    benchmark.extra_info.update(ratios, **medians, rounds=rounds)
-    print(f"\ninterleaved, {rounds} rounds: " + ", ".join(f"{k} {v:.3f}" for k, v in {**medians, **ratios}.items()))
+def test_interleaved_ratios_dispatch(benchmark):
+    """1000 small clients (d = 10^3): one fused call against a per-client Python loop of torch calls (what a
+    per-client simulator does), interleaved; 50 rounds when benchmarking, 2 as a smoke test."""
+    x, g, f = _data("dispatch")
+    _group(benchmark, "dispatch")
+    calls = {"fastagg": lambda: client.sps_step(params=x, grads=g, losses=f, c=0.5, gamma_b=1e-3, backend="cpu"),
+             "loop": lambda: torch_loop_sps(x, g, f, gamma_b=1e-3)}
+    interleaved_ratios(benchmark, calls, {"loop / fastagg": ("loop", "fastagg")}, rounds=2 if benchmark.disabled else 50)

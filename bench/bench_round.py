@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fastagg
-from baselines import flower_numpy, torch_chunked, torch_gemv
+from baselines import flower_numpy, interleaved_ratios, torch_chunked, torch_gemv
 
 M = 16
 D = int(float(os.environ.get("FASTAGG_BENCH_D", "1e7")))
@@ -140,3 +140,21 @@ def test_fastagg_accumulator(benchmark, round_data):
         return acc.fedexp_step(eps=EPS)
 
     benchmark.pedantic(run, rounds=3, iterations=1)
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_interleaved_ratios(benchmark, round_data, mean_out):
+    """The README's headline CPU round: fastagg's FedExP stats pass against one plain read of the same bytes
+    (X.sum), the best plain torch (GEMV + row norms, and the cache-chunked version) and Flower's per-layer numpy
+    loop, called in a fresh random order every round (30 rounds when benchmarking, 2 as a smoke test)."""
+    x, n, p, per_layer = round_data
+    calls = {"read": x.sum,
+             "fastagg": lambda: fastagg.fedexp_step(x, eps=EPS, weights=n, backend="cpu", mean_out=mean_out),
+             "torch_gemv": lambda: torch_gemv(x, p, EPS, out=mean_out),
+             "torch_chunked": lambda: torch_chunked(x, p, EPS, out=mean_out),
+             "flower": lambda: flower_numpy(per_layer, n, EPS)}
+    interleaved_ratios(benchmark, calls, {"fastagg / read": ("fastagg", "read"),
+                                          "torch_gemv / fastagg": ("torch_gemv", "fastagg"),
+                                          "torch_chunked / fastagg": ("torch_chunked", "fastagg"),
+                                          "flower / fastagg": ("flower", "fastagg")},
+                       rounds=2 if benchmark.disabled else 30)

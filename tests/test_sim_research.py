@@ -34,7 +34,7 @@ def test_algorithm_specs_parse_and_refuse_what_they_cannot_set():
     assert algorithms.parse_spec("fedavg:server_lr=10:local-steps=3") == ("fedavg", {"server_lr": 10.0,
                                                                                      "local_steps": 3})
     assert algorithms.parse_spec("fedexp") == ("fedexp", {})
-    for spec, text in [("fedbogus", "unknown algorithm"), ("fedavg:rounds=3", "cannot be set per algorithm"),
+    for spec, text in [("fedbogus", "unknown algorithm"), ("fedavg:rounds=3", "a setting of the whole run"),
                        ("fedavg:server_lr", "is not key=value"), ("fedavg:server_lr=ten", "is not a number"),
                        ("fedavg:local_steps=2.5", "is not an integer"), ("fedavg:lr=1:lr=2", "given twice")]:
         with pytest.raises(ValueError, match=text):

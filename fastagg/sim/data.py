@@ -359,7 +359,7 @@ def from_npz(path: str, *, num_clients: int = 20, alpha: float = 0.3, seed: int 
         test_x = torch.from_numpy(_features(test[0], "x_test", where))
         test_y = torch.from_numpy(test[1].astype(np.int64 if classification else np.float64))
     return FederatedData(f"npz:{path}", xp, yp, counts, task, num_classes=n_classes,
-                         defaults=dict(PAPER_DEFAULTS["npz:PATH"], clients=num_clients,
+                         defaults=dict(PAPER_DEFAULTS["npz:PATH"], clients=len(counts),
                                        model="softmax" if classification else "linear"),
                          test_x=test_x, test_y=test_y)
 
