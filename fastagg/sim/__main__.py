@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
 
-from .._optional import MissingDependency
+from .._optional import MissingDependency, require
 from . import algorithms, data
 from .runner import Config, checked_settings, run, saved_config
 
@@ -15,6 +16,12 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors as one line and exit code 2."""
 
     def error(self, message):
+        if message.startswith("unrecognized arguments: "):  # "did you mean" for a misspelled flag
+            flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            hints = [f"{w} (did you mean {' or '.join(near)}?)" if w.startswith("-") and
+                     (near := difflib.get_close_matches(w.split("=")[0], flags, n=2)) else w
+                     for w in message[len("unrecognized arguments: "):].split()]
+            message = "unrecognized arguments: " + " ".join(hints)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -41,7 +48,9 @@ def parser() -> argparse.ArgumentParser:
                 "kernels.")
     p.add_argument("--dataset", default="fedexp-linreg",
                    help=f"{', '.join(sorted(data.DATASETS))}, or npz:PATH (arrays x, y, optional client)")
-    p.add_argument("--model", help="linear | softmax | mlp | cnn | pfl-cnn (default: the data set's)")
+    p.add_argument("--model", help="linear | softmax | mlp | cnn | pfl-cnn, or your own classifier as "
+                   "package.module:factory (factory(data) -> nn.Module over data.num_features inputs, or (module, "
+                   "input_shape); built with torch seeded 0) (default: the data set's: table below)")
     p.add_argument("--clients", type=int, help="number of clients (digits, synthetic, cifar-synthetic, npz)")
     p.add_argument("--dirichlet", type=float, help="digits and npz: Dirichlet label-split alpha (0 = IID; "
                    "default: 0.3)")
@@ -104,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for config.json, metrics.csv, summary.csv, checkpoint.pt and the plots "
                    "(default: none, nothing written)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint (with "
-                   "the settings its config.json recorded)")
+                   "the settings its config.json recorded); with a larger --rounds, extend a finished run")
     p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
     return p
 
@@ -164,7 +173,18 @@ def _seeds(a) -> tuple:
 
 
 def _read_config(path: str) -> dict:
-    """A JSON file, or TOML when the name ends in .toml (top-level keys = settings)."""
+    """A JSON file, TOML when the name ends in .toml, YAML in .yaml / .yml (PyYAML, the [sim] extra; its safe
+    loader: plain data only). Top-level keys are settings; a table named like an entry of ``algorithms`` holds
+    that algorithm's own settings (``runner.checked_settings``)."""
+    if path.endswith((".yaml", ".yml")):
+        require("yaml", "sim", "a YAML --config")
+        import yaml
+
+        try:
+            with open(path) as f:
+                return yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"cannot read --config {path!r}: {' '.join(str(e).split())}") from None
     try:
         if path.endswith(".toml"):
             try:
@@ -213,9 +233,10 @@ def _config(a, argv) -> tuple:
 
 
 def _check_resume(cfg: Config, explicit: set) -> None:
-    """--resume continues a run as its config.json recorded it: flags that would change a setting are refused."""
+    """--resume continues a run as its config.json recorded it: flags that would change a setting are refused,
+    except a larger --rounds, which extends the run (run() checks it)."""
     saved = saved_config(cfg.out)
-    changed = [f for f in sorted(explicit - {"out"}) if f in saved and
+    changed = [f for f in sorted(explicit - {"out", "rounds"}) if f in saved and
                (tuple(saved[f]) if isinstance(saved[f], (list, tuple)) else saved[f]) != getattr(cfg, f)]
     if changed:
         shown = ", ".join(f"{f} ({getattr(cfg, f)!r}; the run has {saved[f]!r})" for f in changed)

@@ -3,7 +3,10 @@ mini-batch mean loss and gradient (closed forms with batched matrix products, no
 """
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import sys
 
 import torch
 
@@ -327,9 +330,81 @@ MODELS = {"linear": LeastSquares, "quadratic": Quadratic, "softmax": Softmax, "m
           "pfl-cnn": PflCNN}
 
 
+# models registered from Python (register_model) and the factories of "package.module:factory" names, by name
+_USER_MODELS: dict = {}
+
+
+def register_model(name: str, factory) -> None:
+    """Make ``--model NAME`` / ``Config(model=NAME)`` build ``factory(data)``: a classifier ``nn.Module`` taking
+    ``data.num_features`` flat features (or a ``(module, input_shape)`` pair: each sample is reshaped to
+    ``input_shape``, channels first), or a :class:`Model`. The factory is called with torch's generator seeded
+    with 0, so every algorithm and seed of a run starts from the same model. Per-client BatchNorm statistics
+    cannot be kept by a batched client step: a BatchNorm that tracks running statistics is refused (naming the
+    layer); ``track_running_stats=False``, GroupNorm or LayerNorm work. A name registered here is recorded in
+    config.json like any other; ``--resume`` from the command line needs it as ``package.module:factory``."""
+    if not isinstance(name, str) or not name or ":" in name or name in MODELS:
+        raise ValueError(f"model name {name!r}: a non-empty name without ':' that is not built in ({sorted(MODELS)})")
+    if not callable(factory):
+        raise TypeError(f"register_model({name!r}, ...): the factory must be callable (data -> nn.Module)")
+    _USER_MODELS[name] = factory
+
+
+def _factory(name: str):
+    """The factory of a registered name or of ``package.module:factory`` (imported, the current directory first on
+    the import path, as ``python -m`` has it)."""
+    if name in _USER_MODELS:
+        return _USER_MODELS[name]
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"model {name!r}: expected package.module:factory")
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module's own error at import: one line
+        raise ValueError(f"model {name!r}: cannot import {module_name!r} ({type(e).__name__}: {e})") from None
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"model {name!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def _user_model(name: str, data: FederatedData) -> Model:
+    if data.task != "classification":
+        raise ValueError(f"model {name!r}: your own models are classifiers; {data.name} is {data.task}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        built = _factory(name)(data)
+    if isinstance(built, Model):
+        return built
+    module, shape = built if isinstance(built, tuple) and len(built) == 2 else (built, (data.num_features,))
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"model {name!r}: the factory returned {type(module).__name__}; expected an nn.Module, "
+                         "a (module, input_shape) pair or a fastagg.sim.models.Model")
+    shape = tuple(int(v) for v in shape)
+    if math.prod(shape) != data.num_features:
+        raise ValueError(f"model {name!r}: input_shape {shape} holds {math.prod(shape)} values; {data.name} has "
+                         f"{data.num_features} features")
+    for layer, m in module.named_modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            raise ValueError(f"model {name!r}: layer {layer!r} ({type(m).__name__}) keeps running statistics, "
+                             "which a batched step of many clients cannot keep per client; build it with "
+                             "track_running_stats=False, or use GroupNorm / LayerNorm")
+    return Functional(data, module, shape)
+
+
 def make(name: str, data: FederatedData) -> Model:
+    """The model called ``name`` for ``data``: built in (``MODELS``), registered (:func:`register_model`), or
+    ``package.module:factory``."""
+    if name in _USER_MODELS or (isinstance(name, str) and ":" in name):
+        return _user_model(name, data)
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}, one registered with "
+                         "fastagg.sim.register_model, or package.module:factory")
     if data.task == "quadratic" or name == "quadratic":
         if data.task != "quadratic" or name != "quadratic":
             raise ValueError(f"model 'quadratic' goes with the quadratic data set only; {data.name} / {name!r}")

@@ -176,3 +176,19 @@ def read_metrics(out: str, count: int, fields: list) -> list:
     if len(rows) < count:
         raise ValueError(f"{path!r} holds {len(rows)} metric rows; the checkpoint recorded {count}")
     return rows
+
+
+def load_state(out: str, name: str) -> dict:
+    """A state file of ``out`` (a finished run's final state), loaded with ``weights_only=True`` (a crafted file
+    cannot run code); a missing or unreadable file is a one-line ValueError."""
+    path = os.path.join(out, name)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = torch.load(path, weights_only=True)
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"cannot load {path!r} ({type(e).__name__}: {first[:160]})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path!r} is not a run's state")
+    return state

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -537,13 +538,18 @@ def saved_config(out: str) -> dict:
 
 
 def checked_settings(settings: Any, where: str) -> dict:
-    """A dict of Config fields (lists for tuples); unknown keys are refused, not ignored."""
+    """A dict of Config fields (lists for tuples); unknown keys are refused, not ignored. A table whose key is an
+    entry of ``algorithms`` holds that algorithm's own settings (a config file's per-algorithm section, as
+    ``[fedavg]`` / ``fedavg:`` with ``server_lr = 10`` under it): it becomes that entry's ``NAME:KEY=VALUE`` spec."""
     if not isinstance(settings, dict):
-        raise ValueError(f"{where} must hold a JSON object of settings")
+        raise ValueError(f"{where} must hold a mapping of settings (an object, a table)")
+    settings = _per_algorithm_sections(settings, where)
     known = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(settings) - known)
     if unknown:
-        raise ValueError(f"{where}: unknown settings {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        hints = [f"{k} (did you mean {' or '.join(near)}?)" if (near := difflib.get_close_matches(k, known, n=2))
+                 else k for k in unknown]
+        raise ValueError(f"{where}: unknown settings {', '.join(hints)} (known: {', '.join(sorted(known))})")
     out = dict(settings)
     for k in ("algorithms", "seeds"):
         if k in out:
@@ -554,6 +560,36 @@ def checked_settings(settings: Any, where: str) -> dict:
     for k, v in out.items():
         if not _of_type(v, types[k]):
             raise ValueError(f"{where}: {k} must be {types[k].replace('|', 'or')}, got {type(v).__name__} {v!r:.60}")
+    return out
+
+
+def _per_algorithm_sections(settings: dict, where: str) -> dict:
+    """``{"algorithms": ["fedavg", "fedexp"], "fedavg": {"server_lr": 10}}`` ->
+    ``{"algorithms": ["fedavg:server_lr=10", "fedexp"]}``; each section's keys are checked as per-algorithm
+    settings are (``algorithms.parse_spec``)."""
+    entries = settings.get("algorithms")
+    sections = {k: v for k, v in settings.items() if isinstance(v, dict)}
+    if not sections:
+        return settings
+    if not isinstance(entries, (list, tuple)):
+        raise ValueError(f"{where}: sections {', '.join(sorted(sections))} need an algorithms list naming them")
+    out = {k: v for k, v in settings.items() if k not in sections}
+    specs = list(entries)
+    for name, table in sections.items():
+        if name not in specs:
+            raise ValueError(f"{where}: section {name!r} is not an entry of algorithms ({list(entries)})")
+        pairs = []
+        for key, value in table.items():
+            if isinstance(value, (dict, list)) or value is None:
+                raise ValueError(f"{where}: section {name!r}: {key} must be a number or a word, got {value!r:.40}")
+            pairs.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+        spec = ":".join([name, *pairs])
+        try:
+            algorithms.parse_spec(spec)
+        except ValueError as e:
+            raise ValueError(f"{where}: section {name!r}: {str(e).split(': ', 1)[-1]}") from None
+        specs[specs.index(name)] = spec
+    out["algorithms"] = specs
     return out
 
 
@@ -581,11 +617,19 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
     metrics.csv (row by row: a run that stops keeps every metric so far), a checkpoint after every round and the
     plots. The folder is locked while the run writes it; a folder holding another run's results is refused unless
     ``overwrite``. ``resume=True`` continues the run in ``config.out`` from its checkpoint, with the settings its
-    config.json recorded (``config``'s other fields are not used)."""
+    config.json recorded (``config``'s other fields are not used, except a larger ``rounds``: a finished run is
+    extended, each algorithm and seed continuing from its final state)."""
     if resume:
         if not config.out:
             raise ValueError("resume needs the run's folder (--out)")
-        config = Config(**{**saved_config(config.out), "out": config.out})  # the folder given, wherever it moved
+        saved = saved_config(config.out)
+        rounds = saved.get("rounds")
+        if config.rounds is not None and rounds is not None and config.rounds != rounds:
+            if config.rounds < rounds:
+                raise ValueError(f"--resume cannot shorten {config.out!r}: it runs {rounds} rounds; got --rounds "
+                                 f"{config.rounds}")
+            rounds = config.rounds
+        config = Config(**{**saved, "rounds": rounds, "out": config.out})  # the folder given, wherever it moved
     if config.out:
         require("matplotlib", "sim", "--out (for its loss, accuracy and eta plots)")
     data = datasets.load(config.dataset, clients=config.clients, dirichlet=config.dirichlet)
@@ -610,9 +654,12 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
             ckpt = outdir.load_checkpoint(cfg.out, cfg)
             rows = _rows_of(cfg, ckpt)
             check_resume_state(cfg, data, ckpt, rows)  # before anything in the folder is rewritten
+            extensions = {(a, sd): snap for a, sd in map(tuple, ckpt["done"])
+                          if (snap := _extension(cfg, data, ckpt.get("finals", []), rows, a, sd)) is not None}
         else:
             ckpt, rows = {"rows_written": 0, "done": [], "current": None, "run": outdir.signature(cfg)}, []
-        return _run_all(cfg, data, ckpt, rows, verbose)
+            extensions = {}
+        return _run_all(cfg, data, ckpt, rows, verbose, extensions)
     finally:
         if lock is not None:
             lock.release()
@@ -643,8 +690,15 @@ def check_resume_state(cfg: Config, data, ckpt: dict, rows: list) -> None:
     if not isinstance(done, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 and tuple(p) in pairs
                                              for p in done):
         raise ValueError(f"{where}: its finished runs are not (algorithm, seed) pairs of this run")
-    if current is None:
-        return
+    if current is not None:
+        check_snapshot(cfg, data, current, where, pairs)
+
+
+def check_snapshot(cfg: Config, data, current: dict, where: str, pairs: set | None = None) -> None:
+    """A run's state after some round (a checkpoint's run in progress, or a finished run's final state kept for
+    an extension) fits this run; raises ValueError naming the first problem."""
+    if pairs is None:
+        pairs = {(a, sd) for a in cfg.algorithms for sd in cfg.seeds}
     keys = {"algorithm", "seed", "round", "params", "optimizer", "clients", "generator"}
     if not isinstance(current, dict) or not keys <= set(current):
         raise ValueError(f"{where}: its run in progress is malformed (needs {sorted(keys)})")
@@ -678,7 +732,7 @@ def check_resume_state(cfg: Config, data, ckpt: dict, rows: list) -> None:
             from None
 
 
-def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool) -> History:
+def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool, extensions: dict) -> History:
     rows = list(rows)
     ckpt.pop("rows", None)  # an old-format checkpoint is rewritten in the current one
     ckpt["rows_written"] = len(rows)
@@ -705,21 +759,36 @@ def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool) -> Histor
 
     progress = _progress if verbose else None
     stopped = None
+    finals = ckpt.setdefault("finals", [])  # [algorithm, seed, file]: finished runs' final states, for extensions
     try:
         for algorithm in cfg.algorithms:
             for seed in cfg.seeds:
+                snap = None
                 if [algorithm, seed] in ckpt["done"]:
-                    continue
+                    snap = extensions.get((algorithm, seed))  # a finished run that --rounds extends
+                    if snap is None:
+                        continue
+                    ckpt["done"].remove([algorithm, seed])
                 current = ckpt["current"]
-                snap = current if current and (current["algorithm"], current["seed"]) == (algorithm, seed) else None
+                if snap is None:
+                    snap = current if current and (current["algorithm"], current["seed"]) == (algorithm, seed) \
+                        else None
                 t0 = time.perf_counter()
                 stop = run_one(cfg, data, algorithm, seed, on_row=on_row, on_round=on_round, resume=snap,
                                progress=progress)
+                if cfg.out and not stop and ckpt["current"] is not None:  # its final state, once: O(state)
+                    name = f"final-{cfg.algorithms.index(algorithm)}-{cfg.seeds.index(seed)}.pt"
+                    final = ckpt["current"]
+                    outdir.write_file(cfg.out, name, lambda f: torch.save(final, f), binary=True)
+                    finals[:] = [e for e in finals if e[:2] != [algorithm, seed]] + [[algorithm, seed, name]]
                 ckpt["done"].append([algorithm, seed])
                 ckpt["current"] = None
+                if cfg.out:
+                    outdir.save_checkpoint(cfg.out, ckpt)
                 if verbose:
                     last = [r for r in rows if r["algorithm"] == algorithm and r["seed"] == seed][-1]
-                    print(f"\r{algorithm:>16} seed {seed}: {last['round']} rounds, train loss "
+                    redraw = "\r" if sys.stderr.isatty() else ""  # ends the progress bar's line
+                    print(f"{redraw}{algorithm:>16} seed {seed}: {last['round']} rounds, train loss "
                           f"{last['train_loss']:.4g} (last iterate {last['train_loss_last']:.4g}), "
                           f"{time.perf_counter() - t0:.1f} s" + (f"  STOPPED {stop}" if stop else ""), flush=True)
                 if stop:
@@ -752,10 +821,29 @@ def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool) -> Histor
     return history
 
 
+def _extension(cfg: Config, data, finals: list, rows: list, algorithm: str, seed: int) -> dict | None:
+    """A finished run to extend: its final state when ``cfg.rounds`` is past the rounds it ran (its last metrics
+    row), else None. The state is loaded without running code (``weights_only``) and checked like a checkpoint's."""
+    done_rounds = max((r["round"] for r in rows if r["algorithm"] == algorithm and r["seed"] == seed), default=None)
+    if done_rounds is None or done_rounds >= cfg.rounds:
+        return None
+    entry = next((e for e in finals if e[:2] == [algorithm, seed]), None)
+    if entry is None:
+        raise ValueError(f"{algorithm} seed {seed} ended at round {done_rounds} and its final state was not kept "
+                         f"(a stopped run, or a folder written before extensions existed): it cannot be extended")
+    where = repr(os.path.join(cfg.out, entry[2]))
+    snap = outdir.load_state(cfg.out, entry[2])
+    check_snapshot(cfg, data, snap, where)
+    if snap["round"] != done_rounds:
+        raise ValueError(f"{where} holds round {snap['round']}; the metrics end at round {done_rounds}")
+    return snap
+
+
 def summary(history: History) -> list:
     """One row per algorithm over its finished seeds: final train loss and test accuracy, mean and (population)
     std; with ``config.target``, the mean rounds to reach a train loss <= target (at an evaluated round) over the
-    seeds that reached it; the wall time per round (local steps, server step, checkpoint) and of one evaluation.
+    seeds that reached it; the wall time per round (local steps, server step, checkpoint; each seed's first round,
+    its warm-up, left out) and of one evaluation.
     A seed that stopped short of its algorithm's rounds (Ctrl-C, a non-finite loss) gets a row of its own,
     ``status`` "unfinished" with the rounds it reached: it is never averaged with finished seeds."""
     out = []
@@ -773,6 +861,21 @@ def summary(history: History) -> list:
     return out
 
 
+def _steady_time(rows: list, seeds: list) -> tuple:
+    """(seconds, rounds) of the seeds' rounds after the first: the first row after round 0 carries each run's
+    warm-up (first calls of torch and the kernels, buffers allocated, tables built), which would make the first
+    algorithm of a run look slower than the others. A seed with a single timed row counts it whole."""
+    seconds = rounds = 0.0
+    for s in seeds:
+        timed = [r for r in rows if r["seed"] == s and r["round"] > 0]
+        if not timed or any(r.get("seconds") in (None, "") for r in timed):
+            return 0.0, 0
+        later = timed[1:] or timed
+        seconds += sum(float(r["seconds"]) for r in later)
+        rounds += timed[-1]["round"] - (timed[0]["round"] if len(timed) > 1 else 0)
+    return seconds, rounds
+
+
 def _summary_row(history: History, algorithm: str, rows: list, status: str) -> dict:
     target = history.config.target
     seeds = list(dict.fromkeys(r["seed"] for r in rows))
@@ -781,10 +884,8 @@ def _summary_row(history: History, algorithm: str, rows: list, status: str) -> d
     acc = torch.tensor([f["test_acc"] for f in finals], dtype=torch.float64)
     reached = [history.rounds_to(algorithm, "train_loss", target, s) for s in seeds] if target is not None else []
     reached = [r for r in reached if r is not None]
-    timed = [r for r in rows if r.get("seconds") not in (None, "")]
-    train_s = sum(float(r["seconds"]) for r in timed)
-    timed_rounds = sum(f["round"] for f in finals) if len(timed) == len(rows) else 0
-    evals = [float(r["eval_seconds"]) for r in timed if r.get("eval_seconds") not in (None, "")]
+    train_s, timed_rounds = _steady_time(rows, seeds)
+    evals = [float(r["eval_seconds"]) for r in rows if r.get("eval_seconds") not in (None, "")]
     return dict(
         algorithm=algorithm, status=status if status == "finished" else f"unfinished (seed {seeds[0]})",
         seeds=len(seeds), rounds=max(f["round"] for f in finals),
@@ -825,7 +926,12 @@ def format_summary(table: list) -> str:
 
 
 def _progress(algorithm, seed, t, total, loss):
+    """A bar redrawn in place on a terminal; elsewhere (CI logs, files) a whole line each time, at most ~50 lines a
+    seed: ``\r`` redraws would pile up in one unreadable line."""
     if t == total or t % max(1, total // 50) == 0:
-        bar = "#" * int(30 * t / total)
-        sys.stderr.write(f"\r{algorithm:>16} seed {seed} [{bar:<30}] round {t}/{total} loss {loss:.4g}")
+        if sys.stderr.isatty():
+            bar = "#" * int(30 * t / total)
+            sys.stderr.write(f"\r{algorithm:>16} seed {seed} [{bar:<30}] round {t}/{total} loss {loss:.4g}")
+        else:
+            sys.stderr.write(f"{algorithm} seed {seed}: round {t}/{total} loss {loss:.4g}\n")
         sys.stderr.flush()
