@@ -568,7 +568,8 @@ def _per_algorithm_sections(settings: dict, where: str) -> dict:
     ``{"algorithms": ["fedavg:server_lr=10", "fedexp"]}``; each section's keys are checked as per-algorithm
     settings are (``algorithms.parse_spec``)."""
     entries = settings.get("algorithms")
-    sections = {k: v for k, v in settings.items() if isinstance(v, dict)}
+    fields = {f.name for f in dataclasses.fields(Config)}  # a table under a setting's own name is a type error
+    sections = {k: v for k, v in settings.items() if isinstance(v, dict) and k not in fields}
     if not sections:
         return settings
     if not isinstance(entries, (list, tuple)):
