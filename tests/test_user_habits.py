@@ -74,3 +74,24 @@ def test_reprs_say_what_they_hold():
     state.vector("momentum")
     assert repr(state) == ("ClientState(num_clients=4, dim=10, dtype=torch.float32, device=cpu, "
                            "vectors=['momentum'], scalars=[])")
+
+
+def test_an_optimizer_does_not_keep_its_process_group_alive(tmp_path):
+    """torch's registry keeps a group until destroy_process_group; an optimizer holding it past that made the
+    group die during interpreter shutdown and gloo abort at exit (the README's two-rank block, 1 run in 4-10). The
+    optimizer holds it weakly: after destroy_process_group the group is gone and a step says why."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import gc, weakref, torch, torch.distributed as dist, fastagg\n"
+            f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)\n"
+            "opt = fastagg.server.FedAvg(torch.zeros(8), group=dist.group.WORLD)\n"
+            "opt.step(torch.ones(2, 8))\n"
+            "probe = weakref.ref(opt.group)\n"
+            "dist.destroy_process_group(); gc.collect()\n"
+            "assert probe() is None, 'the optimizer kept the destroyed group alive'\n"
+            "try:\n    opt.step(torch.ones(2, 8))\nexcept RuntimeError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "group was destroyed" in r.stdout, r.stderr[-2000:]
