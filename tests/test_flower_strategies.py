@@ -435,8 +435,8 @@ def _corrupt(kind, msg):
         good["other"] = np.zeros(2, np.float32)
     elif kind == "wrong shape":
         good["fc.bias"] = np.zeros(6, np.float32)
-    elif kind == "wrong dtype":
-        good["fc.bias"] = good["fc.bias"].astype(np.float64)
+    elif kind == "wrong dtype":  # an integer entry for a float one (another float dtype is cast: test below)
+        good["fc.bias"] = good["fc.bias"].astype(np.int32)
     elif kind == "NaN":
         good["fc.weight"][1, 2] = np.nan
     elif kind == "Inf":
@@ -696,3 +696,27 @@ def test_fedacg_sends_the_look_ahead_of_the_model_it_is_handed():
     want = flat_w + 0.5 * m
     got = torch.cat([torch.from_numpy(sent[k]).reshape(-1) for k in s.global_model])
     assert_close(got, want, rtol=1e-6, atol=1e-7, name="look-ahead")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float64_reply_of_a_float32_model_is_cast_like_the_core_api(backend):
+    """A numpy client that sends float64: its entries are cast to the model's float32 (one copy), as fastagg's
+    steps convert updates on load, never a refused round; the round equals the one where that client had cast
+    its arrays itself, bit for bit, and the model stays float32."""
+    nodes = [1, 2, 3, 4]
+    client = clients_for_round(1, nodes)
+
+    def as_float64(msg):
+        out = client(msg)
+        if msg.metadata.dst_node_id == 2:
+            arrays = {k: a.numpy().astype(np.float64) for k, a in out.content["arrays"].items()}
+            return reply(msg, arrays, out.content["metrics"]["num-examples"])
+        return out
+
+    results = []
+    for each in (client, as_float64):
+        strategy = fa.FedAdam(min_available_nodes=1, backend=backend, eta=0.05)
+        _, (arrays, _) = train_round(strategy, 1, rec(initial()), nodes, each)
+        results.append(arrays_of(arrays))
+    for k in results[0]:
+        assert results[1][k].dtype == np.float32 and np.array_equal(results[0][k], results[1][k]), k

@@ -18,8 +18,8 @@ One round, for every strategy:
   Entries named like torch buffers (``running_mean``, ``running_var``, ``num_batches_tracked``) and integer entries
   follow fastagg's buffer rule: weighted average (integers: rounded average advance), never stepped or counted.
 * A reply that cannot be aggregated (not exactly one ArrayRecord and one MetricRecord, no numeric
-  ``weighted_by_key`` >= 0, other keys, shapes or dtypes than the model sent, bytes that disagree with their
-  header, NaN/Inf) is, with ``on_nonfinite="skip"``, left out of the round and logged; with ``"raise"`` (default)
+  ``weighted_by_key`` >= 0, other keys or shapes than the model sent, an integer entry for a float one, bytes
+  that disagree with their header, NaN/Inf; a float entry in another float dtype is cast to the model's) is, with ``on_nonfinite="skip"``, left out of the round and logged; with ``"raise"`` (default)
   the round is refused: ``AggregationError`` names the node and the problem, and the global model and every
   optimizer state are unchanged. Replies that are Flower errors (a client that failed) are logged and left out, as
   Flower does. A round with no usable reply keeps the model. Finite values so large that a new value would overflow
@@ -95,6 +95,7 @@ class _Fastagg:
             self.global_model = {k: torch.from_numpy(np.array(v)) for k, v in views.items()}  # owned copies
             self.optimizer = self._optimizer(self.global_model)
             return
+        views = self._floats_as_global(views)
         self._check_like_global(views, "the arrays passed to configure_train")
         for k, v in views.items():  # another model than the one returned (a restart): taken as it is, in place
             self.global_model[k].copy_(torch.from_numpy(v))
@@ -151,9 +152,22 @@ class _Fastagg:
             raise ReplyError(f"has {self.weighted_by_key!r} = {metrics[self.weighted_by_key]!r:.60}; expected a "
                              "finite number >= 0")
         key, record = next(iter(content.array_records.items()))
-        views = record_views(record, f"ArrayRecord {key!r}")
+        views = self._floats_as_global(record_views(record, f"ArrayRecord {key!r}"))
         self._check_like_global(views, f"ArrayRecord {key!r}")
         return views, weight
+
+    def _floats_as_global(self, views: dict) -> dict:
+        """A reply's floating entries in another float dtype than the global model's (float64 from a numpy client
+        of a float32 model) are cast to the model's, as fastagg's own steps convert updates on load: one copy of
+        that entry. Everything else (an integer entry for a float one, other shapes) is checked as it came."""
+        out = {}
+        for k, v in views.items():
+            want = self.global_model.get(k)
+            if want is not None and v.dtype.kind == "f" and want.is_floating_point and \
+                    _torch_dtype(v.dtype) != want.dtype and want.dtype != torch.bfloat16:
+                v = v.astype(torch.empty(0, dtype=want.dtype).numpy().dtype)
+            out[k] = v
+        return out
 
     def _refuse_or_skip(self, server_round: int, msg: Message, problem: str, cause: Exception | None = None) -> None:
         node = msg.metadata.src_node_id
