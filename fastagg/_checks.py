@@ -153,3 +153,11 @@ def expect_like(name: str, like: str, **pairs) -> None:
         if prop == "numel":
             raise err(f"{name} has {got} elements; expected {want} like {like}")
         raise err(f"{name} has {prop} {got}; expected {want} like {like}")
+
+
+def did_you_mean(word: str, choices) -> str:
+    """`` (did you mean a or b?)`` for the names in ``choices`` closest to a misspelled ``word``; ``""`` if none."""
+    import difflib
+
+    near = difflib.get_close_matches(word, list(choices), n=2)
+    return f" (did you mean {' or '.join(near)}?)" if near else ""

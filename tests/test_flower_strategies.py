@@ -720,3 +720,21 @@ def test_a_float64_reply_of_a_float32_model_is_cast_like_the_core_api(backend):
         results.append(arrays_of(arrays))
     for k in results[0]:
         assert results[1][k].dtype == np.float32 and np.array_equal(results[0][k], results[1][k]), k
+
+
+def test_a_float64_reply_beyond_float32s_range_is_refused_as_such(caplog):
+    """Cast, a float64 reply of 1e300 would become Inf: it is named as out of range, left out with "skip"."""
+    nodes = [1, 2, 3]
+    client = clients_for_round(1, nodes)
+
+    def huge(msg):
+        out = client(msg)
+        if msg.metadata.dst_node_id == 2:
+            return reply(msg, {k: a.numpy().astype(np.float64) * 1e300 for k, a in out.content["arrays"].items()}, 5)
+        return out
+    with pytest.raises(AggregationError, match="node 2 .*values beyond the range of the model's float32"):
+        train_round(fa.FedAdam(min_available_nodes=1), 1, rec(initial()), nodes, huge)
+    _, (arrays, _) = train_round(fa.FedAdam(min_available_nodes=1, on_nonfinite="skip"), 1, rec(initial()), nodes,
+                                 huge)
+    assert all(np.isfinite(v).all() for v in arrays_of(arrays).values())
+    assert "node 2 left out of round 1" in caplog.text

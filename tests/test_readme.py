@@ -67,7 +67,6 @@ def test_blocks_run_elsewhere_compile_here(code):
 
 @pytest.mark.parametrize("code", _python("flower"))
 def test_flower_block_runs_as_a_server_app(code):
-    pytest.importorskip("flwr")
     sys.path.insert(0, str(ROOT / "tests"))
     try:
         from test_flower_strategies import Grid, clients_for_round  # a Grid whose nodes train (and Message setup)

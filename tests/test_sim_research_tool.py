@@ -27,6 +27,12 @@ MODELS = textwrap.dedent("""
                                    torch.nn.Flatten(), torch.nn.Linear(4 * 64, data.num_classes))
         return body, (1, 8, 8)
 
+    def raises(data):
+        raise RuntimeError("no GPU here")
+
+    def wrong_logits(data):
+        return torch.nn.Linear(data.num_features, 3)
+
     def with_batchnorm(data):
         return torch.nn.Sequential(torch.nn.Linear(data.num_features, 16), torch.nn.BatchNorm1d(16),
                                    torch.nn.Linear(16, data.num_classes))
@@ -83,6 +89,8 @@ def test_register_model_equals_the_module_factory_form(user_dir, monkeypatch):
     ("mymodels:with_batchnorm", "layer '1' (BatchNorm1d) keeps running statistics"),
     ("mymodels:nope", "mymodels has no callable 'nope'"),
     ("nomodule:net", "cannot import 'nomodule'"),
+    ("mymodels:raises", "the factory raised RuntimeError: no GPU here"),
+    ("mymodels:wrong_logits", "it returns (2, 3) for 2 samples; expected (2, 10) logits"),
 ])
 def test_a_model_that_cannot_run_batched_is_one_line(user_dir, model, text):
     r = sim("--dataset", "digits", "--model", model, "--rounds", "1", "--out", "run", cwd=user_dir)
@@ -90,11 +98,16 @@ def test_a_model_that_cannot_run_batched_is_one_line(user_dir, model, text):
     assert not (user_dir / "run").exists()
 
 
-def test_time_per_round_leaves_out_the_warm_up():
+def test_the_summary_leaves_the_first_round_out_of_the_time_per_round():
+    """The arithmetic of the summary on recorded rows (no clock is read): each seed's first row after round 0 is
+    left out, the later rows' seconds are divided by the rounds they cover."""
+    from fastagg.sim.runner import _steady_time
+
     rows = [dict(algorithm="a", seed=0, round=t, train_loss=1.0, train_loss_last=1.0, test_loss=0.0, test_acc=0.0,
-                 eta=1.0, seconds=[0.0, 0.5, 0.01, 0.01, 0.01][t], eval_seconds=0.001) for t in range(5)]
-    table = summary(History(Config(rounds=4), rows, None, {"a": 4}))
-    assert table[0]["seconds_per_round"] == pytest.approx(0.01)  # the 0.5 s first round is the warm-up
+                 eta=1.0, seconds=[0.0, 50.0, 1.0, 2.0, 3.0][t], eval_seconds=0.0) for t in range(5)]
+    assert _steady_time(rows, [0]) == (6.0, 3)
+    assert summary(History(Config(rounds=4), rows, None, {"a": 4}))[0]["seconds_per_round"] == 2.0
+    assert _steady_time(rows[:2], [0]) == (50.0, 1)  # one timed row: counted whole
 
 
 def test_misspelled_flags_and_config_keys_get_a_suggestion(tmp_path):
@@ -182,3 +195,12 @@ def test_a_yaml_config_without_pyyaml_names_the_extra(tmp_path):
             f"sys.exit(main(['--config', {str(tmp_path / 'c.yaml')!r}]))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "a YAML --config needs yaml" in r.stderr and "fastagg[sim]" in r.stderr, r.stderr
+
+
+def test_an_extension_never_reads_through_a_planted_link(tmp_path):
+    out = tmp_path / "ext"
+    run(Config(dataset="quadratic", algorithms=("fedavg",), rounds=3, out=str(out)))
+    (out / "final-0-0.pt").unlink()
+    (out / "final-0-0.pt").symlink_to("/dev/zero")
+    r = sim("--resume", "--out", str(out), "--rounds", "5")
+    assert r.returncode == 2 and "a symbolic link" in r.stderr, r.stderr

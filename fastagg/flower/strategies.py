@@ -165,7 +165,12 @@ class _Fastagg:
             want = self.global_model.get(k)
             if want is not None and v.dtype.kind == "f" and want.is_floating_point and \
                     _torch_dtype(v.dtype) != want.dtype and want.dtype != torch.bfloat16:
-                v = v.astype(torch.empty(0, dtype=want.dtype).numpy().dtype)
+                with np.errstate(over="ignore"):
+                    cast = v.astype(torch.empty(0, dtype=want.dtype).numpy().dtype)
+                if not np.isfinite(cast).all() and np.isfinite(v).all():
+                    raise ReplyError(f"entry {k!r} holds {v.dtype} values beyond the range of the model's "
+                                     f"{str(want.dtype).removeprefix('torch.')}")
+                v = cast
             out[k] = v
         return out
 

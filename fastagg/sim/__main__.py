@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 import sys
 
+from .._checks import did_you_mean
 from .._optional import MissingDependency, require
 from . import algorithms, data
 from .runner import Config, checked_settings, run, saved_config
@@ -18,8 +18,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         if message.startswith("unrecognized arguments: "):  # "did you mean" for a misspelled flag
             flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-            hints = [f"{w} (did you mean {' or '.join(near)}?)" if w.startswith("-") and
-                     (near := difflib.get_close_matches(w.split("=")[0], flags, n=2)) else w
+            hints = [w + did_you_mean(w.split("=")[0], flags) if w.startswith("-") else w
                      for w in message[len("unrecognized arguments: "):].split()]
             message = "unrecognized arguments: " + " ".join(hints)
         self.exit(2, f"{self.prog}: error: {message}\n")

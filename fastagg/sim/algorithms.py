@@ -6,9 +6,9 @@ one call of a ``fastagg.server`` optimizer. Defaults follow docs/ALGORITHMS.md.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
 from .. import server
+from .._checks import did_you_mean
 
 # name -> (client rule, server optimizer class, the server's keyword arguments built from the config)
 ALGORITHMS = {
@@ -72,9 +72,8 @@ def _unknown_setting(key: str) -> str:
 
     if key in {f.name for f in dataclasses.fields(Config)}:
         return f"{key!r} is a setting of the whole run, not of one algorithm (pass --{key.replace('_', '-')})"
-    near = difflib.get_close_matches(key, PER_ALGORITHM, n=3, cutoff=0.6)
-    hint = f" (did you mean {' or '.join(near)}?)" if near else ""
-    return f"unknown setting {key!r}{hint}; per-algorithm settings: {', '.join(sorted(PER_ALGORITHM))}"
+    return (f"unknown setting {key!r}{did_you_mean(key, PER_ALGORITHM)}; per-algorithm settings: "
+            f"{', '.join(sorted(PER_ALGORITHM))}")
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:

@@ -376,9 +376,13 @@ def _factory(name: str):
 def _user_model(name: str, data: FederatedData) -> Model:
     if data.task != "classification":
         raise ValueError(f"model {name!r}: your own models are classifiers; {data.name} is {data.task}")
+    factory = _factory(name)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        built = _factory(name)(data)
+        try:
+            built = factory(data)
+        except Exception as e:  # the user's code: one line naming it, before any work
+            raise ValueError(f"model {name!r}: the factory raised {type(e).__name__}: {str(e)[:200]}") from None
     if isinstance(built, Model):
         return built
     module, shape = built if isinstance(built, tuple) and len(built) == 2 else (built, (data.num_features,))
@@ -394,6 +398,15 @@ def _user_model(name: str, data: FederatedData) -> Model:
             raise ValueError(f"model {name!r}: layer {layer!r} ({type(m).__name__}) keeps running statistics, "
                              "which a batched step of many clients cannot keep per client; build it with "
                              "track_running_stats=False, or use GroupNorm / LayerNorm")
+    try:  # two zero samples through it, before any work: a module that does not fit the data fails here
+        with torch.no_grad():
+            out = module.to(data.x.dtype).eval()(torch.zeros(2, *shape, dtype=data.x.dtype))
+    except Exception as e:
+        raise ValueError(f"model {name!r}: a batch of input_shape {shape} fails in it ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, data.num_classes):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"model {name!r}: it returns {got} for 2 samples; expected (2, {data.num_classes}) logits")
     return Functional(data, module, shape)
 
 

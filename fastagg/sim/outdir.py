@@ -125,15 +125,9 @@ def load_checkpoint(out: str, cfg) -> dict:
     """The checkpoint in ``out``, loaded with ``weights_only=True`` (tensors and plain containers only: a crafted
     file cannot run code), checked to be this run's before anything is written."""
     path = os.path.join(out, CHECKPOINT)
-    try:
-        with warnings.catch_warnings():  # torch warns about a foreign pickle protocol before refusing it
-            warnings.simplefilter("ignore")
-            ckpt = torch.load(path, weights_only=True)
-    except FileNotFoundError:
-        raise ValueError(f"nothing to resume: no {CHECKPOINT} in {out!r}") from None
-    except Exception as e:  # an unpickling error, a truncated file...: one line, no traceback
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise ValueError(f"cannot load {path!r} as a checkpoint ({type(e).__name__}: {first[:160]})") from None
+    if not os.path.lexists(path):
+        raise ValueError(f"nothing to resume: no {CHECKPOINT} in {out!r}")
+    ckpt = _load(path, "as a checkpoint")
     if not isinstance(ckpt, dict) or not {"done", "current", "run"} <= set(ckpt) or \
             not ({"rows", "rows_written"} & set(ckpt)):
         raise ValueError(f"{path!r} is not a fastagg-sim checkpoint (missing entries)")
@@ -182,13 +176,24 @@ def load_state(out: str, name: str) -> dict:
     """A state file of ``out`` (a finished run's final state), loaded with ``weights_only=True`` (a crafted file
     cannot run code); a missing or unreadable file is a one-line ValueError."""
     path = os.path.join(out, name)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            state = torch.load(path, weights_only=True)
-    except Exception as e:
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise ValueError(f"cannot load {path!r} ({type(e).__name__}: {first[:160]})") from None
+    state = _load(path, "as a run's state")
     if not isinstance(state, dict):
         raise ValueError(f"{path!r} is not a run's state")
     return state
+
+
+def _load(path: str, what: str):
+    """``torch.load(path, weights_only=True)``: tensors and plain containers only (a crafted file cannot run code);
+    a missing, truncated or foreign file is a one-line ValueError, never a traceback."""
+    try:  # never through a link planted at the name (it could point at a device or another run's file)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        why = "a symbolic link" if e.errno == errno.ELOOP else os.strerror(e.errno or errno.EIO)
+        raise ValueError(f"cannot load {path!r} {what}: {why}") from None
+    try:
+        with os.fdopen(fd, "rb") as f, warnings.catch_warnings():  # torch warns about a foreign pickle protocol
+            warnings.simplefilter("ignore")
+            return torch.load(f, weights_only=True)
+    except Exception as e:  # an unpickling error, a truncated file...
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"cannot load {path!r} {what} ({type(e).__name__}: {first[:160]})") from None

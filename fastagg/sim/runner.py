@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import difflib
 import json
 import math
 import os
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 
 from .. import client
-from .._checks import check_number, check_prob
+from .._checks import check_number, check_prob, did_you_mean
 from .._optional import require
 from . import algorithms, data as datasets, graphs as step_graphs, models, outdir
 
@@ -547,8 +546,7 @@ def checked_settings(settings: Any, where: str) -> dict:
     known = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(settings) - known)
     if unknown:
-        hints = [f"{k} (did you mean {' or '.join(near)}?)" if (near := difflib.get_close_matches(k, known, n=2))
-                 else k for k in unknown]
+        hints = [k + did_you_mean(k, known) for k in unknown]
         raise ValueError(f"{where}: unknown settings {', '.join(hints)} (known: {', '.join(sorted(known))})")
     out = dict(settings)
     for k in ("algorithms", "seeds"):
