@@ -71,10 +71,10 @@ def _rank_main(world: int, clients: int, dim: int) -> None:
     sharded = server.FedAdam(mine, group=dist.group.WORLD, sharded=True)
     whole = server.FedAdam(torch.zeros(dim)) if rank == 0 else None
     t_sharded = timed(lambda: sharded.step(xs))
-    state = sum(v.numel() * v.element_size() for v in sharded.state.values()) / 1e6
+    state = sum(v.numel() * v.element_size() for v in sharded.flat_state.values()) / 1e6
     if whole is not None:
         whole.step(torch.zeros(1, dim))
-        full_state = sum(v.numel() * v.element_size() for v in whole.state.values()) / 1e6
+        full_state = sum(v.numel() * v.element_size() for v in whole.flat_state.values()) / 1e6
         print(f"sharded FedAdam, {clients} clients' slices per rank: step {t_sharded:.1f} ms on rank 0; optimizer "
               f"state {state:.1f} MB per rank against {full_state:.1f} MB unsharded ({full_state / state:.2f}x less)",
               flush=True)

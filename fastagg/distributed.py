@@ -432,12 +432,18 @@ def reshard(state_dicts: list, world: int) -> list:
         raise ValueError(f"reshard needs a list of the ranks' state_dicts, got {type(state_dicts).__name__}")
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"reshard needs a world size >= 1, got {world!r}")
+    from .server import flat_checkpoint, torch_checkpoint
+
+    flat = []
     for r, sd in enumerate(state_dicts):
         if not isinstance(sd, dict):
             raise ValueError(f"state_dicts[{r}] is a {type(sd).__name__}, not a state_dict")
-        for key in ("optimizer", "format", "hyperparameters", "layout", "state"):
-            if key not in sd:
-                raise ValueError(f"state_dicts[{r}] has no {key!r}: not a fastagg optimizer's state_dict")
+        try:
+            flat.append(flat_checkpoint(sd))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"state_dicts[{r}]: {e}") from e
+    state_dicts = flat
+    for r, sd in enumerate(state_dicts):
         if not isinstance(sd["state"], dict) or not all(isinstance(v, torch.Tensor) for v in sd["state"].values()):
             raise ValueError(f"state_dicts[{r}]['state'] must map buffer names to tensors")
         layout = sd["layout"]
@@ -465,7 +471,7 @@ def reshard(state_dicts: list, world: int) -> list:
     sizes = [int(sd["layout"][0][1][0]) for sd in state_dicts]
     numel = sum(sizes)
     for r, sd in enumerate(state_dicts):
-        for key in ("optimizer", "format", "hyperparameters"):
+        for key in ("optimizer", "hyperparameters"):
             if sd.get(key) != first.get(key):
                 raise ValueError(f"rank {r}'s state_dict differs from rank 0's in {key!r}")
         lo, hi = bounds(numel, old_world, r)
@@ -494,7 +500,7 @@ def reshard(state_dicts: list, world: int) -> list:
         sd.pop("shard", None)
         if world > 1:
             sd["shard"] = {"rank": rank, "world": world}
-        out.append(sd)
+        out.append(torch_checkpoint(sd))
     return out
 
 

@@ -313,12 +313,13 @@ def _any_numpy(x: Any) -> bool:
     return any(isinstance(v, np.ndarray) for v in vals) if not isinstance(x, torch.nn.Module) else False
 
 
-def param_rows(params: Any, *, name: str = "params") -> ParamRows:
+def param_rows(params: Any, *, name: str = "params", buffers_count: bool = False) -> ParamRows:
     """Validate the global model (flat tensor/array, per-layer list, state_dict or module) as writable views.
 
     Views are detached (a model's parameters may require grad; fastagg writes them as torch.optim does, outside
     autograd), every entry must own its memory (no entry overlaps another or itself), and a module's or
-    state_dict's buffers are kept apart (``ParamRows.buffers``)."""
+    state_dict's buffers are kept apart (``ParamRows.buffers``) -- unless ``buffers_count``: floating buffers are
+    then parameters (stepped by the rule, as Flower's strategies step them); integer ones stay buffers."""
     if isinstance(params, (torch.Tensor, np.ndarray)):
         t = as_tensor(params, name)
         if t.ndim != 1:
@@ -327,7 +328,7 @@ def param_rows(params: Any, *, name: str = "params") -> ParamRows:
             raise ValueError(f"{name} is a read-only numpy array; it is updated in place")
         named, bufs = [(None, t)], []
     else:
-        named, bufs = split_entries(params, where=name)
+        named, bufs = split_entries(params, where=name, buffers_count=buffers_count)
         if not named:
             raise ValueError(f"{name} has no floating entries")
         for k, (key, v) in enumerate(named + bufs):
@@ -348,7 +349,7 @@ def param_rows(params: Any, *, name: str = "params") -> ParamRows:
     flat = [_flat_view(t, w) for w, t in zip(wheres, parts)]
     buffers = [(n, as_tensor(b, f"{name}[{n!r}]").detach()) for n, b in bufs]
     check_writes([(w, t) for w, t in zip(wheres, flat)] + [(f"{name}[{n!r}]", b) for n, b in buffers])
-    form = Layout.of(params)
+    form = Layout.of(params, buffers=buffers_count)
     return ParamRows(flat, Segments.of_lengths([t.numel() for t in flat]), first.dtype, first.device, form, params,
                      buffers)
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 import weakref
 
 import dataclasses
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import rules
@@ -26,10 +28,12 @@ from .backends import resolve
 from .ops import round_reads
 from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, client_stats, device_scalar,
                      like_params, overflow_counter, warn_unmatched_buffers, write_buffers)
+from .flat import as_tensor, split_entries
 from .rows import ParamRows, attach_base, client_rows, compute_dtype, param_rows
 from .stream import Accumulator
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # torch's {state, param_groups} shape with a "fastagg" entry; 1: flat buffers by name
+_GROUP_KEYS = ("params", "param_names")  # param_groups entries that are not settings
 
 __all__ = ["ServerOptimizer", "FedAvg", "FedAvgM", "FedExP", "FedExPM", "Scaffold", "ScaffoldExP", "FedACG", "FedAdam",
            "FedYogi", "FedAdagrad", "FedAMS", "StepStats"]
@@ -58,6 +62,105 @@ def _per_client(stats) -> torch.Tensor:
     return flags if flags.numel() == stats.num_clients else flags.reshape(-1)[:1].expand(stats.num_clients).clone()
 
 
+_SCALAR_STATE = ("step", "numerator")  # the 0-d buffers any optimizer keeps; every other buffer is a vector
+
+
+def torch_checkpoint(flat: dict) -> dict:
+    """A checkpoint in the flat form (:func:`flat_checkpoint`) in torch's shape: each vector buffer cut into one
+    slice per layout entry, shaped like it; each 0-d buffer repeated per parameter, as torch keeps ``step``."""
+    layout = [(n, tuple(int(x) for x in shape), str(dt)) for n, shape, dt in flat["layout"]]
+    per_param: dict = {k: {} for k in range(len(layout))}
+    for name, t in flat["state"].items():
+        t = t.detach()
+        if name in _SCALAR_STATE:
+            for k in per_param:
+                per_param[k][name] = t.clone()
+            continue
+        off = 0
+        for k, (_, shape, _) in enumerate(layout):
+            n = math.prod(shape)
+            per_param[k][name] = t[off:off + n].reshape(shape).clone()
+            off += n
+    meta = {"format": FORMAT_VERSION, "optimizer": flat["optimizer"], "layout": [list(e) for e in layout]}
+    if flat.get("shard") is not None:
+        meta["shard"] = dict(flat["shard"])
+    group = {**flat["hyperparameters"], **flat.get("group", {}), "params": list(range(len(layout)))}
+    return {"state": per_param, "param_groups": [group], "fastagg": meta}
+
+
+def flat_checkpoint(state_dict: Any) -> dict:
+    """A fastagg optimizer checkpoint in the flat form every check reads: ``{"optimizer", "format",
+    "hyperparameters", "group", "layout", "state": name -> flat buffer or 0-d tensor, ["shard"]}``, from torch's
+    shape (:meth:`ServerOptimizer.state_dict`) or fastagg's format 1 (already flat). The structure is checked here
+    (one parameter group, one state entry per layout entry, each slice shaped like its entry, one dtype per buffer,
+    0-d buffers equal across parameters); ranges and names are checked by ``load_state_dict``."""
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"not a fastagg optimizer state_dict (a {type(state_dict).__name__})")
+    if "fastagg" not in state_dict:
+        if "optimizer" in state_dict and state_dict.get("format") == 1:
+            for key in ("layout", "hyperparameters", "state"):
+                if key not in state_dict:
+                    raise ValueError(f"state_dict has no {key!r} entry")
+            return {**state_dict, "group": {}}
+        if "optimizer" in state_dict:
+            raise ValueError(f"state_dict has format {state_dict.get('format')!r}; expected {FORMAT_VERSION} or 1")
+        what = ("a torch optimizer's state_dict (no 'fastagg' entry)" if "param_groups" in state_dict
+                else "not a fastagg optimizer state_dict (no 'fastagg' entry)")
+        raise ValueError(what)
+    meta = state_dict["fastagg"]
+    if not isinstance(meta, Mapping) or meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"state_dict has format {meta.get('format') if isinstance(meta, Mapping) else meta!r}; "
+                         f"expected {FORMAT_VERSION}")
+    for key in ("optimizer", "layout"):
+        if key not in meta:
+            raise ValueError(f"state_dict['fastagg'] has no {key!r} entry")
+    groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], Mapping):
+        raise ValueError("state_dict['param_groups'] must be a list of one group (a fastagg optimizer holds one)")
+    if not isinstance(state, Mapping):
+        raise ValueError("state_dict['state'] must map parameter indices to their state")
+    layout = meta["layout"]
+    try:
+        shapes = [tuple(int(x) for x in e[1]) for e in layout]
+    except (TypeError, ValueError, IndexError):
+        raise ValueError(f"state_dict['fastagg']['layout'] is malformed: {layout!r}") from None
+    ids = groups[0].get("params")
+    if not isinstance(ids, list) or len(ids) != len(shapes):
+        raise ValueError(f"state_dict's parameter group lists {ids!r}; its layout has {len(shapes)} entries")
+    slices = [state.get(i, {}) for i in ids]
+    names = sorted({n for sl in slices if isinstance(sl, Mapping) for n in sl})
+    flat = {}
+    for k, sl in enumerate(slices):
+        if not isinstance(sl, Mapping):
+            raise ValueError(f"state_dict['state'][{ids[k]!r}] is a {type(sl).__name__}; expected a dict")
+        for name in names:
+            if name not in sl:
+                raise ValueError(f"state_dict['state'][{ids[k]!r}] has no {name!r} (parameter 0 has it)")
+            if not isinstance(sl[name], torch.Tensor):
+                raise TypeError(f"state_dict buffer {name!r} of parameter {ids[k]!r} is a {type(sl[name]).__name__}; "
+                                "expected a tensor")
+    for name in names:
+        parts = [sl[name] for sl in slices]
+        if name in _SCALAR_STATE:
+            for k, t in enumerate(parts):
+                if t.dim() != 0 or not torch.equal(t.to(parts[0].device), parts[0]):
+                    raise ValueError(f"state_dict's {name!r} differs between parameters 0 and {ids[k]!r} "
+                                     "(one round counter for the whole model)")
+            flat[name] = parts[0]
+            continue
+        for k, (t, shape) in enumerate(zip(parts, shapes)):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"state_dict buffer {name!r} of parameter {ids[k]!r} has shape {tuple(t.shape)}; "
+                                 f"the parameter has shape {shape}")
+            if t.dtype != parts[0].dtype:
+                raise TypeError(f"state_dict buffer {name!r} of parameter {ids[k]!r} has dtype {t.dtype}; "
+                                f"parameter 0's has {parts[0].dtype}")
+        flat[name] = torch.cat([t.reshape(-1).to(parts[0].device) for t in parts]) if parts else parts
+    hyper = {k: v for k, v in groups[0].items() if k not in _GROUP_KEYS}
+    return {"optimizer": meta["optimizer"], "format": FORMAT_VERSION, "hyperparameters": hyper, "group": {},
+            "layout": layout, "state": flat, **({"shard": meta["shard"]} if "shard" in meta else {})}
+
+
 class _GroupRef:
     """The optimizer's torch.distributed group, held weakly: torch's registry keeps a group alive until
     ``destroy_process_group``, and an optimizer still holding it afterwards would make the group's C++ object die
@@ -83,19 +186,119 @@ class _GroupRef:
         return group
 
 
-class ServerOptimizer:
-    """Base class: the global model as in-place views, lazily created flat state buffers (float32; float64 for
-    float64 params), a device round counter, ``state_dict`` / ``load_state_dict``.
+class _Hyper:
+    """A hyperparameter kept in ``param_groups[0]``, where torch's lr schedulers read and write it; the step checks
+    a changed value as the constructor does before using it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj, cls=None):
+        return self if obj is None else obj.param_groups[0][self.name]
+
+    def __set__(self, obj, value) -> None:
+        obj.param_groups[0][self.name] = value
+        obj.defaults[self.name] = value
+
+
+class ParamState(Mapping):
+    """torch.optim's ``state``: parameter -> ``{buffer name: that parameter's slice of the buffer, shaped like it}``
+    plus the shared 0-d ``step`` (rounds applied). The slices are views of the flat buffers the fused step writes
+    (:attr:`ServerOptimizer.flat_state`), so they are current after every step. A buffer's name as the key
+    (``opt.state["momentum_buffer"]``) gives the whole flat buffer, as fastagg's optimizers did before they were
+    torch Optimizers; iteration yields the parameters only."""
+
+    def __init__(self, opt: "ServerOptimizer"):
+        self._opt = opt
+
+    def _index(self, key) -> int | None:
+        for k, p in enumerate(self._opt.param_groups[0]["params"]):
+            if p is key:
+                return k
+        return None
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self._opt._flat[key]
+        k = self._index(key)
+        if k is None:
+            raise KeyError("not a parameter of this optimizer")
+        return self._opt._param_state(k)
+
+    def __contains__(self, key) -> bool:
+        return key in self._opt._flat if isinstance(key, str) else self._index(key) is not None
+
+    def __iter__(self):
+        return iter(self._opt.param_groups[0]["params"])
+
+    def __len__(self) -> int:
+        return len(self._opt.param_groups[0]["params"])
+
+    def __repr__(self) -> str:
+        return f"ParamState({len(self)} parameters; buffers {sorted(self._opt._flat)})"
+
+
+def _named_pairs(params: list) -> bool:
+    """``model.named_parameters()`` materialized: (name, tensor) pairs."""
+    return bool(params) and all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str)
+                                and isinstance(e[1], torch.Tensor) for e in params)
+
+
+BUFFER_POLICIES = ("average", "optimizer")
+
+
+def _torch_params(p: ParamRows, buffers_count: bool = False) -> list:
+    """The tensors torch.optim keeps in ``param_groups``: the module's Parameters (and floating buffers, when they
+    count), or the user's own tensors (numpy arrays as tensors sharing their memory, a non-leaf view detached), in
+    the order of the flat buffer."""
+    orig = p.original
+    if isinstance(orig, torch.nn.Module):
+        extra = [b for _, b in orig.named_buffers() if b.is_floating_point()] if buffers_count else []
+        return list(orig.parameters()) + extra
+    named, _ = ([(None, orig)], None) if isinstance(orig, (torch.Tensor, np.ndarray)) else split_entries(
+        orig, where="params", buffers_count=buffers_count)
+    return [v if isinstance(v, torch.Tensor) and (v.is_leaf or v.retains_grad) else as_tensor(v).detach()
+            for _, v in named]
+
+
+class ServerOptimizer(torch.optim.Optimizer):
+    """Base class: a ``torch.optim.Optimizer`` over the global model with one parameter group (the whole flattened
+    model, one fused rule), flat state buffers created on first use (float32; float64 for float64 params), a device
+    round counter, and ``state_dict`` / ``load_state_dict`` in torch's ``{state, param_groups}`` shape.
+
+    Like torch's optimizers it follows its parameters: after ``model.to(device)``, ``model.double()`` or
+    ``model.half()`` (or ``p.data = ...``) the next step works on the parameters' new storage, with the state
+    moved and cast to match. Hyperparameters live in ``param_groups[0]`` (``lr`` in every optimizer), so
+    ``torch.optim.lr_scheduler`` schedulers work; a value they set is checked as the constructor checks it.
+
+    ``buffers="average"`` (default): a module's or state_dict's buffers (BatchNorm statistics, counters) become
+    the clients' weighted average, never stepped or counted; ``"optimizer"``: floating buffers are parameters,
+    stepped by the rule and counted in its statistics, as Flower's strategies treat every array (integer buffers
+    keep the average rule).
 
     Subclasses define ``_hyper`` (the hyperparameters a checkpoint carries) and ``_round(stats)``.
     """
 
     group = property(lambda self: self._group.get(), doc="The torch.distributed group of the step, or None.")
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        for name in cls._hyper:
+            if not isinstance(getattr(cls, name, None), _Hyper):
+                setattr(cls, name, _Hyper(name))
+
     def __init__(self, params: Any, *, backend: str = "auto", on_nonfinite: str = "raise", group: Any = None,
-                 sharded: bool = False):
-        if isinstance(params, Iterator):  # model.parameters()
+                 sharded: bool = False, buffers: str = "average"):
+        if buffers not in BUFFER_POLICIES:
+            raise ValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
+        self.buffers = buffers
+        if isinstance(params, Iterator):  # model.parameters(), model.named_parameters()
             params = list(params)
+        if isinstance(params, list) and params and all(isinstance(e, dict) and "params" in e for e in params):
+            raise TypeError(f"{type(self).__name__} takes one parameter group (the whole model, updated by one fused "
+                            "rule): pass the parameters or the module, and the hyperparameters as arguments")
+        if isinstance(params, list) and _named_pairs(params):
+            params = dict(params)  # named_parameters(): the state_dict form, keyed by name
         check_on_nonfinite(on_nonfinite)
         # torch.distributed (fastagg.distributed): with a group, each rank holds some clients' updates (default) or,
         # sharded, one slice of the params, of the state and of every client's update
@@ -103,17 +306,127 @@ class ServerOptimizer:
             raise ValueError("sharded=True needs group= (the ranks that hold the other slices)")
         self._group = _GroupRef(group)
         self.sharded = bool(sharded)
-        self._p: ParamRows = param_rows(params)
+        self._p: ParamRows = param_rows(params, buffers_count=buffers == "optimizer")
+        torch.optim.Optimizer.__init__(self, [{"params": _torch_params(self._p, buffers == "optimizer")}], {})
+        self.state = ParamState(self)  # torch's per-parameter view of the flat buffers below
         self.layout = self._p.form
         self.device = self._p.device
         self.on_nonfinite = on_nonfinite
+        self._backend_name = backend
         self._backend = resolve(backend, self.device)
         self._cdt = compute_dtype(self._p.dtype)
-        self.state: dict[str, torch.Tensor] = {"step": torch.zeros((), dtype=torch.float64, device=self.device)}
+        self._flat: dict[str, torch.Tensor] = {"step": torch.zeros((), dtype=torch.float64, device=self.device)}
         self.last_stats: StepStats | None = None
         self._extra: ParamRows | None = None  # eval model or broadcast point, in params' dtype
         self._means: dict = {}  # reused mean buffers by dtype: a fresh 40 MB one costs ~17 ms of page faults
         self._borrowed: list = []  # (accumulator, spare) lent as a step's mean, given back when the step ends
+        self._checked_hyper: dict | None = None  # the group's values as last checked
+        self._bound = self._binding()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``; a fastagg optimizer holds exactly one group (one fused rule over the whole
+        flattened model), so a second one is refused. The first is the one the constructor builds from validated
+        params; it is set here without torch's version, whose first call imports torch._dynamo (~1 s, and
+        dynamo imported after init_process_group keeps the default group alive past destroy_process_group, which
+        made gloo abort at interpreter exit)."""
+        if self.param_groups:
+            raise ValueError(f"{type(self).__name__} holds one parameter group (the whole model, one fused rule); "
+                             "build another optimizer for other parameters")
+        self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``: clear the parameters' ``.grad`` (the pseudo-gradients :meth:`step` reads when
+        called without deltas); without torch._dynamo (see :meth:`add_param_group`)."""
+        for p in self.param_groups[0]["params"]:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().requires_grad_(False)
+                p.grad.zero_()
+
+    def __getstate__(self) -> dict:  # torch's keeps only defaults, state and param_groups; the backend by name
+        return {k: v for k, v in self.__dict__.items() if k != "_backend"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._backend = resolve(self._backend_name, self.device)
+
+    # -- following the parameters -------------------------------------------------------------------------------
+    def _binding(self) -> tuple:
+        """What the flat views were made from: each parameter's storage (a dtype or device change gives a new one)
+        and, for a module, every entry of its modules', parameters' and buffers' tables (a replaced layer or a
+        buffer moved by ``model.to``). Cheap: no module traversal per step."""
+        ptrs = tuple(t.data_ptr() for t in self.param_groups[0]["params"])
+        orig = self._p.original
+        if not isinstance(orig, torch.nn.Module):
+            return ptrs, ()
+        tables = [d for m in orig.modules() for d in (m._modules, m._parameters, m._buffers) if d]
+        return ptrs, tuple((d, len(d), tuple(d.items())) for d in tables)
+
+    def _moved(self) -> bool:
+        ptrs, tables = self._bound
+        if ptrs != tuple(t.data_ptr() for t in self.param_groups[0]["params"]):
+            return True
+        for d, n, items in tables:
+            if len(d) != n or any(d.get(k) is not v for k, v in items):
+                return True
+        return False
+
+    def _follow(self) -> None:
+        """Re-bind to the parameters when they moved (``model.to``/``.double()``/``.half()``): new views, the
+        state moved to their device and cast to their compute dtype, the backend chosen for that device."""
+        if not self._moved():
+            return
+        orig = self._p.original
+        group = self.param_groups[0]["params"]
+        mine = list(orig.parameters()) if isinstance(orig, torch.nn.Module) else []
+        if [id(t) for t in mine] != [id(t) for t in group[:len(mine)]]:
+            raise RuntimeError(f"the module's parameters were replaced since {type(self).__name__} was built (a "
+                               "layer assigned anew?): build the optimizer again on the module")
+        new = param_rows(orig, buffers_count=self.buffers == "optimizer")
+        if new.segments.lens != self._p.segments.lens:
+            raise RuntimeError(f"the parameters changed size since {type(self).__name__} was built "
+                               f"({list(self._p.segments.lens)} -> {list(new.segments.lens)} elements)")
+        cdt = compute_dtype(new.dtype)
+        kinds = {"extra": new.dtype, **{k: cdt for k in self._vector_state}}
+        self._flat = {k: v.to(device=new.device, dtype=kinds.get(k, v.dtype)) for k, v in self._flat.items()}
+        self._p, self.layout, self.device, self._cdt = new, new.form, new.device, cdt
+        self._backend = resolve(self._backend_name, self.device)
+        self._means, self._extra = {}, None
+        self._forget_views()
+        if self.buffers == "optimizer":  # the module's buffers are new tensors after model.to()
+            self.param_groups[0]["params"] = _torch_params(new, True)
+        self._bound = self._binding()
+
+    def _forget_views(self) -> None:
+        """Drop cached views of the state buffers (after the buffers were replaced)."""
+
+    def _check_group(self) -> None:
+        """The hyperparameters in ``param_groups[0]`` (a scheduler may have changed them), checked as the
+        constructor checks them, before a step uses them."""
+        group = self.param_groups[0]
+        missing = [k for k in self._hyper if k not in group]
+        if missing:
+            raise KeyError(f"param_groups[0] has no {missing[0]!r}; {type(self).__name__} needs "
+                           f"{', '.join(self._hyper)}")
+        now = {k: group[k] for k in self._hyper}
+        if now == self._checked_hyper:
+            return
+        try:
+            probe = self._probe(now)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"param_groups[0] holds an invalid value (set by a scheduler or by hand?): {e}") from e
+        for k in self._hyper:
+            group[k] = getattr(probe, k)
+        self._checked_hyper = {k: group[k] for k in self._hyper}
+
+    def _probe(self, hyper: dict) -> "ServerOptimizer":
+        """An optimizer of this class on the same params with ``hyper``: its constructor checks every range and
+        changes nothing here."""
+        return type(self)(self._p.original, backend=self._backend_name, on_nonfinite=self.on_nonfinite,
+                          buffers=self.buffers, **{k: (tuple(v) if k == "betas" else v) for k, v in hyper.items()})
 
     # -- hyperparameters and state ------------------------------------------------------------------------------
     _hyper: tuple = ()
@@ -127,88 +440,119 @@ class ServerOptimizer:
 
     def _buffer(self, name: str) -> torch.Tensor:
         """A flat state buffer (zeros on first use)."""
-        if name not in self.state:
-            self.state[name] = torch.zeros(self._p.segments.numel, dtype=self._cdt, device=self.device)
-        return self.state[name]
+        if name not in self._flat:
+            self._flat[name] = torch.zeros(self._p.segments.numel, dtype=self._cdt, device=self.device)
+        return self._flat[name]
 
     def _extra_out(self) -> ParamRows:
         """The eval/broadcast buffer, a copy of the params until the first step writes it."""
-        if "extra" not in self.state:
+        if "extra" not in self._flat:
             flat = torch.empty(self._p.segments.numel, dtype=self._p.dtype, device=self.device)
             for dst, src in zip(self._p.segments.slice(flat), self._p.parts):
                 dst.copy_(src)
-            self.state["extra"] = flat
-        if self._extra is None or self._extra.parts[0].data_ptr() != self.state["extra"].data_ptr():
-            self._extra = like_params(self._p, self.state["extra"])
+            self._flat["extra"] = flat
+        if self._extra is None or self._extra.parts[0].data_ptr() != self._flat["extra"].data_ptr():
+            self._extra = like_params(self._p, self._flat["extra"])
         return self._extra
 
-    def _user_form(self, flat: torch.Tensor) -> Any:
-        out = self.layout.unflatten(flat)
+    def _user_form(self, flat: torch.Tensor | None) -> Any:
+        """The params' form with the parameter entries taken from ``flat`` (None: the params themselves): a flat
+        tensor or array, a list, or -- for a module or a state_dict -- a full state_dict (buffers included, the
+        params' own), so ``model.load_state_dict(...)`` takes it. Views, never copies."""
+        orig = self._p.original
+        if flat is None:
+            views = list(self._p.parts)
+            views = [v.reshape(s) for v, s in zip(views, self.layout.shapes)]
+        else:
+            views = [flat[o:o + n].reshape(sh) for o, n, sh in zip(self.layout.offsets, self.layout.numels,
+                                                                     self.layout.shapes)]
         if self.layout.numpy:
-            out = out.numpy() if isinstance(out, torch.Tensor) else [t.numpy() for t in out]
-        return out
+            views = [v.numpy() for v in views]
+        if self.layout.kind == "flat":
+            return orig if flat is None else views[0]
+        if isinstance(orig, torch.nn.Module):
+            by_id = {id(p): v for p, v in zip(self.param_groups[0]["params"], views)}
+            return {k: by_id[id(t)] if id(t) in by_id else t.detach()
+                    for k, t in orig.state_dict(keep_vars=True).items()}
+        if self.layout.kind == "dict":
+            mine = dict(zip(self.layout.names, views))
+            return {k: mine.get(k, v) for k, v in orig.items()}
+        return views
+
+    def _param_state(self, k: int) -> dict:
+        """Parameter ``k``'s state: its slice of every vector buffer, shaped like it, and the 0-d buffers."""
+        off, n, shape = self.layout.offsets[k], self.layout.numels[k], self.layout.shapes[k]
+        return {name: t if t.dim() == 0 else t[off:off + n].view(shape) for name, t in self._flat.items()}
+
+    @property
+    def flat_state(self) -> dict:
+        """The state as the fused step keeps it: buffer name -> one flat buffer over the whole model (0-d for the
+        round counter and FedExP-M's numerator)."""
+        return self._flat
 
     @property
     def round(self) -> int:
         """Rounds applied so far (a host read of the device counter)."""
-        return int(self.state["step"].item())
+        return int(self._flat["step"].item())
 
     def state_dict(self) -> dict:
-        """Hyperparameters, the round counter, every buffer (cloned), a format version and the layout signature.
-        Like torch optimizers, the parameters themselves are not included: save the model alongside."""
-        out = {
-            "format": FORMAT_VERSION,
-            "optimizer": type(self).__name__,
-            "hyperparameters": self.hyperparameters,
-            "layout": self.layout.signature(),
-            "state": {k: v.detach().clone() for k, v in self.state.items()},
-        }
+        """torch's optimizer checkpoint: ``{"state": {i: {buffer: slice shaped like parameter i, "step": ...}},
+        "param_groups": [{hyperparameters..., "params": [0, 1, ...]}]}``, plus ``"fastagg"``: the format version,
+        the optimizer class and the parameter layout (and, sharded, which slice this is), which
+        :meth:`load_state_dict` checks. Tensors are copies. Like torch optimizers, the parameters themselves are
+        not included: save the model alongside."""
+        self._follow()
+        flat = {"optimizer": type(self).__name__, "format": FORMAT_VERSION, "hyperparameters": self.hyperparameters,
+                "group": {k: v for k, v in self.param_groups[0].items() if k not in self._hyper and k not in
+                          _GROUP_KEYS}, "layout": self.layout.signature(), "state": dict(self._flat)}
         if self.sharded:  # which slice this is: distributed.reshard puts the slices back in order by it
             import torch.distributed as dist
 
-            out["shard"] = {"rank": dist.get_rank(self.group), "world": dist.get_world_size(self.group)}
-        return out
+            flat["shard"] = {"rank": dist.get_rank(self.group), "world": dist.get_world_size(self.group)}
+        return torch_checkpoint(flat)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a checkpoint of the same optimizer class and parameter layout (hyperparameters included).
+        """Restore a checkpoint of the same optimizer class and parameter layout (hyperparameters included), in
+        torch's shape (:meth:`state_dict`) or fastagg's earlier flat one (format 1).
 
         Everything is checked before anything changes: the optimizer class, format and parameter layout; every
         hyperparameter's range (as the constructor checks it); every buffer by name -- one this optimizer keeps,
-        with its shape and dtype, finite -- and the round counter (a whole number >= 0). Buffers may come from
-        another device (they are moved to the params'). Raises ValueError / TypeError naming the first problem;
-        nothing is changed then.
+        with each parameter's slice shaped like the parameter, one dtype, finite -- and the round counter (a whole
+        number >= 0, the same for every parameter). Buffers may come from another device (they are moved to the
+        params'). Raises ValueError / TypeError naming the first problem; nothing is changed then.
         """
-        if not isinstance(state_dict, dict) or "optimizer" not in state_dict:
-            raise ValueError("not a fastagg optimizer state_dict (no 'optimizer' entry)")
-        if state_dict["optimizer"] != type(self).__name__:
-            raise ValueError(f"state_dict is from {state_dict['optimizer']}; this optimizer is {type(self).__name__}")
-        if state_dict.get("format") != FORMAT_VERSION:
-            raise ValueError(f"state_dict has format {state_dict.get('format')!r}; expected {FORMAT_VERSION}")
-        for key in ("layout", "hyperparameters", "state"):
-            if key not in state_dict:
-                raise ValueError(f"state_dict has no {key!r} entry")
-        self._check_shard(state_dict.get("shard"))
-        mine, theirs = self.layout.signature(), tuple(tuple(e) for e in state_dict["layout"])
+        self._follow()
+        ck = flat_checkpoint(state_dict)
+        if ck["optimizer"] != type(self).__name__:
+            raise ValueError(f"state_dict is from {ck['optimizer']}; this optimizer is {type(self).__name__}")
+        self._check_shard(ck.get("shard"))
+        mine, theirs = self.layout.signature(), tuple(tuple(e) for e in ck["layout"])
         for k, (a, b) in enumerate(zip(mine, theirs)):
             if tuple(a) != (b[0], tuple(b[1]), b[2]):
                 raise ValueError(f"state_dict's parameter layout differs at entry {k}: {b[0] or k} has shape "
                                  f"{tuple(b[1])} dtype {b[2]}; these params have shape {a[1]} dtype {a[2]}")
         if len(mine) != len(theirs):
             raise ValueError(f"state_dict's parameter layout has {len(theirs)} entries; these params have {len(mine)}")
-        hyper = state_dict["hyperparameters"]
+        hyper, extras = ck["hyperparameters"], {}
+        if ck["format"] == 1 and isinstance(hyper, dict) and "lr" in self._hyper and "lr" not in hyper:
+            hyper = {**hyper, "lr": 1.0}  # format 1 of FedExP, FedExP-M, SCAFFOLD-ExP, FedACG: no lr (it was 1)
+        if ck["format"] != 1 and isinstance(hyper, dict):  # a torch group: the settings and what schedulers keep
+            extras = {k: v for k, v in hyper.items() if k not in self._hyper}
+            hyper = {k: v for k, v in hyper.items() if k in self._hyper}
         if not isinstance(hyper, dict) or set(hyper) != set(self._hyper):
             raise ValueError(f"state_dict's hyperparameters {sorted(hyper) if isinstance(hyper, dict) else hyper!r} "
                              f"do not match {sorted(self._hyper)}")
         try:  # the constructor checks every range; a probe on the same params changes nothing here
-            type(self)(self._p.original, backend=self._backend.name, on_nonfinite=self.on_nonfinite,
-                       **{k: (tuple(v) if k == "betas" else v) for k, v in hyper.items()})
+            probe = self._probe(hyper)
         except (TypeError, ValueError) as e:
             raise type(e)(f"state_dict's hyperparameters are invalid: {e}") from e
-        state = self._checked_state(state_dict["state"])
-        for k, v in hyper.items():
-            setattr(self, k, tuple(v) if k == "betas" else v)
-        self.state = state
+        state = self._checked_state(ck["state"])
+        for k in self._hyper:
+            setattr(self, k, getattr(probe, k))
+        self.param_groups[0].update(extras)  # what schedulers keep in the group (initial_lr, ...)
+        self._flat = state
         self._extra = None
+        self._forget_views()
 
     def _check_shard(self, tag) -> None:
         """A sharded checkpoint is one rank's slice: only that rank of a group of that size may load it."""
@@ -263,12 +607,17 @@ class ServerOptimizer:
 
     # -- the step -----------------------------------------------------------------------------------------------
     def broadcast(self) -> Any:
-        """What clients start the round from (the params; FedACG: its look-ahead point)."""
-        return self._p.original
+        """What clients start the round from (the params; FedACG: its look-ahead point), in the params' form: the
+        flat tensor or array, the list, or for a module or state_dict a full state_dict (buffers included) that
+        ``model.load_state_dict`` takes. Views of the params, never copies."""
+        self._follow()
+        return self._user_form(None)
 
     def eval_params(self) -> Any:
-        """The model to evaluate (the params; the FedExP family: the average of the last two iterates)."""
-        return self._p.original
+        """The model to evaluate (the params; the FedExP family: the average of the last two iterates), in the same
+        form as :meth:`broadcast`, every time."""
+        self._follow()
+        return self._user_form(None)
 
     def _aux(self):
         """(vector, coefficient) whose combination with the mean the stats pass should measure, or (None, 0)."""
@@ -285,7 +634,7 @@ class ServerOptimizer:
     def _written(self) -> list:
         """(name, tensor) of everything a step writes: the params, every state buffer, the eval/broadcast output."""
         out = [(f"params entry {k}", t) for k, t in enumerate(self._p.parts)]
-        out += [(f"the optimizer's {k!r} buffer", v) for k, v in self.state.items() if v.dim() > 0]
+        out += [(f"the optimizer's {k!r} buffer", v) for k, v in self._flat.items() if v.dim() > 0]
         return out
 
     def _rows(self, deltas: Any, weights: Any, name: str, base: Any):
@@ -315,7 +664,28 @@ class ServerOptimizer:
         check_writes(self._written(), round_reads(rows))
         return rows
 
-    def _stats(self, deltas: Any, weights: Any, name: str = "deltas", base: Any = None) -> RoundStats:
+    def _gradients(self) -> Any:
+        """The pseudo-gradients torch's outer optimizers take (``p.grad = global - local``), as one client in the
+        params' form; the step negates them into fastagg's ``delta = local - global``."""
+        grads = []
+        for k, p in enumerate(self.param_groups[0]["params"]):
+            if p.grad is None:
+                name = self.layout.names[k] if self.layout.names[k] is not None else k
+                raise ValueError(f"step() without deltas reads each parameter's .grad (the pseudo-gradient global - "
+                                 f"local, as torch's outer optimizers take it); parameter {name!r} has none")
+            grads.append(p.grad)
+        if self.layout.kind == "flat":
+            return grads[0]
+        return dict(zip(self.layout.names, grads)) if self.layout.kind == "dict" else grads
+
+    def _stats(self, deltas: Any, weights: Any, name: str = "deltas", base: Any = None,
+               negate: bool = False) -> RoundStats:
+        stats = self._signed_stats(deltas, weights, name, base, -1.0 if negate else 1.0)
+        if negate:  # the mean of -delta, measured with the aux term's sign flipped (norms do not see the sign)
+            stats.mean.neg_()
+        return stats
+
+    def _signed_stats(self, deltas: Any, weights: Any, name: str, base: Any, sign: float) -> RoundStats:
         try:
             rows = self._rows(deltas, weights, name, base)
         except Exception as e:  # noqa: BLE001 (with a group: every other rank learns at once, then this one raises)
@@ -326,6 +696,7 @@ class ServerOptimizer:
                 fail_step(self.group, kind, e, self.device)
             raise
         aux, aux_coef = self._aux()
+        aux_coef = sign * aux_coef
         if base is not None:
             name = "models"
         if isinstance(deltas, Accumulator):
@@ -358,12 +729,14 @@ class ServerOptimizer:
                             sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
                             mean_out=self._mean_buffer(name, self._cdt, rows.numel))
 
-    def step(self, deltas: Any, weights: Any = None, *, base: Any = None) -> StepStats:
+    def step(self, deltas: Any = None, weights: Any = None, *, base: Any = None) -> StepStats:
         """Apply one server round.
 
         Args:
             deltas: the participating clients' updates measured from :meth:`broadcast` (any form
                 :func:`fastagg.fedexp_step` accepts), or an :class:`~fastagg.Accumulator` they were folded into.
+                None (``opt.step()``, as torch's outer optimizers are called, e.g. in DiLoCo): one update read from
+                the parameters' ``.grad``, taken as a pseudo-gradient ``global - local`` (``delta = -grad``).
             weights: per-client weights (example counts), normalized over the participants; default uniform.
             base: the model the clients started from (what :meth:`broadcast` gave them, in the clients' form). With
                 it, ``deltas`` are the clients' full models: each update ``model_i - base`` is formed inside the
@@ -373,10 +746,18 @@ class ServerOptimizer:
         non-finite client raises ``ValueError`` and params and state stay exactly as they were.
         """
         with torch.no_grad():
+            self._follow()
+            self._check_group()
+            negate = deltas is None
+            if negate:
+                if weights is not None or base is not None:
+                    raise TypeError("step() without deltas reads the pseudo-gradients from .grad; weights= and base= "
+                                    "go with deltas")
+                deltas = [self._gradients()]
             if base is not None and isinstance(deltas, Accumulator):
                 raise TypeError("base= does not apply to an Accumulator: pass base to its add()")
             try:
-                stats = self._stats(deltas, weights, base=base)
+                stats = self._stats(deltas, weights, base=base, negate=negate)
                 updates = buffer_updates(self._p, stats, models=base is not None)  # checked before any write
                 self._overflow = overflow_counter(stats.mean)
                 eta, finite = self._round(stats)
@@ -403,7 +784,7 @@ class ServerOptimizer:
         self._advance(finite)
 
     def _advance(self, finite: torch.Tensor) -> None:
-        step = self.state["step"]
+        step = self._flat["step"]
         step.copy_(torch.where(finite, step + 1, step))  # in place: a captured CUDA graph replays into it
 
     def _round(self, stats: RoundStats):
@@ -472,7 +853,8 @@ class FedAvgM(ServerOptimizer):
 class _FedExPFamily(ServerOptimizer):
     """eps schedule and the evaluation model shared by FedExP, FedExP-M and SCAFFOLD-ExP."""
 
-    def _init_eps(self, eps, eps_mode, eps_decay):
+    def _init_eps(self, eps, eps_mode, eps_decay, lr):
+        self.lr = check_number(lr, "lr")
         if eps is None:
             raise TypeError(f"{type(self).__name__} needs eps (FedExP's denominator term, e.g. eps=1e-3)")
         self.eps = check_number(eps, "eps")
@@ -481,20 +863,25 @@ class _FedExPFamily(ServerOptimizer):
         self.eps_mode = eps_mode
         self.eps_decay = check_number(eps_decay, "eps_decay", minimum=0.0, allow_equal=False)
 
+    def _scaled(self, eta: torch.Tensor) -> torch.Tensor:
+        """The rule's step size times ``lr`` (1 unless a user or a scheduler set it: the rule as published)."""
+        return eta if self.lr == 1.0 else eta * self.lr
+
     def _eps_eff(self, num_clients: int) -> torch.Tensor:
         """``eps * eps_decay^(t+1)`` in round t (0-based; the official schedule decays before round 0), times M in
         the official convention."""
         eps = rules.effective_eps(self.eps, num_clients, self.eps_mode)
         if self.eps_decay == 1.0:
-            return device_scalar(eps, self.state["step"])
-        return eps * torch.pow(self.eps_decay, self.state["step"] + 1)
+            return device_scalar(eps, self._flat["step"])
+        return eps * torch.pow(self.eps_decay, self._flat["step"] + 1)
 
     def eval_params(self):
         """``(w_prev + w) / 2``, the FedExP evaluation model (paper 000, Sec. 5). fastagg's convention for round 0,
         before any step: the initial model (the average of two equal iterates), which the simulator's round-0
         metrics row reports; code that starts averaging only after the second iterate evaluates the first
         iterate at round 1 instead of (w0 + w1) / 2."""
-        return self._user_form(self.state["extra"]) if "extra" in self.state else self._p.original
+        self._follow()
+        return self._user_form(self._flat.get("extra"))
 
     def _fedexp_apply(self, stats, eta, finite, *, buf=None, momentum=0.0):
         self._momentum(stats, eta, finite=finite, buf=buf, momentum=momentum, extra_coef=-0.5 * eta)
@@ -503,7 +890,10 @@ class _FedExPFamily(ServerOptimizer):
 _EPS_DOC = """eps: FedExP's denominator term (squared-update-norm units, >= 0).
         eps_mode: ``"paper"`` (``||mean||^2 + eps``) or ``"official"`` (``||mean||^2 + M * eps``).
         eps_decay: per-round factor; round t (0-based) uses ``eps * eps_decay^(t+1)`` (the official code's
-            ``0.998**2``: pass ``eps_decay=0.998**2``). Default 1: constant."""
+            ``0.998**2``: pass ``eps_decay=0.998**2``). Default 1: constant.
+        lr: a factor on the step, as torch's learning rate (``w <- w + lr * eta * ...``; the evaluation model
+            follows); default 1, the rule as published. ``torch.optim.lr_scheduler`` schedulers set it;
+            ``last_stats.eta`` is the step applied, ``lr * eta``."""
 
 
 class FedExP(_FedExPFamily):
@@ -518,12 +908,12 @@ class FedExP(_FedExPFamily):
         exact_projection: the variant for exact local projections (paper Sec. 5, App. C.4.1): no factor 1/2.
     """
 
-    _hyper = ("eps", "eps_mode", "eps_decay", "exact_projection")
+    _hyper = ("eps", "eps_mode", "eps_decay", "exact_projection", "lr")
 
     def __init__(self, params, eps: float | None = None, eps_mode: str = "paper", eps_decay: float = 1.0,
-                 exact_projection: bool = False, **kw):
+                 exact_projection: bool = False, lr: float = 1.0, **kw):
         super().__init__(params, **kw)
-        self._init_eps(eps, eps_mode, eps_decay)
+        self._init_eps(eps, eps_mode, eps_decay, lr)
         self.exact_projection = bool(exact_projection)
 
     def _eta(self, stats):
@@ -531,7 +921,7 @@ class FedExP(_FedExPFamily):
         return rules.fedexp_eta(stats.avg_sq, stats.mean_sq, self._eps_eff(stats.num_clients), scale=scale)
 
     def _round(self, stats):
-        eta = self._eta(stats)
+        eta = self._scaled(self._eta(stats))
         finite = self._check_finite(stats, eta)
         self._fedexp_apply(stats, eta, finite)
         return eta, finite
@@ -553,26 +943,27 @@ class FedExPM(_FedExPFamily):
         beta: momentum coefficient in [0, 1).
     """
 
-    _hyper = ("eps", "eps_mode", "eps_decay", "beta")
+    _hyper = ("eps", "eps_mode", "eps_decay", "beta", "lr")
     _vector_state = ("v",)
     _scalar_state = ("numerator",)
 
     def __init__(self, params, eps: float | None = None, beta: float = 0.9, eps_mode: str = "paper",
-                 eps_decay: float = 1.0, **kw):
+                 eps_decay: float = 1.0, lr: float = 1.0, **kw):
         super().__init__(params, **kw)
-        self._init_eps(eps, eps_mode, eps_decay)
+        self._init_eps(eps, eps_mode, eps_decay, lr)
         self.beta = check_prob(beta, "beta")
-        self.state["numerator"] = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._flat["numerator"] = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _aux(self):
         return self._buffer("v"), self.beta
 
     def _round(self, stats):
-        a_new = stats.avg_sq + (self.beta / 2) * self.state["numerator"]
-        eta = rules.fedexp_eta(a_new, stats.mean_sq, self._eps_eff(stats.num_clients), scale=0.5, floor=0.0)
+        a_new = stats.avg_sq + (self.beta / 2) * self._flat["numerator"]
+        eta = self._scaled(rules.fedexp_eta(a_new, stats.mean_sq, self._eps_eff(stats.num_clients), scale=0.5,
+                                            floor=0.0))
         finite = self._check_finite(stats, eta)
         self._fedexp_apply(stats, eta, finite, buf="v", momentum=self.beta)
-        self.state["numerator"].copy_(torch.where(finite, a_new, self.state["numerator"]))
+        self._flat["numerator"].copy_(torch.where(finite, a_new, self._flat["numerator"]))
         return eta, finite
 
 
@@ -596,12 +987,15 @@ class _ControlVariate:
         """The server control variate c (flat, float32; float64 for float64 params)."""
         return self._buffer("control")
 
-    def step(self, deltas: Any, control_deltas: Any = None, weights: Any = None) -> StepStats:  # type: ignore[override]
+    def step(self, deltas: Any = None, control_deltas: Any = None, weights: Any = None) -> StepStats:  # type: ignore[override]
         """One round: ``deltas`` (y_i - w) with optional ``weights``, ``control_deltas`` (c_i_new - c_i, averaged
         uniformly over the participants, as SCAFFOLD does). Either may be an Accumulator."""
-        if control_deltas is None:
-            raise TypeError(f"{type(self).__name__}.step needs control_deltas (each participant's c_i_new - c_i)")
+        if deltas is None or control_deltas is None:
+            raise TypeError(f"{type(self).__name__}.step needs deltas and control_deltas (each participant's "
+                            "c_i_new - c_i); it has no pseudo-gradient form")
         with torch.no_grad():
+            self._follow()
+            self._check_group()
             try:
                 return self._scaffold_step(deltas, control_deltas, weights)
             finally:
@@ -631,8 +1025,7 @@ class _ControlVariate:
         check_overflow(self._overflow, self.on_nonfinite, "params or the control variate")
         return self.last_stats
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
+    def _forget_views(self) -> None:
         self._control = None
 
 
@@ -675,17 +1068,17 @@ class ScaffoldExP(_ControlVariate, _FedExPFamily):
         {eps_doc}
     """
 
-    _hyper = ("num_clients", "eps", "eps_mode", "eps_decay")
+    _hyper = ("num_clients", "eps", "eps_mode", "eps_decay", "lr")
     _vector_state = ("control",)
 
     def __init__(self, params, num_clients: int, eps: float | None = None, eps_mode: str = "paper",
-                 eps_decay: float = 1.0, **kw):
+                 eps_decay: float = 1.0, lr: float = 1.0, **kw):
         super().__init__(params, **kw)
         self._init_control(num_clients)
-        self._init_eps(eps, eps_mode, eps_decay)
+        self._init_eps(eps, eps_mode, eps_decay, lr)
 
     def _server_eta(self, stats):
-        return rules.fedexp_eta(stats.avg_sq, stats.mean_sq, self._eps_eff(stats.num_clients))
+        return self._scaled(rules.fedexp_eta(stats.avg_sq, stats.mean_sq, self._eps_eff(stats.num_clients)))
 
     def _server_apply(self, stats, eta, finite):
         self._fedexp_apply(stats, eta, finite)
@@ -700,33 +1093,35 @@ class FedACG(ServerOptimizer):
 
     One parameter ``lam`` is both the look-ahead and the momentum decay (default 0.85). The model to evaluate is
     ``w`` (:meth:`eval_params`), not ``b`` (:meth:`broadcast`). The clients' regularizer ``(beta/2)||theta-b||^2``
-    belongs to the local step (``fastagg.client``).
+    belongs to the local step (``fastagg.client``). ``lr`` (default 1, the paper's rule) scales the step,
+    ``w <- w + lr m``, as torch's learning rate (for lr schedulers).
     """
 
-    _hyper = ("lam",)
+    _hyper = ("lam", "lr")
     _vector_state = ("momentum",)
 
-    def __init__(self, params, lam: float = 0.85, **kw):
+    def __init__(self, params, lam: float = 0.85, lr: float = 1.0, **kw):
         super().__init__(params, **kw)
         self.lam = check_prob(lam, "lam")
+        self.lr = check_number(lr, "lr")
 
     def broadcast(self):
         """``b = w + lam m`` in the params' form, from the params and momentum as they are now (params loaded or
         changed in place since the last step count), into a buffer the next step or broadcast rewrites."""
         extra = self._extra_out()
-        m = self.state.get("momentum")
+        m = self._flat.get("momentum")
         with torch.no_grad():
             for dst, w, mk in zip(extra.parts, self._p.parts,
                                   self._p.segments.slice(m) if m is not None else self._p.parts):
                 dst.copy_(w if m is None else torch.add(w.to(mk.dtype), mk, alpha=self.lam))
-        return self._user_form(self.state["extra"])
+        return self._user_form(self._flat["extra"])
 
     def _round(self, stats):
-        one = device_scalar(1.0, stats.mean)
-        finite = self._check_finite(stats, one)
+        lr = device_scalar(self.lr, stats.mean)
+        finite = self._check_finite(stats, lr)
         lam = device_scalar(self.lam, stats.mean)
-        self._momentum(stats, one, finite=finite, buf="momentum", momentum=self.lam, extra_coef=lam)
-        return one, finite
+        self._momentum(stats, lr, finite=finite, buf="momentum", momentum=self.lam, extra_coef=lam)
+        return lr, finite
 
 
 BIAS_CORRECTIONS = ("flower", "adam", None)
@@ -752,7 +1147,7 @@ class _AdamFamily(ServerOptimizer):
         the first round), Kingma & Ba k = round; without bias correction, lr."""
         if self.bias_correction is None:
             return device_scalar(self.lr, like)
-        k = self.state["step"] + (2.0 if self.bias_correction == "flower" else 1.0)
+        k = self._flat["step"] + (2.0 if self.bias_correction == "flower" else 1.0)
         b1, b2 = self.betas
         return self.lr * torch.sqrt(1 - torch.pow(b2, k)) / (1 - torch.pow(b1, k))
 

@@ -155,7 +155,7 @@ def sharded(rank: int, world: int, group, dtype=torch.float64) -> dict:
                 st = opt.step(cut(deltas), weights=weights)
             whole = distributed.gather(mine, group) if group is not None else mine.clone()
             seen.append((whole, float(st.eta), st.sq_norms.clone(), int(st.num_clients)))
-        state = {k: v.numel() for k, v in opt.state.items() if v.dim() > 0}
+        state = {k: v.numel() for k, v in opt.flat_state.items() if v.dim() > 0}
         out[name] = seen
         out[name + " state"] = state
     return out

@@ -1,5 +1,5 @@
-"""A real Flower deployment on loopback: flower-superlink and two flower-supernode processes (insecure, free ports,
-runtime dependency installation off: no network), the example app (examples/flower) run with `flwr run` and
+"""A real Flower deployment on loopback: flower-superlink and two flower-supernode processes (insecure, free ports;
+with Flower's default runtime dependency installation, and with it off), the example app (examples/flower) run with `flwr run` and
 fastagg's FedExP strategy. Asserts on the result file the ServerApp writes: `flwr run` exits 0 even when the app
 failed. Every process is started in its own session and its whole group is killed in `finally`."""
 from __future__ import annotations
@@ -52,18 +52,25 @@ def _kill_group(p: subprocess.Popen) -> None:
             continue
 
 
-@pytest.fixture
-def federation(tmp_path):
+@pytest.fixture(params=["flower-defaults", "preinstalled"])
+def federation(request, tmp_path):
+    """flower-defaults: Flower's runtime dependency installation on (its default), so each app process runs
+    ``uv sync`` on the example's dependencies (needs PyPI, as ``make test``'s install does); preinstalled: off."""
     home = tmp_path / "flwr"
     home.mkdir()
     port = free_port()
     (home / "config.toml").write_text(f'[superlink]\ndefault = "ci"\n\n[superlink.ci]\n'
                                       f'address = "127.0.0.1:{port}"\ninsecure = true\n')
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # flower-superexec, flwr-*
-               FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
-               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
-    procs = [_spawn([BIN / "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", port,
-                     "--disable-runtime-dependency-installation"], tmp_path / "superlink.log", env)]
+               FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1")
+    flags = []
+    if request.param == "preinstalled":
+        env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+        flags = ["--disable-runtime-dependency-installation"]
+    else:
+        env.pop("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", None)
+    procs = [_spawn([BIN / "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", port, *flags],
+                    tmp_path / "superlink.log", env)]
     try:
         _wait_port(port, procs[0])
         for i in range(2):
@@ -87,9 +94,10 @@ def test_fedexp_strategy_in_a_flower_deployment(federation):
     assert out.exists(), "the ServerApp wrote no result file:\n" + logs
     res = json.loads(out.read_text())
     assert res["strategy"] == "fedexp" and res["rounds"] == 3
-    etas = [res["train"][str(r)]["fedexp-eta"] for r in (1, 2, 3)]
+    etas = [res["server"][str(r)]["fedexp-eta"] for r in (1, 2, 3)]
     assert all(e >= 1.0 for e in etas) and max(etas) > 1.0, etas  # FedExP's own step ran (non-IID clients)
     for r in (1, 2, 3):
-        assert res["train"][str(r)]["fedexp-mean-sq-norm"] > 0
+        assert res["server"][str(r)]["fedexp-mean-sq-norm"] > 0
+        assert "fedexp-eta" not in res["train"][str(r)]
     assert res["train"]["3"]["train-loss"] < res["train"]["1"]["train-loss"]
     assert res["final_dtypes"] == {"w": "float32", "b": "float32"}

@@ -9,6 +9,7 @@ is the closer one). FedExP, FedExP-M and FedACG are checked against float64 orac
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import numpy as np
@@ -197,10 +198,12 @@ def test_fedexp_equals_a_float64_oracle_and_evaluates_the_average_of_the_last_tw
         eta = max(1.0, float(p @ (deltas ** 2).sum(1)) / (2 * (mean @ mean + eps)))
         w, ev = w + eta * mean, w + eta * mean - 0.5 * eta * mean
         arrays, metrics = s.aggregate_train(rnd, replies)
-        assert_close(torch.tensor(metrics["fedexp-eta"]), torch.tensor(eta), rtol=1e-5, atol=0, name="eta")
-        assert_close(torch.tensor(metrics["fedexp-mean-sq-norm"]), torch.tensor(mean @ mean), rtol=1e-5, atol=0,
-                     name="||mean||^2")
-        assert_close(torch.tensor(metrics["fedexp-avg-sq-norm"]), torch.tensor(float(p @ (deltas ** 2).sum(1))),
+        assert not any(k.startswith("fedexp-") for k in metrics)  # the server's statistics are not client metrics
+        server_metrics = s.server_metrics[rnd]
+        assert_close(torch.tensor(server_metrics["fedexp-eta"]), torch.tensor(eta), rtol=1e-5, atol=0, name="eta")
+        assert_close(torch.tensor(server_metrics["fedexp-mean-sq-norm"]), torch.tensor(mean @ mean), rtol=1e-5,
+                     atol=0, name="||mean||^2")
+        assert_close(torch.tensor(server_metrics["fedexp-avg-sq-norm"]), torch.tensor(float(p @ (deltas ** 2).sum(1))),
                      rtol=1e-5, atol=0, name="avg ||delta||^2")
         assert_close(torch.from_numpy(_flat(arrays_of(arrays))), torch.from_numpy(w), rtol=1e-5, atol=1e-6,
                      name=f"model after round {rnd}")
@@ -225,7 +228,8 @@ def test_fedexpm_equals_a_float64_oracle(backend):
         eta = a_num / (2 * (v @ v + eps))
         w = w + eta * v
         arrays, metrics = s.aggregate_train(rnd, replies)
-        assert_close(torch.tensor(metrics["fedexp-eta"]), torch.tensor(eta), rtol=1e-5, atol=0, name="eta")
+        assert_close(torch.tensor(s.server_metrics[rnd]["fedexp-eta"]), torch.tensor(eta), rtol=1e-5, atol=0,
+                     name="eta")
         assert_close(torch.from_numpy(_flat(arrays_of(arrays))), torch.from_numpy(w), rtol=1e-5, atol=1e-6,
                      name=f"model after round {rnd}")
 
@@ -299,8 +303,8 @@ def test_flower_options_keep_working():
 
 
 def test_hyperparameters_are_checked_at_construction():
-    with pytest.raises(TypeError, match="needs eps"):
-        fa.FedExP()
+    with pytest.raises(ValueError, match="eps must be"):
+        fa.FedExP(eps=-1.0)
     with pytest.raises(ValueError, match="betas"):
         fa.FedAdam(beta_1=1.5)
     with pytest.raises(ValueError, match="on_nonfinite"):
@@ -333,7 +337,8 @@ def test_start_runs_rounds_and_evaluates_fedexps_average_of_the_last_two():
     for rnd in range(1, 4):
         sent = seen_train[3 * (rnd - 1)]
         assert_close(torch.from_numpy(sent), torch.from_numpy(trains[-1]), rtol=1e-5, atol=1e-6, name="train model")
-        eta = float(result.train_metrics_clientapp[rnd]["fedexp-eta"])
+        assert "fedexp-eta" not in result.train_metrics_clientapp[rnd]
+        eta = float(result.train_metrics_serverapp[rnd]["fedexp-eta"])
         # the model after the round, from the next round's sent model (or Result.arrays after the last)
         nxt = seen_train[3 * rnd] if rnd < 3 else _flat(arrays_of(result.arrays))
         mean = (nxt - trains[-1]) / eta
@@ -471,7 +476,7 @@ def test_a_bad_reply_refuses_the_round_naming_the_node_and_changes_nothing(kind)
     s = fa.FedAdam(eta=0.05, min_available_nodes=1)
     arrays, _ = train_round(s, 1, rec(initial()), [1, 2, 3], clients_for_round(1, [1, 2, 3]))[1]
     before = {k: v.clone() for k, v in s.global_model.items()}
-    opt_before = {k: v.clone() for k, v in s.optimizer.state.items()}
+    opt_before = {k: v.clone() for k, v in s.optimizer.flat_state.items()}
     msgs = sorted(s.configure_train(2, arrays, ConfigRecord(), Grid([1, 2, 3])), key=lambda m: m.metadata.dst_node_id)
     good = clients_for_round(2, [1, 2, 3])
     replies = [good(msgs[0]), _corrupt(kind, msgs[1]), good(msgs[2])]
@@ -480,7 +485,7 @@ def test_a_bad_reply_refuses_the_round_naming_the_node_and_changes_nothing(kind)
     assert "refused" in str(e.value)
     for k, v in s.global_model.items():
         assert torch.equal(v, before[k]), k
-    for k, v in s.optimizer.state.items():
+    for k, v in s.optimizer.flat_state.items():
         assert torch.equal(v, opt_before[k]), k
     out, _ = s.aggregate_train(2, [good(msgs[0]), good(msgs[2])])  # the strategy is still usable
     assert out is not None
@@ -544,7 +549,7 @@ def test_finite_values_at_the_edge_of_float32_never_put_inf_in_the_model(on_nonf
         flwr_logger.removeHandler(caplog.handler)
     for k, v in s.global_model.items():
         assert torch.isfinite(v).all(), k
-    for k, v in s.optimizer.state.items():
+    for k, v in s.optimizer.flat_state.items():
         assert torch.isfinite(v).all(), k
 
 
@@ -635,13 +640,13 @@ def test_a_metric_of_another_type_is_caught_before_the_model_changes(on_nonfinit
 
     _, replies, honest = _round_with(s, listy)
     before = {k: v.clone() for k, v in s.global_model.items()}
-    state_before = {k: v.clone() for k, v in s.optimizer.state.items()}
+    state_before = {k: v.clone() for k, v in s.optimizer.flat_state.items()}
     if on_nonfinite == "raise":
         with pytest.raises(AggregationError, match="node 2"):
             s.aggregate_train(1, replies)
         for k, v in s.global_model.items():
             assert torch.equal(v, before[k]), k
-        for k, v in s.optimizer.state.items():
+        for k, v in s.optimizer.flat_state.items():
             assert torch.equal(v, state_before[k]), k
     else:
         arrays, metrics = s.aggregate_train(1, replies)
@@ -691,7 +696,7 @@ def test_fedacg_sends_the_look_ahead_of_the_model_it_is_handed():
     other = {k: v * 0 + 0.25 for k, v in initial(seed=9).items()}
     msgs = list(s.configure_train(3, rec(other), ConfigRecord(), Grid([1, 2, 3])))
     sent = arrays_of(msgs[0].content["arrays"])
-    m = s.optimizer.state["momentum"]
+    m = s.optimizer.flat_state["momentum"]
     flat_w = torch.cat([torch.from_numpy(other[k]).reshape(-1) for k in s.global_model])
     want = flat_w + 0.5 * m
     got = torch.cat([torch.from_numpy(sent[k]).reshape(-1) for k in s.global_model])
@@ -738,3 +743,62 @@ def test_a_float64_reply_beyond_float32s_range_is_refused_as_such(caplog):
                                  huge)
     assert all(np.isfinite(v).all() for v in arrays_of(arrays).values())
     assert "node 2 left out of round 1" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["FedAdam", "FedAvgM", "FedYogi"])
+def test_buffers_optimizer_steps_batchnorm_statistics_as_flowers_strategy_does(case, caplog):
+    """buffers="optimizer": running_mean / running_var take the optimizer's step like parameters, so the whole
+    model equals Flower's own strategy round after round (the Flower-identical baseline in one argument); the
+    default averages them instead. Integer buffers keep the average rule either way. The policy is logged once."""
+    fl_cls, fa_cls, kw, atol = CASES[case]
+    _, state = _bn_state()
+    ours = fa_cls(min_available_nodes=1, buffers="optimizer", **kw)
+    default = fa_cls(min_available_nodes=1, **kw)
+    theirs = fl_cls(min_available_nodes=1, **kw)
+    a_fa = a_fl = a_def = rec(state)
+    floats = [k for k, v in state.items() if v.dtype.kind == "f"]
+    caplog.set_level(logging.INFO)
+    for rnd in range(1, 4):
+        nodes = [1, 2, 3]
+
+        def cast_back(msg, rnd=rnd):  # a client: float entries move, the BatchNorm counter advances by 1
+            node = msg.metadata.dst_node_id
+            sent = arrays_of(msg.content["arrays"])
+            rng = np.random.default_rng(100 * rnd + node)
+            arrays = {k: np.asarray(v + 1 if v.dtype.kind == "i" else
+                                    (v + 0.05 * rng.standard_normal(v.shape) + 0.02 * (node - 2)).astype(v.dtype))
+                      for k, v in sent.items()}
+            arrays["1.running_var"] = (np.abs(arrays["1.running_var"]) + 0.1).astype(np.float32)
+            return reply(msg, arrays, 7 + 13 * node)
+
+        msgs, (a_fa, _) = train_round(ours, rnd, a_fa, nodes, cast_back)
+        replies = [cast_back(m) for m in msgs]
+        fl_msgs = sorted(theirs.configure_train(rnd, a_fl, ConfigRecord(), Grid(nodes)),
+                         key=lambda x: x.metadata.dst_node_id)
+        a_fl, _ = theirs.aggregate_train(rnd, [Message(content=r.content, reply_to=f) for r, f in zip(replies, fl_msgs)])
+        def_msgs = sorted(default.configure_train(rnd, a_def, ConfigRecord(), Grid(nodes)),
+                          key=lambda x: x.metadata.dst_node_id)
+        a_def, _ = default.aggregate_train(rnd, [Message(content=r.content, reply_to=f)
+                                                 for r, f in zip(replies, def_msgs)])
+        got, want = arrays_of(a_fa), arrays_of(a_fl)
+        for k in floats:
+            assert_close(torch.from_numpy(got[k]), torch.from_numpy(want[k]).double(), rtol=1e-5, atol=atol,
+                         name=f"{case} {k} after round {rnd}")
+        assert got["1.num_batches_tracked"].dtype == np.int64
+    averaged = arrays_of(a_def)
+    assert not np.allclose(averaged["1.running_mean"], got["1.running_mean"], atol=1e-6)  # the policies differ
+    logs = [r.getMessage() for r in caplog.records if "fastagg: buffers" in r.getMessage()]
+    assert len(logs) == 2 and any("stepped by the optimizer" in m for m in logs) and any("average" in m for m in logs)
+
+
+def test_every_strategy_argument_has_a_default_fedexp_eps_included():
+    """fa.FedExP() and fa.FedExPM() run without arguments: eps defaults to the paper's 1e-3."""
+    for cls in (fa.FedExP, fa.FedExPM, fa.FedACG, fa.FedAMS, fa.FedAvg, fa.FedAvgM, fa.FedAdam, fa.FedYogi,
+                fa.FedAdagrad, fa.FedProx):
+        for name, p in inspect.signature(cls.__init__).parameters.items():
+            assert p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) \
+                or name == "self", (cls.__name__, name)
+        cls()
+    assert fa.FedExP().eps == 1e-3 and fa.FedExPM().eps == 1e-3
+    with pytest.raises(ValueError, match="buffers must be one of"):
+        fa.FedAdam(buffers="stepped")

@@ -205,7 +205,7 @@ def test_fuzz_server_optimizers(backend, data):
     opt = getattr(server, name)(w, backend=backend, on_nonfinite=on_nonfinite, **hyper)
     ref = getattr(server, name)(w_ref, backend="reference", on_nonfinite=on_nonfinite, **hyper)
     for t, (deltas, weights) in enumerate(rounds):
-        before = snapshot([w, opt.state, deltas])
+        before = snapshot([w, opt.flat_state, deltas])
         outcome, kept = [], []
         for o, x in ((opt, deltas), (ref, copy.deepcopy(deltas))):
             try:
@@ -216,7 +216,7 @@ def test_fuzz_server_optimizers(backend, data):
                 kept.append(_applied_with_kept_elements(e))
         assert outcome[0] == outcome[1], f"round {t}: {backend} {outcome[0]}, reference {outcome[1]}"
         if outcome[0] is False or (not isinstance(outcome[0], bool) and not kept[0]):  # refused: nothing changed
-            _assert_same_bits(before, [w, opt.state, deltas])
+            _assert_same_bits(before, [w, opt.flat_state, deltas])
         _close(w, w_ref, pdtype, "params", f"{name} params after round {t}")
         if bool(torch.isfinite(params).all()):
             assert bool(torch.isfinite(w).all()), "Inf/NaN written into params"

@@ -224,8 +224,9 @@ def test_a_checkpoint_with_a_negative_second_moment_is_refused(name, entry):
     opt = getattr(server, name)(w, lr=0.1)
     opt.step(torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 0.1)
     sd = opt.state_dict()
-    sd["state"][entry] = sd["state"][entry].clone()
-    sd["state"][entry][5] = -0.999 * float(sd["state"][entry].abs().max() + 1e-3)
+    st = sd["state"][0]  # the one parameter's state (torch's shape)
+    st[entry] = st[entry].clone()
+    st[entry][5] = -0.999 * float(st[entry].abs().max() + 1e-3)
     before = snapshot(opt.state_dict()["state"])
     with pytest.raises(ValueError, match="negative"):
         opt.load_state_dict(sd)

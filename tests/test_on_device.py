@@ -234,8 +234,8 @@ def test_server_step_replays_in_a_cuda_graph():
             ref = eager.step(rounds[t], weights=weights[t])
             torch.cuda.synchronize()
             assert torch.equal(w_graph, w_eager), f"{name}: params differ after replay {t}"
-            for k, v in eager.state.items():
-                assert torch.equal(graphed.state[k], v), f"{name}: state {k!r} differs after replay {t}"
+            for k, v in eager.flat_state.items():
+                assert torch.equal(graphed.flat_state[k], v), f"{name}: state {k!r} differs after replay {t}"
             assert torch.equal(stats.eta, ref.eta) and torch.equal(stats.finite, ref.finite)
         assert not bool(stats.finite)  # the last round held a NaN: skipped in both
 
@@ -248,10 +248,10 @@ def test_server_state_stays_in_place_across_steps():
                         ("FedAMS", {}), ("FedACG", {})):
         opt = getattr(server, name)(_randn(d, seed=1).to(DEVICE), on_nonfinite="skip", backend="triton", **hyper)
         opt.step((0.1 * _randn(4, d, seed=2)).to(DEVICE))
-        where = {k: v.data_ptr() for k, v in opt.state.items()}
+        where = {k: v.data_ptr() for k, v in opt.flat_state.items()}
         for t in range(3):
             opt.step((0.1 * _randn(4, d, seed=3 + t)).to(DEVICE))
-        assert {k: v.data_ptr() for k, v in opt.state.items()} == where, name
+        assert {k: v.data_ptr() for k, v in opt.flat_state.items()} == where, name
         assert opt.round == 4
 
 

@@ -54,8 +54,8 @@ def test_mixed_dtypes_are_converted_on_load(name, backend):
             _step(ref, name, deltas.to(param_dtype))
         tol = 1e-12 if param_dtype == torch.float64 else 1e-5
         assert_close(w, ref_w, rtol=tol, atol=tol, name=f"{name} {delta_dtype} deltas, {param_dtype} params")
-        for k, v in opt.state.items():
-            assert v.dtype == ref.state[k].dtype, k
+        for k, v in opt.flat_state.items():
+            assert v.dtype == ref.flat_state[k].dtype, k
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -145,7 +145,7 @@ def test_outputs_that_alias_inputs_are_rejected(backend):
     opt = server.FedAdam(w, backend=backend)
     opt.step(x)
     with pytest.raises(ValueError, match="overlaps"):
-        opt.step(opt.state["m"].reshape(1, -1))
+        opt.step(opt.flat_state["m"].reshape(1, -1))
     assert_unchanged(before[0], x, "deltas")
     # client steps: params whose rows share memory, grads that are the params
     shared = torch.zeros(20).expand(3, 20)
@@ -159,37 +159,80 @@ def test_outputs_that_alias_inputs_are_rejected(backend):
 # ---- checkpoints ---------------------------------------------------------------------------------------------
 
 
-def test_server_load_state_dict_checks_everything_and_changes_nothing():
+def _format1(opt) -> dict:
+    """The checkpoint fastagg wrote before its optimizers were torch Optimizers (format 1: flat buffers by name)."""
+    return {"format": 1, "optimizer": type(opt).__name__, "hyperparameters": dict(opt.hyperparameters),
+            "layout": opt.layout.signature(), "state": {k: v.clone() for k, v in opt.flat_state.items()}}
+
+
+@pytest.mark.parametrize("form", ["torch", "format 1"])
+def test_server_load_state_dict_checks_everything_and_changes_nothing(form):
     w = _randn(10)
     opt = server.FedAdam(w, lr=0.1)
     opt.step(0.1 * _randn(3, 10, seed=2))
-    good = opt.state_dict()
-    before_state, before_lr = snapshot(opt.state), opt.lr
+    good = opt.state_dict() if form == "torch" else _format1(opt)
+    before_state, before_lr = snapshot(opt.flat_state), opt.lr
+
+    def broken(change):
+        sd = opt.state_dict() if form == "torch" else _format1(opt)
+        change(sd["state"][0] if form == "torch" else sd["state"],
+               sd["param_groups"][0] if form == "torch" else sd["hyperparameters"],
+               sd["fastagg"] if form == "torch" else sd)
+        return sd
+
+    cases = [
+        (lambda st, hp, meta: st.__setitem__("m", torch.zeros(3)), ValueError, "'m' .*has shape"),
+        (lambda st, hp, meta: st.__setitem__("m", torch.zeros(10, dtype=torch.float64)), TypeError, "'m' has dtype"),
+        (lambda st, hp, meta: st.__setitem__("v", torch.full((10,), float("nan"))), ValueError, "NaN or Inf"),
+        (lambda st, hp, meta: st.__setitem__("bogus", torch.zeros(10)), ValueError, "'bogus' is not one"),
+        (lambda st, hp, meta: st.__setitem__("step", torch.tensor(-1.0, dtype=torch.float64)), ValueError, "step"),
+        (lambda st, hp, meta: st.__setitem__("step", torch.tensor(1.5, dtype=torch.float64)), ValueError, "step"),
+        (lambda st, hp, meta: hp.__setitem__("lr", -1.0), ValueError, "lr must be"),
+        (lambda st, hp, meta: hp.__setitem__("betas", (0.9, 1.5)), ValueError, "betas"),
+        (lambda st, hp, meta: hp.pop("tau"), ValueError, "hyperparameters"),
+        (lambda st, hp, meta: meta.__setitem__("optimizer", "FedYogi"), ValueError, "FedYogi"),
+        (lambda st, hp, meta: st.__setitem__("m", [0.0] * 10), TypeError, "expected a tensor"),
+        (lambda st, hp, meta: meta.__setitem__("format", 7), ValueError, "format 7"),
+    ]
+    for change, err, match in cases:
+        with pytest.raises(err, match=match):
+            opt.load_state_dict(broken(change))
+        assert_unchanged(before_state, opt.flat_state, "optimizer state")
+        assert opt.lr == before_lr
+    opt.load_state_dict(good)  # the real one still loads
+
+
+def test_server_load_state_dict_checks_the_torch_shape():
+    """Per-parameter slices: every parameter's state present, shaped like it, one dtype and one round counter."""
+    params = [_randn(6), _randn(4).reshape(2, 2)]
+    opt = server.FedAvgM(params, lr=0.5, momentum=0.9)
+    opt.step([[0.1 * _randn(6, seed=3), 0.1 * _randn(4, seed=4).reshape(2, 2)]])
+    before = snapshot(opt.flat_state)
 
     def broken(change):
         sd = opt.state_dict()
         change(sd)
         return sd
 
-    cases = [
-        (lambda sd: sd["state"].__setitem__("m", torch.zeros(3)), ValueError, "'m' has shape"),
-        (lambda sd: sd["state"].__setitem__("m", torch.zeros(10, dtype=torch.float64)), TypeError, "'m' has dtype"),
-        (lambda sd: sd["state"].__setitem__("v", torch.full((10,), float("nan"))), ValueError, "NaN or Inf"),
-        (lambda sd: sd["state"].__setitem__("bogus", torch.zeros(10)), ValueError, "'bogus' is not one"),
-        (lambda sd: sd["state"].__setitem__("step", torch.tensor(-1.0, dtype=torch.float64)), ValueError, "step"),
-        (lambda sd: sd["state"].__setitem__("step", torch.tensor(1.5, dtype=torch.float64)), ValueError, "step"),
-        (lambda sd: sd["hyperparameters"].__setitem__("lr", -1.0), ValueError, "lr must be"),
-        (lambda sd: sd["hyperparameters"].__setitem__("betas", (0.9, 1.5)), ValueError, "betas"),
-        (lambda sd: sd["hyperparameters"].pop("tau"), ValueError, "hyperparameters"),
-        (lambda sd: sd.__setitem__("optimizer", "FedYogi"), ValueError, "FedYogi"),
-        (lambda sd: sd["state"].__setitem__("m", [0.0] * 10), TypeError, "expected a tensor"),
-    ]
-    for change, err, match in cases:
+    for change, err, match in [
+        (lambda sd: sd["state"][1].pop("momentum_buffer"), ValueError, r"\[1\] has no 'momentum_buffer'"),
+        (lambda sd: sd["state"][1].__setitem__("momentum_buffer", torch.zeros(4)), ValueError,
+         r"parameter 1 has shape \(4,\); the parameter has shape \(2, 2\)"),
+        (lambda sd: sd["state"][1].__setitem__("momentum_buffer", torch.zeros(2, 2, dtype=torch.float64)), TypeError,
+         "parameter 0's has torch.float32"),
+        (lambda sd: sd["state"][1].__setitem__("step", torch.tensor(0.0, dtype=torch.float64)), ValueError,
+         "one round counter"),
+        (lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])), ValueError, "one group"),
+        (lambda sd: sd["param_groups"][0].__setitem__("params", [0]), ValueError, "layout has 2 entries"),
+        (lambda sd: sd.pop("fastagg"), ValueError, "no 'fastagg' entry"),
+        (lambda sd: sd["state"].__setitem__(0, "garbage"), ValueError, "expected a dict"),
+    ]:
         with pytest.raises(err, match=match):
             opt.load_state_dict(broken(change))
-        assert_unchanged(before_state, opt.state, "optimizer state")
-        assert opt.lr == before_lr
-    opt.load_state_dict(good)  # the real one still loads
+        assert_unchanged(before, opt.flat_state, "optimizer state")
+    sgd = torch.optim.SGD([torch.zeros(6, requires_grad=True)], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="a torch optimizer's state_dict"):
+        opt.load_state_dict(sgd.state_dict())
 
 
 def test_client_state_load_state_dict_checks_everything_and_changes_nothing():

@@ -125,8 +125,8 @@ def test_load_state_dict_names_the_difference_and_changes_nothing():
     layers = server.FedAdam([torch.zeros(500), torch.zeros(17)])
     with pytest.raises(ValueError, match=r"has 1 entries; these params have 2|differs at entry 0"):
         layers.load_state_dict(ckpt)
-    before = {k: v.clone() for k, v in smaller.state.items()}
-    assert all(torch.equal(before[k], smaller.state[k]) for k in before)
+    before = {k: v.clone() for k, v in smaller.flat_state.items()}
+    assert all(torch.equal(before[k], smaller.flat_state[k]) for k in before)
     with pytest.raises(ValueError, match="not a fastagg optimizer state_dict"):
         opt.load_state_dict({"state": {}})
 
@@ -156,7 +156,7 @@ def test_fedexpm_recursive_numerator_equals_the_sum_form(backend):
             torch.tensor(weights, dtype=torch.float64) / sum(weights)
         ms.append(float(p @ deltas.double().square().sum(1)))
         sum_form = sum((beta / 2) ** (t - k) * ms[k] for k in range(t + 1))
-        assert_close(opt.state["numerator"], sum_form, rtol=1e-5, atol=0, name=f"A_t, round {t}")
+        assert_close(opt.flat_state["numerator"], sum_form, rtol=1e-5, atol=0, name=f"A_t, round {t}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -185,7 +185,7 @@ def test_bad_round_leaves_params_and_state_exactly_as_before(case, backend):
     opt = make(cls_name, hyper, w, backend)
     deltas, weights = rounds()[0]
     opt.step(deltas, weights=weights)
-    snap_w, snap_state = w.clone(), {k: v.clone() for k, v in opt.state.items()}
+    snap_w, snap_state = w.clone(), {k: v.clone() for k, v in opt.flat_state.items()}
     bad = deltas.clone()
     bad[1, 7] = float("nan")
     with pytest.raises(ValueError, match=r"deltas\[1\] contain NaN or Inf"):
@@ -196,9 +196,9 @@ def test_bad_round_leaves_params_and_state_exactly_as_before(case, backend):
     stats = opt.step(bad, weights=weights)
     assert not bool(stats.finite)
     assert torch.equal(w, snap_w)
-    assert set(opt.state) == set(snap_state)
+    assert set(opt.flat_state) == set(snap_state)
     for k in snap_state:
-        assert torch.equal(opt.state[k], snap_state[k]), k
+        assert torch.equal(opt.flat_state[k], snap_state[k]), k
 
 
 def test_hyperparameter_errors():

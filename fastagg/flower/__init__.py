@@ -18,7 +18,7 @@ except ImportError as e:  # pragma: no cover - exercised in a process without fl
     raise ImportError("fastagg.flower needs Flower: pip install 'fastagg[flower]'") from e
 
 from .records import ReplyError, array_view, record_views, to_array, to_record
-from .strategies import FedACG, FedAdagrad, FedAdam, FedAMS, FedAvg, FedAvgM, FedExP, FedExPM, FedProx, FedYogi
+from .strategies import FedACG, FedAdagrad, FedAdam, FedAMS, FedAvg, FedAvgM, FedExP, FedExPM, FedProx, FedYogi, Result
 
 __all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "FedAMS", "FedExP", "FedExPM",
-           "FedACG", "ReplyError", "array_view", "record_views", "to_array", "to_record"]
+           "FedACG", "Result", "ReplyError", "array_view", "record_views", "to_array", "to_record"]

@@ -28,8 +28,10 @@ One round, for every strategy:
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
+import pprint
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
@@ -44,12 +46,13 @@ from flwr.serverapp.strategy import FedAvg as _FlFedAvg
 from flwr.serverapp.strategy import FedAvgM as _FlFedAvgM
 from flwr.serverapp.strategy import FedProx as _FlFedProx
 from flwr.serverapp.strategy import FedYogi as _FlFedYogi
-from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy import Result as _FlResult
 from flwr.serverapp.strategy.fedopt import FedOpt as _FlFedOpt
 from flwr.supercore import log
 
 from .. import server
 from .._checks import check_number, check_on_nonfinite
+from ..flat import is_buffer_name
 from .records import ReplyError, record_views, to_record
 
 __all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "FedAMS", "FedExP", "FedExPM",
@@ -68,22 +71,27 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 class _Fastagg:
     """The fastagg round, mixed in before a Flower strategy class. Subclasses define ``_optimizer(params)``."""
 
-    def _init_fastagg(self, backend: str, on_nonfinite: str) -> None:
+    def _init_fastagg(self, backend: str, on_nonfinite: str, buffers: str) -> None:
         check_on_nonfinite(on_nonfinite)
+        if buffers not in server.BUFFER_POLICIES:
+            raise ValueError(f"buffers must be one of {server.BUFFER_POLICIES}, got {buffers!r}")
         self.backend = backend
         self.on_nonfinite = on_nonfinite
+        self.buffers = buffers
         self.global_model: dict[str, torch.Tensor] | None = None  # the strategy's own copy, updated in place
         self.optimizer: server.ServerOptimizer | None = None
         self.last_stats: server.StepStats | None = None
         self._returned: ArrayRecord | None = None  # the record aggregate_train returned (the global model)
         self._sent: dict[str, torch.Tensor] | None = None  # what this round's clients started from
+        self.server_metrics: dict[int, MetricRecord] = {}  # round -> the server's statistics (FedExP's eta, ...)
         self._optimizer(torch.zeros(1))  # checks the hyperparameters now, not at the first round
 
     def _optimizer(self, params) -> server.ServerOptimizer:
         raise NotImplementedError
 
     def _opt_kw(self) -> dict:
-        return {"backend": self.backend, "on_nonfinite": "skip"}  # the strategy decides what a flagged round means
+        # on_nonfinite: the strategy decides what a flagged round means
+        return {"backend": self.backend, "on_nonfinite": "skip", "buffers": self.buffers}
 
     # -- the model sent ----------------------------------------------------------------------------------------
     def _adopt(self, arrays: ArrayRecord) -> None:
@@ -94,11 +102,24 @@ class _Fastagg:
         if self.global_model is None:
             self.global_model = {k: torch.from_numpy(np.array(v)) for k, v in views.items()}  # owned copies
             self.optimizer = self._optimizer(self.global_model)
+            self._log_buffer_policy()
             return
         views = self._floats_as_global(views)
         self._check_like_global(views, "the arrays passed to configure_train")
         for k, v in views.items():  # another model than the one returned (a restart): taken as it is, in place
             self.global_model[k].copy_(torch.from_numpy(v))
+
+    def _log_buffer_policy(self) -> None:
+        """Once per run: what happens to the model's buffers (BatchNorm statistics), which Flower's own strategies
+        step like parameters."""
+        names = [n for n, _ in self.optimizer._p.buffers]
+        stepped = [n for n in self.global_model if n not in set(names) and is_buffer_name(n)]
+        if self.buffers == "average" and names:
+            log(INFO, "fastagg: buffers %s are the clients' weighted average, never stepped (buffers='optimizer' "
+                "steps them as Flower's strategies do)", names[:4] + (["..."] if len(names) > 4 else []))
+        elif stepped:
+            log(INFO, "fastagg: buffers %s are stepped by the optimizer like parameters, as Flower's strategies "
+                "do (buffers='average', the default, averages them)", stepped[:4] + (["..."] if len(stepped) > 4 else []))
 
     def _check_like_global(self, views: dict, where: str) -> None:
         g = self.global_model
@@ -215,8 +236,11 @@ class _Fastagg:
         if kept:
             log(WARNING, "aggregate_train: round %d: %d elements whose new value would have overflowed kept their "
                 "previous values", server_round, kept)
-        for k, v in self._round_metrics(stats).items():
-            metrics[k] = v
+        own = self._round_metrics(stats)
+        if own:  # the server's statistics, kept apart from the clients' train metrics
+            self.server_metrics[server_round] = MetricRecord(own)
+            log(INFO, "aggregate_train: round %d server metrics %s", server_round,
+                {k: round(v, 6) for k, v in own.items()})
         self._returned = to_record(self.global_model)
         return self._returned, metrics
 
@@ -263,7 +287,7 @@ class _Fastagg:
         nothing is left to aggregate. The optimizer runs in "skip" mode: a round it flags writes nothing, so this
         method decides what a flagged reply means."""
         while usable and sum(w for _, _, w in usable) > 0:
-            self.optimizer.state["step"].fill_(server_round - 1)  # Flower's round numbering (FedAdam's bias corr.)
+            self.optimizer.flat_state["step"].fill_(server_round - 1)  # Flower's round numbering (FedAdam's bias corr.)
             stats = self.optimizer.step([v for _, v, _ in usable], weights=[w for _, _, w in usable], base=self._sent)
             if bool(stats.finite):
                 if stats.overflowed is not None and self.on_nonfinite == "raise" and int(stats.overflowed.item()):
@@ -302,11 +326,31 @@ class _Fastagg:
     def _round_metrics(self, stats: server.StepStats) -> dict:
         return {}
 
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, *args, **kwargs) -> "Result":
+        """Flower's ``start``; the result is a :class:`Result` whose ``train_metrics_serverapp`` holds the server's
+        statistics per round (FedExP's ``fedexp-eta``, ...), apart from the clients' ``train_metrics_clientapp``."""
+        self.server_metrics = {}
+        out = super().start(grid, initial_arrays, *args, **kwargs)
+        return Result(**{f.name: getattr(out, f.name) for f in dataclasses.fields(out)},
+                      train_metrics_serverapp=dict(self.server_metrics))
+
     def summary(self) -> None:
         probe = self._optimizer(torch.zeros(1))
         log(INFO, "\t├──> fastagg %s %s, backend=%r, on_nonfinite=%r", type(probe).__name__, probe.hyperparameters,
             self.backend, self.on_nonfinite)
         super().summary()
+
+
+@dataclasses.dataclass
+class Result(_FlResult):
+    """Flower's ``Result`` plus ``train_metrics_serverapp``: round -> the server's statistics of the aggregation
+    (FedExP's ``fedexp-eta``, ``fedexp-mean-sq-norm``, ``fedexp-avg-sq-norm``), which are not client metrics."""
+
+    train_metrics_serverapp: dict[int, MetricRecord] = dataclasses.field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return (super().__repr__() + "\nServerApp-side Train Metrics (fastagg):\n"
+                + pprint.pformat({r: dict(m) for r, m in self.train_metrics_serverapp.items()}, indent=2) + "\n")
 
 
 def _signature(cls, flower_cls) -> None:
@@ -316,15 +360,17 @@ def _signature(cls, flower_cls) -> None:
 
 
 _FASTAGG_KW = [inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default="auto"),
-               inspect.Parameter("on_nonfinite", inspect.Parameter.KEYWORD_ONLY, default="raise")]
+               inspect.Parameter("on_nonfinite", inspect.Parameter.KEYWORD_ONLY, default="raise"),
+               inspect.Parameter("buffers", inspect.Parameter.KEYWORD_ONLY, default="average")]
 
 
 def _flower_subclass(name: str, flower_cls: type, make: Callable, doc: str) -> type:
     """A fastagg strategy with exactly ``flower_cls``'s constructor plus ``backend`` and ``on_nonfinite``."""
 
-    def __init__(self, *args, backend: str = "auto", on_nonfinite: str = "raise", **kwargs):
+    def __init__(self, *args, backend: str = "auto", on_nonfinite: str = "raise",
+                 buffers: str = "average", **kwargs):
         flower_cls.__init__(self, *args, **kwargs)
-        self._init_fastagg(backend, on_nonfinite)
+        self._init_fastagg(backend, on_nonfinite, buffers)
 
     cls = type(name, (_Fastagg, flower_cls), {"__init__": __init__, "_optimizer": make, "__doc__": doc,
                                                "__module__": __name__})
@@ -335,8 +381,10 @@ def _flower_subclass(name: str, flower_cls: type, make: Callable, doc: str) -> t
 _COMMON = """
 
     Every argument of Flower's ``{flower}`` keeps its name and default; fastagg adds ``backend`` (``"auto"``,
-    ``"cpu"``, ``"triton"``, ``"reference"``) and ``on_nonfinite`` (``"raise"``: a bad reply refuses the round;
-    ``"skip"``: it is left out and logged). See :mod:`fastagg.flower`."""
+    ``"cpu"``, ``"triton"``, ``"reference"``), ``on_nonfinite`` (``"raise"``: a bad reply refuses the round;
+    ``"skip"``: it is left out and logged) and ``buffers`` (``"average"``: BatchNorm statistics and other buffers
+    are the clients' weighted average; ``"optimizer"``: stepped like parameters, as Flower's strategies do -- the
+    Flower-identical baseline). See :mod:`fastagg.flower`."""
 
 FedAvg = _flower_subclass(
     "FedAvg", _FlFedAvg, lambda self, p: server.FedAvg(p, **self._opt_kw()),
@@ -354,9 +402,10 @@ class FedProx(_Fastagg, _FlFedProx):
     """FedProx: FedAvg on the server; ``configure_train`` sends ``proximal-mu`` in the config, the coefficient of the
     clients' ``(mu/2) ||w - w_global||^2`` (Flower's ``FedProx``)."""
 
-    def __init__(self, *args, backend: str = "auto", on_nonfinite: str = "raise", **kwargs):
+    def __init__(self, *args, backend: str = "auto", on_nonfinite: str = "raise",
+                 buffers: str = "average", **kwargs):
         _FlFedProx.__init__(self, *args, **kwargs)
-        self._init_fastagg(backend, on_nonfinite)
+        self._init_fastagg(backend, on_nonfinite, buffers)
 
     def _optimizer(self, p):
         return server.FedAvg(p, **self._opt_kw())
@@ -397,10 +446,10 @@ class FedAMS(_Fastagg, _FlFedOpt):
 
     def __init__(self, *, eta: float = 0.1, eta_l: float = 0.1, beta_1: float = 0.9, beta_2: float = 0.99,
                  tau: float = 0.0, vhat_floor: float = 1e-8, backend: str = "auto", on_nonfinite: str = "raise",
-                 **kwargs):
+                 buffers: str = "average", **kwargs):
         _FlFedOpt.__init__(self, eta=eta, eta_l=eta_l, beta_1=beta_1, beta_2=beta_2, tau=tau, **kwargs)
         self.vhat_floor = vhat_floor
-        self._init_fastagg(backend, on_nonfinite)
+        self._init_fastagg(backend, on_nonfinite, buffers)
 
     def _optimizer(self, p):
         return server.FedAMS(p, vhat_floor=self.vhat_floor, **_adam_kw(self))
@@ -410,11 +459,13 @@ class _FedExPFamily(_Fastagg, _FlFedAvg):
     """Clients train from the newest model; evaluation (``configure_evaluate``, ``start``'s ``evaluate_fn``) uses the
     average of the last two, FedExP's rule. Each round reports ``fedexp-eta``, ``fedexp-mean-sq-norm``
     (``||mean||^2``; FedExP-M: ``||v||^2``) and ``fedexp-avg-sq-norm`` (the clients' weighted mean of
-    ``||delta_i||^2``) as train metrics."""
+    ``||delta_i||^2``) as server metrics: ``strategy.server_metrics[round]`` and ``start()``'s
+    ``Result.train_metrics_serverapp``, apart from the clients' train metrics."""
 
-    def __init__(self, *args, backend: str = "auto", on_nonfinite: str = "raise", **kwargs):
+    def __init__(self, *args, backend: str = "auto", on_nonfinite: str = "raise",
+                 buffers: str = "average", **kwargs):
         _FlFedAvg.__init__(self, *args, **kwargs)
-        self._init_fastagg(backend, on_nonfinite)
+        self._init_fastagg(backend, on_nonfinite, buffers)
 
     def eval_model(self) -> dict[str, torch.Tensor] | None:
         """The model to evaluate, by key: the FedExP average of the last two iterates (buffers: the global's)."""
@@ -448,15 +499,17 @@ class FedExP(_FedExPFamily):
 
         eta = max(1, sum_i p_i ||delta_i||^2 / (2 (||mean||^2 + eps)));   w <- w + eta mean
 
-    with ``p_i`` the examples-weighted participation. ``eps`` (required), ``eps_mode`` (``"paper"``, or
-    ``"official"``: ``M * eps``, the convention of the published eps values), ``eps_decay``, ``exact_projection``:
-    as :class:`fastagg.server.FedExP`.
+    with ``p_i`` the examples-weighted participation. ``eps`` (default 1e-3: the paper's value for CIFAR-10/100
+    and CINIC-10; its EMNIST value is 1e-1), ``eps_mode`` (``"paper"``: ``||mean||^2 + eps``; ``"official"``:
+    ``M * eps``, the official code's convention, in which the paper's tabled values were run -- pass it to
+    reproduce them), ``eps_decay``, ``exact_projection``: as :class:`fastagg.server.FedExP`.
     """
 
-    def __init__(self, *args, eps: float | None = None, eps_mode: str = "paper", eps_decay: float = 1.0,
-                 exact_projection: bool = False, backend: str = "auto", on_nonfinite: str = "raise", **kwargs):
+    def __init__(self, *args, eps: float = 1e-3, eps_mode: str = "paper", eps_decay: float = 1.0,
+                 exact_projection: bool = False, backend: str = "auto", on_nonfinite: str = "raise",
+                 buffers: str = "average", **kwargs):
         self.eps, self.eps_mode, self.eps_decay, self.exact_projection = eps, eps_mode, eps_decay, exact_projection
-        super().__init__(*args, backend=backend, on_nonfinite=on_nonfinite, **kwargs)
+        super().__init__(*args, backend=backend, on_nonfinite=on_nonfinite, buffers=buffers, **kwargs)
 
     def _optimizer(self, p):
         return server.FedExP(p, eps=self.eps, eps_mode=self.eps_mode, eps_decay=self.eps_decay,
@@ -465,13 +518,15 @@ class FedExP(_FedExPFamily):
 
 class FedExPM(_FedExPFamily):
     """FedExP with server momentum (paper 000, App. F): ``v <- mean + beta v``, FedExP's step size on ``v``.
-    ``eps`` (required), ``beta`` (default 0.9), ``eps_mode``, ``eps_decay``: as :class:`fastagg.server.FedExPM`.
+    ``eps`` (default 1e-3, FedExP's), ``beta`` (default 0.9, the official code's), ``eps_mode``, ``eps_decay``: as
+    :class:`fastagg.server.FedExPM`.
     """
 
-    def __init__(self, *args, eps: float | None = None, beta: float = 0.9, eps_mode: str = "paper",
-                 eps_decay: float = 1.0, backend: str = "auto", on_nonfinite: str = "raise", **kwargs):
+    def __init__(self, *args, eps: float = 1e-3, beta: float = 0.9, eps_mode: str = "paper",
+                 eps_decay: float = 1.0, backend: str = "auto", on_nonfinite: str = "raise",
+                 buffers: str = "average", **kwargs):
         self.eps, self.beta, self.eps_mode, self.eps_decay = eps, beta, eps_mode, eps_decay
-        super().__init__(*args, backend=backend, on_nonfinite=on_nonfinite, **kwargs)
+        super().__init__(*args, backend=backend, on_nonfinite=on_nonfinite, buffers=buffers, **kwargs)
 
     def _optimizer(self, p):
         return server.FedExPM(p, eps=self.eps, beta=self.beta, eps_mode=self.eps_mode, eps_decay=self.eps_decay,
@@ -486,14 +541,14 @@ class FedACG(_Fastagg, _FlFedAvg):
     ``Result.arrays`` is ``w``. ``lam`` default 0.85."""
 
     def __init__(self, *args, lam: float = 0.85, proximal_mu: float = 0.001, backend: str = "auto",
-                 on_nonfinite: str = "raise", **kwargs):
+                 on_nonfinite: str = "raise", buffers: str = "average", **kwargs):
         self.lam = lam
         if isinstance(proximal_mu, bool) or not isinstance(proximal_mu, (int, float)) or not proximal_mu >= 0 \
                 or not math.isfinite(proximal_mu):
             raise ValueError(f"proximal_mu must be a finite number >= 0, got {proximal_mu!r}")
         self.proximal_mu = float(proximal_mu)
         _FlFedAvg.__init__(self, *args, **kwargs)
-        self._init_fastagg(backend, on_nonfinite)
+        self._init_fastagg(backend, on_nonfinite, buffers)
 
     def _optimizer(self, p):
         return server.FedACG(p, lam=self.lam, **self._opt_kw())

@@ -52,6 +52,8 @@ def run(grid: Grid, config) -> dict:
         "strategy": name, "model": model,
         "rounds": int(cfg(config, "num-server-rounds")),
         "train": {str(r): dict(m) for r, m in result.train_metrics_clientapp.items()},
+        # fastagg's strategies keep the server's statistics (FedExP's eta, ...) apart from the clients' metrics
+        "server": {str(r): dict(m) for r, m in getattr(result, "train_metrics_serverapp", {}).items()},
         "eval": {str(r): dict(m) for r, m in result.evaluate_metrics_clientapp.items()},
         "final": {k: v.tolist() for k, v in final.items()},
         "final_dtypes": {k: str(v.dtype) for k, v in final.items()},
