@@ -61,9 +61,10 @@ $(NVFLARE_VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(shell f
 test-nvflare: $(NVFLARE_VENV)/.installed
 	cd tests_nvflare && ../$(NVPY) -m pytest -q -p no:cacheprovider -o addopts=-ra --rootdir . .
 
-# The Flower example app (examples/flower) in Flower's in-process simulation: 4 clients, fastagg's FedExP.
+# The Flower example app (examples/flower) as Flower 1.42 runs apps locally: `flwr run` into a managed local
+# SuperLink in simulation mode, Flower's defaults otherwise; 4 clients, fastagg's FedExP.
 flower-example: $(VENV)/.installed
-	$(PY) examples/flower/simulate.py --strategy fedexp --rounds 5 --clients 4
+	$(PY) examples/flower/run_local.py --strategy fedexp --rounds 5 --clients 4
 
 # The benchmarks (~15 minutes on 2 cores), their JSON in $(BENCH_JSON), then bench/report.py's tables and its summary
 # of the interleaved ratios the README quotes. Run it on a quiet machine.

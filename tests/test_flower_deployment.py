@@ -101,3 +101,30 @@ def test_fedexp_strategy_in_a_flower_deployment(federation):
         assert "fedexp-eta" not in res["train"][str(r)]
     assert res["train"]["3"]["train-loss"] < res["train"]["1"]["train-loss"]
     assert res["final_dtypes"] == {"w": "float32", "b": "float32"}
+
+
+def test_make_flower_example_runs_flwr_run_in_a_local_simulation_and_fedexp_extrapolates(tmp_path):
+    """`make flower-example`'s script: `flwr run` into Flower's managed local SuperLink (simulation mode, Flower's
+    default runtime dependency installation) with the CNN task; FedExP's eta, a server metric, exceeds 1 (the
+    strongly non-IID clients disagree); the detached SuperLink Flower started is stopped at the end."""
+    out = tmp_path / "summary.json"
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    cp = subprocess.run([sys.executable, str(EXAMPLE / "run_local.py"), "--strategy", "fedexp", "--model", "cnn",
+                         "--rounds", "3", "--clients", "4", "--out", str(out)], env=env, capture_output=True,
+                        text=True, timeout=TIMEOUT)
+    logs = cp.stdout[-3000:] + cp.stderr[-3000:]
+    assert cp.returncode == 0 and out.exists(), logs
+    res = json.loads(out.read_text())
+    etas = [res["server"][r]["fedexp-eta"] for r in ("1", "2", "3")]
+    assert min(etas) >= 1.0 and max(etas) > 1.2, etas
+    assert all("fedexp-eta" not in res["train"][r] for r in ("1", "2", "3"))
+    assert "round 3: train" in cp.stdout and "server {\"fedexp-eta\"" in cp.stdout
+    left = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"flower-superlink" in argv and b"flwr-home-" in argv:
+            left.append(proc.name)
+    assert not left, f"the local SuperLink was left running: {left}"

@@ -25,6 +25,7 @@ def make_strategy(name: str, config) -> object:
     from fastagg import flower as fa
 
     common["on_nonfinite"] = str(cfg(config, "on-nonfinite"))
+    common["buffers"] = str(cfg(config, "buffers"))  # "optimizer": BatchNorm statistics stepped, as Flower does
     eps = float(cfg(config, "eps"))
     makers = {"fedexp": lambda: fa.FedExP(eps=eps, **common), "fedexpm": lambda: fa.FedExPM(eps=eps, **common),
               "fedacg": lambda: fa.FedACG(**common), "fedavg": lambda: fa.FedAvg(**common),
