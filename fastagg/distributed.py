@@ -221,12 +221,21 @@ def _local_weights(weights: Any, m: int) -> tuple[torch.Tensor, str]:
     return w, ""
 
 
+def no_clients(segments, form, dtype: torch.dtype, device: torch.device) -> ClientRows:
+    """A rank's input when it holds no client this round: it takes part in the step with a zero contribution."""
+    return ClientRows([[] for _ in segments.lens], segments, 0, dtype, device, form)
+
+
 def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=None, aux_coef: float = 0.0,
               mean_out=None, sync: bool = True, mean_dtype: torch.dtype | None = None,
-              scratch: torch.Tensor | None = None) -> RoundStats:
+              scratch: torch.Tensor | None = None, model_buffers: list | None = None) -> RoundStats:
     """The round's statistics over every rank's clients (see the module docstring); the same on every rank.
     Weights given as None count 1 for each client (uniform over all ranks' clients). ``scratch``: a d-vector of the
-    mean's dtype the norm pass may write (a server optimizer passes a reused one: a fresh one page-faults)."""
+    mean's dtype the norm pass may write (a server optimizer passes a reused one: a fresh one page-faults).
+
+    A rank with no client this round (``rows`` from :func:`no_clients`) takes part with a zero contribution: its
+    layout is not compared with the others', and when their clients carry buffers it adds zeros for the global
+    model's buffers (``model_buffers``: (name, tensor) pairs), which must be the clients' (names and shapes)."""
     import torch.distributed as dist
 
     from .passes import client_stats
@@ -240,6 +249,8 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     local_w, problem = _local_weights(weights, m)
     # what every rank must agree on, gathered before any data moves; up to WEIGHTS_INLINE weights ride along
     buffer_numel = sum(v[0].numel() for v in rows.buffers.values) if rows.buffers is not None else -1
+    if m == 0:  # no clients here: whatever buffers the others' clients carry
+        buffer_numel = -2
     values = [rows.numel, _DTYPES.index(dtype), m, int(bool(problem)), buffer_numel, _layout_code(rows.form),
               _buffer_code(rows.buffers)]
     if m <= WEIGHTS_INLINE:
@@ -251,13 +262,16 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     bad_ranks = [r for r, h in enumerate(headers) if h[3]]
     if bad_ranks:
         raise ValueError(problem if problem else f"rank {bad_ranks[0]}'s weights cannot be read; nothing was updated")
-    if len({h[4] for h in headers}) > 1:
-        shown = ", ".join(f"rank {r}: {h[4] if h[4] >= 0 else 'none'}" for r, h in enumerate(headers))
+    holding = [h for h in headers if h[2] > 0]  # ranks with clients: an empty rank adapts to them
+    if len({h[4] for h in holding}) > 1:
+        shown = ", ".join(f"rank {r}: {h[4] if h[4] >= 0 else 'none'}" for r, h in enumerate(headers) if h[2] > 0)
         raise ValueError(f"the ranks' {name} differ in their buffers (elements per client: {shown}); nothing was "
                          "updated")
-    _same_layout(headers, 5, name)
-    _same_layout(headers, 6, f"{name}' buffers")
+    _same_layout(holding, 5, name)
+    _same_layout(holding, 6, f"{name}' buffers")
     counts = [h[2] for h in headers]
+    others_buffers = holding and holding[0][4] >= 0
+    empty_buffers = None
     total, top, first = sum(counts), max(counts), sum(counts[:rank])
     if top <= WEIGHTS_INLINE:
         every = torch.cat([g[7:7 + c] for g, c in zip(gathered, counts)])
@@ -270,7 +284,13 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     coefs = coefs_all[first:first + m].contiguous()
     error = None
     try:  # this rank's pass; a failure here is told to the others before the d-vector collective
-        partial, sq, bad, _ = run_stats(rows, coefs, backend, mean_out=mean_out, mean_dtype=dtype)
+        if m:
+            partial, sq, bad, _ = run_stats(rows, coefs, backend, mean_out=mean_out, mean_dtype=dtype)
+        else:
+            partial = mean_out.zero_() if mean_out is not None else torch.zeros(rows.numel, dtype=dtype, device=dev)
+            sq, bad = torch.zeros(0, dtype=torch.float64, device=dev), torch.zeros(0, dtype=torch.bool, device=dev)
+            if others_buffers:
+                empty_buffers = _zero_buffers(model_buffers, holding[0][4], holding[0][6], name)
         order = _key_order(rows.form)  # the d-vector is summed entry by entry in key order: a rank listing the
         keyed = _keyed(partial, rows.form, order)  # same keys in another order is reordered, not summed crosswise
         moved = keyed if cdev == dev else keyed.to(cdev)
@@ -305,7 +325,23 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     if rows.buffers is not None:  # BatchNorm statistics: sum_i p_i b_i over every rank's clients, in float64
         stats.buffers, stats.buffer_sums = Buffers(rows.buffers.names, []), _reduced_buffers(rows.buffers, coefs,
                                                                                               group, cdev, dev)
+    elif empty_buffers is not None:  # this rank adds zeros to the others' buffer sums
+        names, shapes = empty_buffers
+        parts = [torch.zeros(t.numel(), dtype=torch.float64, device=dev) for t in shapes]
+        stats.buffers = Buffers(tuple(names), [])
+        stats.buffer_sums = _all_reduce_by_name(parts, list(names), shapes, group, cdev, dev)
     return stats
+
+
+def _zero_buffers(model_buffers: list | None, numel: int, code: float, name: str) -> tuple:
+    """(names, tensors) of the global model's buffers, for a rank without clients to add zeros to the other ranks'
+    buffer sums; they must be the clients' buffers (the same names and shapes), else the step cannot be taken."""
+    bufs = list(model_buffers or [])
+    if sum(t.numel() for _, t in bufs) != numel or _buffer_code(Buffers(tuple(n for n, _ in bufs),
+                                                                        [[t] for _, t in bufs])) != code:
+        raise ValueError(f"this rank has no {name} this round and the other ranks' clients carry buffers that are not "
+                         "the global model's (names and shapes), so it cannot add its zero share; nothing was updated")
+    return [n for n, _ in bufs], [t for _, t in bufs]
 
 
 def _buffer_code(buffers: Buffers | None) -> float:

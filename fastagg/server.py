@@ -161,6 +161,13 @@ def flat_checkpoint(state_dict: Any) -> dict:
             "layout": layout, "state": flat, **({"shard": meta["shard"]} if "shard" in meta else {})}
 
 
+def _no_clients_given(x: Any) -> bool:
+    """An empty list of clients, or a [0, d] matrix: a rank of a group with no client this round."""
+    if isinstance(x, (list, tuple)):
+        return len(x) == 0
+    return isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 2 and x.shape[0] == 0
+
+
 class _GroupRef:
     """The optimizer's torch.distributed group, held weakly: torch's registry keeps a group alive until
     ``destroy_process_group``, and an optimizer still holding it afterwards would make the group's C++ object die
@@ -651,6 +658,12 @@ class ServerOptimizer(torch.optim.Optimizer):
                                  f"have {self._p.segments.numel}")
             check_writes(self._written(), deltas._state_reads())
             return None
+        if self.group is not None and not self.sharded and _no_clients_given(deltas):
+            if weights is not None and len(weights) != 0:
+                raise ValueError(f"no {name} on this rank but {len(weights)} weights")
+            from .distributed import no_clients  # this rank sits the round out: a zero contribution
+
+            return no_clients(self._p.segments, self._p.form, self._p.dtype, self.device)
         if base is not None:
             name = "models"
         rows = client_rows(deltas, name=name, params=self._p)
@@ -724,7 +737,8 @@ class ServerOptimizer(torch.optim.Optimizer):
             return all_stats(rows, weights, self._backend, group=self.group, name=name, aux=aux, aux_coef=aux_coef,
                              sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
                              mean_out=self._mean_buffer(name, self._cdt, rows.numel),
-                             scratch=self._mean_buffer("norm scratch", self._cdt, rows.numel))
+                             scratch=self._mean_buffer("norm scratch", self._cdt, rows.numel),
+                             model_buffers=self._p.buffers)
         return client_stats(rows, weights, self._backend, name=name, aux=aux, aux_coef=aux_coef,
                             sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
                             mean_out=self._mean_buffer(name, self._cdt, rows.numel))

@@ -11,7 +11,7 @@ from fastagg import server
 
 TOTAL, DIM, ROUNDS = 8, 1003, 3
 # clients of each rank (uneven on purpose): world size -> split points
-BOUNDS = {1: [0, 8], 2: [0, 3, 8], 4: [0, 1, 3, 6, 8]}
+BOUNDS = {1: [0, 8], 2: [0, 3, 8], 3: [0, 5, 5, 8], 4: [0, 1, 3, 6, 8]}  # 3: rank 1 has no client (a zero share)
 OPTIMIZERS = {
     "FedAvg": dict(lr=0.7), "FedAvgM": dict(momentum=0.9), "FedExP": dict(eps=1e-3), "FedExPM": dict(eps=1e-3),
     "FedACG": dict(), "FedAdam": dict(), "FedYogi": dict(), "FedAdagrad": dict(), "FedAMS": dict(),

@@ -48,11 +48,12 @@ def spawn(case: str, world: int, tmp_path, timeout_s: float = 20) -> list:
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("case, rtol, atol", [("optimizers", 1e-5, 2e-6), ("optimizers64", 1e-13, 1e-15)])
 def test_every_server_optimizer_on_r_ranks_equals_one_process(case, rtol, atol, world, tmp_path):
     """float64: equal to 1e-13; float32: to the rounding of a float32 sum taken in another order (the params are
-    O(1), FedExP's eta up to ~10 amplifies the mean's rounding)."""
+    O(1), FedExP's eta up to ~10 amplifies the mean's rounding). 3 ranks: rank 1 holds no client and takes part
+    with a zero share (a [0, d] input)."""
     ranks = spawn(case, world, tmp_path)
     ref = CASES[case](0, 1, None)
     for name, rounds in ref.items():
@@ -196,12 +197,13 @@ def test_accumulators_on_every_rank_step_as_one(world, tmp_path):
                 torch.testing.assert_close(sq, sq_ref, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("case", ["batchnorm_models", "batchnorm_accumulated"])
-def test_model_buffers_average_over_every_ranks_clients(case, tmp_path):
+@pytest.mark.parametrize("case, world", [("batchnorm_models", 2), ("batchnorm_accumulated", 2),
+                                         ("batchnorm_models", 3)])
+def test_model_buffers_average_over_every_ranks_clients(case, world, tmp_path):
     """Full BatchNorm models, given as rows or folded into each rank's Accumulator: running statistics become the
     weighted average over all ranks' clients, the counter advances by the rounded weighted average; params as one
-    process (float64)."""
-    ranks = spawn(case, 2, tmp_path)
+    process (float64). 3 ranks: rank 1 has no client (an empty list) and adds zeros for the model's buffers."""
+    ranks = spawn(case, world, tmp_path)
     ref = CASES["batchnorm_models"](0, 1, None)
     assert any(not v.is_floating_point() for v in ref.values())
     for res in ranks:

@@ -67,3 +67,21 @@ def test_a_failing_rank_0_ends_every_rank_promptly(tmp_path):
     (tmp_path / "taken" / "metrics.csv").write_text("x\n")
     res = sim(2, *ARGS, "--out", str(tmp_path / "taken"), timeout=120)  # rank 0 refuses the folder
     assert res.returncode != 0 and "already holds a run" in res.stderr
+
+
+@pytest.mark.parametrize("batch", ["0", "8"])
+def test_two_ranks_with_one_sampled_client_give_one_process_metrics(batch, tmp_path):
+    """A round that samples one client on two ranks: rank 1 trains nobody and joins the step with a zero share (it
+    used to be refused: '2 ranks need at least 2 clients a round'); with minibatches it still makes the round's
+    draws, so the ranks' generators stay in step."""
+    args = ["--dataset", "synthetic", "--algorithm", "fedavg,fedexp,scaffold", "--rounds", "3", "--clients", "10",
+            "--participation", "0.1", "--dtype", "float64", "--batch-size", batch]
+    runs = {}
+    for world in (1, 2):
+        res = sim(world, *args, "--out", str(tmp_path / f"w{world}"))
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[world] = _rows(tmp_path / f"w{world}" / "metrics.csv")
+    assert len(runs[1]) == len(runs[2]) == 3 * 4
+    for a, b in zip(runs[1], runs[2]):
+        assert (a["algorithm"], a["round"]) == (b["algorithm"], b["round"])
+        assert float(b["train_loss"]) == pytest.approx(float(a["train_loss"]), rel=1e-11), (a, b)
