@@ -85,3 +85,62 @@ def test_two_ranks_with_one_sampled_client_give_one_process_metrics(batch, tmp_p
     for a, b in zip(runs[1], runs[2]):
         assert (a["algorithm"], a["round"]) == (b["algorithm"], b["round"])
         assert float(b["train_loss"]) == pytest.approx(float(a["train_loss"]), rel=1e-11), (a, b)
+
+
+def test_resume_under_torchrun_continues_a_killed_run_as_one_process_would(tmp_path):
+    """--resume on 2 ranks: rank 0 reads the run folder and sends the checkpoint to rank 1 (it used to be refused:
+    '--resume runs on one process'); the resumed run's rows equal an uninterrupted one-process run's. The run is
+    cut short by giving it fewer rounds first, then extended by --resume --rounds."""
+    args = ["--dataset", "synthetic", "--algorithm", "fedavg,fedexp", "--dtype", "float64", "--seeds", "0,1"]
+    whole = sim(1, *args, "--rounds", "4", "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = sim(2, *args, "--rounds", "2", "--out", str(tmp_path / "cut"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = sim(2, "--resume", "--rounds", "4", "--out", str(tmp_path / "cut"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = _rows(tmp_path / "whole" / "metrics.csv"), _rows(tmp_path / "cut" / "metrics.csv")
+    key = lambda r: (r["algorithm"], r["seed"], int(r["round"]))  # noqa: E731
+    a, b = sorted(a, key=key), sorted(b, key=key)
+    assert [key(r) for r in a] == [key(r) for r in b] and len(a) == 2 * 2 * 5
+    for x, y in zip(a, b):
+        assert float(y["train_loss"]) == pytest.approx(float(x["train_loss"]), rel=1e-11), (x, y)
+
+
+def test_resume_under_torchrun_with_a_broken_folder_fails_on_every_rank_promptly(tmp_path):
+    res = sim(2, "--resume", "--out", str(tmp_path / "nothing"), timeout=120)
+    assert res.returncode != 0 and "nothing to resume" in res.stderr
+
+
+def test_a_run_stopped_mid_seed_resumes_under_torchrun(tmp_path, monkeypatch):
+    """A run interrupted in the middle of its second (algorithm, seed) (Ctrl-C after round 2: the checkpoint holds
+    that run's state) resumes on 2 ranks to an uninterrupted run's metrics."""
+    from fastagg.sim import Config, run
+    from fastagg.sim import runner
+
+    base = dict(dataset="synthetic", algorithms=("fedavg", "fedexp"), rounds=4, seeds=(0,), dtype="float64")
+    straight = run(Config(**base))
+    calls = {"n": 0}
+    real = runner.run_one
+
+    def interrupting(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            orig = kw["on_round"]
+
+            def on_round(snap):
+                orig(snap)
+                if snap["round"] == 2:
+                    raise KeyboardInterrupt
+            kw["on_round"] = on_round
+        return real(*args, **kw)
+
+    monkeypatch.setattr(runner, "run_one", interrupting)
+    out = tmp_path / "run"
+    assert "interrupted" in run(Config(**base, out=str(out))).stopped
+    res = sim(2, "--resume", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = {(r["algorithm"], int(r["round"])): float(r["train_loss"]) for r in _rows(out / "metrics.csv")}
+    want = {(r["algorithm"], r["round"]): r["train_loss"] for r in straight.rows}
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-11), k

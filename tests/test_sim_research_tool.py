@@ -204,3 +204,46 @@ def test_an_extension_never_reads_through_a_planted_link(tmp_path):
     (out / "final-0-0.pt").symlink_to("/dev/zero")
     r = sim("--resume", "--out", str(out), "--rounds", "5")
     assert r.returncode == 2 and "a symbolic link" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("scope, model_varies, split_varies", [("all", True, True), ("model", True, False),
+                                                               ("sampling", False, False)])
+def test_seed_scope_says_what_a_seed_varies(scope, model_varies, split_varies):
+    """--seeds gives "mean +- std over seeds" its usual meaning by default (scope "all": a seed draws the clients
+    sampled, the minibatches, the initial model and the data split); "model" keeps the split, "sampling" keeps both
+    (fastagg's behaviour before, and what a run saved then resumes with)."""
+    from fastagg.sim import data as datasets
+    from fastagg.sim import models
+    from fastagg.sim.runner import seeded_data
+
+    cfg = Config(dataset="digits", model="mlp", algorithms=("fedavg",), rounds=1, seeds=(0, 1), seed_scope=scope)
+    base = datasets.load("digits")
+    cfg = cfg.resolved(base)
+    other = seeded_data(cfg, base, 1)
+    assert (not torch.equal(other.x, base.x) or not torch.equal(other.counts, base.counts)) == split_varies
+    assert seeded_data(cfg, base, 0) is base
+    h = run(cfg)
+    first = {r["seed"]: r["train_loss"] for r in h.rows if r["round"] == 0}
+    assert (first[0] != first[1]) == (model_varies or split_varies), first
+    w0 = models.make("mlp", base, seed=0).init(torch.float64, "cpu")
+    assert not torch.equal(w0, models.make("mlp", base, seed=1).init(torch.float64, "cpu"))
+
+
+def test_seed_scope_is_recorded_and_a_run_saved_before_it_resumes_as_it_ran(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([*SIM, "--dataset", "synthetic", "--algorithm", "fedavg", "--rounds", "2", "--seeds", "0,1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["seed_scope"] == "all"
+    from fastagg.sim.runner import saved_config
+
+    del saved["seed_scope"]  # a run folder written before the setting existed
+    (out / "config.json").write_text(json.dumps(saved))
+    assert saved_config(str(out))["seed_scope"] == "sampling"
+    from fastagg.sim import data as datasets
+
+    with pytest.raises(ValueError, match="seed_scope must be one of"):
+        Config(dataset="synthetic", algorithms=("fedavg",), seed_scope="everything").resolved(
+            datasets.load("synthetic")).check()
+    assert "--seed-scope" in subprocess.run([*SIM, "--help"], capture_output=True, text=True).stdout

@@ -102,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
                    "(default: none)")
     p.add_argument("--seed", type=int, default=None, help="one seed (overrides --seeds; default: --seeds)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds; the summary averages over them")
+    p.add_argument("--seed-scope", default="all", choices=["all", "model", "sampling"],
+                   help="what a seed varies: all (client sampling and minibatches, the initial model, the data "
+                   "split), model (not the split), sampling (only sampling and minibatches)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton"],
                    help="fastagg kernels: auto picks C++ on CPU, Triton on CUDA")
@@ -158,7 +161,7 @@ FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichl
                "sps_c": "sps_c", "gamma_b": "gamma_b", "fedexpm_beta": "fedexpm_beta",
                "nesterov_momentum": "nesterov_momentum", "mass_gam": "mass_gam", "mass_eta2": "mass_eta2",
                "mass_average": "mass_average", "target": "target", "eval_every": "eval_every", "eval_samples": "eval_samples", "seeds": "seeds",
-               "seed": "seeds", "device": "device", "backend": "backend", "dtype": "dtype",
+               "seed": "seeds", "seed_scope": "seed_scope", "device": "device", "backend": "backend", "dtype": "dtype",
                "cuda_graph": "cuda_graph"}
 
 
@@ -224,7 +227,7 @@ def _config(a, argv) -> tuple:
                  sps_c=a.sps_c, gamma_b=a.gamma_b, fedexpm_beta=a.fedexpm_beta,
                  nesterov_momentum=a.nesterov_momentum, mass_gam=a.mass_gam, mass_eta2=a.mass_eta2,
                  mass_average=a.mass_average, target=a.target, eval_every=a.eval_every,
-                 eval_samples=a.eval_samples, seeds=_seeds(a),
+                 eval_samples=a.eval_samples, seeds=_seeds(a), seed_scope=a.seed_scope,
                  device=a.device, backend=a.backend, cuda_graph=a.cuda_graph, dtype=a.dtype, out=a.out)
     explicit = {FLAG_FIELDS[k] for k in given if k in FLAG_FIELDS} | ({"out"} if "out" in given else set())
     merged = {**flags, **{k: v for k, v in settings.items() if k not in explicit}}

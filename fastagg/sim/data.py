@@ -4,6 +4,8 @@ number of samples; rows past it are padding and never used).
 """
 from __future__ import annotations
 
+import inspect
+
 import dataclasses
 import functools
 
@@ -410,16 +412,16 @@ def _check_targets(y: np.ndarray, name: str, n: int, classification: bool, where
             raise ValueError(f"{where}: {name!r} holds NaN or Inf")
 
 
-def load(name: str, *, clients: int | None = None, dirichlet: float | None = None) -> FederatedData:
+def load(name: str, *, clients: int | None = None, dirichlet: float | None = None, seed: int = 0) -> FederatedData:
     """A data set by name (or ``npz:PATH``); ``clients`` and ``dirichlet`` (label-split alpha, 0 = IID) where the
-    data set has them."""
+    data set has them; ``seed`` draws its random parts (samples, split) where it has them."""
     if clients is not None and (not isinstance(clients, int) or isinstance(clients, bool) or clients < 1):
         raise ValueError(f"clients must be an integer >= 1, got {clients!r}")
     if dirichlet is not None and not (isinstance(dirichlet, (int, float)) and dirichlet >= 0):
         raise ValueError(f"dirichlet must be a number >= 0, got {dirichlet!r}")
     if name.startswith("npz:"):
         kwargs = {k: v for k, v in (("num_clients", clients), ("alpha", dirichlet)) if v is not None}
-        return from_npz(name[4:], **kwargs)
+        return from_npz(name[4:], **kwargs, seed=seed)
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}")
     kwargs = {}
@@ -434,4 +436,6 @@ def load(name: str, *, clients: int | None = None, dirichlet: float | None = Non
         if name not in ("digits", "digits-noisy"):
             raise ValueError(f"--dirichlet applies to digits and npz data only, not {name}")
         kwargs["alpha"] = dirichlet
+    if "seed" in inspect.signature(DATASETS[name]).parameters:
+        kwargs["seed"] = seed
     return DATASETS[name](**kwargs)

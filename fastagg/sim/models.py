@@ -328,6 +328,7 @@ def _mask(data: FederatedData) -> torch.Tensor:
 
 MODELS = {"linear": LeastSquares, "quadratic": Quadratic, "softmax": Softmax, "mlp": MLP, "cnn": SmallCNN,
           "pfl-cnn": PflCNN}
+SEEDED = ("mlp", "cnn", "pfl-cnn")  # random initial weights; the others start from zeros (or x0 = 1)
 
 
 # models registered from Python (register_model) and the factories of "package.module:factory" names, by name
@@ -373,12 +374,12 @@ def _factory(name: str):
     return factory
 
 
-def _user_model(name: str, data: FederatedData) -> Model:
+def _user_model(name: str, data: FederatedData, seed: int = 0) -> Model:
     if data.task != "classification":
         raise ValueError(f"model {name!r}: your own models are classifiers; {data.name} is {data.task}")
     factory = _factory(name)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         try:
             built = factory(data)
         except Exception as e:  # the user's code: one line naming it, before any work
@@ -410,11 +411,11 @@ def _user_model(name: str, data: FederatedData) -> Model:
     return Functional(data, module, shape)
 
 
-def make(name: str, data: FederatedData) -> Model:
+def make(name: str, data: FederatedData, seed: int = 0) -> Model:
     """The model called ``name`` for ``data``: built in (``MODELS``), registered (:func:`register_model`), or
-    ``package.module:factory``."""
+    ``package.module:factory``; ``seed`` draws its initial weights (models that start from zeros ignore it)."""
     if name in _USER_MODELS or (isinstance(name, str) and ":" in name):
-        return _user_model(name, data)
+        return _user_model(name, data, seed)
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}, one registered with "
                          "fastagg.sim.register_model, or package.module:factory")
@@ -426,4 +427,4 @@ def make(name: str, data: FederatedData) -> Model:
         raise ValueError(f"model {name!r} needs a classification dataset; {data.name} is {data.task}")
     if name == "linear" and data.task != "least_squares":
         raise ValueError(f"model 'linear' is least squares; {data.name} is {data.task} (use --model softmax)")
-    return MODELS[name](data)
+    return MODELS[name](data, seed=seed) if name in SEEDED else MODELS[name](data)

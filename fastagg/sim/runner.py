@@ -21,6 +21,7 @@ from . import algorithms, data as datasets, graphs as step_graphs, models, outdi
 # the checkpoint written after each round (a round's checkpoint counts toward the next row); evaluation excluded.
 # eval_seconds: this row's evaluation (train loss of the reported and last iterate on the evaluation sample of the
 # clients' data, test metrics)
+SEED_SCOPES = ("all", "model", "sampling")
 METRIC_FIELDS = ["algorithm", "seed", "round", "train_loss", "train_loss_last", "test_loss", "test_acc", "eta",
                  "seconds", "eval_seconds"]
 SUMMARY_FIELDS = ["algorithm", "status", "seeds", "rounds", "train_loss_mean", "train_loss_std", "test_acc_mean",
@@ -73,6 +74,9 @@ class Config:
     eval_every: int = 1  # evaluate (and write a metrics row) every this many rounds (round 0 too), and after the last
     eval_samples: int | None = None  # train loss on a fixed sample of this many clients' samples; None: the data set's
     seeds: tuple = (0,)
+    # what a seed varies: "all" (client sampling and minibatches, the initial model, the data split), "model" (not
+    # the split), "sampling" (only the sampling and minibatches: fastagg before 2026-11-27, and runs saved then)
+    seed_scope: str = "all"
     device: str = "cpu"
     backend: str = "auto"
     cuda_graph: bool = True  # on CUDA, stateless client rules replay each local step from a CUDA graph (graphs.py)
@@ -117,6 +121,8 @@ class Config:
             raise ValueError(f"target must be a finite number, got {self.target!r}")
         if not self.seeds or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.seeds):
             raise ValueError(f"seeds must be integers, got {self.seeds!r}")
+        if self.seed_scope not in SEED_SCOPES:
+            raise ValueError(f"seed_scope must be one of {SEED_SCOPES}, got {self.seed_scope!r}")
         try:
             device = torch.device(self.device)
         except RuntimeError as e:
@@ -373,11 +379,20 @@ def run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row=None, on_rou
         torch.set_num_threads(previous)
 
 
+def seeded_data(cfg: Config, data, seed: int):
+    """The data a seed trains on: the run's (seed 0's split) unless the seed scope is "all", then the split drawn
+    with ``seed`` (data sets without a random split, fedexp-linreg and quadratic, are the same for every seed)."""
+    if cfg.seed_scope != "all" or seed == 0:
+        return data
+    return datasets.load(cfg.dataset, clients=cfg.clients, dirichlet=cfg.dirichlet, seed=seed)
+
+
 def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, resume, progress) -> str | None:
+    data = seeded_data(cfg, data, seed)
     name, cfg = cfg.for_algorithm(algorithm, data)
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     d = data.to(device, dtype).with_eval_limit(cfg.eval_samples)
-    model = models.make(cfg.model, d)
+    model = models.make(cfg.model, d, seed=seed if cfg.seed_scope in ("all", "model") else 0)
     alg = algorithms.resolve(name, cfg)
     gen = torch.Generator().manual_seed(seed)
     w = model.init(dtype, device) if hasattr(model, "init") else torch.zeros(model.dim, dtype=dtype, device=device)
@@ -517,12 +532,37 @@ def _agree(ok: bool) -> bool:
     return int(flag) == 0
 
 
-def _check_ranks(cfg: Config, data, world: int, resume: bool) -> None:
+def _resume_state(cfg: Config, data) -> tuple:
+    """(checkpoint, metric rows, extensions of finished runs) of the run folder, validated before anything in the
+    folder is rewritten."""
+    ckpt = outdir.load_checkpoint(cfg.out, cfg)
+    rows = _rows_of(cfg, ckpt)
+    check_resume_state(cfg, data, ckpt, rows)
+    extensions = {(a, sd): snap for a, sd in map(tuple, ckpt["done"])
+                  if (snap := _extension(cfg, data, ckpt.get("finals", []), rows, a, sd)) is not None}
+    return ckpt, rows, extensions
+
+
+def _shared(world: int, rank: int, read):
+    """``read()`` on rank 0 (the rank that owns the run folder), its result sent to every rank; an error there is
+    raised on rank 0 and reported on the others at once, never a wait until the group's timeout."""
     if world == 1:
-        return
-    if resume:
-        raise ValueError("--resume runs on one process (the checkpoint is rank 0's); restart without torchrun")
-    # fewer sampled clients than ranks is fine: a rank with none takes part in the step with a zero share
+        return read()
+    import torch.distributed as dist
+
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", read())
+        except Exception as e:  # noqa: BLE001 (re-raised below, after the others know)
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        if rank == 0:
+            raise value
+        raise ValueError(f"rank 0 could not resume the run: {value}")
+    return value
 
 
 def saved_config(out: str) -> dict:
@@ -535,7 +575,9 @@ def saved_config(out: str) -> dict:
         raise ValueError(f"nothing to resume: no config.json in {out!r}") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path!r}: {e}") from None
-    return checked_settings(saved, path)
+    saved = checked_settings(saved, path)
+    saved.setdefault("seed_scope", "sampling")  # saved before seeds varied the model and the split
+    return saved
 
 
 def checked_settings(settings: Any, where: str) -> dict:
@@ -638,7 +680,8 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
     cfg.check(data)
     check_stable(cfg, data)
     _, rank, world = join_ranks()
-    _check_ranks(cfg, data, world, resume)
+    # several ranks: fewer sampled clients than ranks is fine (a rank with none takes part in the step with a zero
+    # share); --resume is read by rank 0 and sent to the others (_shared)
     if rank != 0:  # every rank computes the same metrics; rank 0 alone writes and prints them
         cfg = dataclasses.replace(cfg, out=None)
         verbose = False
@@ -652,11 +695,7 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
         raise ValueError("rank 0 could not start the run (its error is in its output); nothing was run")
     try:
         if resume:
-            ckpt = outdir.load_checkpoint(cfg.out, cfg)
-            rows = _rows_of(cfg, ckpt)
-            check_resume_state(cfg, data, ckpt, rows)  # before anything in the folder is rewritten
-            extensions = {(a, sd): snap for a, sd in map(tuple, ckpt["done"])
-                          if (snap := _extension(cfg, data, ckpt.get("finals", []), rows, a, sd)) is not None}
+            ckpt, rows, extensions = _shared(world, rank, lambda: _resume_state(cfg, data))
         else:
             ckpt, rows = {"rows_written": 0, "done": [], "current": None, "run": outdir.signature(cfg)}, []
             extensions = {}
