@@ -256,6 +256,31 @@ def test_server_state_stays_in_place_across_steps():
 
 
 @gpu_only
+def test_an_optimizer_follows_model_cuda_like_torch_optim():
+    """A server optimizer built on a CPU module keeps working after ``model.cuda()``: the next step runs on the GPU
+    (Triton) with the state moved there, equal to an optimizer that never moved (C++ on the CPU) to float32
+    rounding; before, the step wrote the CPU storage the model no longer used."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    twin = copy.deepcopy(model)
+    opt, ref = server.FedAdam(model), server.FedAdam(twin)
+    g = torch.Generator().manual_seed(1)
+    rounds = [[{k: 0.05 * torch.randn(v.shape, generator=g) for k, v in model.named_parameters()} for _ in range(3)]
+              for _ in range(3)]
+    opt.step(rounds[0])
+    ref.step(rounds[0])
+    model.cuda()
+    for deltas in rounds[1:]:
+        opt.step([{k: v.cuda() for k, v in d.items()} for d in deltas])
+        ref.step(deltas)
+    assert opt.flat_state["m"].device.type == "cuda" and opt.round == 3
+    for (k, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@gpu_only
 def test_device_weights_need_no_host_sync():
     """With on_nonfinite="skip" and weights already on the GPU, a step reads nothing back to the host (torch's
     sync debug mode raises on any synchronizing call); invalid weights skip the round."""
