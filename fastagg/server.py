@@ -53,6 +53,7 @@ class StepStats:
     nonfinite: torch.Tensor
     num_clients: int
     overflowed: torch.Tensor | None = None  # int32 [1]: elements left unchanged because their new value overflowed
+    robust: Any = None  # with aggregate=: the round's fastagg.robust.RobustResult (selected, excluded, scores, ...)
 
 
 def _per_client(stats) -> torch.Tensor:
@@ -295,10 +296,21 @@ class ServerOptimizer(torch.optim.Optimizer):
                 setattr(cls, name, _Hyper(name))
 
     def __init__(self, params: Any, *, backend: str = "auto", on_nonfinite: str = "raise", group: Any = None,
-                 sharded: bool = False, buffers: str = "average"):
+                 sharded: bool = False, buffers: str = "average", aggregate: Any = None):
         if buffers not in BUFFER_POLICIES:
             raise ValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
         self.buffers = buffers
+        if aggregate is not None:
+            from . import robust
+
+            if not isinstance(aggregate, robust.RULES):
+                raise TypeError(f"aggregate must be a fastagg.robust rule ({', '.join(r.__name__ for r in robust.RULES)})"
+                                f", got {type(aggregate).__name__}")
+            if group is not None:
+                raise ValueError("aggregate= with group=: robust rules need every client's update on one rank (not "
+                                 "yet across ranks); gather the updates first")
+        self.aggregate = aggregate
+        self._robust = None
         if isinstance(params, Iterator):  # model.parameters(), model.named_parameters()
             params = list(params)
         if isinstance(params, list) and params and all(isinstance(e, dict) and "params" in e for e in params):
@@ -433,7 +445,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         """An optimizer of this class on the same params with ``hyper``: its constructor checks every range and
         changes nothing here."""
         return type(self)(self._p.original, backend=self._backend_name, on_nonfinite=self.on_nonfinite,
-                          buffers=self.buffers, **{k: (tuple(v) if k == "betas" else v) for k, v in hyper.items()})
+                          buffers=self.buffers, aggregate=self.aggregate, **{k: (tuple(v) if k == "betas" else v) for k, v in hyper.items()})
 
     # -- hyperparameters and state ------------------------------------------------------------------------------
     _hyper: tuple = ()
@@ -699,6 +711,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         return stats
 
     def _signed_stats(self, deltas: Any, weights: Any, name: str, base: Any, sign: float) -> RoundStats:
+        if self.aggregate is not None and name != "control_deltas":
+            return self._robust_stats(deltas, weights, name, base, sign)
         try:
             rows = self._rows(deltas, weights, name, base)
         except Exception as e:  # noqa: BLE001 (with a group: every other rank learns at once, then this one raises)
@@ -743,6 +757,25 @@ class ServerOptimizer(torch.optim.Optimizer):
                             sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
                             mean_out=self._mean_buffer(name, self._cdt, rows.numel))
 
+    def _robust_stats(self, deltas: Any, weights: Any, name: str, base: Any, sign: float) -> RoundStats:
+        """The round's statistics with the robust rule's estimate as the mean (fastagg.robust.robust_stats); the
+        non-finite clients it left out are reported in ``last_stats.robust``, not raised on."""
+        from .robust import robust_stats
+
+        if isinstance(deltas, Accumulator):
+            raise TypeError(f"aggregate={self.aggregate!r} needs every client's update; an Accumulator keeps only "
+                            "their sum")
+        rows = self._rows(deltas, weights, name, base)
+        stats, self._robust = robust_stats(rows, weights, self.aggregate, self._backend,
+                                           name="models" if base is not None else name,
+                                           mean_out=self._mean_buffer(name, self._cdt, rows.numel),
+                                           mean_dtype=self._cdt)
+        aux, aux_coef = self._aux()
+        if aux is not None:  # FedExP-M measures ||mean + beta v||^2
+            v = stats.mean.to(torch.float64) + sign * aux_coef * aux.to(torch.float64)
+            stats.mean_sq = v @ v
+        return stats
+
     def step(self, deltas: Any = None, weights: Any = None, *, base: Any = None) -> StepStats:
         """Apply one server round.
 
@@ -779,7 +812,8 @@ class ServerOptimizer(torch.optim.Optimizer):
             finally:
                 self._return_borrowed()
         self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, finite, _per_client(stats),
-                                    stats.num_clients, self._overflow)
+                                    stats.num_clients, self._overflow,
+                                    self._robust if self.aggregate is not None else None)
         check_overflow(self._overflow, self.on_nonfinite, "params or the optimizer's state")
         return self.last_stats
 

@@ -1,0 +1,392 @@
+"""Byzantine-robust aggregation: estimates of the clients' update that a minority of bad clients cannot move far.
+
+Two kinds of rule, each reading the updates where they lie (matrix, list of rows, per-layer lists, state_dicts,
+numpy, full models with ``base=``) and never building an ``[M, d]`` copy:
+
+* **coordinate-wise** rules (:class:`Median`, :class:`TrimmedMean`, :class:`MeaMed`) look at each coordinate's M
+  values; they run a coordinate-select pass over column blocks (``M x BLOCK`` at a time, float64);
+* **whole-update** rules (:class:`Krum`, :class:`MultiKrum`, :class:`Bulyan`, :class:`GeometricMedian`,
+  :class:`NormBound`) need only the ``M x M`` Gram matrix of the updates (one pass, float64 block sums, the
+  updates formed against ``base`` before any product, so no cancellation of full models) to choose coefficients;
+  the estimate is then one weighted-sum pass of fastagg's fused stats kernel (C++ or Triton). Bulyan's last step
+  is a coordinate-select pass over the clients it selected.
+
+A client whose update holds NaN or Inf is an attacker here, not an accident: it is left out before any rule sees
+it and reported (``excluded``); it never reaches the estimate. Every rule is available as a
+``fastagg.server`` optimizer's ``aggregate=`` (the estimate replaces the weighted mean) and through
+:func:`aggregate`.
+
+This module is the reference implementation (plain torch, the oracle the fused kernels are tested against); the
+weighted-sum step already runs on fastagg's backends.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ._checks import check_number, normalized_weights
+from .backends import resolve
+from .passes import RoundStats, run_stats
+from .rows import ClientRows, attach_base, client_rows, compute_dtype
+
+__all__ = ["Median", "TrimmedMean", "MeaMed", "Krum", "MultiKrum", "Bulyan", "GeometricMedian", "NormBound",
+           "RobustResult", "aggregate", "gram"]
+
+BLOCK = 1 << 14  # columns per block of the coordinate-select and Gram passes: M x BLOCK float64 at a time
+
+
+@dataclasses.dataclass
+class RobustResult:
+    """One robust round: the ``estimate`` [d] (compute dtype), which clients entered it (``selected``, bool [M]),
+    which were left out as non-finite (``excluded``), per-client squared norms (NaN for the excluded), the rule's
+    per-client ``scores`` (Krum's; None for other rules), the coefficients of the final weighted sum
+    (``coefs``, None for coordinate-wise rules), and ``clipped`` (NormBound: how many updates were scaled)."""
+
+    estimate: torch.Tensor
+    selected: torch.Tensor
+    excluded: torch.Tensor
+    sq_norms: torch.Tensor
+    scores: torch.Tensor | None = None
+    coefs: torch.Tensor | None = None
+    clipped: int = 0
+
+
+# -- passes ------------------------------------------------------------------------------------------------------
+def _blocks(rows: ClientRows, keep: list):
+    """(flat offset, [len(keep), n] float64 block of the kept clients' updates) over every segment, BLOCK columns
+    at a time; the updates are formed against ``base`` here, block by block."""
+    off = 0
+    for s, seg in enumerate(rows.rows):
+        n = seg[0].numel() if seg else 0
+        for c0 in range(0, n, BLOCK):
+            c1 = min(n, c0 + BLOCK)
+            x = torch.stack([seg[i][c0:c1].to(torch.float64) for i in keep])
+            if rows.base is not None:
+                x = x - rows.base[s][c0:c1].to(torch.float64)
+            yield off + c0, x
+        off += n
+
+
+def gram(rows: ClientRows, keep: list | None = None) -> torch.Tensor:
+    """``G[i, j] = <delta_i, delta_j>`` (float64 [k, k]) over the kept clients: one pass, float64 block sums."""
+    keep = list(range(rows.num_clients)) if keep is None else keep
+    g = torch.zeros(len(keep), len(keep), dtype=torch.float64, device=rows.device)
+    for _, x in _blocks(rows, keep):
+        g += x @ x.T
+    return g
+
+
+def _finite_clients(rows: ClientRows) -> torch.Tensor:
+    bad = torch.zeros(rows.num_clients, dtype=torch.bool, device=rows.device)
+    for _, x in _blocks(rows, list(range(rows.num_clients))):
+        bad |= ~torch.isfinite(x).all(dim=1)
+    return ~bad
+
+
+def _subset(rows: ClientRows, keep: list) -> ClientRows:
+    """The kept clients' rows (views, no copy)."""
+    return dataclasses.replace(rows, rows=[[seg[i] for i in keep] for seg in rows.rows], num_clients=len(keep),
+                               matrix=None, buffers=None)
+
+
+def _select_coords(rows: ClientRows, keep: list, reduce, out: torch.Tensor) -> torch.Tensor:
+    """The coordinate-select pass: ``out[j] = reduce(sorted values of coordinate j over the kept clients)``."""
+    for off, x in _blocks(rows, keep):
+        out[off:off + x.shape[1]] = reduce(torch.sort(x, dim=0).values).to(out.dtype)
+    return out
+
+
+# -- rules -------------------------------------------------------------------------------------------------------
+def _check_f(f: Any, name: str) -> int:
+    if not isinstance(f, int) or isinstance(f, bool) or f < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {f!r}")
+    return f
+
+
+class _Rule:
+    coordinatewise = False
+    weighted = False  # whether weights= changes the estimate (else they are refused, not silently ignored)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+class Median(_Rule):
+    """Coordinate-wise median (Yin et al., 2018): ``est_j = median_i delta_ij``. With an even number of clients
+    ``even="mean"`` (default) averages the two middle values, as numpy's and Flower's ``FedMedian`` do;
+    ``even="lower"`` takes the lower one, as ``torch.median`` does. Unweighted (Flower's FedMedian too)."""
+
+    coordinatewise = True
+
+    def __init__(self, even: str = "mean"):
+        if even not in ("mean", "lower"):
+            raise ValueError(f"even must be 'mean' or 'lower', got {even!r}")
+        self.even = even
+
+    def reduce(self, s: torch.Tensor) -> torch.Tensor:
+        m = s.shape[0]
+        if m % 2 or self.even == "lower":
+            return s[(m - 1) // 2]
+        return 0.5 * (s[m // 2 - 1] + s[m // 2])
+
+
+class TrimmedMean(_Rule):
+    """Coordinate-wise trimmed mean (Yin et al., 2018): drop the ``k = int(beta * M)`` smallest and largest values
+    of each coordinate, average the rest -- Flower's ``FedTrimmedAvg`` (``beta``, its rounding) and scipy's
+    ``trim_mean``. ``beta`` in [0, 0.5)."""
+
+    coordinatewise = True
+
+    def __init__(self, beta: float = 0.2):
+        beta = check_number(beta, "beta")
+        if not beta < 0.5:
+            raise ValueError(f"beta must be in [0, 0.5) (the fraction cut at each end), got {beta!r}")
+        self.beta = beta
+
+    def reduce(self, s: torch.Tensor) -> torch.Tensor:
+        k = int(self.beta * s.shape[0])
+        return s[k:s.shape[0] - k].mean(dim=0)
+
+
+class MeaMed(_Rule):
+    """Mean around the median (Xie et al., 2018, "Generalized Byzantine-tolerant SGD"): for each coordinate, the
+    mean of the ``M - num_malicious`` values nearest the coordinate's median (``Median(even="mean")``; ties by
+    order). Needs ``num_malicious < M``."""
+
+    coordinatewise = True
+
+    def __init__(self, num_malicious: int):
+        self.num_malicious = _check_f(num_malicious, "num_malicious")
+
+    def check(self, m: int) -> None:
+        if not self.num_malicious < m:
+            raise ValueError(f"MeaMed needs num_malicious < M (the clients left); {self.num_malicious} >= {m}")
+
+    def reduce(self, s: torch.Tensor) -> torch.Tensor:
+        med = Median().reduce(s)
+        k = s.shape[0] - self.num_malicious
+        nearest = torch.topk((s - med).abs(), k, dim=0, largest=False, sorted=False).indices
+        return torch.gather(s, 0, nearest).mean(dim=0)
+
+
+def _krum_scores(g: torch.Tensor, f: int) -> torch.Tensor:
+    """Krum's score of each client: the sum of its squared distances to its ``M - f - 2`` nearest others
+    (distances ``G_ii + G_jj - 2 G_ij`` of the updates, float64)."""
+    m = g.shape[0]
+    d2 = (g.diagonal()[:, None] + g.diagonal()[None, :] - 2 * g).clamp_min(0)
+    d2.fill_diagonal_(float("inf"))
+    k = m - f - 2
+    if k <= 0:
+        return torch.zeros(m, dtype=g.dtype, device=g.device)
+    return torch.topk(d2, k, dim=1, largest=False).values.sum(dim=1)
+
+
+class Krum(_Rule):
+    """Krum (Blanchard et al., NeurIPS 2017): the update whose ``M - f - 2`` nearest others are nearest (smallest
+    sum of squared distances), ``f = num_malicious``. Needs ``M > 2f + 2``. :class:`MultiKrum` averages the
+    ``num_selected`` best-scored."""
+
+    def __init__(self, num_malicious: int):
+        self.num_malicious = _check_f(num_malicious, "num_malicious")
+
+    num_selected = 1
+
+    def check(self, m: int) -> None:
+        f = self.num_malicious
+        if not m > 2 * f + 2:
+            raise ValueError(f"{type(self).__name__} needs M > 2 num_malicious + 2 = {2 * f + 2}; {m} clients left")
+
+    def choose(self, g: torch.Tensor, coefs: torch.Tensor):
+        scores = _krum_scores(g, self.num_malicious)
+        chosen = torch.argsort(scores, stable=True)[:self.num_selected]
+        return chosen, scores
+
+
+class MultiKrum(Krum):
+    """Multi-Krum (Blanchard et al.; Flower's ``MultiKrum``): the ``num_selected`` updates of lowest Krum score,
+    averaged with the weights (examples) renormalized over them. ``num_selected`` defaults to ``M - f``."""
+
+    weighted = True
+
+    def __init__(self, num_malicious: int, num_selected: int | None = None):
+        super().__init__(num_malicious)
+        if num_selected is not None:
+            if not isinstance(num_selected, int) or isinstance(num_selected, bool) or num_selected < 1:
+                raise ValueError(f"num_selected must be an integer >= 1, got {num_selected!r}")
+        self._num_selected = num_selected
+
+    def check(self, m: int) -> None:
+        super().check(m)
+        if self._num_selected is not None and self._num_selected > m:
+            raise ValueError(f"num_selected={self._num_selected} but only {m} clients are left")
+        self.num_selected = self._num_selected if self._num_selected is not None else m - self.num_malicious
+
+
+class Bulyan(_Rule):
+    """Bulyan (El Mhamdi et al., ICML 2018): select ``theta = M - 2f`` updates by iterated Krum (Krum's winner
+    among the remaining ones, removed, again), then for each coordinate average the ``beta = theta - 2f`` selected
+    values nearest the coordinate's median. Needs ``M >= 4f + 3``."""
+
+    coordinatewise = False
+
+    def __init__(self, num_malicious: int):
+        self.num_malicious = _check_f(num_malicious, "num_malicious")
+
+    def check(self, m: int) -> None:
+        f = self.num_malicious
+        if not m >= 4 * f + 3:
+            raise ValueError(f"Bulyan needs M >= 4 num_malicious + 3 = {4 * f + 3}; {m} clients left")
+
+    def choose(self, g: torch.Tensor, coefs: torch.Tensor):
+        m, f = g.shape[0], self.num_malicious
+        left = list(range(m))
+        chosen = []
+        for _ in range(m - 2 * f):
+            sub = g[left][:, left]
+            scores = _krum_scores(sub, f)
+            win = left[int(torch.argmin(scores))]
+            chosen.append(win)
+            left.remove(win)
+        return torch.tensor(sorted(chosen)), None
+
+
+class GeometricMedian(_Rule):
+    """Geometric median by smoothed Weiszfeld iterations (RFA, Pillutla et al., 2022): ``z = sum_i c_i delta_i``
+    with ``c_i ~ a_i / max(nu, ||z - delta_i||)`` (``a_i`` the weights), repeated until the objective
+    ``sum_i a_i ||z - delta_i||`` improves by less than ``tol`` (relative) or ``max_iter`` iterations. Every
+    iteration runs on the M x M Gram matrix alone; the estimate is one weighted sum."""
+
+    weighted = True
+
+    def __init__(self, nu: float = 1e-6, max_iter: int = 100, tol: float = 1e-10):
+        self.nu = check_number(nu, "nu", minimum=0.0, allow_equal=False)
+        if not isinstance(max_iter, int) or isinstance(max_iter, bool) or max_iter < 1:
+            raise ValueError(f"max_iter must be an integer >= 1, got {max_iter!r}")
+        self.max_iter = max_iter
+        self.tol = check_number(tol, "tol")
+
+    def coefficients(self, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        c = a / a.sum()
+
+        def dists(c):  # ||z - delta_j|| with z = sum_i c_i delta_i, from G alone
+            gc = g @ c
+            return (c @ gc - 2 * gc + g.diagonal()).clamp_min(0).sqrt()
+
+        obj = float((a * dists(c)).sum())
+        for _ in range(self.max_iter):
+            w = a / dists(c).clamp_min(self.nu)
+            c = w / w.sum()
+            new = float((a * dists(c)).sum())
+            if obj - new <= self.tol * max(obj, 1e-300):
+                obj = new
+                break
+            obj = new
+        return c
+
+
+class NormBound(_Rule):
+    """Norm bounding ("clip then average"; Sun et al., 2019): each update is scaled to norm at most ``max_norm``,
+    ``est = sum_i p_i min(1, C / ||delta_i||) delta_i``."""
+
+    weighted = True
+
+    def __init__(self, max_norm: float):
+        self.max_norm = check_number(max_norm, "max_norm", minimum=0.0, allow_equal=False)
+
+
+RULES = (Median, TrimmedMean, MeaMed, Krum, MultiKrum, Bulyan, GeometricMedian, NormBound)
+
+
+# -- a round -----------------------------------------------------------------------------------------------------
+def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_out: torch.Tensor | None = None,
+                 mean_dtype: torch.dtype | None = None) -> RobustResult:
+    """``rule``'s estimate over ``rows`` (non-finite clients left out first); checks every argument before any
+    write. Raises ValueError when no client is left or the rule's bound on M does not hold."""
+    if not isinstance(rule, RULES):
+        raise TypeError(f"aggregate must be one of fastagg.robust's rules ({', '.join(r.__name__ for r in RULES)}), "
+                        f"got {type(rule).__name__}")
+    if weights is not None and not rule.weighted:
+        raise TypeError(f"{type(rule).__name__} is unweighted (as in its paper and in Flower); drop weights=")
+    m, dev = rows.num_clients, rows.device
+    raw = normalized_weights(weights, m, dev)  # checks the weights (values, count) before anything
+    finite = _finite_clients(rows)
+    keep = [i for i in range(m) if bool(finite[i])]
+    if not keep:
+        raise ValueError(f"every one of the {m} clients' updates holds NaN or Inf: nothing to aggregate")
+    if hasattr(rule, "check"):
+        rule.check(len(keep))
+    dtype = mean_dtype or compute_dtype(rows.dtype)
+    out = mean_out if mean_out is not None else torch.empty(rows.numel, dtype=dtype, device=dev)
+    excluded = ~finite
+    sq = torch.full((m,), float("nan"), dtype=torch.float64, device=dev)
+    selected = torch.zeros(m, dtype=torch.bool, device=dev)
+    kept = torch.tensor(keep, device=dev)
+    if rule.coordinatewise:
+        sq[kept] = torch.stack([x.square().sum(dim=1) for _, x in _blocks(rows, keep)]).sum(dim=0) \
+            if rows.numel else 0.0
+        _select_coords(rows, keep, rule.reduce, out)
+        selected[kept] = True
+        return RobustResult(out, selected, excluded, sq)
+    g = gram(rows, keep)
+    sq[kept] = g.diagonal().clone()
+    a = raw[kept] / raw[kept].sum()
+    scores = None
+    clipped = 0
+    if isinstance(rule, (Krum, Bulyan)):
+        chosen, sc = rule.choose(g, a)
+        if sc is not None:
+            scores = torch.full((m,), float("nan"), dtype=torch.float64, device=dev)
+            scores[kept] = sc
+        if isinstance(rule, Bulyan):
+            picked = [keep[int(i)] for i in chosen]
+            beta = len(picked) - 2 * rule.num_malicious
+            _select_coords(rows, picked, MeaMed(len(picked) - beta).reduce, out)
+            selected[torch.tensor(picked, device=dev)] = True
+            return RobustResult(out, selected, excluded, sq)
+        c = torch.zeros(len(keep), dtype=torch.float64, device=dev)
+        w = a[chosen] if rule.weighted else torch.ones(len(chosen), dtype=torch.float64, device=dev)
+        c[chosen] = w / w.sum()
+    elif isinstance(rule, GeometricMedian):
+        c = rule.coefficients(g, a)
+    else:  # NormBound
+        norms = g.diagonal().clamp_min(0).sqrt()
+        scale = torch.clamp(rule.max_norm / norms.clamp_min(1e-300), max=1.0)
+        clipped = int((scale < 1).sum())
+        c = a * scale
+    sub = _subset(rows, keep)
+    run_stats(sub, c.to(dev), backend, mean_out=out, mean_dtype=dtype)
+    coefs = torch.zeros(m, dtype=torch.float64, device=dev)
+    coefs[kept] = c
+    selected = coefs != 0
+    return RobustResult(out, selected, excluded, sq, scores, coefs, clipped)
+
+
+def robust_stats(rows: ClientRows, weights: Any, rule: _Rule, backend, *, name: str, mean_out=None,
+                 mean_dtype=None) -> tuple[RoundStats, RobustResult]:
+    """A server step's statistics with the robust estimate as its mean: ``mean_sq = ||est||^2``, ``avg_sq`` the
+    weighted mean of ``||delta_i||^2`` over the clients that entered the estimate (FedExP's eta then compares the
+    selected clients' spread with the robust estimate), every client finite (the non-finite ones were left out)."""
+    res = robust_round(rows, weights, rule, resolve(backend, rows.device) if isinstance(backend, str) else backend,
+                       mean_out=mean_out, mean_dtype=mean_dtype)
+    est64 = res.estimate.to(torch.float64)
+    p = normalized_weights(weights, rows.num_clients, rows.device)
+    p = torch.where(res.selected, p, torch.zeros_like(p))
+    p = p / p.sum()
+    avg_sq = (p * torch.nan_to_num(res.sq_norms)).sum()
+    stats = RoundStats(res.estimate, res.sq_norms, torch.zeros(rows.num_clients, dtype=torch.bool,
+                                                                device=rows.device), est64 @ est64, avg_sq,
+                       rows.num_clients, rows.form, name)
+    stats.coefs = p
+    return stats, res
+
+
+def aggregate(deltas: Any, rule: _Rule, *, weights: Any = None, base: Any = None, backend: str = "auto") -> RobustResult:
+    """``rule``'s robust estimate of the clients' update (any form :func:`fastagg.fedexp_step` accepts; with
+    ``base`` the clients' full models, the updates formed against it block by block). Returns a
+    :class:`RobustResult`; the inputs are never written."""
+    rows = client_rows(deltas, name="models" if base is not None else "deltas")
+    if base is not None:
+        rows, _ = attach_base(rows, base)
+    return robust_round(rows, weights, rule, resolve(backend, rows.device))
