@@ -31,8 +31,12 @@ from .backends import resolve
 from .passes import RoundStats, run_stats
 from .rows import ClientRows, attach_base, client_rows, compute_dtype
 
-__all__ = ["Median", "TrimmedMean", "MeaMed", "Krum", "MultiKrum", "Bulyan", "GeometricMedian", "NormBound",
+__all__ = ["TooFewClients", "Median", "TrimmedMean", "MeaMed", "Krum", "MultiKrum", "Bulyan", "GeometricMedian", "NormBound",
            "RobustResult", "aggregate", "gram"]
+
+class TooFewClients(ValueError):
+    """A rule's bound on the number of clients does not hold this round (Krum: M > 2f + 2; Bulyan: M >= 4f + 3)."""
+
 
 BLOCK = 1 << 14  # columns per block of the coordinate-select and Gram passes: M x BLOCK float64 at a time
 
@@ -162,7 +166,7 @@ class MeaMed(_Rule):
 
     def check(self, m: int) -> None:
         if not self.num_malicious < m:
-            raise ValueError(f"MeaMed needs num_malicious < M (the clients left); {self.num_malicious} >= {m}")
+            raise TooFewClients(f"MeaMed needs num_malicious < M (the clients left); {self.num_malicious} >= {m}")
 
     def reduce(self, s: torch.Tensor) -> torch.Tensor:
         med = Median().reduce(s)
@@ -171,13 +175,14 @@ class MeaMed(_Rule):
         return torch.gather(s, 0, nearest).mean(dim=0)
 
 
-def _krum_scores(g: torch.Tensor, f: int) -> torch.Tensor:
+def _krum_scores(g: torch.Tensor, f: int, strict: bool = True) -> torch.Tensor:
     """Krum's score of each client: the sum of its squared distances to its ``M - f - 2`` nearest others
-    (distances ``G_ii + G_jj - 2 G_ij`` of the updates, float64)."""
+    (``max(1, M - f - 2)`` when not ``strict``, as Flower counts; distances ``G_ii + G_jj - 2 G_ij`` of the
+    updates, float64)."""
     m = g.shape[0]
     d2 = (g.diagonal()[:, None] + g.diagonal()[None, :] - 2 * g).clamp_min(0)
     d2.fill_diagonal_(float("inf"))
-    k = m - f - 2
+    k = m - f - 2 if strict else min(max(1, m - f - 2), m - 1)
     if k <= 0:
         return torch.zeros(m, dtype=g.dtype, device=g.device)
     return torch.topk(d2, k, dim=1, largest=False).values.sum(dim=1)
@@ -185,21 +190,23 @@ def _krum_scores(g: torch.Tensor, f: int) -> torch.Tensor:
 
 class Krum(_Rule):
     """Krum (Blanchard et al., NeurIPS 2017): the update whose ``M - f - 2`` nearest others are nearest (smallest
-    sum of squared distances), ``f = num_malicious``. Needs ``M > 2f + 2``. :class:`MultiKrum` averages the
+    sum of squared distances), ``f = num_malicious``. Needs ``M > 2f + 2`` (``strict=False``: Flower's count,
+    ``max(1, M - f - 2)`` neighbours and no bound, for its drop-ins). :class:`MultiKrum` averages the
     ``num_selected`` best-scored."""
 
-    def __init__(self, num_malicious: int):
+    def __init__(self, num_malicious: int, *, strict: bool = True):
         self.num_malicious = _check_f(num_malicious, "num_malicious")
+        self.strict = bool(strict)
 
     num_selected = 1
 
     def check(self, m: int) -> None:
         f = self.num_malicious
-        if not m > 2 * f + 2:
-            raise ValueError(f"{type(self).__name__} needs M > 2 num_malicious + 2 = {2 * f + 2}; {m} clients left")
+        if self.strict and not m > 2 * f + 2:
+            raise TooFewClients(f"{type(self).__name__} needs M > 2 num_malicious + 2 = {2 * f + 2}; {m} clients left")
 
     def choose(self, g: torch.Tensor, coefs: torch.Tensor):
-        scores = _krum_scores(g, self.num_malicious)
+        scores = _krum_scores(g, self.num_malicious, self.strict)
         chosen = torch.argsort(scores, stable=True)[:self.num_selected]
         return chosen, scores
 
@@ -210,8 +217,8 @@ class MultiKrum(Krum):
 
     weighted = True
 
-    def __init__(self, num_malicious: int, num_selected: int | None = None):
-        super().__init__(num_malicious)
+    def __init__(self, num_malicious: int, num_selected: int | None = None, *, strict: bool = True):
+        super().__init__(num_malicious, strict=strict)
         if num_selected is not None:
             if not isinstance(num_selected, int) or isinstance(num_selected, bool) or num_selected < 1:
                 raise ValueError(f"num_selected must be an integer >= 1, got {num_selected!r}")
@@ -220,27 +227,33 @@ class MultiKrum(Krum):
     def check(self, m: int) -> None:
         super().check(m)
         if self._num_selected is not None and self._num_selected > m:
-            raise ValueError(f"num_selected={self._num_selected} but only {m} clients are left")
+            raise TooFewClients(f"num_selected={self._num_selected} but only {m} clients are left")
         self.num_selected = self._num_selected if self._num_selected is not None else m - self.num_malicious
 
 
 class Bulyan(_Rule):
     """Bulyan (El Mhamdi et al., ICML 2018): select ``theta = M - 2f`` updates by iterated Krum (Krum's winner
     among the remaining ones, removed, again), then for each coordinate average the ``beta = theta - 2f`` selected
-    values nearest the coordinate's median. Needs ``M >= 4f + 3``."""
+    values nearest the coordinate's median. Needs ``M >= 4f + 3``. ``selection="multikrum"``: Flower's variant,
+    the ``theta`` best of one Multi-Krum scoring (Flower's neighbour count)."""
 
     coordinatewise = False
 
-    def __init__(self, num_malicious: int):
+    def __init__(self, num_malicious: int, *, selection: str = "iterated"):
         self.num_malicious = _check_f(num_malicious, "num_malicious")
+        if selection not in ("iterated", "multikrum"):
+            raise ValueError(f"selection must be 'iterated' (the paper's) or 'multikrum' (Flower's), got {selection!r}")
+        self.selection = selection
 
     def check(self, m: int) -> None:
         f = self.num_malicious
         if not m >= 4 * f + 3:
-            raise ValueError(f"Bulyan needs M >= 4 num_malicious + 3 = {4 * f + 3}; {m} clients left")
+            raise TooFewClients(f"Bulyan needs M >= 4 num_malicious + 3 = {4 * f + 3}; {m} clients left")
 
     def choose(self, g: torch.Tensor, coefs: torch.Tensor):
         m, f = g.shape[0], self.num_malicious
+        if self.selection == "multikrum":
+            return torch.argsort(_krum_scores(g, f, strict=False), stable=True)[:m - 2 * f].sort().values, None
         left = list(range(m))
         chosen = []
         for _ in range(m - 2 * f):

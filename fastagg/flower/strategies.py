@@ -286,9 +286,17 @@ class _Fastagg:
         or finite values so large that the round's sums overflow); (stats, the replies aggregated), stats None when
         nothing is left to aggregate. The optimizer runs in "skip" mode: a round it flags writes nothing, so this
         method decides what a flagged reply means."""
+        rule = self.optimizer.aggregate
         while usable and sum(w for _, _, w in usable) > 0:
             self.optimizer.flat_state["step"].fill_(server_round - 1)  # Flower's round numbering (FedAdam's bias corr.)
-            stats = self.optimizer.step([v for _, v, _ in usable], weights=[w for _, _, w in usable], base=self._sent)
+            weights = None if rule is not None and not rule.weighted else [w for _, _, w in usable]
+            stats = self.optimizer.step([v for _, v, _ in usable], weights=weights, base=self._sent)
+            if stats.robust is not None:  # a robust rule: NaN/Inf replies were left out (attacks), not refused
+                for i in stats.robust.excluded.nonzero().flatten().tolist():
+                    log(WARNING, "aggregate_train: node %d left out of round %d: its reply holds NaN or Inf",
+                        usable[i][0].metadata.src_node_id, server_round)
+                self.last_stats = stats
+                return stats, [u for i, u in enumerate(usable) if bool(stats.robust.selected[i])]
             if bool(stats.finite):
                 if stats.overflowed is not None and self.on_nonfinite == "raise" and int(stats.overflowed.item()):
                     self._returned = None  # the model changed: the next configure_train takes the one Flower passes

@@ -1,0 +1,128 @@
+"""fastagg.flower's robust strategies next to Flower 1.42's own on the same reply Messages, round after round
+(FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan), and where Flower's float32 distances of full models go wrong:
+small updates on large weights, against a float64 oracle."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message
+from flwr.serverapp import strategy as fl
+
+from fastagg import flower as fa
+from fastagg.testing import assert_close
+from test_flower_strategies import Grid, arrays_of, initial, rec, reply, train_round
+
+SHAPES = {"conv.weight": (4, 3), "fc.weight": (5, 4), "fc.bias": (5,)}
+NODES = 11
+
+CASES = {  # name: (Flower's, fastagg's, settings, atol)
+    "FedMedian": (fl.FedMedian, fa.FedMedian, {}, 1e-6),
+    "FedTrimmedAvg": (fl.FedTrimmedAvg, fa.FedTrimmedAvg, dict(beta=0.2), 1e-6),
+    "Krum": (fl.Krum, fa.Krum, dict(num_malicious_nodes=2), 1e-6),
+    "MultiKrum": (fl.MultiKrum, fa.MultiKrum, dict(num_malicious_nodes=2, num_nodes_to_select=4), 1e-6),
+    "Bulyan": (fl.Bulyan, fa.Bulyan, dict(num_malicious_nodes=2), 1e-6),
+}
+
+
+def _clients(rnd, attackers=(3, 9)):
+    """Honest nodes move a little and differ; attackers send the model plus a large shift."""
+
+    def client(msg):
+        node = msg.metadata.dst_node_id
+        sent = arrays_of(msg.content["arrays"])
+        rng = np.random.default_rng(100 * rnd + node)
+        shift = 3.0 if node in attackers else 0.0
+        model = {k: (v + 0.05 * rng.standard_normal(v.shape) + shift).astype(v.dtype) for k, v in sent.items()}
+        return reply(msg, model, 5 + 3 * node)
+    return client
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_model_as_flowers_robust_strategy_round_after_round(case):
+    fl_cls, fa_cls, kw, atol = CASES[case]
+    theirs, ours = fl_cls(min_available_nodes=1, **kw), fa_cls(min_available_nodes=1, **kw)
+    a_fa = a_fl = rec(initial())
+    for rnd, count in enumerate([11, 12, 10, 13], start=1):  # even counts: the median's two middle values
+        nodes = list(range(1, count + 1))
+        client = _clients(rnd)
+        msgs, (a_fa, metrics) = train_round(ours, rnd, a_fa, nodes, client)
+        replies = [client(m) for m in msgs]
+        fl_msgs = sorted(theirs.configure_train(rnd, a_fl, ConfigRecord(), Grid(nodes)),
+                         key=lambda x: x.metadata.dst_node_id)
+        a_fl, fl_metrics = theirs.aggregate_train(rnd, [Message(content=r.content, reply_to=f)
+                                                        for r, f in zip(replies, fl_msgs)])
+        if a_fl is None:  # Bulyan with fewer than 4f + 3 replies: both keep the model
+            assert a_fa is None and case == "Bulyan" and count < 11
+            a_fa = a_fl = msgs[0].content["arrays"]
+            continue
+        got, want = arrays_of(a_fa), arrays_of(a_fl)
+        assert list(got) == list(want)
+        for k in got:
+            assert got[k].dtype == np.float32
+            assert_close(torch.from_numpy(got[k]), torch.from_numpy(want[k]).double(), rtol=1e-5, atol=atol,
+                         name=f"{case} {k} after round {rnd}")
+        assert dict(metrics) == pytest.approx(dict(fl_metrics))
+        assert np.abs(got["fc.bias"] - arrays_of(rec(initial()))["fc.bias"]).max() < 1.0  # attackers kept out
+
+
+def test_krum_distances_of_small_updates_on_large_weights_match_float64_where_flowers_do_not():
+    """Weights ~1000, updates ~1e-3: Flower forms ||x||^2 + ||y||^2 - 2 x.y over the float32 models (~1e6 each),
+    so its distances (~1e-5) drown in rounding and its choice is noise; fastagg's Gram of the updates in float64
+    gives the oracle's scores, so it picks the oracle's client."""
+    shapes = {"w": (2000,)}
+    big = {"w": np.full(2000, 1000.0, np.float32)}
+    centre = np.random.default_rng(0).standard_normal(2000) * 1e-3
+    spread = [0.2, 0.1, 0.5, 0.3, 1.5, 0.8, 0.05, 0.9, 2.0, 0.4, 0.7]
+
+    def client(msg):
+        node = msg.metadata.dst_node_id
+        rng = np.random.default_rng(node)
+        upd = centre + spread[node - 1] * 1e-4 * rng.standard_normal(2000)
+        return reply(msg, {"w": (big["w"] + upd).astype(np.float32)}, 10)
+
+    nodes = list(range(1, NODES + 1))
+    ours = fa.Krum(num_malicious_nodes=2, min_available_nodes=1)
+    msgs, (a_fa, _) = train_round(ours, 1, rec(big), nodes, client)
+    replies = [client(m) for m in msgs]
+    models = np.stack([r.content["arrays"]["w"].numpy().astype(np.float64) for r in replies])
+    upd = models - big["w"].astype(np.float64)
+    d2 = ((upd[:, None, :] - upd[None, :, :]) ** 2).sum(-1)
+    oracle = np.array([np.sort(np.delete(d2[i], i))[:NODES - 4].sum() for i in range(NODES)])
+    pick = int(ours.last_stats.robust.selected.nonzero())
+    assert pick == int(np.argmin(oracle))
+    np.testing.assert_allclose(ours.last_stats.robust.scores.numpy(), oracle, rtol=1e-6)
+    flat = models.astype(np.float32)
+    norms = np.square(flat).sum(1)
+    flower_d2 = norms[:, None] + norms[None, :] - 2 * flat @ flat.T
+    err = np.abs(flower_d2 - d2)[~np.eye(NODES, dtype=bool)].max() / d2[~np.eye(NODES, dtype=bool)].min()
+    assert err > 0.1, err  # Flower's distances are off by more than 10% of the smallest true one
+
+
+def test_a_nan_reply_is_left_out_and_logged_not_refused(caplog):
+    caplog.set_level(logging.WARNING)
+    s = fa.FedMedian(min_available_nodes=1)
+    honest = _clients(1)
+
+    def client(msg):
+        r = honest(msg)
+        if msg.metadata.dst_node_id == 4:
+            arrays = arrays_of(r.content["arrays"])
+            arrays["fc.bias"] = np.full((5,), np.nan, np.float32)
+            return reply(msg, arrays, 10)
+        return r
+
+    _, (arrays, _) = train_round(s, 1, rec(initial()), list(range(1, NODES + 1)), client)
+    assert all(np.isfinite(v).all() for v in arrays_of(arrays).values())
+    assert any("node 4 left out" in r.getMessage() for r in caplog.records)
+
+
+def test_bulyan_with_too_few_replies_keeps_the_model_as_flower_does(caplog):
+    caplog.set_level(logging.WARNING)
+    s = fa.Bulyan(num_malicious_nodes=2, min_available_nodes=1)
+    _, (arrays, _) = train_round(s, 1, rec(initial()), [1, 2, 3, 4, 5], _clients(1))
+    assert arrays is None and any("keeps the model" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="custom selection_rule"):
+        fa.Bulyan(selection_rule=lambda c, f, n: c)
