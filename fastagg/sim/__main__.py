@@ -98,6 +98,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-samples", type=int, help="measure the training loss on a fixed sample of this many of the "
                    "clients' samples (the same sample every round; least squares always uses all) (default: all, up "
                    "to 25000; cifar-synthetic: 2000)")
+    p.add_argument("--attack", choices=["sign-flip", "gaussian", "scale", "label-flip", "alie", "ipm"],
+                   help="Byzantine clients: how the --malicious fraction of the clients misbehaves (fastagg/sim/"
+                   "attacks.py) (default: none)")
+    p.add_argument("--malicious", type=float, default=0.0, help="the fraction of the clients that attack, drawn "
+                   "once per seed")
+    p.add_argument("--attack-scale", type=float, help="the attack's strength (sign-flip 1, scale 10, gaussian 10, "
+                   "ipm 0.5, alie: the paper's z) (default: the attack's)")
     p.add_argument("--target", type=float, help="a train loss; the summary reports the rounds to reach it "
                    "(default: none)")
     p.add_argument("--seed", type=int, default=None, help="one seed (overrides --seeds; default: --seeds)")
@@ -161,7 +168,8 @@ FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichl
                "sps_c": "sps_c", "gamma_b": "gamma_b", "fedexpm_beta": "fedexpm_beta",
                "nesterov_momentum": "nesterov_momentum", "mass_gam": "mass_gam", "mass_eta2": "mass_eta2",
                "mass_average": "mass_average", "target": "target", "eval_every": "eval_every", "eval_samples": "eval_samples", "seeds": "seeds",
-               "seed": "seeds", "seed_scope": "seed_scope", "device": "device", "backend": "backend", "dtype": "dtype",
+               "seed": "seeds", "seed_scope": "seed_scope", "attack": "attack", "malicious": "malicious",
+               "attack_scale": "attack_scale", "device": "device", "backend": "backend", "dtype": "dtype",
                "cuda_graph": "cuda_graph"}
 
 
@@ -227,7 +235,8 @@ def _config(a, argv) -> tuple:
                  sps_c=a.sps_c, gamma_b=a.gamma_b, fedexpm_beta=a.fedexpm_beta,
                  nesterov_momentum=a.nesterov_momentum, mass_gam=a.mass_gam, mass_eta2=a.mass_eta2,
                  mass_average=a.mass_average, target=a.target, eval_every=a.eval_every,
-                 eval_samples=a.eval_samples, seeds=_seeds(a), seed_scope=a.seed_scope,
+                 eval_samples=a.eval_samples, seeds=_seeds(a), seed_scope=a.seed_scope, attack=a.attack,
+                 malicious=a.malicious, attack_scale=a.attack_scale,
                  device=a.device, backend=a.backend, cuda_graph=a.cuda_graph, dtype=a.dtype, out=a.out)
     explicit = {FLAG_FIELDS[k] for k in given if k in FLAG_FIELDS} | ({"out"} if "out" in given else set())
     merged = {**flags, **{k: v for k, v in settings.items() if k not in explicit}}

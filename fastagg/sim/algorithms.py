@@ -32,8 +32,37 @@ ALGORITHMS = {
     "fedmass": ("mass", server.FedAvg, lambda c: dict(lr=1.0)),
 }
 
-# FedSPS-family servers take the plain unweighted average of the client models (paper 003)
+# Byzantine-robust servers: FedAvg's step on a fastagg.robust estimate (the rule from the name, or from any
+# algorithm's ``aggregate=`` setting: ``fedadam:aggregate=median``)
+ROBUST = {"fedmedian": "median", "fedtrimmedavg": "trimmed-mean", "meamed": "meamed", "krum": "krum",
+          "multikrum": "multikrum", "bulyan": "bulyan", "geomed": "geomed", "normbound": "normbound"}
+for _name in ROBUST:
+    ALGORITHMS[_name] = ("sgd", server.FedAvg, lambda c: dict(lr=_or(c.server_lr, 1.0)))
+AGGREGATES = tuple(ROBUST.values())
+
+# FedSPS-family servers take the plain unweighted average of the client models (paper 003); robust rules that are
+# unweighted in their papers (median, trimmed mean, MeaMed, Krum, Bulyan) take no weights
 UNWEIGHTED = {"fedsps", "feddecsps"}
+
+
+def robust_rule(kind: str | None, config):
+    """The fastagg.robust rule ``kind`` with the run's settings: ``f`` (the attackers a rule assumes; default the
+    malicious fraction of a round's participants), ``beta`` (trimmed mean), ``max_norm`` (norm bounding)."""
+    if kind is None:
+        return None
+    from .. import robust
+
+    f = config.f
+    if f is None:
+        m = max(1, int(round(config.participation * config.clients))) if config.clients else 1
+        f = int(round(config.malicious * m))
+    rules = {"median": lambda: robust.Median(), "trimmed-mean": lambda: robust.TrimmedMean(config.beta),
+             "meamed": lambda: robust.MeaMed(f), "krum": lambda: robust.Krum(f),
+             "multikrum": lambda: robust.MultiKrum(f), "bulyan": lambda: robust.Bulyan(f),
+             "geomed": lambda: robust.GeometricMedian(), "normbound": lambda: robust.NormBound(config.max_norm)}
+    if kind not in rules:
+        raise ValueError(f"unknown aggregate {kind!r}{did_you_mean(kind, rules)}; choose one of {', '.join(rules)}")
+    return rules[kind]()
 
 
 def _or(value, default):
@@ -46,13 +75,16 @@ class Algorithm:
     client_rule: str
     server_cls: type
     server_kwargs: dict
+    aggregate: object = None  # a fastagg.robust rule, or None (the weighted mean)
 
 
 def resolve(name: str, config) -> Algorithm:
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(sorted(ALGORITHMS))}")
     rule, cls, kwargs = ALGORITHMS[name]
-    return Algorithm(name, rule, cls, kwargs(config))
+    if name in ROBUST and config.aggregate is not None and config.aggregate != ROBUST[name]:
+        raise ValueError(f"{name} aggregates with {ROBUST[name]!r}; aggregate={config.aggregate!r} contradicts it")
+    return Algorithm(name, rule, cls, kwargs(config), robust_rule(ROBUST.get(name, config.aggregate), config))
 
 
 # Settings one algorithm of a run may override (``fedavg:server_lr=10``): its own hyperparameters and the local
@@ -63,7 +95,8 @@ PER_ALGORITHM = {"lr": float, "lr_decay": float, "lr_c": float, "weight_decay": 
                  "server_momentum": float, "weighting": str, "eps": float, "eps_mode": str, "eps_decay": float,
                  "fedexpm_beta": float, "lam": float, "acg_beta": float, "prox_mu": float, "tau": float,
                  "sps_c": float, "gamma_b": float, "nesterov_momentum": float, "mass_gam": float,
-                 "mass_eta2": float, "mass_average": str, "local_steps": int, "batch_size": int}
+                 "mass_eta2": float, "mass_average": str, "local_steps": int, "batch_size": int,
+                 "aggregate": str, "f": int, "beta": float, "max_norm": float}
 
 
 def _unknown_setting(key: str) -> str:

@@ -15,7 +15,7 @@ import torch
 from .. import client
 from .._checks import check_number, check_prob, did_you_mean
 from .._optional import require
-from . import algorithms, data as datasets, graphs as step_graphs, models, outdir
+from . import algorithms, attacks, data as datasets, graphs as step_graphs, models, outdir
 
 # seconds: wall time of the rounds since the previous row, as the user waits for it: local steps, server step and
 # the checkpoint written after each round (a round's checkpoint counts toward the next row); evaluation excluded.
@@ -70,6 +70,14 @@ class Config:
     mass_gam: float = 0.1
     mass_eta2: float = 0.0
     mass_average: str = "w"  # FedMaSS synchronizes w (paper 004, App. G); "u" averages the extrapolated iterate
+    # Byzantine clients (fastagg.sim.attacks) and robust aggregation (fastagg.robust)
+    attack: str | None = None  # sign-flip | gaussian | scale | label-flip | alie | ipm
+    malicious: float = 0.0  # the fraction of the clients that attack (drawn once per seed)
+    attack_scale: float | None = None  # the attack's strength (see attacks.py); None: its default
+    aggregate: str | None = None  # a robust rule for any algorithm's server step (median, krum, ...)
+    f: int | None = None  # the attackers a robust rule assumes per round; None: round(malicious * participants)
+    beta: float = 0.2  # trimmed mean: the fraction cut at each end (Flower's default)
+    max_norm: float = 1.0  # norm bounding: the largest update norm kept
     target: float | None = None  # train loss; the summary reports the rounds to reach it
     eval_every: int = 1  # evaluate (and write a metrics row) every this many rounds (round 0 too), and after the last
     eval_samples: int | None = None  # train loss on a fixed sample of this many clients' samples; None: the data set's
@@ -113,6 +121,8 @@ class Config:
                 cfg._check_settings()
                 alg = algorithms.resolve(name, cfg)
                 alg.server_cls(torch.zeros(2, dtype=torch.float64), **alg.server_kwargs)  # its own checks, now
+                if alg.aggregate is not None and hasattr(alg.aggregate, "check") and cfg.clients:
+                    alg.aggregate.check(max(1, int(round(cfg.participation * cfg.clients))))  # Krum's M > 2f + 2
                 if alg.client_rule == "scaffold" and not cfg.lr > 0:
                     raise ValueError(f"lr must be > 0 for {name} (its control variates divide by it), got {cfg.lr}")
             except (TypeError, ValueError) as e:
@@ -153,6 +163,20 @@ class Config:
         for name, positive in (("lr_c", True), ("clip_norm", True), ("server_lr", False)):  # optional ones
             if getattr(self, name) is not None:
                 check_number(getattr(self, name), name, allow_equal=not positive)
+        if self.attack is not None and self.attack not in attacks.ATTACKS:
+            raise ValueError(f"unknown attack {self.attack!r}{did_you_mean(self.attack, attacks.ATTACKS)}; choose "
+                             f"one of {', '.join(attacks.ATTACKS)}")
+        if not (isinstance(self.malicious, (int, float)) and 0 <= self.malicious < 1):
+            raise ValueError(f"malicious must be a fraction in [0, 1), got {self.malicious!r}")
+        if (self.attack is None) != (self.malicious == 0):
+            raise ValueError("an attack needs a malicious fraction > 0 and the reverse (--attack with --malicious)")
+        if self.attack_scale is not None:
+            check_number(self.attack_scale, "attack_scale")
+        if self.f is not None and (not isinstance(self.f, int) or isinstance(self.f, bool) or self.f < 0):
+            raise ValueError(f"f must be an integer >= 0, got {self.f!r}")
+        if not (isinstance(self.beta, (int, float)) and 0 <= self.beta < 0.5):
+            raise ValueError(f"beta must be in [0, 0.5) (the trimmed mean's cut at each end), got {self.beta!r}")
+        check_number(self.max_norm, "max_norm", allow_equal=False)
         if self.weighting not in ("examples", "uniform"):
             raise ValueError(f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
         if self.dtype not in ("float32", "float64"):
@@ -397,7 +421,13 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
     gen = torch.Generator().manual_seed(seed)
     w = model.init(dtype, device) if hasattr(model, "init") else torch.zeros(model.dim, dtype=dtype, device=device)
     group, rank, world = ranks()
-    opt = alg.server_cls(w, backend=cfg.backend, on_nonfinite="raise", group=group, **alg.server_kwargs)
+    if (cfg.attack is not None or alg.aggregate is not None) and group is not None:
+        raise ValueError("attacks and robust rules run on one process for now (no torchrun)")
+    opt = alg.server_cls(w, backend=cfg.backend, on_nonfinite="raise", group=group, aggregate=alg.aggregate,
+                         **alg.server_kwargs)
+    bad = attacks.malicious_clients(d.num_clients, cfg.malicious, seed).to(device) if cfg.attack else None
+    train_d = attacks.label_flipped(d, bad) if cfg.attack == "label-flip" else d
+    attack_gen = torch.Generator().manual_seed(20_011 + seed)  # the attacks' draws, apart from the run's
     n = d.num_clients
     m = max(1, int(round(cfg.participation * n)))
     torch.set_num_threads(intra_op_threads(d, model, m, cfg.batch_size, d.x.element_size()))
@@ -441,7 +471,7 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         control = opt.control if alg.client_rule == "scaffold" else None
         # several ranks: each trains a contiguous share of the sorted participants; the server step reduces them
         mine = None if group is None else torch.tensor_split(torch.arange(len(ids)), world)[rank].to(device)
-        x = _local_steps(alg, cfg, model, d, ids, anchor, state, lr, gen, control, mine=mine, graphs=graphs)
+        x = _local_steps(alg, cfg, model, train_d, ids, anchor, state, lr, gen, control, mine=mine, graphs=graphs)
         participants = ids
         if mine is not None:
             ids = ids[mine]
@@ -452,7 +482,12 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         if control is not None:  # SCAFFOLD option II: c_i_new = c_i - c + (w - y_i) / (K lr)
             extra = ((anchor - x) / (sum(lr) if isinstance(lr, list) else cfg.local_steps * lr) - control,)
         try:
-            opt.step(x - anchor, *extra, weights=weights)
+            updates = x - anchor
+            if bad is not None:
+                updates = attacks.attack_updates(cfg.attack, updates, bad[ids], cfg.attack_scale, attack_gen)
+            if alg.aggregate is not None and not alg.aggregate.weighted:
+                weights = None  # median, trimmed mean, Krum, Bulyan: unweighted, as in their papers
+            opt.step(updates, *extra, weights=weights)
         except ValueError as e:
             return f"round {t}: {e}"
         if extra:
