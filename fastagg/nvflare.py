@@ -57,6 +57,9 @@ from .stream import Accumulator
 RULES = {"fedavg": server.FedAvg, "fedavgm": server.FedAvgM, "fedexp": server.FedExP, "fedexpm": server.FedExPM,
          "fedadam": server.FedAdam, "fedyogi": server.FedYogi, "fedadagrad": server.FedAdagrad,
          "fedams": server.FedAMS}
+# fastagg.robust's rules: each needs all of a round's results, which a streaming aggregator does not keep
+NEEDS_ALL_RESULTS = ("median", "trimmed_mean", "meamed", "krum", "multikrum", "bulyan", "geometric_median",
+                     "geomed", "norm_bound", "normbound")
 _log = logging.getLogger(__name__)
 WEIGHT_KEY = "NUM_STEPS_CURRENT_ROUND"  # FLARE's FLMetaKey.NUM_STEPS_CURRENT_ROUND
 
@@ -74,6 +77,12 @@ class FastaggAggregator(ModelAggregator):
     def __init__(self, rule: str = "fedavg", hyper: dict | None = None, aggregation_weights: dict | None = None,
                  device: str = "cpu", backend: str = "auto", on_nonfinite: str = "skip"):
         super().__init__()
+        if rule in NEEDS_ALL_RESULTS:
+            raise ValueError(f"rule {rule!r} is a robust rule: it needs every site's result of a round at once "
+                             "(medians, Krum's distances), and this aggregator streams each result into running "
+                             "sums (O(model) memory, results not kept). Robust rules run where every reply is held: "
+                             "fastagg.flower's FedMedian/FedTrimmedAvg/Krum/MultiKrum/Bulyan, fastagg.robust."
+                             f"aggregate, or a server optimizer's aggregate=. Streaming rules: {', '.join(RULES)}")
         if rule not in RULES:
             raise ValueError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
         if on_nonfinite not in ("skip", "raise"):

@@ -82,11 +82,14 @@ def gram(rows: ClientRows, keep: list | None = None) -> torch.Tensor:
     return g
 
 
-def _finite_clients(rows: ClientRows) -> torch.Tensor:
+def _norms_and_finite(rows: ClientRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each client's ``||delta_i||^2`` (float64 block sums) and whether its update is finite, in one pass."""
+    sq = torch.zeros(rows.num_clients, dtype=torch.float64, device=rows.device)
     bad = torch.zeros(rows.num_clients, dtype=torch.bool, device=rows.device)
     for _, x in _blocks(rows, list(range(rows.num_clients))):
         bad |= ~torch.isfinite(x).all(dim=1)
-    return ~bad
+        sq += x.square().sum(dim=1)
+    return sq, ~bad
 
 
 def _subset(rows: ClientRows, keep: list) -> ClientRows:
@@ -95,10 +98,28 @@ def _subset(rows: ClientRows, keep: list) -> ClientRows:
                                matrix=None, buffers=None)
 
 
+def _column_blocks(rows: ClientRows, keep: list):
+    """(flat offset, [n, len(keep)] block: one row per coordinate, its kept clients' values), BLOCK coordinates at a
+    time; in the clients' dtype (order statistics are exact in it), float64 when formed against ``base``."""
+    off = 0
+    for s, seg in enumerate(rows.rows):
+        n = seg[0].numel() if seg else 0
+        for c0 in range(0, n, BLOCK):
+            c1 = min(n, c0 + BLOCK)
+            if rows.base is None:
+                x = torch.stack([seg[i][c0:c1] for i in keep], dim=1)
+            else:
+                b = rows.base[s][c0:c1].to(torch.float64)
+                x = torch.stack([seg[i][c0:c1].to(torch.float64) - b for i in keep], dim=1)
+            yield off + c0, x
+        off += n
+
+
 def _select_coords(rows: ClientRows, keep: list, reduce, out: torch.Tensor) -> torch.Tensor:
-    """The coordinate-select pass: ``out[j] = reduce(sorted values of coordinate j over the kept clients)``."""
-    for off, x in _blocks(rows, keep):
-        out[off:off + x.shape[1]] = reduce(torch.sort(x, dim=0).values).to(out.dtype)
+    """The coordinate-select pass: ``out[j] = reduce(sorted values of coordinate j over the kept clients)`` (each
+    block sorted along its client axis, reduced in float64)."""
+    for off, x in _column_blocks(rows, keep):
+        out[off:off + x.shape[0]] = reduce(torch.sort(x, dim=1).values).to(out.dtype)
     return out
 
 
@@ -130,10 +151,11 @@ class Median(_Rule):
         self.even = even
 
     def reduce(self, s: torch.Tensor) -> torch.Tensor:
-        m = s.shape[0]
+        """``s`` [n, M]: each coordinate's values sorted."""
+        m = s.shape[1]
         if m % 2 or self.even == "lower":
-            return s[(m - 1) // 2]
-        return 0.5 * (s[m // 2 - 1] + s[m // 2])
+            return s[:, (m - 1) // 2]
+        return 0.5 * (s[:, m // 2 - 1].double() + s[:, m // 2].double())
 
 
 class TrimmedMean(_Rule):
@@ -150,8 +172,8 @@ class TrimmedMean(_Rule):
         self.beta = beta
 
     def reduce(self, s: torch.Tensor) -> torch.Tensor:
-        k = int(self.beta * s.shape[0])
-        return s[k:s.shape[0] - k].mean(dim=0)
+        k = int(self.beta * s.shape[1])
+        return s[:, k:s.shape[1] - k].double().mean(dim=1)
 
 
 class MeaMed(_Rule):
@@ -169,10 +191,11 @@ class MeaMed(_Rule):
             raise TooFewClients(f"MeaMed needs num_malicious < M (the clients left); {self.num_malicious} >= {m}")
 
     def reduce(self, s: torch.Tensor) -> torch.Tensor:
+        s = s.double()
         med = Median().reduce(s)
-        k = s.shape[0] - self.num_malicious
-        nearest = torch.topk((s - med).abs(), k, dim=0, largest=False, sorted=False).indices
-        return torch.gather(s, 0, nearest).mean(dim=0)
+        k = s.shape[1] - self.num_malicious
+        nearest = torch.topk((s - med[:, None]).abs(), k, dim=1, largest=False, sorted=False).indices
+        return torch.gather(s, 1, nearest).mean(dim=1)
 
 
 def _krum_scores(g: torch.Tensor, f: int, strict: bool = True) -> torch.Tensor:
@@ -324,7 +347,7 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
         raise TypeError(f"{type(rule).__name__} is unweighted (as in its paper and in Flower); drop weights=")
     m, dev = rows.num_clients, rows.device
     raw = normalized_weights(weights, m, dev)  # checks the weights (values, count) before anything
-    finite = _finite_clients(rows)
+    sq_all, finite = _norms_and_finite(rows)
     keep = [i for i in range(m) if bool(finite[i])]
     if not keep:
         raise ValueError(f"every one of the {m} clients' updates holds NaN or Inf: nothing to aggregate")
@@ -336,14 +359,12 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
     sq = torch.full((m,), float("nan"), dtype=torch.float64, device=dev)
     selected = torch.zeros(m, dtype=torch.bool, device=dev)
     kept = torch.tensor(keep, device=dev)
+    sq[kept] = sq_all[kept]
     if rule.coordinatewise:
-        sq[kept] = torch.stack([x.square().sum(dim=1) for _, x in _blocks(rows, keep)]).sum(dim=0) \
-            if rows.numel else 0.0
         _select_coords(rows, keep, rule.reduce, out)
         selected[kept] = True
         return RobustResult(out, selected, excluded, sq)
     g = gram(rows, keep)
-    sq[kept] = g.diagonal().clone()
     a = raw[kept] / raw[kept].sum()
     scores = None
     clipped = 0

@@ -207,6 +207,8 @@ def test_float32_numpy_models_stay_float32_and_the_returned_arrays_are_the_calle
 
 @pytest.mark.parametrize("kw, error", [
     (dict(rule="fedsgd"), "rule must be one of"),
+    (dict(rule="krum"), "needs every site's result of a round at once"),
+    (dict(rule="median"), "fastagg.flower's FedMedian"),
     (dict(rule="fedexp"), "needs eps"),
     (dict(rule="fedadam", hyper={"lr": -1.0}), "lr"),
     (dict(rule="fedadam", hyper={"learning_rate": 0.1}), "learning_rate"),
