@@ -225,9 +225,10 @@ class FastaggAggregator(ModelAggregator):
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from FastaggAggregator.state_dict(), got {type(state).__name__}")
         rule_cls = RULES[self.rule].__name__
-        if state and state.get("optimizer") != rule_cls:  # caught now, not at the first round (which it would fail)
-            raise ValueError(f"the state is of {state.get('optimizer')!r}; this aggregator's rule {self.rule!r} keeps "
-                             f"{rule_cls}'s")
+        meta = state.get("fastagg")  # torch's checkpoint shape keeps the class there; fastagg's format 1 at the top
+        of = meta.get("optimizer") if isinstance(meta, dict) else state.get("optimizer")
+        if state and of != rule_cls:  # caught now, not at the first round (which it would fail)
+            raise ValueError(f"the state is of {of!r}; this aggregator's rule {self.rule!r} keeps {rule_cls}'s")
         with self._lock:
             if self._opt is not None:
                 self._opt.load_state_dict(state)
