@@ -218,12 +218,14 @@ class ParamState(Mapping):
 
     def __init__(self, opt: "ServerOptimizer"):
         self._opt = opt
+        self._ids: tuple = (None, {})  # (the params list it indexes, id -> position)
 
     def _index(self, key) -> int | None:
-        for k, p in enumerate(self._opt.param_groups[0]["params"]):
-            if p is key:
-                return k
-        return None
+        params = self._opt.param_groups[0]["params"]
+        if self._ids[0] is not params or len(self._ids[1]) != len(params):  # built once per params list
+            self._ids = (params, {id(p): k for k, p in enumerate(params)})
+        k = self._ids[1].get(id(key))
+        return k if k is not None and params[k] is key else None
 
     def __getitem__(self, key):
         if isinstance(key, str):
