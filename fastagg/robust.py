@@ -46,7 +46,8 @@ class RobustResult:
     """One robust round: the ``estimate`` [d] (compute dtype), which clients entered it (``selected``, bool [M]),
     which were left out as non-finite (``excluded``), per-client squared norms (NaN for the excluded), the rule's
     per-client ``scores`` (Krum's; None for other rules), the coefficients of the final weighted sum
-    (``coefs``, None for coordinate-wise rules), and ``clipped`` (NormBound: how many updates were scaled)."""
+    (``coefs``, None for coordinate-wise rules), ``clipped`` (NormBound: how many updates were scaled) and, for the
+    whole-update rules, the clients' pairwise squared ``distances``."""
 
     estimate: torch.Tensor
     selected: torch.Tensor
@@ -55,6 +56,7 @@ class RobustResult:
     scores: torch.Tensor | None = None
     coefs: torch.Tensor | None = None
     clipped: int = 0
+    distances: torch.Tensor | None = None  # [M, M] squared distances of the updates (whole-update rules; NaN: left out)
 
 
 # -- passes ------------------------------------------------------------------------------------------------------
@@ -365,6 +367,8 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
         selected[kept] = True
         return RobustResult(out, selected, excluded, sq)
     g = gram(rows, keep)
+    dist = torch.full((m, m), float("nan"), dtype=torch.float64, device=dev)
+    dist[kept[:, None], kept[None, :]] = (g.diagonal()[:, None] + g.diagonal()[None, :] - 2 * g).clamp_min(0)
     a = raw[kept] / raw[kept].sum()
     scores = None
     clipped = 0
@@ -378,7 +382,7 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
             beta = len(picked) - 2 * rule.num_malicious
             _select_coords(rows, picked, MeaMed(len(picked) - beta).reduce, out)
             selected[torch.tensor(picked, device=dev)] = True
-            return RobustResult(out, selected, excluded, sq)
+            return RobustResult(out, selected, excluded, sq, distances=dist)
         c = torch.zeros(len(keep), dtype=torch.float64, device=dev)
         w = a[chosen] if rule.weighted else torch.ones(len(chosen), dtype=torch.float64, device=dev)
         c[chosen] = w / w.sum()
@@ -394,7 +398,7 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
     coefs = torch.zeros(m, dtype=torch.float64, device=dev)
     coefs[kept] = c
     selected = coefs != 0
-    return RobustResult(out, selected, excluded, sq, scores, coefs, clipped)
+    return RobustResult(out, selected, excluded, sq, scores, coefs, clipped, dist)
 
 
 def robust_stats(rows: ClientRows, weights: Any, rule: _Rule, backend, *, name: str, mean_out=None,

@@ -117,6 +117,7 @@ def test_a_nan_reply_is_left_out_and_logged_not_refused(caplog):
     _, (arrays, _) = train_round(s, 1, rec(initial()), list(range(1, NODES + 1)), client)
     assert all(np.isfinite(v).all() for v in arrays_of(arrays).values())
     assert any("node 4 left out" in r.getMessage() for r in caplog.records)
+    assert dict(s.server_metrics[1]) == {"robust-selected": NODES - 1, "robust-excluded": 1, "robust-clipped": 0}
 
 
 def test_bulyan_with_too_few_replies_keeps_the_model_as_flower_does(caplog):

@@ -100,6 +100,8 @@ def test_krum_family_and_geometric_median_equal_their_float64_oracle(form, backe
     krum = robust.aggregate(deltas, robust.Krum(2), base=base, backend=backend)
     assert int(np.argmin(scores)) == int(krum.selected.nonzero())
     np.testing.assert_allclose(krum.scores.numpy(), scores, rtol=1e-6)
+    d2 = ((x32[:, None, :] - x32[None, :, :]) ** 2).sum(-1)
+    np.testing.assert_allclose(krum.distances.numpy(), d2, rtol=1e-6, atol=1e-12)
     np.testing.assert_allclose(krum.estimate.double().numpy(), x32[np.argmin(scores)], atol=1e-6)
     mk = robust.aggregate(deltas, robust.MultiKrum(2, num_selected=5), weights=w, base=base, backend=backend)
     best = np.argsort(scores, kind="stable")[:5]

@@ -40,6 +40,13 @@ class _Robust(_Fastagg):
     def _rule(self) -> robust._Rule:
         raise NotImplementedError
 
+    def _round_metrics(self, stats) -> dict:
+        """Server metrics of a robust round: how many replies entered the estimate, were left out as non-finite,
+        were clipped (NormBound)."""
+        r = stats.robust
+        return {"robust-selected": int(r.selected.sum()), "robust-excluded": int(r.excluded.sum()),
+                "robust-clipped": int(r.clipped)}
+
     def _step(self, server_round: int, usable: list) -> tuple:
         try:
             return super()._step(server_round, usable)
