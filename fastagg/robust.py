@@ -29,7 +29,7 @@ import torch
 from ._checks import check_number, normalized_weights
 from .backends import resolve
 from .passes import RoundStats, run_stats
-from .rows import ClientRows, attach_base, client_rows, compute_dtype
+from .rows import Buffers, ClientRows, attach_base, client_rows, compute_dtype
 
 __all__ = ["TooFewClients", "Median", "TrimmedMean", "MeaMed", "Krum", "MultiKrum", "Bulyan", "GeometricMedian", "NormBound",
            "RobustResult", "aggregate", "gram"]
@@ -91,6 +91,11 @@ def _norms_and_finite(rows: ClientRows) -> tuple[torch.Tensor, torch.Tensor]:
     for _, x in _blocks(rows, list(range(rows.num_clients))):
         bad |= ~torch.isfinite(x).all(dim=1)
         sq += x.square().sum(dim=1)
+    if rows.buffers is not None:  # a client whose BatchNorm statistics hold NaN/Inf is left out as well
+        for values in rows.buffers.values:
+            for i, v in enumerate(values):
+                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    bad[i] = True
     return sq, ~bad
 
 
@@ -402,7 +407,7 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
 
 
 def robust_stats(rows: ClientRows, weights: Any, rule: _Rule, backend, *, name: str, mean_out=None,
-                 mean_dtype=None) -> tuple[RoundStats, RobustResult]:
+                 mean_dtype=None, model_buffers: list | None = None) -> tuple[RoundStats, RobustResult]:
     """A server step's statistics with the robust estimate as its mean: ``mean_sq = ||est||^2``, ``avg_sq`` the
     weighted mean of ``||delta_i||^2`` over the clients that entered the estimate (FedExP's eta then compares the
     selected clients' spread with the robust estimate), every client finite (the non-finite ones were left out)."""
@@ -417,7 +422,35 @@ def robust_stats(rows: ClientRows, weights: Any, rule: _Rule, backend, *, name: 
                                                                 device=rows.device), est64 @ est64, avg_sq,
                        rows.num_clients, rows.form, name)
     stats.coefs = p
+    if rows.buffers is not None:
+        stats.buffers = Buffers(rows.buffers.names, [])
+        stats.buffer_sums = _robust_buffers(rows, rule, res, p, dict(model_buffers or {}))
     return stats, res
+
+
+def _robust_buffers(rows: ClientRows, rule: _Rule, res: RobustResult, p: torch.Tensor, model_buffers: dict) -> list:
+    """The model's buffers (BatchNorm statistics, counters) by the same rule as the updates: a coordinate-wise rule
+    (and Bulyan's last step) applies to each buffer element over the clients it kept (Flower's FedMedian takes
+    the median of every array, statistics included); the whole-update rules average the buffers of the clients
+    they selected, weighted as the estimate (NormBound: unclipped). Returned as what ``passes.buffer_updates``
+    takes for sums: the new value of a floating buffer sent by full models, else the change (integer buffers:
+    the advance)."""
+    models = rows.base is not None
+    kept = [i for i in range(rows.num_clients) if bool(res.selected[i])]
+    out = []
+    for name, values in zip(rows.buffers.names, rows.buffers.values):
+        g = model_buffers.get(name)
+        vals = torch.stack([values[i].reshape(-1).to(torch.float64) for i in kept])
+        if models and not values[0].is_floating_point() and g is not None:
+            vals = vals - g.reshape(-1).to(device=vals.device, dtype=torch.float64)  # the clients' advances
+        if rule.coordinatewise or isinstance(rule, Bulyan):
+            reduce = rule.reduce if rule.coordinatewise else MeaMed(2 * rule.num_malicious).reduce  # Bulyan's step
+            est = reduce(torch.sort(vals.T, dim=1).values).to(torch.float64)
+        else:
+            w = (p if res.coefs is None or isinstance(rule, NormBound) else res.coefs)[kept].to(torch.float64)
+            est = (w[:, None] * vals).sum(dim=0) / w.sum()
+        out.append(est.reshape(values[0].shape))
+    return out
 
 
 def aggregate(deltas: Any, rule: _Rule, *, weights: Any = None, base: Any = None, backend: str = "auto") -> RobustResult:

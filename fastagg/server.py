@@ -771,7 +771,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         stats, self._robust = robust_stats(rows, weights, self.aggregate, self._backend,
                                            name="models" if base is not None else name,
                                            mean_out=self._mean_buffer(name, self._cdt, rows.numel),
-                                           mean_dtype=self._cdt)
+                                           mean_dtype=self._cdt, model_buffers=self._p.buffers)
         aux, aux_coef = self._aux()
         if aux is not None:  # FedExP-M measures ||mean + beta v||^2
             v = stats.mean.to(torch.float64) + sign * aux_coef * aux.to(torch.float64)

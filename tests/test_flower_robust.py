@@ -127,3 +127,37 @@ def test_bulyan_with_too_few_replies_keeps_the_model_as_flower_does(caplog):
     assert arrays is None and any("keeps the model" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="custom selection_rule"):
         fa.Bulyan(selection_rule=lambda c, f, n: c)
+
+
+@pytest.mark.parametrize("case", ["FedMedian", "FedTrimmedAvg"])
+def test_batchnorm_statistics_take_the_coordinate_rule_as_in_flower(case):
+    """A model with BatchNorm: Flower's FedMedian/FedTrimmedAvg apply the rule to every array, running statistics
+    included; fastagg's give the same floating entries (its counter stays int64, advanced by the rule's advance)."""
+    from test_flower_strategies import _bn_state
+
+    fl_cls, fa_cls, kw, _ = CASES[case]
+    _, state = _bn_state()
+    ours, theirs = fa_cls(min_available_nodes=1, **kw), fl_cls(min_available_nodes=1, **kw)
+
+    def client(msg):
+        node = msg.metadata.dst_node_id
+        sent = arrays_of(msg.content["arrays"])
+        rng = np.random.default_rng(node)
+        model = {k: np.asarray(v + 1 if v.dtype.kind == "i" else
+                               (v + 0.1 * rng.standard_normal(v.shape) + (3.0 if node == 2 else 0.0)).astype(v.dtype))
+                 for k, v in sent.items()}
+        model["1.running_var"] = (np.abs(model["1.running_var"]) + 0.1).astype(np.float32)
+        return reply(msg, model, 10)
+
+    nodes = list(range(1, 8))
+    msgs, (a_fa, _) = train_round(ours, 1, rec(state), nodes, client)
+    replies = [client(m) for m in msgs]
+    fl_msgs = sorted(theirs.configure_train(1, rec(state), ConfigRecord(), Grid(nodes)),
+                     key=lambda x: x.metadata.dst_node_id)
+    a_fl, _ = theirs.aggregate_train(1, [Message(content=r.content, reply_to=f) for r, f in zip(replies, fl_msgs)])
+    got, want = arrays_of(a_fa), arrays_of(a_fl)
+    for k, v in got.items():
+        if v.dtype.kind == "f":
+            assert_close(torch.from_numpy(v), torch.from_numpy(want[k]).double(), rtol=1e-5, atol=1e-6, name=k)
+    assert got["1.num_batches_tracked"].dtype == np.int64
+    assert int(got["1.num_batches_tracked"]) == int(state["1.num_batches_tracked"]) + 1

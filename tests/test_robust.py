@@ -188,3 +188,33 @@ def test_a_server_optimizer_steps_on_the_robust_estimate(name):
     ref = getattr(server, name)(torch.zeros(D), **kw)
     with pytest.raises(ValueError, match="NaN"):
         ref.step(x)  # without a robust rule a NaN client is an accident: the round is refused
+
+
+def test_batchnorm_buffers_follow_the_rule():
+    """State_dict clients with BatchNorm statistics: Krum's model takes the selected client's statistics, the median
+    the element-wise median of the clients' statistics; a client whose statistics hold NaN is left out."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    base = {k: v.clone() for k, v in net.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    clients = []
+    for i in range(7):
+        sd = {k: (v + 0.1 * torch.randn(v.shape, generator=g) + (5.0 if i == 3 else 0.0)) if v.is_floating_point()
+              else v + i for k, v in base.items()}
+        clients.append(sd)
+    clients[5]["1.running_mean"] = torch.full((3,), float("nan"))
+    for rule in (robust.Krum(1), robust.Median()):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        model.load_state_dict(base)
+        opt = server.FedAvg(model, aggregate=rule)
+        st = opt.step(clients, base=base)
+        assert st.robust.excluded[5] and not st.robust.selected[5]
+        assert not st.robust.selected[3] or isinstance(rule, robust.Median)  # the median keeps every finite client
+        kept = [i for i in range(7) if bool(st.robust.selected[i])]
+        rm = torch.stack([clients[i]["1.running_mean"] for i in kept])
+        want = rm[0] if isinstance(rule, robust.Krum) else torch.from_numpy(np.median(rm.double().numpy(), axis=0))
+        torch.testing.assert_close(model[1].running_mean.double(), want.double(), rtol=1e-6, atol=1e-6)
+        adv = torch.tensor([float(i) for i in kept])
+        want_n = int(base["1.num_batches_tracked"]) + int(round(float(adv[0] if isinstance(rule, robust.Krum)
+                                                                      else adv.median())))
+        assert int(model[1].num_batches_tracked) == want_n
