@@ -9,8 +9,9 @@ in place (plus ``MeaMed``, which Flower has not). Each round is one :class:`fast
   (Flower's form ``||x||^2 + ||y||^2 - 2 x.y`` over full float32 models loses those distances when updates are
   small against the weights), with Flower's neighbour count ``max(1, M - f - 2)``; Bulyan selects as Flower does
   (one Multi-Krum scoring) and skips a round with fewer than ``4f + 3`` replies, as Flower does;
-* a reply holding NaN or Inf is left out and logged (an attack, not an accident); the model's BatchNorm
-  statistics are not averaged under a robust rule.
+* a reply holding NaN or Inf is left out and logged (an attack, not an accident); BatchNorm statistics follow
+  the rule (the median of each element for FedMedian, as Flower's; the selected replies' average for the Krum
+  family); an integer counter advances by the rule's advance and stays an integer.
 
 Train metrics are aggregated over the replies that entered the estimate (Flower: the selected ones for the Krum
 family, every valid one for median and trimmed mean -- the same sets when no reply is non-finite).
