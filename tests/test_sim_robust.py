@@ -72,6 +72,16 @@ def test_robust_rules_defend_digits_against_sign_flipping_clients():
         assert acc[name] > acc["fedavg"] + 0.25, (name, acc)
 
 
+def test_every_robust_algorithm_learns_on_digits_without_attackers():
+    from fastagg.sim.algorithms import ROBUST
+
+    h = run(Config(dataset="digits", algorithms=tuple(ROBUST), rounds=10, participation=0.5))
+    for name in ROBUST:
+        losses = h.series(name, "train_loss")
+        assert losses[-1] < 0.8 * losses[0], (name, losses)
+        assert h.series(name, "test_acc")[-1] > 0.4, name
+
+
 @pytest.mark.parametrize("settings, text", [
     (dict(attack="sign-flip"), "needs a malicious fraction"),
     (dict(attack="sign-flop", malicious=0.2), r"did you mean sign-flip\?"),

@@ -99,8 +99,8 @@ def parser() -> argparse.ArgumentParser:
                    "clients' samples (the same sample every round; least squares always uses all) (default: all, up "
                    "to 25000; cifar-synthetic: 2000)")
     p.add_argument("--attack", choices=["sign-flip", "gaussian", "scale", "label-flip", "alie", "ipm"],
-                   help="Byzantine clients: how the --malicious fraction of the clients misbehaves (fastagg/sim/"
-                   "attacks.py) (default: none)")
+                   help="Byzantine clients (default: none): how a fraction of the clients (see --malicious) "
+                   "misbehaves; formulas in fastagg/sim/attacks.py")
     p.add_argument("--malicious", type=float, default=0.0, help="the fraction of the clients that attack, drawn "
                    "once per seed")
     p.add_argument("--attack-scale", type=float, help="the attack's strength (sign-flip 1, scale 10, gaussian 10, "
