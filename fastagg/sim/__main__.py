@@ -267,16 +267,32 @@ def main(argv=None) -> int:
             raise ValueError("--overwrite needs --out")
         history = run(cfg, verbose=True, resume=a.resume, overwrite=a.overwrite)
     except (ValueError, TypeError, MissingDependency) as e:
+        _leave_group(finished=False)
         if os.environ.get("FASTAGG_DEBUG"):
             raise
         print(f"fastagg-sim: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+    _leave_group(finished=True)
     if history.stopped:
         print(f"stopped: {history.stopped}", file=sys.stderr)
         return 1
     if history.config.out:  # rank 0 alone writes under torchrun
         print(f"wrote {cfg.out}/config.json, metrics.csv and the PNG plots")
     return 0
+
+
+def _leave_group(finished: bool) -> None:
+    """Under torchrun, tear the process group down before the interpreter exits: a gloo group left to die during
+    interpreter shutdown aborts the process now and then ('terminate called without an active exception', a rank
+    exiting -6 after a finished run). After a finished run every rank waits for the others first; after an error
+    it does not wait (the others raised too, or will at their group's timeout)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
