@@ -13,7 +13,7 @@ from flwr.serverapp import strategy as fl
 
 from fastagg import flower as fa
 from fastagg.testing import assert_close
-from test_flower_strategies import Grid, arrays_of, initial, rec, reply, train_round
+from test_flower_strategies import Grid, arrays_of, flower_round, initial, rec, reply, train_round
 
 SHAPES = {"conv.weight": (4, 3), "fc.weight": (5, 4), "fc.bias": (5,)}
 NODES = 11
@@ -50,10 +50,7 @@ def test_same_model_as_flowers_robust_strategy_round_after_round(case):
         client = _clients(rnd)
         msgs, (a_fa, metrics) = train_round(ours, rnd, a_fa, nodes, client)
         replies = [client(m) for m in msgs]
-        fl_msgs = sorted(theirs.configure_train(rnd, a_fl, ConfigRecord(), Grid(nodes)),
-                         key=lambda x: x.metadata.dst_node_id)
-        a_fl, fl_metrics = theirs.aggregate_train(rnd, [Message(content=r.content, reply_to=f)
-                                                        for r, f in zip(replies, fl_msgs)])
+        a_fl, fl_metrics = flower_round(theirs, rnd, a_fl, nodes, replies)
         if a_fl is None:  # Bulyan with fewer than 4f + 3 replies: both keep the model
             assert a_fa is None and case == "Bulyan" and count < 11
             a_fa = a_fl = msgs[0].content["arrays"]
@@ -152,9 +149,7 @@ def test_batchnorm_statistics_take_the_coordinate_rule_as_in_flower(case):
     nodes = list(range(1, 8))
     msgs, (a_fa, _) = train_round(ours, 1, rec(state), nodes, client)
     replies = [client(m) for m in msgs]
-    fl_msgs = sorted(theirs.configure_train(1, rec(state), ConfigRecord(), Grid(nodes)),
-                     key=lambda x: x.metadata.dst_node_id)
-    a_fl, _ = theirs.aggregate_train(1, [Message(content=r.content, reply_to=f) for r, f in zip(replies, fl_msgs)])
+    a_fl, _ = flower_round(theirs, 1, rec(state), nodes, replies)
     got, want = arrays_of(a_fa), arrays_of(a_fl)
     for k, v in got.items():
         if v.dtype.kind == "f":

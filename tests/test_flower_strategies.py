@@ -75,6 +75,13 @@ def train_round(strategy, rnd, arrays, nodes, client):
     return msgs, strategy.aggregate_train(rnd, replies)
 
 
+def flower_round(strategy, rnd, arrays, nodes, replies):
+    """Flower's own ``strategy`` aggregating the very replies fastagg's got (re-addressed to its train messages):
+    ``(arrays, metrics)``."""
+    msgs = sorted(strategy.configure_train(rnd, arrays, ConfigRecord(), Grid(nodes)), key=lambda x: x.metadata.dst_node_id)
+    return strategy.aggregate_train(rnd, [Message(content=r.content, reply_to=f) for r, f in zip(replies, msgs)])
+
+
 def clients_for_round(rnd, nodes, seed=1):
     """Deterministic client models: sent + a node- and round-specific update; example counts differ per node."""
 
@@ -111,10 +118,7 @@ def test_same_arrays_as_flowers_strategy_round_after_round(case, backend):
         msgs, (a_fa, metrics) = train_round(ours, rnd, a_fa, nodes, client)
         # Flower gets the very same client models (built from fastagg's model), as its users' clients would send
         replies = [client(msg) for msg in msgs]
-        fl_msgs = sorted(theirs.configure_train(rnd, a_fl, ConfigRecord(), Grid(nodes)),
-                         key=lambda x: x.metadata.dst_node_id)
-        a_fl, fl_metrics = theirs.aggregate_train(rnd, [Message(content=r.content, reply_to=f)
-                                                        for r, f in zip(replies, fl_msgs)])
+        a_fl, fl_metrics = flower_round(theirs, rnd, a_fl, nodes, replies)
         got, want = arrays_of(a_fa), arrays_of(a_fl)
         assert list(got) == list(want)
         for k in got:
@@ -773,9 +777,7 @@ def test_buffers_optimizer_steps_batchnorm_statistics_as_flowers_strategy_does(c
 
         msgs, (a_fa, _) = train_round(ours, rnd, a_fa, nodes, cast_back)
         replies = [cast_back(m) for m in msgs]
-        fl_msgs = sorted(theirs.configure_train(rnd, a_fl, ConfigRecord(), Grid(nodes)),
-                         key=lambda x: x.metadata.dst_node_id)
-        a_fl, _ = theirs.aggregate_train(rnd, [Message(content=r.content, reply_to=f) for r, f in zip(replies, fl_msgs)])
+        a_fl, _ = flower_round(theirs, rnd, a_fl, nodes, replies)
         def_msgs = sorted(default.configure_train(rnd, a_def, ConfigRecord(), Grid(nodes)),
                           key=lambda x: x.metadata.dst_node_id)
         a_def, _ = default.aggregate_train(rnd, [Message(content=r.content, reply_to=f)
