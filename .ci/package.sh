@@ -14,7 +14,7 @@ echo "== sdist"
 "$PY" -m build --sdist --outdir "$work/dist" .
 sdist=$(ls "$work"/dist/fastagg-*.tar.gz)
 listing=$(tar tzf "$sdist")
-for f in csrc/kernels.h csrc/views.h csrc/segments.h csrc/convert.h csrc/bindings.cpp LICENSE docs/ALGORITHMS.md; do
+for f in csrc/kernels.h csrc/views.h csrc/segments.h csrc/convert.h csrc/bindings.cpp csrc/robust.cpp LICENSE docs/ALGORITHMS.md; do
     grep -q "/$f\$" <<<"$listing" || { echo "the sdist lacks $f"; exit 1; }
 done
 

@@ -51,66 +51,81 @@ int compute_kind(int kind) { return kind == kF64 ? kF64 : kF32; }
 
 // ---- round_stats --------------------------------------------------------------------------------------------
 
-void checked_round_stats(py::handle rows, py::handle base, const std::vector<int64_t>& seg_lens, py::handle weights,
-                 py::handle mean_init, py::handle aux, double aux_coef, py::handle mean_out, py::handle sq_norms_out,
-                 py::handle nonfinite_out, py::handle mean_sq_out) {
+// The client rows of a pass: L lists of M row segments, or one [M, d] matrix (unit stride along d), and the
+// optional base segments (full models). Every address the kernel will read comes from a view checked here.
+struct RowsArg {
+  std::vector<View> views, base_views;
+  std::vector<uint64_t> ptrs, base_ptrs;  // [s * M + i], [s]
+  std::vector<int64_t> seg_off;
+  int64_t M = 0, d = 0;
+  int T = 0;
+  std::vector<const View*> reads() const {
+    std::vector<const View*> out = pointers(views);
+    for (const View& b : base_views) out.push_back(&b);
+    return out;
+  }
+};
+
+RowsArg rows_of(py::handle rows, py::handle base, const std::vector<int64_t>& seg_lens, const std::string& pass) {
+  RowsArg r;
   const int64_t L = static_cast<int64_t>(seg_lens.size());
-  if (L == 0) value_error("round_stats needs at least one segment");
-  std::vector<int64_t> seg_off(L);
-  int64_t d = 0;
+  if (L == 0) value_error(pass + " needs at least one segment");
+  r.seg_off.resize(L);
   for (int64_t s = 0; s < L; ++s) {
     if (seg_lens[s] < 0) value_error("segment " + str(s) + " has a negative length");
-    seg_off[s] = d;
-    d += seg_lens[s];
+    r.seg_off[s] = r.d;
+    r.d += seg_lens[s];
   }
-  std::vector<View> row_views;  // every row segment, or the one [M, d] matrix
-  std::vector<uint64_t> row_ptrs;
-  int64_t M = 0;
-  int T = 0;
   if (py::isinstance<py::list>(rows)) {  // L lists of M row segments
     auto segs = rows.cast<py::list>();
     if (static_cast<int64_t>(segs.size()) != L) value_error("deltas have " + str(segs.size()) + " segments; "
                                                             "expected " + str(L));
-    M = static_cast<int64_t>(py::len(segs[0]));
-    row_ptrs.resize(L * M);
+    r.M = static_cast<int64_t>(py::len(segs[0]));
+    r.ptrs.resize(L * r.M);
     for (int64_t s = 0; s < L; ++s) {
-      if (static_cast<int64_t>(py::len(segs[s])) != M) value_error("segment " + str(s) + " has a different "
-                                                                   "number of clients");
+      if (static_cast<int64_t>(py::len(segs[s])) != r.M) value_error("segment " + str(s) + " has a different "
+                                                                     "number of clients");
       auto seg = segs[s].cast<py::list>();
-      for (int64_t i = 0; i < M; ++i) {
+      for (int64_t i = 0; i < r.M; ++i) {
         const std::string name = "deltas[" + str(i) + "] entry " + str(s);
-        View v = view_of(seg[i], name, row_views.empty() ? kAnyFloat : T);
-        if (row_views.empty()) T = v.kind;
+        View v = view_of(seg[i], name, r.views.empty() ? kAnyFloat : r.T);
+        if (r.views.empty()) r.T = v.kind;
         if (v.numel() != seg_lens[s]) value_error(name + " has " + str(v.numel()) + " elements; expected " +
                                                   str(seg_lens[s]));
         if (!v.contiguous()) value_error(name + " must be contiguous");
-        row_ptrs[s * M + i] = address(v, 0);
-        row_views.push_back(std::move(v));
+        r.ptrs[s * r.M + i] = address(v, 0);
+        r.views.push_back(std::move(v));
       }
     }
   } else {
     View m = view_of(rows, "deltas", kAnyFloat);
-    T = m.kind;
+    r.T = m.kind;
     if (m.shape.size() != 2) value_error("deltas must be 2-D [M, d]");
-    M = m.shape[0];
-    if (m.shape[1] != d) value_error("deltas have " + str(m.shape[1]) + " columns; expected " + str(d));
-    if (d > 1 && m.strides[1] != 1) value_error("deltas must have unit stride along the parameters");
-    row_ptrs.resize(L * M);
+    r.M = m.shape[0];
+    if (m.shape[1] != r.d) value_error("deltas have " + str(m.shape[1]) + " columns; expected " + str(r.d));
+    if (r.d > 1 && m.strides[1] != 1) value_error("deltas must have unit stride along the parameters");
+    r.ptrs.resize(L * r.M);
     for (int64_t s = 0; s < L; ++s)
-      for (int64_t i = 0; i < M; ++i) row_ptrs[s * M + i] = address(m, i * m.strides[0] + seg_off[s]);
-    row_views.push_back(std::move(m));
+      for (int64_t i = 0; i < r.M; ++i) r.ptrs[s * r.M + i] = address(m, i * m.strides[0] + r.seg_off[s]);
+    r.views.push_back(std::move(m));
   }
-  if (M == 0) value_error("deltas hold no client");
-  std::vector<View> base_views;
-  std::vector<uint64_t> base_ptrs;
+  if (r.M == 0) value_error("deltas hold no client");
   if (!base.is_none()) {
-    base_views = segment_views(base, "params (the base of models=)", T);
-    if (static_cast<int64_t>(base_views.size()) != L) value_error("params have a different number of segments");
+    r.base_views = segment_views(base, "params (the base of models=)", r.T);
+    if (static_cast<int64_t>(r.base_views.size()) != L) value_error("params have a different number of segments");
     for (int64_t s = 0; s < L; ++s) {
-      if (base_views[s].numel() != seg_lens[s]) value_error(base_views[s].name + " has the wrong length");
-      base_ptrs.push_back(address(base_views[s], 0));
+      if (r.base_views[s].numel() != seg_lens[s]) value_error(r.base_views[s].name + " has the wrong length");
+      r.base_ptrs.push_back(address(r.base_views[s], 0));
     }
   }
+  return r;
+}
+
+void checked_round_stats(py::handle rows, py::handle base, const std::vector<int64_t>& seg_lens, py::handle weights,
+                 py::handle mean_init, py::handle aux, double aux_coef, py::handle mean_out, py::handle sq_norms_out,
+                 py::handle nonfinite_out, py::handle mean_sq_out) {
+  const RowsArg r = rows_of(rows, base, seg_lens, "round_stats");
+  const int64_t L = static_cast<int64_t>(seg_lens.size()), M = r.M, d = r.d;
   View w = flat_view(weights, "weights", kF64, M);
   View mean = view_of(mean_out, "mean_out", kAnyFloat);
   if (mean.kind != kF32 && mean.kind != kF64) type_error("mean_out must be float32 or float64");
@@ -120,20 +135,19 @@ void checked_round_stats(py::handle rows, py::handle base, const std::vector<int
   View sq = flat_view(sq_norms_out, "sq_norms_out", kF64, M);
   View bad = flat_view(nonfinite_out, "nonfinite_out", kBool, M);
   View msq = flat_view(mean_sq_out, "mean_sq_out", kF64, 1);
-  std::vector<const View*> reads = pointers(row_views);
-  for (const View& b : base_views) reads.push_back(&b);
+  std::vector<const View*> reads = r.reads();
   for (const View* v : {&w, &init, &ax}) reads.push_back(v);
   check_overlaps({&mean, &sq, &bad, &msq}, reads);
 
   StatsArgs a{};
   a.num_clients = M;
   a.num_segments = L;
-  a.dtype = T;
+  a.dtype = r.T;
   a.compute_dtype = mean.kind;
-  a.row_ptrs = row_ptrs.data();
-  a.base_ptrs = base_ptrs.empty() ? nullptr : base_ptrs.data();
+  a.row_ptrs = r.ptrs.data();
+  a.base_ptrs = r.base_ptrs.empty() ? nullptr : r.base_ptrs.data();
   a.seg_len = seg_lens.data();
-  a.seg_off = seg_off.data();
+  a.seg_off = r.seg_off.data();
   a.weights = reinterpret_cast<const double*>(w.data);
   a.mean_init = init.data;
   a.aux = ax.data;
@@ -144,6 +158,65 @@ void checked_round_stats(py::handle rows, py::handle base, const std::vector<int
   a.mean_sq_out = reinterpret_cast<double*>(msq.data);
   py::gil_scoped_release release;
   fastagg::round_stats(a);
+}
+
+// ---- robust passes ------------------------------------------------------------------------------------------
+
+void checked_coord_select(py::handle rows, py::handle base, const std::vector<int64_t>& seg_lens, int rule,
+                          int64_t first, int64_t count, py::handle out, py::handle sq_norms_out,
+                          py::handle nonfinite_out) {
+  const RowsArg r = rows_of(rows, base, seg_lens, "coord_select");
+  if (rule == kSelectWindow) {
+    if (count < 1 || first < 0 || first + count > r.M)
+      value_error("coord_select: sorted positions [" + str(first) + ", " + str(first + count) + ") are not inside [0, " +
+                  str(r.M) + ")");
+  } else if (rule == kSelectNearest) {
+    if (count < 1 || count > r.M) value_error("coord_select: count " + str(count) + " is not in [1, " + str(r.M) + "]");
+  } else {
+    value_error("coord_select: unknown rule " + str(rule));
+  }
+  View o = view_of(out, "out", kAnyFloat);
+  if (o.kind != kF32 && o.kind != kF64) type_error("out must be float32 or float64");
+  o = flat_view(out, "out", o.kind, r.d);
+  View sq = flat_view(sq_norms_out, "sq_norms_out", kF64, r.M);
+  View bad = flat_view(nonfinite_out, "nonfinite_out", kBool, r.M);
+  check_overlaps({&o, &sq, &bad}, r.reads());
+  SelectArgs a{};
+  a.num_clients = r.M;
+  a.num_segments = static_cast<int64_t>(seg_lens.size());
+  a.dtype = r.T;
+  a.out_dtype = o.kind;
+  a.row_ptrs = r.ptrs.data();
+  a.base_ptrs = r.base_ptrs.empty() ? nullptr : r.base_ptrs.data();
+  a.seg_len = seg_lens.data();
+  a.seg_off = r.seg_off.data();
+  a.rule = rule;
+  a.first = first;
+  a.count = count;
+  a.out = o.data;
+  a.sq_norms_out = reinterpret_cast<double*>(sq.data);
+  a.nonfinite_out = reinterpret_cast<uint8_t*>(bad.data);
+  py::gil_scoped_release release;
+  fastagg::coord_select(a);
+}
+
+void checked_gram(py::handle rows, py::handle base, const std::vector<int64_t>& seg_lens, py::handle gram_out,
+                  py::handle nonfinite_out) {
+  const RowsArg r = rows_of(rows, base, seg_lens, "gram");
+  View g = flat_view(gram_out, "gram_out", kF64, r.M * r.M);
+  View bad = flat_view(nonfinite_out, "nonfinite_out", kBool, r.M);
+  check_overlaps({&g, &bad}, r.reads());
+  GramArgs a{};
+  a.num_clients = r.M;
+  a.num_segments = static_cast<int64_t>(seg_lens.size());
+  a.dtype = r.T;
+  a.row_ptrs = r.ptrs.data();
+  a.base_ptrs = r.base_ptrs.empty() ? nullptr : r.base_ptrs.data();
+  a.seg_len = seg_lens.data();
+  a.gram_out = reinterpret_cast<double*>(g.data);
+  a.nonfinite_out = reinterpret_cast<uint8_t*>(bad.data);
+  py::gil_scoped_release release;
+  fastagg::gram(a);
 }
 
 // ---- apply passes -------------------------------------------------------------------------------------------
@@ -379,6 +452,8 @@ void checked_local_step(int64_t M, int64_t d, py::handle x, py::handle g, py::ha
 PYBIND11_MODULE(FASTAGG_MODULE, m) {
   m.doc() = "fastagg compiled CPU kernels (OpenMP). Use fastagg.ops, not this module.";
   m.def("round_stats", &checked_round_stats);
+  m.def("coord_select", &checked_coord_select);
+  m.def("gram", &checked_gram);
   m.def("momentum_apply", &checked_momentum_apply);
   m.def("adam_apply", &checked_adam_apply);
   m.def("local_step", &checked_local_step);

@@ -91,7 +91,44 @@ struct LocalArgs {
   double* step_out;             // [M]: the step taken (0: none)
 };
 
+enum SelectRule : int { kSelectWindow = 0, kSelectNearest = 1 };
+
+// Coordinate-select pass (robust.cpp): for each coordinate j, its M values sorted, then
+//   kSelectWindow:  out[j] = mean of the sorted values at positions [first, first + count)
+//   kSelectNearest: out[j] = mean of the `count` values nearest the coordinate's median
+// and, from the same read, each row's squared norm and whether it holds NaN or Inf.
+struct SelectArgs {
+  int64_t num_clients;        // M
+  int64_t num_segments;       // L
+  int dtype;                  // of every row (and base)
+  int out_dtype;              // kFloat32 or kFloat64
+  const uint64_t* row_ptrs;   // [L * M], as StatsArgs
+  const uint64_t* base_ptrs;  // [L] or nullptr
+  const int64_t* seg_len;
+  const int64_t* seg_off;
+  int rule;
+  int64_t first, count;
+  void* out;                  // [d]
+  double* sq_norms_out;       // [M]
+  uint8_t* nonfinite_out;     // [M]
+};
+
+// Gram pass (robust.cpp): G[i, j] = <x_i - base, x_j - base> in float64 (products of the upcast values, float64
+// sums), one read; a row holding NaN or Inf is marked (its row and column of G are then not meaningful).
+struct GramArgs {
+  int64_t num_clients;
+  int64_t num_segments;
+  int dtype;
+  const uint64_t* row_ptrs;
+  const uint64_t* base_ptrs;
+  const int64_t* seg_len;
+  double* gram_out;           // [M * M]
+  uint8_t* nonfinite_out;     // [M]
+};
+
 void round_stats(const StatsArgs& args);
+void coord_select(const SelectArgs& args);
+void gram(const GramArgs& args);
 void local_step(const LocalArgs& args);
 void momentum_apply(const MomentumArgs& args);
 void adam_apply(const AdamArgs& args);

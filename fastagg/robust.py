@@ -16,8 +16,10 @@ it and reported (``excluded``); it never reaches the estimate. Every rule is ava
 ``fastagg.server`` optimizer's ``aggregate=`` (the estimate replaces the weighted mean) and through
 :func:`aggregate`.
 
-This module is the reference implementation (plain torch, the oracle the fused kernels are tested against); the
-weighted-sum step already runs on fastagg's backends.
+Both passes run on fastagg's backends (``coord_select`` and ``gram``: C++ on CPU tensors, Triton on CUDA tensors,
+plain torch in the reference backend, the oracle); each also yields every client's squared norm and non-finite
+mark, so a round that finds every client finite reads the updates once (coordinate-wise rules) or twice (Gram
+pass, then the weighted sum).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 
 from ._checks import check_number, normalized_weights
-from .backends import resolve
+from .backends import reference, resolve
 from .passes import RoundStats, run_stats
 from .rows import Buffers, ClientRows, attach_base, client_rows, compute_dtype
 
@@ -36,9 +38,6 @@ __all__ = ["TooFewClients", "Median", "TrimmedMean", "MeaMed", "Krum", "MultiKru
 
 class TooFewClients(ValueError):
     """A rule's bound on the number of clients does not hold this round (Krum: M > 2f + 2; Bulyan: M >= 4f + 3)."""
-
-
-BLOCK = 1 << 14  # columns per block of the coordinate-select and Gram passes: M x BLOCK float64 at a time
 
 
 @dataclasses.dataclass
@@ -60,74 +59,47 @@ class RobustResult:
 
 
 # -- passes ------------------------------------------------------------------------------------------------------
-def _blocks(rows: ClientRows, keep: list):
-    """(flat offset, [len(keep), n] float64 block of the kept clients' updates) over every segment, BLOCK columns
-    at a time; the updates are formed against ``base`` here, block by block."""
-    off = 0
-    for s, seg in enumerate(rows.rows):
-        n = seg[0].numel() if seg else 0
-        for c0 in range(0, n, BLOCK):
-            c1 = min(n, c0 + BLOCK)
-            x = torch.stack([seg[i][c0:c1].to(torch.float64) for i in keep])
-            if rows.base is not None:
-                x = x - rows.base[s][c0:c1].to(torch.float64)
-            yield off + c0, x
-        off += n
-
-
-def gram(rows: ClientRows, keep: list | None = None) -> torch.Tensor:
-    """``G[i, j] = <delta_i, delta_j>`` (float64 [k, k]) over the kept clients: one pass, float64 block sums."""
-    keep = list(range(rows.num_clients)) if keep is None else keep
-    g = torch.zeros(len(keep), len(keep), dtype=torch.float64, device=rows.device)
-    for _, x in _blocks(rows, keep):
-        g += x @ x.T
-    return g
-
-
-def _norms_and_finite(rows: ClientRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each client's ``||delta_i||^2`` (float64 block sums) and whether its update is finite, in one pass."""
-    sq = torch.zeros(rows.num_clients, dtype=torch.float64, device=rows.device)
-    bad = torch.zeros(rows.num_clients, dtype=torch.bool, device=rows.device)
-    for _, x in _blocks(rows, list(range(rows.num_clients))):
-        bad |= ~torch.isfinite(x).all(dim=1)
-        sq += x.square().sum(dim=1)
-    if rows.buffers is not None:  # a client whose BatchNorm statistics hold NaN/Inf is left out as well
-        for values in rows.buffers.values:
-            for i, v in enumerate(values):
-                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                    bad[i] = True
-    return sq, ~bad
-
-
 def _subset(rows: ClientRows, keep: list) -> ClientRows:
     """The kept clients' rows (views, no copy)."""
     return dataclasses.replace(rows, rows=[[seg[i] for i in keep] for seg in rows.rows], num_clients=len(keep),
                                matrix=None, buffers=None)
 
 
-def _column_blocks(rows: ClientRows, keep: list):
-    """(flat offset, [n, len(keep)] block: one row per coordinate, its kept clients' values), BLOCK coordinates at a
-    time; in the clients' dtype (order statistics are exact in it), float64 when formed against ``base``."""
-    off = 0
-    for s, seg in enumerate(rows.rows):
-        n = seg[0].numel() if seg else 0
-        for c0 in range(0, n, BLOCK):
-            c1 = min(n, c0 + BLOCK)
-            if rows.base is None:
-                x = torch.stack([seg[i][c0:c1] for i in keep], dim=1)
-            else:
-                b = rows.base[s][c0:c1].to(torch.float64)
-                x = torch.stack([seg[i][c0:c1].to(torch.float64) - b for i in keep], dim=1)
-            yield off + c0, x
-        off += n
+def gram(rows: ClientRows, backend="auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G, nonfinite)``: ``G[i, j] = <delta_i, delta_j>`` (float64 [M, M], the updates formed against ``base``
+    before any product) and each client's non-finite mark, in one pass of ``backend``'s Gram kernel."""
+    backend = resolve(backend, rows.device) if isinstance(backend, str) else backend
+    m = rows.num_clients
+    g = torch.empty(m * m, dtype=torch.float64, device=rows.device)
+    bad = torch.zeros(m, dtype=torch.bool, device=rows.device)
+    backend.gram(rows=rows, gram_out=g, nonfinite_out=bad)
+    return g.view(m, m), bad
 
 
-def _select_coords(rows: ClientRows, keep: list, reduce, out: torch.Tensor) -> torch.Tensor:
-    """The coordinate-select pass: ``out[j] = reduce(sorted values of coordinate j over the kept clients)`` (each
-    block sorted along its client axis, reduced in float64)."""
-    for off, x in _column_blocks(rows, keep):
-        out[off:off + x.shape[0]] = reduce(torch.sort(x, dim=1).values).to(out.dtype)
-    return out
+def _select_coords(rows: ClientRows, selection: tuple, backend, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coordinate-select pass: ``out[j]`` from the sorted values of coordinate j (``selection``: a rule's
+    ``positions(M)``, ``(rule, first, count)``, see ``reference.select_sorted``); returns the clients' squared
+    norms and non-finite marks from the same read. More clients than the Triton kernel sorts in registers: the reference pass."""
+    m = rows.num_clients
+    sq = torch.empty(m, dtype=torch.float64, device=rows.device)
+    bad = torch.zeros(m, dtype=torch.bool, device=rows.device)
+    if backend.name == "triton" and m > backend.robust.MAX_SELECT_CLIENTS:
+        backend = reference
+    rule, first, count = selection
+    backend.coord_select(rows=rows, rule=rule, first=first, count=count, out=out, sq_norms_out=sq, nonfinite_out=bad)
+    return sq, bad
+
+
+def _buffers_finite(rows: ClientRows) -> torch.Tensor:
+    """Whether each client's buffers (BatchNorm statistics) are finite: a client whose statistics hold NaN/Inf is
+    left out as well."""
+    ok = torch.ones(rows.num_clients, dtype=torch.bool, device=rows.device)
+    if rows.buffers is not None:
+        for values in rows.buffers.values:
+            for i, v in enumerate(values):
+                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    ok[i] = False
+    return ok
 
 
 # -- rules -------------------------------------------------------------------------------------------------------
@@ -157,12 +129,10 @@ class Median(_Rule):
             raise ValueError(f"even must be 'mean' or 'lower', got {even!r}")
         self.even = even
 
-    def reduce(self, s: torch.Tensor) -> torch.Tensor:
-        """``s`` [n, M]: each coordinate's values sorted."""
-        m = s.shape[1]
+    def positions(self, m: int) -> tuple:
         if m % 2 or self.even == "lower":
-            return s[:, (m - 1) // 2]
-        return 0.5 * (s[:, m // 2 - 1].double() + s[:, m // 2].double())
+            return "window", (m - 1) // 2, 1
+        return "window", m // 2 - 1, 2
 
 
 class TrimmedMean(_Rule):
@@ -178,15 +148,16 @@ class TrimmedMean(_Rule):
             raise ValueError(f"beta must be in [0, 0.5) (the fraction cut at each end), got {beta!r}")
         self.beta = beta
 
-    def reduce(self, s: torch.Tensor) -> torch.Tensor:
-        k = int(self.beta * s.shape[1])
-        return s[:, k:s.shape[1] - k].double().mean(dim=1)
+    def positions(self, m: int) -> tuple:
+        k = int(self.beta * m)
+        return "window", k, m - 2 * k
 
 
 class MeaMed(_Rule):
     """Mean around the median (Xie et al., 2018, "Generalized Byzantine-tolerant SGD"): for each coordinate, the
-    mean of the ``M - num_malicious`` values nearest the coordinate's median (``Median(even="mean")``; ties by
-    order). Needs ``num_malicious < M``."""
+    mean of the ``M - num_malicious`` values nearest the coordinate's median (``Median(even="mean")``); of two
+    values equally far, the lower one is kept (dropping the farther end of the sorted values, the upper on a
+    tie). Needs ``num_malicious < M``."""
 
     coordinatewise = True
 
@@ -197,12 +168,8 @@ class MeaMed(_Rule):
         if not self.num_malicious < m:
             raise TooFewClients(f"MeaMed needs num_malicious < M (the clients left); {self.num_malicious} >= {m}")
 
-    def reduce(self, s: torch.Tensor) -> torch.Tensor:
-        s = s.double()
-        med = Median().reduce(s)
-        k = s.shape[1] - self.num_malicious
-        nearest = torch.topk((s - med[:, None]).abs(), k, dim=1, largest=False, sorted=False).indices
-        return torch.gather(s, 1, nearest).mean(dim=1)
+    def positions(self, m: int) -> tuple:
+        return "nearest", 0, m - self.num_malicious
 
 
 def _krum_scores(g: torch.Tensor, f: int, strict: bool = True) -> torch.Tensor:
@@ -280,6 +247,11 @@ class Bulyan(_Rule):
         if not m >= 4 * f + 3:
             raise TooFewClients(f"Bulyan needs M >= 4 num_malicious + 3 = {4 * f + 3}; {m} clients left")
 
+    def positions(self, theta: int) -> tuple:
+        """The last step over the ``theta`` selected clients: the mean of the ``theta - 2f`` values nearest each
+        coordinate's median."""
+        return "nearest", 0, theta - 2 * self.num_malicious
+
     def choose(self, g: torch.Tensor, coefs: torch.Tensor):
         m, f = g.shape[0], self.num_malicious
         if self.selection == "multikrum":
@@ -354,24 +326,33 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
         raise TypeError(f"{type(rule).__name__} is unweighted (as in its paper and in Flower); drop weights=")
     m, dev = rows.num_clients, rows.device
     raw = normalized_weights(weights, m, dev)  # checks the weights (values, count) before anything
-    sq_all, finite = _norms_and_finite(rows)
+    if hasattr(rule, "check"):
+        rule.check(m)  # the bound with every client (checked again below if some are left out)
+    dtype = mean_dtype or compute_dtype(rows.dtype)
+    out = mean_out if mean_out is not None else torch.empty(rows.numel, dtype=dtype, device=dev)
+    buffers_ok = _buffers_finite(rows)
+    if rule.coordinatewise:  # one read when every client is finite; a second over the finite ones otherwise
+        sq_all, bad = _select_coords(rows, rule.positions(m), backend, out)
+    else:
+        g_all, bad = gram(rows, backend)
+        sq_all = g_all.diagonal().clone()
+    finite = ~bad & buffers_ok
     keep = [i for i in range(m) if bool(finite[i])]
     if not keep:
         raise ValueError(f"every one of the {m} clients' updates holds NaN or Inf: nothing to aggregate")
     if hasattr(rule, "check"):
         rule.check(len(keep))
-    dtype = mean_dtype or compute_dtype(rows.dtype)
-    out = mean_out if mean_out is not None else torch.empty(rows.numel, dtype=dtype, device=dev)
     excluded = ~finite
     sq = torch.full((m,), float("nan"), dtype=torch.float64, device=dev)
     selected = torch.zeros(m, dtype=torch.bool, device=dev)
     kept = torch.tensor(keep, device=dev)
     sq[kept] = sq_all[kept]
     if rule.coordinatewise:
-        _select_coords(rows, keep, rule.reduce, out)
+        if len(keep) < m:
+            _select_coords(_subset(rows, keep), rule.positions(len(keep)), backend, out)
         selected[kept] = True
         return RobustResult(out, selected, excluded, sq)
-    g = gram(rows, keep)
+    g = g_all[kept[:, None], kept[None, :]]  # a NaN row of G touches only its own row and column
     dist = torch.full((m, m), float("nan"), dtype=torch.float64, device=dev)
     dist[kept[:, None], kept[None, :]] = (g.diagonal()[:, None] + g.diagonal()[None, :] - 2 * g).clamp_min(0)
     a = raw[kept] / raw[kept].sum()
@@ -384,8 +365,7 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
             scores[kept] = sc
         if isinstance(rule, Bulyan):
             picked = [keep[int(i)] for i in chosen]
-            beta = len(picked) - 2 * rule.num_malicious
-            _select_coords(rows, picked, MeaMed(len(picked) - beta).reduce, out)
+            _select_coords(_subset(rows, picked), rule.positions(len(picked)), backend, out)
             selected[torch.tensor(picked, device=dev)] = True
             return RobustResult(out, selected, excluded, sq, distances=dist)
         c = torch.zeros(len(keep), dtype=torch.float64, device=dev)
@@ -443,9 +423,8 @@ def _robust_buffers(rows: ClientRows, rule: _Rule, res: RobustResult, p: torch.T
         vals = torch.stack([values[i].reshape(-1).to(torch.float64) for i in kept])
         if models and not values[0].is_floating_point() and g is not None:
             vals = vals - g.reshape(-1).to(device=vals.device, dtype=torch.float64)  # the clients' advances
-        if rule.coordinatewise or isinstance(rule, Bulyan):
-            reduce = rule.reduce if rule.coordinatewise else MeaMed(2 * rule.num_malicious).reduce  # Bulyan's step
-            est = reduce(torch.sort(vals.T, dim=1).values).to(torch.float64)
+        if rule.coordinatewise or isinstance(rule, Bulyan):  # (Bulyan: its last step)
+            est = reference.select_sorted(torch.sort(vals.T, dim=1).values, *rule.positions(len(kept)))
         else:
             w = (p if res.coefs is None or isinstance(rule, NormBound) else res.coefs)[kept].to(torch.float64)
             est = (w[:, None] * vals).sum(dim=0) / w.sum()

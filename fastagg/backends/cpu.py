@@ -61,6 +61,13 @@ def _dl(t: torch.Tensor | None):
     return (t.view(torch.uint8) if t.dtype == torch.bool else t).__dlpack__()
 
 
+def _rows(rows: ClientRows):
+    """The client rows as the bindings take them: the [M, d] matrix's capsule, or L lists of M row capsules."""
+    if rows.matrix is not None and len(rows.segments) == 1:
+        return _dl(rows.matrix)
+    return [[_dl(r) for r in seg] for seg in rows.rows]
+
+
 def _segments(parts) -> list:
     return [_dl(t) for t in parts]
 
@@ -68,15 +75,26 @@ def _segments(parts) -> list:
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
                 aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
                 nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
-    if rows.matrix is not None and len(rows.segments) == 1:
-        data = _dl(rows.matrix)
-    else:
-        data = [[_dl(r) for r in seg] for seg in rows.rows]
     compiled().round_stats(
-        data, None if rows.base is None else _segments(rows.base), list(rows.segments.lens), _dl(weights),
+        _rows(rows), None if rows.base is None else _segments(rows.base), list(rows.segments.lens), _dl(weights),
         _dl(mean_init), _dl(aux), float(aux_coef), _dl(mean_out), _dl(sq_norms_out), _dl(nonfinite_out),
         _dl(mean_sq_out),
     )
+
+
+SELECT_RULES = {"window": 0, "nearest": 1}
+
+
+def coord_select(*, rows: ClientRows, rule: str, first: int, count: int, out: torch.Tensor,
+                 sq_norms_out: torch.Tensor, nonfinite_out: torch.Tensor) -> None:
+    compiled().coord_select(_rows(rows), None if rows.base is None else _segments(rows.base), list(rows.segments.lens),
+                            SELECT_RULES[rule], int(first), int(count), _dl(out), _dl(sq_norms_out),
+                            _dl(nonfinite_out))
+
+
+def gram(*, rows: ClientRows, gram_out: torch.Tensor, nonfinite_out: torch.Tensor) -> None:
+    compiled().gram(_rows(rows), None if rows.base is None else _segments(rows.base), list(rows.segments.lens),
+                    _dl(gram_out), _dl(nonfinite_out))
 
 
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,

@@ -49,6 +49,70 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
     nonfinite_out.copy_(bad)
 
 
+SELECT_BLOCK = 1 << 14  # columns per block of the robust passes: M x SELECT_BLOCK values at a time
+
+
+def _column_blocks(rows: ClientRows):
+    """(flat offset, [M, n] block of every client's update), SELECT_BLOCK columns at a time: in the rows' dtype
+    (order statistics are exact in it), float64 when formed against ``base``."""
+    for s, (off, n) in enumerate(zip(rows.segments.offs, rows.segments.lens)):
+        for c0 in range(0, n, SELECT_BLOCK):
+            c1 = min(n, c0 + SELECT_BLOCK)
+            if rows.base is None:
+                yield off + c0, torch.stack([r[c0:c1] for r in rows.rows[s]])
+            else:
+                b = rows.base[s][c0:c1].to(torch.float64)
+                yield off + c0, torch.stack([r[c0:c1].to(torch.float64) - b for r in rows.rows[s]])
+
+
+def select_sorted(s: torch.Tensor, rule: str, first: int, count: int) -> torch.Tensor:
+    """float64 [n] from ``s`` [n, M], each row sorted: ``"window"``, the mean of positions ``[first, first +
+    count)``; ``"nearest"``, the mean of the ``count`` values nearest the row's median (``(s[(M-1)/2]`` or the mean
+    of the two middle values). Those are a window ``[lo, lo + count)``: dropping the farther end ``f = M - count``
+    times, a tie dropping the upper end, leaves ``lo = #{t < f : med - s[t] > s[M - f + t] - med}``."""
+    s = s.to(torch.float64)
+    m = s.shape[1]
+    if rule == "window":
+        return s[:, first:first + count].sum(dim=1) / count
+    med = s[:, (m - 1) // 2] if m % 2 else 0.5 * (s[:, m // 2 - 1] + s[:, m // 2])
+    f = m - count
+    lo = ((med[:, None] - s[:, :f]) > (s[:, m - f:] - med[:, None])).sum(dim=1)
+    pos = torch.arange(m, device=s.device)[None, :]
+    take = (pos >= lo[:, None]) & (pos < lo[:, None] + count)
+    return torch.where(take, s, torch.zeros((), dtype=s.dtype, device=s.device)).sum(dim=1) / count
+
+
+@torch.no_grad()
+def coord_select(*, rows: ClientRows, rule: str, first: int, count: int, out: torch.Tensor,
+                 sq_norms_out: torch.Tensor, nonfinite_out: torch.Tensor) -> None:
+    """The coordinate-select pass: ``out[j] = select_sorted(sorted values of coordinate j over the clients)``, and
+    each client's ``||x_i - base||^2`` (float64) and whether it holds NaN or Inf, from the same blocks."""
+    sq = torch.zeros(rows.num_clients, dtype=torch.float64, device=out.device)
+    bad = torch.zeros(rows.num_clients, dtype=torch.bool, device=out.device)
+    for off, x in _column_blocks(rows):
+        sq += x.to(torch.float64).square().sum(dim=1)
+        bad |= ~torch.isfinite(x).all(dim=1)
+        out[off:off + x.shape[1]] = select_sorted(torch.sort(x.T, dim=1).values, rule, first, count).to(out.dtype)
+    sq_norms_out.copy_(sq)
+    nonfinite_out.copy_(bad)
+
+
+@torch.no_grad()
+def gram(*, rows: ClientRows, gram_out: torch.Tensor, nonfinite_out: torch.Tensor) -> None:
+    """``G[i, j] = <x_i - base, x_j - base>`` (float64, block sums) into ``gram_out`` [M * M], and each client's
+    non-finite mark, in one pass."""
+    m = rows.num_clients
+    g = torch.zeros(m, m, dtype=torch.float64, device=gram_out.device)
+    bad = torch.zeros(m, dtype=torch.bool, device=gram_out.device)
+    for _, x in _column_blocks(rows):
+        bad |= ~torch.isfinite(x).all(dim=1)
+        x = x.to(torch.float64)
+        g += x @ x.T
+    upper = g.triu()  # exactly symmetric (a GEMM's two triangles may differ in the last bit)
+    gram_out.copy_((upper + upper.triu(1).T).reshape(-1))
+    nonfinite_out.copy_(bad)
+
+
 @torch.no_grad()
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
                    buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,

@@ -1,0 +1,181 @@
+"""The two passes of Byzantine-robust aggregation on the GPU (the rules are in ``fastagg/robust.py``).
+
+``coord_select``: one program per column block loads a BLOCK_D x BLOCK_M tile (each thread owns columns; the
+clients are the minor axis, padded to a power of two with +inf, which sorts last), sorts every column with
+``tl.sort`` (a bitonic network in registers), and writes the mean of fixed sorted positions (median, trimmed mean)
+or of the values nearest the median (MeaMed, the window rule of ``reference.select_sorted``); each client's squared
+norm and non-finite mark come from the same read (partials per block, summed by the stats pass's finalize kernel).
+
+``gram``: program (p, t) accumulates tile t (clients bi x bj, upper triangle) of ``G = X X^T`` over its range of
+column blocks with float64 ``tl.dot`` (the updates formed against ``base`` as they are loaded), writing one
+partial per column range; the host sums the partials in order. No atomics: both passes are deterministic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...rows import ClientRows
+from .launch import address_table, interpreting, segment_tables, _pow2_at_least
+from .round_stats import _finalize, _row_table
+
+MAX_SELECT_CLIENTS = 1024  # more clients: fastagg.robust sorts column blocks with torch (reference.coord_select)
+
+
+@triton.jit
+def _select_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, seg_off, out, part_sq, part_bad,
+                   M, first, count, NEAREST: tl.constexpr, HAS_BASE: tl.constexpr, SINGLE: tl.constexpr,
+                   V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    if SINGLE:
+        seg = pid * 0
+        start = pid * BLOCK_D
+        off = pid * 0
+    else:
+        seg = tl.load(block_seg + pid)
+        start = tl.load(block_start + pid)
+        off = tl.load(seg_off + seg)
+    n = tl.load(seg_len + seg)
+    cols = start + tl.arange(0, BLOCK_D).to(tl.int64)
+    cmask = cols < n
+    ms = tl.arange(0, BLOCK_M).to(tl.int64)
+    mmask = ms < M
+    rptr = tl.load(row_ptrs + seg * M + ms, mask=mmask, other=0).to(tl.pointer_type(like.dtype.element_ty))
+    mask = cmask[:, None] & mmask[None, :]
+    x = tl.load(rptr[None, :] + cols[:, None], mask=mask, other=0.0).to(V)  # [BLOCK_D, BLOCK_M]
+    if HAS_BASE:
+        bptr = tl.load(base_ptrs + seg).to(tl.pointer_type(like.dtype.element_ty))
+        x = tl.where(mask, x - tl.load(bptr + cols, mask=cmask, other=0.0).to(V)[:, None], 0.0)
+    xd = x.to(tl.float64)
+    tl.store(part_sq + pid * M + ms, tl.sum(xd * xd, axis=0), mask=mmask)
+    tl.store(part_bad + pid * M + ms, (tl.sum(x - x, axis=0) != 0).to(tl.int8), mask=mmask)
+    s = tl.sort(tl.where(mmask[None, :], x, float("inf"))).to(tl.float64)  # every column sorted; padding last
+    pos = ms[None, :]
+    if NEAREST:
+        half = M // 2
+        mid = tl.sum(tl.where(pos == half, s, 0.0), axis=1)
+        below = tl.sum(tl.where(pos == half - 1, s, 0.0), axis=1)
+        med = tl.where(M % 2 == 1, mid, 0.5 * (below + mid))
+        f = M - count
+        lo = tl.zeros([BLOCK_D], dtype=tl.float64)
+        for t in range(0, f):  # lo = #{t < f : med - s[t] > s[M - f + t] - med}
+            a = tl.sum(tl.where(pos == t, s, 0.0), axis=1)
+            b = tl.sum(tl.where(pos == M - f + t, s, 0.0), axis=1)
+            lo += tl.where(med - a > b - med, 1.0, 0.0)
+        p = pos.to(tl.float64)
+        take = (p >= lo[:, None]) & (p < lo[:, None] + count)
+    else:
+        take = (pos >= first) & (pos < first + count)
+    est = tl.sum(tl.where(take, s, 0.0), axis=1) / count
+    tl.store(out + off + cols, est.to(out.dtype.element_ty), mask=cmask)
+
+
+def select_config(num_clients: int, numel: int) -> dict:
+    """BLOCK_M: the clients padded to a power of two (``tl.sort`` needs one); BLOCK_D columns per program, about
+    4096 tile elements on the GPU (a guess to be measured on the card, bench/device_check.sh), few large programs
+    under the interpreter."""
+    block_m = max(2, _pow2_at_least(num_clients))
+    if interpreting():
+        return dict(BLOCK_M=block_m, BLOCK_D=max(16, min((1 << 16) // block_m, _pow2_at_least(-(-numel // 32)))),
+                    num_warps=4)
+    return dict(BLOCK_M=block_m, BLOCK_D=max(16, 4096 // block_m), num_warps=4)
+
+
+def coord_select(*, rows: ClientRows, rule: str, first: int, count: int, out: torch.Tensor,
+                 sq_norms_out: torch.Tensor, nonfinite_out: torch.Tensor) -> None:
+    M, device = rows.num_clients, out.device
+    cfg = select_config(M, rows.numel)
+    lens, offs, bseg, bstart, nb, single = segment_tables(rows.segments, cfg["BLOCK_D"], device)
+    part_sq = torch.zeros((max(nb, 1), M), dtype=torch.float64, device=device)
+    part_bad = torch.zeros((max(nb, 1), M), dtype=torch.int8, device=device)
+    row_ptrs, _ = _row_table(rows, device)
+    base_ptrs = row_ptrs if rows.base is None else address_table([b.data_ptr() for b in rows.base], device)
+    wide = rows.base is not None or rows.dtype == torch.float64
+    if nb > 0:
+        _select_kernel[(nb,)](
+            row_ptrs, base_ptrs, rows.rows[0][0], bseg, bstart, lens, offs, out, part_sq, part_bad, M, first, count,
+            NEAREST=rule == "nearest", HAS_BASE=rows.base is not None, SINGLE=single,
+            V=tl.float64 if wide else tl.float32, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"],
+            num_warps=cfg["num_warps"])
+    mean_sq = torch.empty(1, dtype=torch.float64, device=device)
+    _finalize(part_sq, part_bad, torch.zeros(max(nb, 1), dtype=torch.float64, device=device), sq_norms_out,
+              nonfinite_out, mean_sq, M, max(nb, 1))
+
+
+@triton.jit
+def _gram_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, tile_i, tile_j, part, M, NB, PER,
+                 HAS_BASE: tl.constexpr, SINGLE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    bi = tl.load(tile_i + t).to(tl.int64)
+    bj = tl.load(tile_j + t).to(tl.int64)
+    mi = bi * BM + tl.arange(0, BM).to(tl.int64)
+    mj = bj * BM + tl.arange(0, BM).to(tl.int64)
+    acc = tl.zeros([BM, BM], dtype=tl.float64)
+    for b in range(p * PER, tl.minimum(NB, (p + 1) * PER)):
+        if SINGLE:
+            seg = b * 0
+            start = b * BK
+        else:
+            seg = tl.load(block_seg + b)
+            start = tl.load(block_start + b)
+        cols = start + tl.arange(0, BK).to(tl.int64)
+        cmask = cols < tl.load(seg_len + seg)
+        pi = tl.load(row_ptrs + seg * M + mi, mask=mi < M, other=0).to(tl.pointer_type(like.dtype.element_ty))
+        pj = tl.load(row_ptrs + seg * M + mj, mask=mj < M, other=0).to(tl.pointer_type(like.dtype.element_ty))
+        a = tl.load(pi[:, None] + cols[None, :], mask=(mi < M)[:, None] & cmask[None, :], other=0.0).to(tl.float64)
+        c = tl.load(pj[:, None] + cols[None, :], mask=(mj < M)[:, None] & cmask[None, :], other=0.0).to(tl.float64)
+        if HAS_BASE:
+            bptr = tl.load(base_ptrs + seg).to(tl.pointer_type(like.dtype.element_ty))
+            base = tl.load(bptr + cols, mask=cmask, other=0.0).to(tl.float64)
+            a = tl.where((mi < M)[:, None] & cmask[None, :], a - base[None, :], 0.0)
+            c = tl.where((mj < M)[:, None] & cmask[None, :], c - base[None, :], 0.0)
+        acc += tl.dot(a, tl.trans(c))
+    out = part + p * M * M + mi[:, None] * M + mj[None, :]
+    tl.store(out, acc, mask=(mi < M)[:, None] & (mj < M)[None, :])
+
+
+def gram_config(num_clients: int, numel: int) -> dict:
+    """BM clients a side per tile (at least 16, tl.dot's smallest), BK columns per block, and the number of column
+    ranges P (each program sums its range's blocks in order): about 264 programs per tile on the GPU (a guess to
+    be measured on the card), 4 under the interpreter."""
+    bm = min(32, max(16, _pow2_at_least(num_clients)))
+    if interpreting():
+        return dict(BM=bm, BK=max(16, min(8192, _pow2_at_least(-(-numel // 8)))), ranges=4, num_warps=4)
+    return dict(BM=bm, BK=64, ranges=264, num_warps=4)
+
+
+def gram(*, rows: ClientRows, gram_out: torch.Tensor, nonfinite_out: torch.Tensor) -> None:
+    M, device = rows.num_clients, gram_out.device
+    cfg = gram_config(M, rows.numel)
+    lens, _, bseg, bstart, nb, single = segment_tables(rows.segments, cfg["BK"], device)
+    ranges = max(1, min(cfg["ranges"], nb))
+    per = triton.cdiv(max(nb, 1), ranges)
+    ranges = triton.cdiv(max(nb, 1), per)
+    nbm = triton.cdiv(M, cfg["BM"])
+    ti, tj = zip(*[(i, j) for i in range(nbm) for j in range(i, nbm)])
+    tiles = address_table(list(ti) + list(tj), device)
+    part = torch.zeros((ranges, M, M), dtype=torch.float64, device=device)
+    row_ptrs, _ = _row_table(rows, device)
+    base_ptrs = row_ptrs if rows.base is None else address_table([b.data_ptr() for b in rows.base], device)
+    if nb > 0:
+        _gram_kernel[(ranges, len(ti))](
+            row_ptrs, base_ptrs, rows.rows[0][0], bseg, bstart, lens, tiles[:len(ti)], tiles[len(ti):], part, M, nb,
+            per, HAS_BASE=rows.base is not None, SINGLE=single, BM=cfg["BM"], BK=cfg["BK"],
+            num_warps=cfg["num_warps"])
+    upper = part.sum(dim=0).triu()
+    gram_out.view(M, M).copy_(upper + upper.triu(1).T)
+    _mark_nonfinite(rows, gram_out.view(M, M).diagonal(), nonfinite_out)
+
+
+def _mark_nonfinite(rows: ClientRows, diag: torch.Tensor, nonfinite_out: torch.Tensor) -> None:
+    """A client whose ``G_ii`` is not finite is scanned (NaN or Inf in its update, or only float64 squares that
+    overflowed); the others are finite."""
+    nonfinite_out.zero_()
+    for i in torch.nonzero(~torch.isfinite(diag)).flatten().tolist():
+        for s, seg in enumerate(rows.rows):
+            x = seg[i] if rows.base is None else seg[i].to(torch.float64) - rows.base[s].to(torch.float64)
+            if not bool(torch.isfinite(x).all()):
+                nonfinite_out[i] = True
+                break
