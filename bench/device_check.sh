@@ -5,9 +5,9 @@
 # 1. the Triton kernels on the GPU against the float64 reference (tests/test_on_device.py: every kernel family,
 #    fp32/bf16/fp16/fp64, list/[M, d]/per-layer input, M 1..1000, one 2^31+5-element row, a CUDA graph replay,
 #    every server optimizer with group= on one NCCL rank (issue 26), HostFeeder's chunked pinned pipeline with 1 and
-#    4 feeding threads, queued adds folded in one sweep, the grouped (L2) client schedule);
+#    4 feeding threads, queued adds folded in one sweep, the grouped (L2) client schedule, the robust passes);
 # 2. bench/gpu_bench.py: every kernel against a device-to-device copy timed in the same run, and against torch
-#    ("feed": HostFeeder per client against the bare pinned host-to-device copy; "queue": k queued adds in one
+#    ("robust": the coordinate-select and Gram passes against torch.median / sort / X @ X.T; "feed": HostFeeder per client against the bare pinned host-to-device copy; "queue": k queued adds in one
 #    sweep against the copy; "sim": the vmapped convolution's alternatives and CUDA-graphed local steps).
 # fastagg is imported from the checkout (PYTHONPATH): the GPU checks need no C++ build, and skipping it saves
 # device time (`pip install --no-build-isolation --no-deps -e .` also works there). Everything lands in $OUT:
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # the sections most likely to hang or fail last (the grouped client schedule spins on counters); one section's
 # failure is recorded and the others run (gpu_bench.py), and the tables are written after every section
-SECTIONS="${1:-copy,round,queue,feed,pageable,server,sim,client}"
+SECTIONS="${1:-copy,round,robust,queue,feed,pageable,server,sim,client}"
 TEST_LIMIT="${TEST_LIMIT:-220}" BENCH_LIMIT="${BENCH_LIMIT:-240}"  # seconds
 {
   date -u

@@ -827,7 +827,48 @@ def _queue(d: int, k: int, dtype: torch.dtype) -> None:
                k * (d * es + 2 * 4 * d))
 
 
-SECTIONS = {"copy": section_copy, "feed": section_feed, "pageable": section_pageable, "queue": section_queue, "round": section_round,
+def section_robust() -> None:
+    """Issue 22: the coordinate-select pass against copy bandwidth (target >= 0.8 for M <= 32) and against
+    torch.median / a torch.sort trimmed mean; the Gram pass and a whole Krum round against X @ X.T + selection."""
+    for m, d in ((16, 50_000_000), (32, 25_000_000), (100, 5_000_000)):
+        _robust(m, size(d))
+        free()
+
+
+def _robust(m: int, d: int) -> None:
+    from fastagg import robust
+    from fastagg.rows import client_rows
+
+    tag = f"M={m} d={d:.0e} fp32"
+    x = torch.randn(m, d, device=DEV)
+    rows = client_rows(x, name="deltas")
+    out = torch.empty(d, device=DEV)
+    read = m * d * 4 + 4 * d  # the updates read once, the estimate written
+    for name, rule in (("median", robust.Median()), ("trimmed mean 0.2", robust.TrimmedMean(0.2)),
+                       (f"MeaMed f={max(1, m // 8)}", robust.MeaMed(max(1, m // 8)))):
+        record("robust", f"{tag}: fastagg coord_select {name}",
+               bench(lambda: robust._select_coords(rows, rule.positions(m), "triton", out)), read)
+    record("robust", f"{tag}: torch.median(X, 0) (lower median)", bench(lambda: torch.median(x, 0)), read)
+    k = int(0.2 * m)
+    record("robust", f"{tag}: torch.sort(X, 0) trimmed mean 0.2",
+           bench(lambda: torch.sort(x, 0).values[k:m - k].mean(0)), read)
+    record("robust", f"{tag}: fastagg gram (float64 products)", bench(lambda: robust.gram(rows, "triton")),
+           m * d * 4)
+    record("robust", f"{tag}: torch X @ X.T (float32)", bench(lambda: x @ x.T), m * d * 4)
+    f = max(1, (m - 3) // 4)
+
+    def torch_krum():
+        g = (x @ x.T).double()
+        d2 = (g.diagonal()[:, None] + g.diagonal()[None, :] - 2 * g).fill_diagonal_(float("inf"))
+        best = torch.topk(d2, m - f - 2, dim=1, largest=False).values.sum(1).argmin()
+        return x[best].clone()
+
+    record("robust", f"{tag}: fastagg Krum(f={f}) round (gram + weighted sum)",
+           bench(lambda: robust.aggregate(x, robust.Krum(f), backend="triton")), 2 * m * d * 4 + 4 * d)
+    record("robust", f"{tag}: torch Krum (X @ X.T, topk, copy of the winner)", bench(torch_krum), m * d * 4)
+
+
+SECTIONS = {"copy": section_copy, "robust": section_robust, "feed": section_feed, "pageable": section_pageable, "queue": section_queue, "round": section_round,
             "apply": section_apply, "compile": section_compile, "sweep": section_sweep, "server": section_server,
             "client": section_client, "sim": section_sim}
 

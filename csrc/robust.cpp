@@ -35,7 +35,7 @@ namespace {
 constexpr int kLanes = 16;              // columns sorted side by side
 constexpr int64_t kSelectBlock = 4096;  // columns per parallel block (per-row squared-norm partials per block)
 constexpr int64_t kNetworkMax = 1024;   // more clients: each lane is sorted by std::sort instead
-constexpr int64_t kPrefetch = 256;      // elements ahead in each row (M rows are M streams; measured below)
+constexpr int64_t kPrefetch = 1024;     // elements ahead in each row (of 0, 256, 1024: the best here, ~5-10%)
 
 // Batcher's odd-even merge sort on n = 2^p >= M inputs: calls f(a, b) for each comparator (a < b: the minimum goes
 // to a), dropping those that touch b >= M.

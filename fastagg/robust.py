@@ -33,8 +33,8 @@ from .backends import reference, resolve
 from .passes import RoundStats, run_stats
 from .rows import Buffers, ClientRows, attach_base, client_rows, compute_dtype
 
-__all__ = ["TooFewClients", "Median", "TrimmedMean", "MeaMed", "Krum", "MultiKrum", "Bulyan", "GeometricMedian", "NormBound",
-           "RobustResult", "aggregate", "gram"]
+__all__ = ["TooFewClients", "Median", "TrimmedMean", "MeaMed", "Krum", "MultiKrum", "Bulyan", "GeometricMedian",
+           "NormBound", "RobustResult", "aggregate", "gram"]
 
 class TooFewClients(ValueError):
     """A rule's bound on the number of clients does not hold this round (Krum: M > 2f + 2; Bulyan: M >= 4f + 3)."""
@@ -79,7 +79,9 @@ def gram(rows: ClientRows, backend="auto") -> tuple[torch.Tensor, torch.Tensor]:
 def _select_coords(rows: ClientRows, selection: tuple, backend, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The coordinate-select pass: ``out[j]`` from the sorted values of coordinate j (``selection``: a rule's
     ``positions(M)``, ``(rule, first, count)``, see ``reference.select_sorted``); returns the clients' squared
-    norms and non-finite marks from the same read. More clients than the Triton kernel sorts in registers: the reference pass."""
+    norms and non-finite marks from the same read. More clients than the Triton kernel sorts in registers: the
+    reference pass (torch.sort over column blocks, on the same device)."""
+    backend = resolve(backend, rows.device) if isinstance(backend, str) else backend
     m = rows.num_clients
     sq = torch.empty(m, dtype=torch.float64, device=rows.device)
     bad = torch.zeros(m, dtype=torch.bool, device=rows.device)
@@ -432,7 +434,8 @@ def _robust_buffers(rows: ClientRows, rule: _Rule, res: RobustResult, p: torch.T
     return out
 
 
-def aggregate(deltas: Any, rule: _Rule, *, weights: Any = None, base: Any = None, backend: str = "auto") -> RobustResult:
+def aggregate(deltas: Any, rule: _Rule, *, weights: Any = None, base: Any = None,
+              backend: str = "auto") -> RobustResult:
     """``rule``'s robust estimate of the clients' update (any form :func:`fastagg.fedexp_step` accepts; with
     ``base`` the clients' full models, the updates formed against it block by block). Returns a
     :class:`RobustResult`; the inputs are never written."""

@@ -81,6 +81,41 @@ def test_fedexp_round_on_device(dtype, m, d, form):
         assert_close(a.cpu(), b, rtol=rtol, atol=atol, name=what)
 
 
+ROBUST_SHAPES = [(16, 1_000_003), (33, 70_001), (100, 20_001), (1000, 301)] if ON_GPU else [(5, 40)]
+ROBUST_DTYPES = [torch.float32, torch.bfloat16, torch.float64] if ON_GPU else [torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("form", ["matrix", "list", "per-layer"])
+@pytest.mark.parametrize("m,d", ROBUST_SHAPES, ids=[f"M{m}-d{d}" for m, d in ROBUST_SHAPES])
+@pytest.mark.parametrize("dtype", ROBUST_DTYPES, ids=str)
+def test_robust_passes_on_device(dtype, m, d, form):
+    """The coordinate-select pass (median, trimmed mean, MeaMed's window) and the Gram pass on the device against
+    the reference backend on float64 copies; full models against a base included."""
+    from fastagg import robust
+    from fastagg.rows import attach_base, client_rows
+
+    deltas = 0.1 * _randn(m, d, seed=3, dtype=dtype)
+    base = _randn(d, seed=4, dtype=dtype)
+    for with_base in (False, True):
+        x = (deltas + base) if with_base else deltas
+        rows = client_rows(_forms(x.to(DEVICE), form), name="deltas")
+        ref_rows = client_rows(x.double() if not with_base else x, name="deltas")
+        if with_base:
+            rows, _ = attach_base(rows, _layers(base.to(DEVICE), "per-layer" if form == "per-layer" else "flat"))
+            ref_rows, _ = attach_base(ref_rows, base)
+        for rule in (robust.Median(), robust.TrimmedMean(0.2), robust.MeaMed(m // 4)):
+            got = torch.empty(d, dtype=torch.float64, device=DEVICE)
+            want = torch.empty(d, dtype=torch.float64)
+            sq, bad = robust._select_coords(rows, rule.positions(m), "triton", got)
+            robust._select_coords(ref_rows, rule.positions(m), "reference", want)
+            assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12, name=f"{rule} base={with_base}")
+            assert not bad.any()
+        g, bad = robust.gram(rows, "triton")
+        g_ref, _ = robust.gram(ref_rows, "reference")
+        assert_close(g.cpu(), g_ref, rtol=1e-11, atol=1e-9, name=f"gram base={with_base}")
+        assert torch.equal(g, g.T) and not bad.any()
+
+
 SERVER_CASES = {
     "FedAvg": dict(lr=0.7), "FedAvgM": dict(lr=0.5, momentum=0.9, nesterov=True), "FedExP": dict(eps=1e-3),
     "FedExPM": dict(eps=1e-3, beta=0.9), "FedACG": dict(lam=0.85), "FedAdam": dict(lr=0.1, tau=1e-3),

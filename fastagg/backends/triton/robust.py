@@ -20,7 +20,7 @@ from ...rows import ClientRows
 from .launch import address_table, interpreting, segment_tables, _pow2_at_least
 from .round_stats import _finalize, _row_table
 
-MAX_SELECT_CLIENTS = 1024  # more clients: fastagg.robust sorts column blocks with torch (reference.coord_select)
+MAX_SELECT_CLIENTS = 256  # more clients: fastagg.robust sorts column blocks with torch (reference.coord_select)
 
 
 @triton.jit
