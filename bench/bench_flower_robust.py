@@ -4,8 +4,9 @@ Krum, MultiKrum, Bulyan; M = 16 clients (FASTAGG_BENCH_M), d = 2 x 10^6 float32 
     python bench/bench_flower_robust.py      # time (interleaved, medians of 5 rounds) next to a plain read
 
 Time: ``configure_train`` + ``aggregate_train`` of each strategy, alternated round after round in one process, and a
-plain read of the same reply bytes. fastagg's robust rules are its first version here (coordinate selection and
-Gram matrix in plain torch over column blocks; the estimate in the fused weighted-sum pass).
+plain read of the same reply bytes. fastagg's side: the fused coordinate-select pass (FedMedian, FedTrimmedAvg,
+Bulyan's last step) and the Gram pass (the Krum family, Bulyan's selection), the estimate in the fused
+weighted-sum pass (csrc/robust.cpp). bench/bench_robust.py times the rules themselves.
 """
 from __future__ import annotations
 
