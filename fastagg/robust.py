@@ -34,7 +34,7 @@ from .passes import RoundStats, run_stats
 from .rows import Buffers, ClientRows, attach_base, client_rows, compute_dtype
 
 __all__ = ["TooFewClients", "Median", "TrimmedMean", "MeaMed", "Krum", "MultiKrum", "Bulyan", "GeometricMedian",
-           "NormBound", "RobustResult", "aggregate", "gram"]
+           "NormBound", "CenteredClipping", "RobustResult", "aggregate", "gram"]
 
 class TooFewClients(ValueError):
     """A rule's bound on the number of clients does not hold this round (Krum: M > 2f + 2; Bulyan: M >= 4f + 3)."""
@@ -45,7 +45,8 @@ class RobustResult:
     """One robust round: the ``estimate`` [d] (compute dtype), which clients entered it (``selected``, bool [M]),
     which were left out as non-finite (``excluded``), per-client squared norms (NaN for the excluded), the rule's
     per-client ``scores`` (Krum's; None for other rules), the coefficients of the final weighted sum
-    (``coefs``, None for coordinate-wise rules), ``clipped`` (NormBound: how many updates were scaled) and, for the
+    (``coefs``, None for coordinate-wise rules), ``clipped`` (NormBound, CenteredClipping: how many updates were
+    scaled) and, for the
     whole-update rules, the clients' pairwise squared ``distances``."""
 
     estimate: torch.Tensor
@@ -313,7 +314,35 @@ class NormBound(_Rule):
         self.max_norm = check_number(max_norm, "max_norm", minimum=0.0, allow_equal=False)
 
 
-RULES = (Median, TrimmedMean, MeaMed, Krum, MultiKrum, Bulyan, GeometricMedian, NormBound)
+class CenteredClipping(_Rule):
+    """Centered clipping (Karimireddy, He and Jaggi, ICML 2021, "Learning from History for Byzantine Robust
+    Optimization"): ``iters`` times ``v <- v + sum_i a_i min(1, tau / ||delta_i - v||) (delta_i - v)``
+    (``a_i`` the normalized weights; the paper's 1/M when unweighted). The paper starts from the server's momentum;
+    here ``v_0 = 0``, so the first iteration is ``NormBound(tau)`` and the later ones re-center on the clipped
+    estimate. ``v`` stays a combination of the updates, so every iteration runs on the M x M Gram matrix alone and
+    the estimate is one weighted sum. ``clipped`` reports the last iteration's count."""
+
+    weighted = True
+
+    def __init__(self, tau: float, iters: int = 3):
+        self.tau = check_number(tau, "tau", minimum=0.0, allow_equal=False)
+        if not isinstance(iters, int) or isinstance(iters, bool) or iters < 1:
+            raise ValueError(f"iters must be an integer >= 1, got {iters!r}")
+        self.iters = iters
+
+    def coefficients(self, g: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, int]:
+        c = torch.zeros_like(a)
+        clipped = 0
+        for _ in range(self.iters):
+            gc = g @ c
+            dist = (g.diagonal() - 2 * gc + c @ gc).clamp_min(0).sqrt()  # ||delta_i - v|| from G alone
+            s = torch.clamp(self.tau / dist.clamp_min(1e-300), max=1.0)
+            clipped = int((s < 1).sum())
+            c = c * (1 - (a * s).sum()) + a * s
+        return c, clipped
+
+
+RULES = (Median, TrimmedMean, MeaMed, Krum, MultiKrum, Bulyan, GeometricMedian, NormBound, CenteredClipping)
 
 
 # -- a round -----------------------------------------------------------------------------------------------------
@@ -375,6 +404,8 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
         c[chosen] = w / w.sum()
     elif isinstance(rule, GeometricMedian):
         c = rule.coefficients(g, a)
+    elif isinstance(rule, CenteredClipping):
+        c, clipped = rule.coefficients(g, a)
     else:  # NormBound
         norms = g.diagonal().clamp_min(0).sqrt()
         scale = torch.clamp(rule.max_norm / norms.clamp_min(1e-300), max=1.0)
@@ -414,7 +445,7 @@ def _robust_buffers(rows: ClientRows, rule: _Rule, res: RobustResult, p: torch.T
     """The model's buffers (BatchNorm statistics, counters) by the same rule as the updates: a coordinate-wise rule
     (and Bulyan's last step) applies to each buffer element over the clients it kept (Flower's FedMedian takes
     the median of every array, statistics included); the whole-update rules average the buffers of the clients
-    they selected, weighted as the estimate (NormBound: unclipped). Returned as what ``passes.buffer_updates``
+    they selected, weighted as the estimate (NormBound, CenteredClipping: unclipped). Returned as what ``passes.buffer_updates``
     takes for sums: the new value of a floating buffer sent by full models, else the change (integer buffers:
     the advance)."""
     models = rows.base is not None
@@ -428,7 +459,8 @@ def _robust_buffers(rows: ClientRows, rule: _Rule, res: RobustResult, p: torch.T
         if rule.coordinatewise or isinstance(rule, Bulyan):  # (Bulyan: its last step)
             est = reference.select_sorted(torch.sort(vals.T, dim=1).values, *rule.positions(len(kept)))
         else:
-            w = (p if res.coefs is None or isinstance(rule, NormBound) else res.coefs)[kept].to(torch.float64)
+            w = (p if res.coefs is None or isinstance(rule, (NormBound, CenteredClipping)) else res.coefs)[kept]
+            w = w.to(torch.float64)
             est = (w[:, None] * vals).sum(dim=0) / w.sum()
         out.append(est.reshape(values[0].shape))
     return out

@@ -225,7 +225,8 @@ def test_fuzz_server_optimizers(backend, data):
 ROBUST_RULES = [lambda f: robust.Median(), lambda f: robust.Median(even="lower"), lambda f: robust.TrimmedMean(0.25),
                 lambda f: robust.MeaMed(f), lambda f: robust.Krum(f), lambda f: robust.MultiKrum(f),
                 lambda f: robust.Bulyan(f), lambda f: robust.Bulyan(f, selection="multikrum"),
-                lambda f: robust.GeometricMedian(), lambda f: robust.NormBound(0.5)]
+                lambda f: robust.GeometricMedian(), lambda f: robust.NormBound(0.5),
+                lambda f: robust.CenteredClipping(0.5)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

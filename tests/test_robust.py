@@ -117,6 +117,14 @@ def test_krum_family_and_geometric_median_equal_their_float64_oracle(form, backe
     want = ((w / w.sum() * np.minimum(1, 0.3 / norms))[:, None] * x32).sum(0)
     np.testing.assert_allclose(nb.estimate.double().numpy(), want, atol=1e-6)
     assert nb.clipped == int((norms > 0.3).sum())
+    cc = robust.aggregate(deltas, robust.CenteredClipping(0.3, iters=4), weights=w, base=base, backend=backend)
+    v, a = np.zeros(x32.shape[1]), w / w.sum()
+    for _ in range(4):  # the paper's iteration on the stacked updates
+        dist = np.linalg.norm(x32 - v, axis=1)
+        v = v + ((a * np.minimum(1, 0.3 / dist))[:, None] * (x32 - v)).sum(0)
+    np.testing.assert_allclose(cc.estimate.double().numpy(), v, atol=1e-6)
+    assert cc.clipped == int((dist > 0.3).sum())
+    assert np.linalg.norm(v - x32[[0, 5]].mean(0)) > np.linalg.norm(v - np.delete(x32, [0, 5], 0).mean(0))
 
 
 def test_bulyan_equals_the_papers_iterated_krum_then_trimmed_coordinates():
@@ -159,6 +167,8 @@ def test_bad_arguments_are_refused_before_anything():
         (lambda: robust.MultiKrum(1, num_selected=20), ValueError, "num_selected=20 but only 11"),
         (lambda: robust.Krum(-1), ValueError, "num_malicious must be an integer >= 0"),
         (lambda: robust.GeometricMedian(nu=0), ValueError, "nu must be"),
+        (lambda: robust.CenteredClipping(0.0), ValueError, "tau must be"),
+        (lambda: robust.CenteredClipping(1.0, iters=0), ValueError, "iters must be"),
     ]:
         with pytest.raises(err, match=text):
             robust.aggregate(x, make())

@@ -35,7 +35,8 @@ ALGORITHMS = {
 # Byzantine-robust servers: FedAvg's step on a fastagg.robust estimate (the rule from the name, or from any
 # algorithm's ``aggregate=`` setting: ``fedadam:aggregate=median``)
 ROBUST = {"fedmedian": "median", "fedtrimmedavg": "trimmed-mean", "meamed": "meamed", "krum": "krum",
-          "multikrum": "multikrum", "bulyan": "bulyan", "geomed": "geomed", "normbound": "normbound"}
+          "multikrum": "multikrum", "bulyan": "bulyan", "geomed": "geomed", "normbound": "normbound",
+          "cclip": "cclip"}
 for _name in ROBUST:
     ALGORITHMS[_name] = ("sgd", server.FedAvg, lambda c: dict(lr=_or(c.server_lr, 1.0)))
 AGGREGATES = tuple(ROBUST.values())
@@ -47,7 +48,8 @@ UNWEIGHTED = {"fedsps", "feddecsps"}
 
 def robust_rule(kind: str | None, config):
     """The fastagg.robust rule ``kind`` with the run's settings: ``f`` (the attackers a rule assumes; default the
-    malicious fraction of a round's participants), ``beta`` (trimmed mean), ``max_norm`` (norm bounding)."""
+    malicious fraction of a round's participants), ``beta`` (trimmed mean), ``max_norm`` (norm bounding; centered
+    clipping's tau)."""
     if kind is None:
         return None
     from .. import robust
@@ -59,7 +61,8 @@ def robust_rule(kind: str | None, config):
     rules = {"median": lambda: robust.Median(), "trimmed-mean": lambda: robust.TrimmedMean(config.beta),
              "meamed": lambda: robust.MeaMed(f), "krum": lambda: robust.Krum(f),
              "multikrum": lambda: robust.MultiKrum(f), "bulyan": lambda: robust.Bulyan(f),
-             "geomed": lambda: robust.GeometricMedian(), "normbound": lambda: robust.NormBound(config.max_norm)}
+             "geomed": lambda: robust.GeometricMedian(), "normbound": lambda: robust.NormBound(config.max_norm),
+             "cclip": lambda: robust.CenteredClipping(config.max_norm)}
     if kind not in rules:
         raise ValueError(f"unknown aggregate {kind!r}{did_you_mean(kind, rules)}; choose one of {', '.join(rules)}")
     return rules[kind]()

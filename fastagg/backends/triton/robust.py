@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ...rows import ClientRows
-from .launch import address_table, interpreting, segment_tables, _pow2_at_least
+from .launch import _pow2_at_least, address_table, block_columns, interpreting, segment_tables
 from .round_stats import _finalize, _row_table
 
 MAX_SELECT_CLIENTS = 256  # more clients: fastagg.robust sorts column blocks with torch (reference.coord_select)
@@ -28,17 +28,7 @@ def _select_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, s
                    M, first, count, NEAREST: tl.constexpr, HAS_BASE: tl.constexpr, SINGLE: tl.constexpr,
                    V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    if SINGLE:
-        seg = pid * 0
-        start = pid * BLOCK_D
-        off = pid * 0
-    else:
-        seg = tl.load(block_seg + pid)
-        start = tl.load(block_start + pid)
-        off = tl.load(seg_off + seg)
-    n = tl.load(seg_len + seg)
-    cols = start + tl.arange(0, BLOCK_D).to(tl.int64)
-    cmask = cols < n
+    seg, start, cols, full, cmask, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, 1)
     ms = tl.arange(0, BLOCK_M).to(tl.int64)
     mmask = ms < M
     rptr = tl.load(row_ptrs + seg * M + ms, mask=mmask, other=0).to(tl.pointer_type(like.dtype.element_ty))
