@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>  // integer_sequence
 #include <vector>
@@ -141,8 +142,11 @@ inline void sort_tile(V* tile, int64_t M, const Network& net, std::vector<V>& sc
   }
   if (M > kNetworkMax) {
     for (int w = 0; w < kLanes; ++w) {
-      for (int64_t i = 0; i < M; ++i) scratch[i] = tile[i * kLanes + w];
-      std::sort(scratch.begin(), scratch.begin() + M);  // the rows are finite when this result is used
+      for (int64_t i = 0; i < M; ++i) {  // NaN as +inf: std::sort needs a strict weak order (a NaN breaks it and
+        const V v = tile[i * kLanes + w];  // may send the sort outside the range); a round with one is redone anyway
+        scratch[i] = v == v ? v : std::numeric_limits<V>::infinity();
+      }
+      std::sort(scratch.begin(), scratch.begin() + M);
       for (int64_t i = 0; i < M; ++i) tile[i * kLanes + w] = scratch[i];
     }
     return;

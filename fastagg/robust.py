@@ -46,8 +46,7 @@ class RobustResult:
     which were left out as non-finite (``excluded``), per-client squared norms (NaN for the excluded), the rule's
     per-client ``scores`` (Krum's; None for other rules), the coefficients of the final weighted sum
     (``coefs``, None for coordinate-wise rules), ``clipped`` (NormBound, CenteredClipping: how many updates were
-    scaled) and, for the
-    whole-update rules, the clients' pairwise squared ``distances``."""
+    scaled) and, for the whole-update rules, the clients' pairwise squared ``distances``."""
 
     estimate: torch.Tensor
     selected: torch.Tensor

@@ -64,7 +64,7 @@ def _select(rows, backend, rule, first, count, out_dtype=torch.float32):
 
 
 CLIENTS = [1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 33, 100]
-INTERPRETED_CLIENTS = [1, 2, 3, 5, 8, 17, 33]  # the Triton interpreter: a reduced set (each program costs ms)
+INTERPRETED_CLIENTS = [1, 2, 3, 5, 17]  # the Triton interpreter: a reduced set (each program costs ms)
 
 
 @pytest.mark.parametrize("backend, m", [(b, m) for b in cpu_backends()
@@ -159,6 +159,22 @@ def test_cpu_coord_select_past_the_sorting_network():
     np.testing.assert_allclose(out.double().numpy(), _oracle(x.double().numpy(), "window", 514, 2), rtol=1e-6)
     out, _, _ = _select(_rows(x), "cpu", "nearest", 0, 1000)
     np.testing.assert_allclose(out.double().numpy(), _oracle(x.double().numpy(), "nearest", 0, 1000), rtol=1e-6)
+
+
+def test_cpu_select_past_the_network_with_nan_and_inf_clients():
+    """std::sort needs a strict weak order, which NaN breaks (and may then read outside the range): the pass marks
+    the clients and a robust rule leaves them out; the estimate is the finite clients'."""
+    x = torch.randn(1030, 37, generator=torch.Generator().manual_seed(6))
+    x[[3, 500], 5] = float("nan")
+    x[7, :] = float("nan")
+    x[9, 2] = float("-inf")
+    _, _, bad = _select(_rows(x), "cpu", "window", 514, 2)
+    assert sorted(bad.nonzero().flatten().tolist()) == [3, 7, 9, 500]
+    res = robust.aggregate(x, robust.Median(), backend="cpu")
+    keep = [i for i in range(1030) if i not in (3, 7, 9, 500)]
+    want = np.median(x[keep].double().numpy(), axis=0)
+    np.testing.assert_allclose(res.estimate.double().numpy(), want, rtol=1e-6)
+    assert res.excluded.nonzero().flatten().tolist() == [3, 7, 9, 500]
 
 
 def test_cpu_robust_passes_are_bit_identical_for_any_thread_count(tmp_path):
