@@ -285,7 +285,11 @@ class GeometricMedian(_Rule):
         self.tol = check_number(tol, "tol")
 
     def coefficients(self, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        c = a / a.sum()
+        # start from the medoid (the update of least weighted distance to the others), not the mean: one client
+        # sending 1e38 puts the mean so far out that max_iter iterations do not come back
+        d2 = (g.diagonal()[:, None] + g.diagonal()[None, :] - 2 * g).clamp_min(0)
+        c = torch.zeros_like(a)
+        c[int(torch.argmin(d2.sqrt() @ a))] = 1.0
 
         def dists(c):  # ||z - delta_j|| with z = sum_i c_i delta_i, from G alone
             gc = g @ c
