@@ -6,11 +6,14 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "kernels.h"
+#include "noise.h"
+#include "segments.h"
 #include "views.h"
 
 #ifdef _OPENMP
@@ -123,7 +126,10 @@ RowsArg rows_of(py::handle rows, py::handle base, const std::vector<int64_t>& se
 
 void checked_round_stats(py::handle rows, py::handle base, const std::vector<int64_t>& seg_lens, py::handle weights,
                  py::handle mean_init, py::handle aux, double aux_coef, py::handle mean_out, py::handle sq_norms_out,
-                 py::handle nonfinite_out, py::handle mean_sq_out) {
+                 py::handle nonfinite_out, py::handle mean_sq_out, double noise_sigma, uint64_t noise_seed,
+                 uint64_t noise_round) {
+  if (!(noise_sigma >= 0) || !std::isfinite(noise_sigma))
+    value_error("round_stats: noise_sigma must be a finite number >= 0, got " + std::to_string(noise_sigma));
   const RowsArg r = rows_of(rows, base, seg_lens, "round_stats");
   const int64_t L = static_cast<int64_t>(seg_lens.size()), M = r.M, d = r.d;
   View w = flat_view(weights, "weights", kF64, M);
@@ -156,8 +162,37 @@ void checked_round_stats(py::handle rows, py::handle base, const std::vector<int
   a.sq_norms_out = reinterpret_cast<double*>(sq.data);
   a.nonfinite_out = reinterpret_cast<uint8_t*>(bad.data);
   a.mean_sq_out = reinterpret_cast<double*>(msq.data);
+  a.noise_sigma = noise_sigma;
+  a.noise_seed = noise_seed;
+  a.noise_round = noise_round;
   py::gil_scoped_release release;
   fastagg::round_stats(a);
+}
+
+// ---- Gaussian noise (noise.h) --------------------------------------------------------------------------------
+
+void checked_gaussian_noise(py::handle out, uint64_t seed, uint64_t round, int64_t first) {
+  View o = view_of(out, "out", kAnyFloat);
+  if (o.kind != kF32) type_error("gaussian_noise: out must be float32");
+  o = flat_view(out, "out", kF32, o.numel());
+  if (first < 0) value_error("gaussian_noise: first must be >= 0, got " + str(first));
+  float* data = reinterpret_cast<float*>(o.data);
+  const int64_t n = o.numel();
+  py::gil_scoped_release release;
+  constexpr int64_t kChunk = 1 << 16;  // chunks fixed by size: the same values for any thread count
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) num_threads(threads_for(n * 16))  // ~3 ns an element: weigh it as 16 bytes
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t lo = c * kChunk, len = std::min(kChunk, n - lo);
+    fastagg::gaussian_fill(seed, round, first + lo, len, data + lo);
+  }
+}
+
+std::vector<uint32_t> checked_philox(const std::vector<uint32_t>& counter, const std::vector<uint32_t>& key) {
+  if (counter.size() != 4 || key.size() != 2) value_error("philox4x32_10: counter must have 4 words and key 2");
+  std::vector<uint32_t> out(4);
+  fastagg::philox4x32_10(counter.data(), key.data(), out.data());
+  return out;
 }
 
 // ---- robust passes ------------------------------------------------------------------------------------------
@@ -452,6 +487,8 @@ void checked_local_step(int64_t M, int64_t d, py::handle x, py::handle g, py::ha
 PYBIND11_MODULE(FASTAGG_MODULE, m) {
   m.doc() = "fastagg compiled CPU kernels (OpenMP). Use fastagg.ops, not this module.";
   m.def("round_stats", &checked_round_stats);
+  m.def("gaussian_noise", &checked_gaussian_noise);
+  m.def("philox4x32_10", &checked_philox);
   m.def("coord_select", &checked_coord_select);
   m.def("gram", &checked_gram);
   m.def("momentum_apply", &checked_momentum_apply);

@@ -22,6 +22,9 @@ struct StatsArgs {
   double* sq_norms_out;       // [M]
   uint8_t* nonfinite_out;     // [M]
   double* mean_sq_out;        // [1]
+  double noise_sigma;         // > 0: mean[j] += noise_sigma * N_j(noise_seed, noise_round) as it is written (noise.h)
+  uint64_t noise_seed;
+  uint64_t noise_round;
 };
 
 struct MomentumArgs {

@@ -10,6 +10,8 @@
 // runs on every element (measured, bench/RESULTS.md), the check costs nothing. Its mirror image: a float32 block sum
 // below 2^-80 may have lost squares to underflow (values below ~1e-19 square to subnormals, below ~1e-23 to zero),
 // so such a block (tiny values, or zeros) is summed again in float64 too.
+// With noise (differential privacy), each block of the mean gets its Gaussian noise (noise.h) right after its last
+// fold wrote it, while it is in cache, and ||mean||^2 is that of the noised mean.
 #include "kernels.h"
 
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "noise.h"
 #include "segments.h"
 
 namespace fastagg {
@@ -125,9 +128,11 @@ void round_stats_impl(const StatsArgs& a) {
   int64_t numel = 0;
   for (int64_t s = 0; s < a.num_segments; ++s) numel += a.seg_len[s];
   const int64_t bytes = numel * (M * static_cast<int64_t>(sizeof(T)) + (HasBase ? sizeof(T) : 0) + 2 * sizeof(C));
+  const bool noisy = a.noise_sigma > 0;
 #pragma omp parallel num_threads(threads_for(bytes))
   {
     std::vector<C> acc_buf(kStatsBlock);
+    std::vector<float> noise_buf(noisy ? kStatsBlock : 0);
     std::vector<C> w(M);
     std::vector<const T*> x(M);
     for (int64_t i = 0; i < M; ++i) w[i] = static_cast<C>(a.weights[i]);
@@ -151,13 +156,13 @@ void round_stats_impl(const StatsArgs& a) {
       const int64_t M4 = M / 4 * 4;
       for (; i < M4; i += 4) {
         const bool last = i + 4 == M;
-        fold<T, C, HasBase, 4>(i == 0, last && !a.aux, x.data() + i, w.data() + i, base, acc, last ? mean : acc,
+        fold<T, C, HasBase, 4>(i == 0, last && !a.aux && !noisy, x.data() + i, w.data() + i, base, acc, last ? mean : acc,
                                start, n, sq, &msq);
         for (int r = 0; r < 4; ++r) part_sq[b * M + i + r] = sq[r];
       }
       for (; i < M; ++i) {
         const bool last = i + 1 == M;
-        fold<T, C, HasBase, 1>(i == 0, last && !a.aux, x.data() + i, w.data() + i, base, acc, last ? mean : acc,
+        fold<T, C, HasBase, 1>(i == 0, last && !a.aux && !noisy, x.data() + i, w.data() + i, base, acc, last ? mean : acc,
                                start, n, sq, &msq);
         part_sq[b * M + i] = sq[0];
       }
@@ -170,6 +175,21 @@ void round_stats_impl(const StatsArgs& a) {
         part_bad[b * M + i] = has_nonfinite<T, C, HasBase>(x[i], base, n);
         if (!part_bad[b * M + i]) part_sq[b * M + i] = sq_norm_f64<T, C, HasBase>(x[i], base, n);
       }
+      if (noisy) {
+        float* z = noise_buf.data();
+        gaussian_fill(a.noise_seed, a.noise_round, col0, n, z);
+        const C sigma = static_cast<C>(a.noise_sigma);
+        if (a.aux) {
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) mean[j] += sigma * static_cast<C>(z[j]);
+        } else {
+#pragma omp simd reduction(+ : msq)
+          for (int64_t j = 0; j < n; ++j) {
+            mean[j] += sigma * static_cast<C>(z[j]);
+            msq += double(mean[j]) * double(mean[j]);
+          }
+        }
+      }
       if (a.aux) {  // ||mean + aux_coef * aux||^2 over the block just written (in cache): FedExP-M's momentum
         const C* aux = static_cast<const C*>(a.aux) + col0;
         const C c = static_cast<C>(a.aux_coef);
@@ -178,7 +198,7 @@ void round_stats_impl(const StatsArgs& a) {
           const double u = double(mean[j] + c * aux[j]);
           msq += u * u;
         }
-      } else if (M == 0) {
+      } else if (M == 0 && !noisy) {
 #pragma omp simd reduction(+ : msq)
         for (int64_t j = 0; j < n; ++j) msq += double(mean[j]) * double(mean[j]);
       }

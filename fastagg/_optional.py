@@ -6,7 +6,7 @@ import importlib.util
 import sys
 
 
-_PACKAGES = {"sklearn": "scikit-learn"}  # import name -> the name pip installs
+_PACKAGES = {"sklearn": "scikit-learn", "dp_accounting": "dp-accounting"}  # import name -> the name pip installs
 
 
 class MissingDependency(ImportError):

@@ -48,16 +48,19 @@ def round_dtype(rows_dtype: torch.dtype, params_dtype: torch.dtype | None = None
 
 
 def run_stats(rows: ClientRows, coefs: torch.Tensor, backend, *, mean_init=None, aux=None, aux_coef: float = 0.0,
-              mean_out: torch.Tensor | None = None, mean_dtype: torch.dtype | None = None):
-    """One stats pass: ``(mean, sq_norms, nonfinite, mean_sq)`` with ``mean = init + sum_i coefs_i x_i``."""
+              mean_out: torch.Tensor | None = None, mean_dtype: torch.dtype | None = None, noise: tuple | None = None):
+    """One stats pass: ``(mean, sq_norms, nonfinite, mean_sq)`` with ``mean = init + sum_i coefs_i x_i``
+    (``noise = (sigma, seed, round)``: plus ``sigma`` times fastagg.privacy's Gaussian noise, added as the mean is
+    written; ``mean_sq`` is then the noised mean's)."""
     dev = rows.device
     if mean_out is None:
         mean_out = _buffers.empty(rows.numel, mean_dtype or compute_dtype(rows.dtype), dev)
     sq = torch.empty(rows.num_clients, dtype=torch.float64, device=dev)
     bad = torch.empty(rows.num_clients, dtype=torch.bool, device=dev)
     msq = torch.empty((), dtype=torch.float64, device=dev)
+    kw = {} if noise is None else {"noise": noise}  # (backends wrapped by fastagg.testing take the same keywords)
     backend.round_stats(rows=rows, weights=coefs, mean_init=mean_init, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
-                        sq_norms_out=sq, nonfinite_out=bad, mean_sq_out=msq)
+                        sq_norms_out=sq, nonfinite_out=bad, mean_sq_out=msq, **kw)
     return mean_out, sq, bad, msq
 
 

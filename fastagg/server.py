@@ -54,6 +54,7 @@ class StepStats:
     num_clients: int
     overflowed: torch.Tensor | None = None  # int32 [1]: elements left unchanged because their new value overflowed
     robust: Any = None  # with aggregate=: the round's fastagg.robust.RobustResult (selected, excluded, scores, ...)
+    #                     or fastagg.privacy.DPResult (clipping norm, noise std, clipped, epsilon, ...)
 
 
 def _per_client(stats) -> torch.Tensor:
@@ -303,14 +304,15 @@ class ServerOptimizer(torch.optim.Optimizer):
             raise ValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
         self.buffers = buffers
         if aggregate is not None:
-            from . import robust
+            from . import privacy, robust
 
-            if not isinstance(aggregate, robust.RULES):
+            if not isinstance(aggregate, robust.RULES + privacy.MECHANISMS):
                 raise TypeError(f"aggregate must be a fastagg.robust rule ({', '.join(r.__name__ for r in robust.RULES)})"
+                                f" or a fastagg.privacy mechanism ({', '.join(r.__name__ for r in privacy.MECHANISMS)})"
                                 f", got {type(aggregate).__name__}")
             if group is not None:
-                raise ValueError("aggregate= with group=: robust rules need every client's update on one rank (not "
-                                 "yet across ranks); gather the updates first")
+                raise ValueError("aggregate= with group=: robust rules and DP mechanisms need every client's update on "
+                                 "one rank (not yet across ranks); gather the updates first")
         self.aggregate = aggregate
         self._robust = None
         if isinstance(params, Iterator):  # model.parameters(), model.named_parameters()
@@ -762,16 +764,23 @@ class ServerOptimizer(torch.optim.Optimizer):
     def _robust_stats(self, deltas: Any, weights: Any, name: str, base: Any, sign: float) -> RoundStats:
         """The round's statistics with the robust rule's estimate as the mean (fastagg.robust.robust_stats); the
         non-finite clients it left out are reported in ``last_stats.robust``, not raised on."""
+        from .privacy.mechanisms import MECHANISMS, dp_stats
         from .robust import robust_stats
 
         if isinstance(deltas, Accumulator):
             raise TypeError(f"aggregate={self.aggregate!r} needs every client's update; an Accumulator keeps only "
                             "their sum")
         rows = self._rows(deltas, weights, name, base)
-        stats, self._robust = robust_stats(rows, weights, self.aggregate, self._backend,
+        if isinstance(self.aggregate, MECHANISMS):
+            stats, self._robust = dp_stats(rows, weights, self.aggregate, self._backend,
                                            name="models" if base is not None else name,
                                            mean_out=self._mean_buffer(name, self._cdt, rows.numel),
-                                           mean_dtype=self._cdt, model_buffers=self._p.buffers)
+                                           mean_dtype=self._cdt)
+        else:
+            stats, self._robust = robust_stats(rows, weights, self.aggregate, self._backend,
+                                               name="models" if base is not None else name,
+                                               mean_out=self._mean_buffer(name, self._cdt, rows.numel),
+                                               mean_dtype=self._cdt, model_buffers=self._p.buffers)
         aux, aux_coef = self._aux()
         if aux is not None:  # FedExP-M measures ||mean + beta v||^2
             v = stats.mean.to(torch.float64) + sign * aux_coef * aux.to(torch.float64)

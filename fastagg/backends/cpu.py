@@ -74,12 +74,21 @@ def _segments(parts) -> list:
 
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
                 aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
-                nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
+                nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor, noise=None) -> None:
+    sigma, seed, rnd = (0.0, 0, 0) if noise is None else noise
     compiled().round_stats(
         _rows(rows), None if rows.base is None else _segments(rows.base), list(rows.segments.lens), _dl(weights),
         _dl(mean_init), _dl(aux), float(aux_coef), _dl(mean_out), _dl(sq_norms_out), _dl(nonfinite_out),
-        _dl(mean_sq_out),
+        _dl(mean_sq_out), float(sigma), int(seed), int(rnd),
     )
+
+
+def gaussian_noise(*, out: torch.Tensor, seed: int, round: int, first: int = 0) -> None:
+    compiled().gaussian_noise(_dl(out), int(seed), int(round), int(first))
+
+
+def philox4x32_10(counter, key) -> list:
+    return compiled().philox4x32_10(list(counter), list(key))
 
 
 SELECT_RULES = {"window": 0, "nearest": 1}

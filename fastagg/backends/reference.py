@@ -19,13 +19,65 @@ def _finite_in(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.isfinite(values.to(dtype))
 
 
+# -- counter-based Gaussian noise (the definition: csrc/noise.h) ---------------------------------------------------
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key schedule increments
+_U32 = 0xFFFFFFFF
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of ``a * b`` for uint32 values held in int64 (16-bit halves: no int64 overflow)."""
+    t = a * (b & 0xFFFF)
+    u = a * (b >> 16) + (t >> 16)
+    return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
+
+
+def philox4x32_10(counter: tuple, key: tuple) -> tuple:
+    """Philox4x32-10 (Salmon et al., SC'11) of int64 tensors holding uint32 words: ``counter`` 4 tensors (or
+    ints), ``key`` 2 ints. Returns the 4 output words."""
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
+    k0, k1 = int(key[0]) & _U32, int(key[1]) & _U32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(_PHILOX_M[0], c0)
+        hi1, lo1 = _mulhilo(_PHILOX_M[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _PHILOX_W[0]) & _U32, (k1 + _PHILOX_W[1]) & _U32
+    return c0, c1, c2, c3
+
+
+def gaussian(n: int, *, seed: int, round: int, first: int = 0, device="cpu") -> torch.Tensor:
+    """The N(0, 1) noise of flat coordinates ``first .. first + n - 1`` (float32): Philox4x32-10 words of counter
+    ``(j // 4, round)`` and key ``seed``, then Box-Muller in float64 on the float32 uniforms
+    ``u1 = x0 2^-32 + 2^-33``, ``u2 = x1 2^-32`` (and x2, x3): the exact transform the other backends
+    approximate in float32."""
+    b0, b1 = first // 4, (first + n + 3) // 4
+    blocks = torch.arange(b0, b1, dtype=torch.int64, device=device)
+    zero = torch.zeros_like(blocks)
+    words = philox4x32_10((blocks & _U32, blocks >> 32, zero + (round & _U32), zero + (round >> 32)),
+                          (seed & _U32, seed >> 32))
+    out = []
+    for a, b in ((words[0], words[1]), (words[2], words[3])):
+        u1 = a.to(torch.float32) * 2.0 ** -32 + 2.0 ** -33  # float32 arithmetic, as every backend rounds it
+        u2 = b.to(torch.float32) * 2.0 ** -32
+        r = torch.sqrt(-2.0 * torch.log(u1.double()))
+        theta = 2.0 * torch.pi * u2.double()
+        out += [r * torch.cos(theta), r * torch.sin(theta)]
+    z = torch.stack(out, dim=1).reshape(-1).to(torch.float32)
+    return z[first - 4 * b0: first - 4 * b0 + n]
+
+
+def gaussian_noise(*, out: torch.Tensor, seed: int, round: int, first: int = 0) -> None:
+    out.copy_(gaussian(out.numel(), seed=seed, round=round, first=first, device=out.device).view_as(out))
+
+
 @torch.no_grad()
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
                 aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
-                nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
+                nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor, noise=None) -> None:
     """One read of the client rows (converted to the mean's dtype on load)::
 
         mean         = init + sum_i w_i (x_i - base)      (init: a running sum; base: full client models)
+                       [+ sigma z_j as it is written, z = gaussian(seed, round) when noise = (sigma, seed, round)]
         sq_norms[i]  = ||x_i - base||^2                   (squares and sums in float64)
         nonfinite[i] = x_i - base holds NaN or Inf
         mean_sq      = ||mean + aux_coef * aux||^2        (float64; aux optional: FedExP-M's ||mean + beta v||^2)
@@ -43,6 +95,10 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
         mean_out[off : off + n] = seg_mean
         sq += x.double().square().sum(dim=1)
         bad |= ~torch.isfinite(x).all(dim=1)
+    if noise is not None and noise[0] > 0:
+        sigma, seed, rnd = noise
+        z = gaussian(mean_out.numel(), seed=seed, round=rnd, device=mean_out.device)
+        mean_out += torch.tensor(sigma, dtype=cdt) * z.to(cdt)
     u = mean_out if aux is None else mean_out + aux_coef * aux
     mean_sq_out.copy_(u.double().square().sum())
     sq_norms_out.copy_(sq)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ...rows import ClientRows
+from .noise import normal_at
 from .launch import (address_table, addresses_aligned, block_columns, finalize_config, off_mult,
                      rows_aligned, scalar_table, segment_tables, stats_config, table_address)
 
@@ -68,8 +69,9 @@ def _stats_block(row_ptrs, seg, start, cmask, base, weights, acc, part_sq, part_
 @triton.jit
 def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, seg_off, weights, mean_init,
                         aux, aux_coef_ptr, mean_out,
-                        part_sq, part_bad, part_mean_sq, M,
-                        HAS_BASE: tl.constexpr, HAS_INIT: tl.constexpr, HAS_AUX: tl.constexpr, SINGLE: tl.constexpr,
+                        part_sq, part_bad, part_mean_sq, M, noise_seed, noise_round_lo, noise_round_hi,
+                        HAS_BASE: tl.constexpr, HAS_INIT: tl.constexpr, HAS_AUX: tl.constexpr, NOISE: tl.constexpr,
+                        SINGLE: tl.constexpr,
                         ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -86,10 +88,16 @@ def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_l
     if full:
         acc = _stats_block(row_ptrs, seg, start, cmask, base, weights, acc, part_sq, part_bad, pid, M, like,
                            HAS_BASE, ALIGNED, True, ACC, BLOCK_M, BLOCK_D)
+        if NOISE:  # differential privacy: the noise is added as the mean is written (sigma: aux_coef_ptr[1])
+            acc += tl.load(aux_coef_ptr + 1).to(ACC) * normal_at(off + cols, noise_seed, noise_round_lo,
+                                                                  noise_round_hi).to(ACC)
         tl.store(mean_out + off + cols, acc)
     else:
         acc = _stats_block(row_ptrs, seg, start, cmask, base, weights, acc, part_sq, part_bad, pid, M, like,
                            HAS_BASE, ALIGNED, False, ACC, BLOCK_M, BLOCK_D)
+        if NOISE:
+            acc += tl.load(aux_coef_ptr + 1).to(ACC) * normal_at(off + cols, noise_seed, noise_round_lo,
+                                                                  noise_round_hi).to(ACC)
         tl.store(mean_out + off + cols, acc, mask=cmask)
     if HAS_AUX:  # ||mean + aux_coef * aux||^2 (FedExP-M's momentum norm) instead of ||mean||^2
         acc += tl.load(aux_coef_ptr).to(ACC) * tl.load(aux + off + cols, mask=cmask, other=0.0).to(ACC)
@@ -161,8 +169,9 @@ def _row_table(rows: ClientRows, device: torch.device) -> tuple[torch.Tensor, bo
 
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
                 aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
-                nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor) -> None:
+                nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor, noise=None) -> None:
     device = mean_out.device
+    sigma, seed, rnd = (0.0, 0, 0) if noise is None else noise
     M = rows.num_clients
     cfg = stats_config(M, rows.numel, rows.dtype.itemsize)
     lens, offs, bseg, bstart, nb, single = segment_tables(rows.segments, cfg["BLOCK_D"], device)
@@ -182,9 +191,10 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
         _round_stats_kernel[(nb,)](
             row_ptrs, base_ptrs, rows.rows[0][0], bseg, bstart, lens, offs, weights,
             mean_out if mean_init is None else mean_init, mean_out if aux is None else aux,
-            scalar_table((aux_coef,), device), mean_out,
-            part_sq, part_bad, part_mean_sq, M,
+            scalar_table((aux_coef, sigma), device), mean_out,
+            part_sq, part_bad, part_mean_sq, M, int(seed), int(rnd) & 0xFFFFFFFF, int(rnd) >> 32,
             HAS_BASE=rows.base is not None, HAS_INIT=mean_init is not None, HAS_AUX=aux is not None,
+            NOISE=sigma > 0,
             SINGLE=single, ALIGNED=aligned, OFF_MULT=off_mult(rows.segments, mean_out.element_size()), ACC=acc,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
         )

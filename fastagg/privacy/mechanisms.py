@@ -1,0 +1,313 @@
+"""Central differential privacy mechanisms, fused into the server step.
+
+Every mechanism releases ``est = sum_i p_i min(1, C / ||delta_i||) delta_i + N(0, sigma^2 I)`` with
+``sigma = z C / n`` (``z`` the noise multiplier, ``C`` the clipping norm, ``n = num_sampled_clients``; McMahan et
+al., "Learning Differentially Private Recurrent Language Models", ICLR 2018, and Flower 1.42's
+``compute_stdv``) and ``p_i`` uniform (``1 / M`` over the ``M`` replies, as Flower's FedAvg averages them). Any
+``fastagg.server`` optimizer then steps on ``est`` (``aggregate=`` of the optimizer): the noise enters before the
+optimizer, so the release is the noised mean and whatever the optimizer does with it is post-processing. Flower's
+wrappers add the noise to the wrapped strategy's *output* model instead; for FedAvg (server lr 1) the two are the
+same model, for FedAdam / FedAvgM Flower's noise is not calibrated to what the optimizer did with the clipped
+mean (Flower's own accountant accepts only FedAvg for that reason).
+
+The kernels: the stats pass yields every client's squared norm; the clipped, noised mean is then one more
+weighted-sum pass with the coefficients ``p_i min(1, C / ||delta_i||)`` and the noise added as each block of the
+mean is written (csrc/round_stats.cpp, the Triton stats kernel), never materialized as a d-vector of its own.
+Server-side clipping reads the updates twice; client-side clipping once (a second time only when some client
+sent an update longer than ``C``: the server clips it again, so a buggy or hostile client cannot break the
+sensitivity bound). The noise comes from fastagg's counter-based generator keyed by ``(seed, round, coordinate)``
+(:mod:`fastagg.privacy.noise`), or from ``noise_source=``.
+
+A client whose update holds NaN or Inf contributes nothing (coefficient 0, reported in ``excluded``): that is
+clipping it to zero, which keeps the sensitivity bound.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from .._checks import check_number, normalized_weights
+from ..passes import RoundStats, run_stats
+from ..rows import ClientRows, compute_dtype
+from .noise import NoiseSource, check_seed, count_noise
+
+__all__ = ["ServerSideFixedClipping", "ServerSideAdaptiveClipping", "ClientSideFixedClipping",
+           "ClientSideAdaptiveClipping", "DPResult", "MECHANISMS", "adaptive_noise_params"]
+
+CLIENTS_DISCREPANCY = ("{replies} clients replied but num_sampled_clients={expected}: the noise std z C / n uses "
+                       "num_sampled_clients, so the privacy guarantee holds for that many contributions (Flower "
+                       "warns the same way)")
+
+
+@dataclasses.dataclass
+class DPResult:
+    """One private release: the noised ``estimate`` [d]; ``clipping_norm`` used and ``noise_std`` added
+    (per coordinate); ``clipped`` (bool [M]: updates longer than C, scaled down), ``excluded`` (non-finite,
+    left out), the clients' squared norms before clipping (NaN for the excluded), ``round`` (the release index
+    keying the noise), ``next_clipping_norm`` (adaptive: the norm of the next round) and
+    ``noisy_clipped_fraction`` (adaptive: the noised fraction that moved it); ``epsilon`` after this release when
+    the mechanism has an accountant."""
+
+    estimate: torch.Tensor
+    clipping_norm: float
+    noise_std: float
+    clipped: torch.Tensor
+    excluded: torch.Tensor
+    sq_norms: torch.Tensor
+    round: int
+    next_clipping_norm: float | None = None
+    noisy_clipped_fraction: float | None = None
+    epsilon: float | None = None
+
+
+def _check_count(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+class _Mechanism:
+    """What every mechanism shares: the noise multiplier, ``num_sampled_clients``, the seed and the release count
+    that key the noise, an optional noise source and accountant."""
+
+    client_side = False
+    adaptive = False
+
+    def __init__(self, noise_multiplier: float, num_sampled_clients: int, *, seed: int | None = None,
+                 noise_source: NoiseSource | None = None, accountant: Any = None, weighted: bool = False):
+        self.noise_multiplier = check_number(noise_multiplier, "noise_multiplier")
+        self.num_sampled_clients = _check_count(num_sampled_clients, "num_sampled_clients")
+        self.seed = check_seed(seed)
+        if noise_source is not None and not callable(noise_source):
+            raise TypeError(f"noise_source must be callable (numel, round, dtype, device) -> tensor, got "
+                            f"{type(noise_source).__name__}")
+        self.noise_source = noise_source
+        if accountant is not None and not hasattr(accountant, "step"):
+            raise TypeError(f"accountant must be a fastagg.privacy.PrivacyAccountant, got {type(accountant).__name__}")
+        self.accountant = accountant
+        self.weighted = bool(weighted)
+        self.rounds = 0  # releases so far: the round index of the next release's noise
+        self.last: DPResult | None = None
+
+    @property
+    def update_noise_multiplier(self) -> float:
+        """The noise multiplier of the update's noise (adaptive clipping raises it; see adaptive_noise_params)."""
+        return self.noise_multiplier
+
+    def noise_std(self, clipping_norm: float | None = None) -> float:
+        """``z C / num_sampled_clients`` (Flower's ``compute_stdv``)."""
+        c = self.clipping_norm if clipping_norm is None else clipping_norm
+        return self.update_noise_multiplier * c / self.num_sampled_clients
+
+    def state_dict(self) -> dict:
+        """The seed, the release count and the clipping norm: restoring them continues the noise stream where it
+        stopped (never replays a round's noise)."""
+        return {"seed": self.seed, "rounds": self.rounds, "clipping_norm": self.clipping_norm}
+
+    def load_state_dict(self, state: dict) -> None:
+        seed = check_seed(state["seed"])
+        rounds = state["rounds"]
+        if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
+            raise ValueError(f"rounds must be an integer >= 0, got {rounds!r}")
+        norm = check_number(state["clipping_norm"], "clipping_norm", allow_equal=False)
+        self.seed, self.rounds, self.clipping_norm = seed, rounds, norm
+
+    def __repr__(self) -> str:
+        shown = {k: v for k, v in vars(self).items() if k not in ("seed", "last", "noise_source", "accountant")}
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+    def _next_norm(self, clipped: torch.Tensor, finite: torch.Tensor, round_: int) -> tuple[float | None, float | None]:
+        return None, None
+
+
+class _Fixed(_Mechanism):
+    def __init__(self, noise_multiplier: float, clipping_norm: float, num_sampled_clients: int, **kw):
+        super().__init__(noise_multiplier, num_sampled_clients, **kw)
+        self.clipping_norm = check_number(clipping_norm, "clipping_norm", allow_equal=False)
+
+
+def adaptive_noise_params(noise_multiplier: float, num_sampled_clients: int,
+                          clipped_count_stddev: float | None) -> tuple[float, float]:
+    """``(clipped_count_stddev, z_update)`` of adaptive clipping (Andrew et al. 2021, Theorem 1; Flower 1.42's
+    ``compute_adaptive_noise_params``): the count query's std defaults to ``n / 20``, and the update's noise
+    multiplier is raised to ``(z^-2 - (2 sigma_b)^-2)^(-1/2)`` so that the two queries together are as private as
+    one Gaussian query of multiplier ``z``. Needs ``z < 2 sigma_b``."""
+    if noise_multiplier > 0:
+        if clipped_count_stddev is None:
+            clipped_count_stddev = num_sampled_clients / 20
+        if noise_multiplier >= 2 * clipped_count_stddev:
+            raise ValueError(f"noise_multiplier={noise_multiplier} needs clipped_count_stddev > noise_multiplier / 2 "
+                             f"(got {clipped_count_stddev}; its default is num_sampled_clients / 20): increase "
+                             "clipped_count_stddev or decrease noise_multiplier")
+        z = (noise_multiplier ** -2 - (2 * clipped_count_stddev) ** -2) ** -0.5
+        if z / noise_multiplier >= 2:
+            warnings.warn(f"adaptive clipping raises the update's noise multiplier {z / noise_multiplier:.2f}x "
+                          f"(to {z:.4g}); consider a larger clipped_count_stddev or num_sampled_clients",
+                          RuntimeWarning, stacklevel=3)
+        return float(clipped_count_stddev), float(z)
+    return float(clipped_count_stddev or 0.0), 0.0
+
+
+class _Adaptive(_Mechanism):
+    adaptive = True
+
+    def __init__(self, noise_multiplier: float, num_sampled_clients: int, initial_clipping_norm: float = 0.1,
+                 target_clipped_quantile: float = 0.5, clip_norm_lr: float = 0.2,
+                 clipped_count_stddev: float | None = None, *, direction: str = "paper", **kw):
+        super().__init__(noise_multiplier, num_sampled_clients, **kw)
+        self.clipping_norm = check_number(initial_clipping_norm, "initial_clipping_norm", allow_equal=False)
+        q = check_number(target_clipped_quantile, "target_clipped_quantile")
+        if not q <= 1:
+            raise ValueError(f"target_clipped_quantile must be in [0, 1], got {q!r}")
+        self.target_clipped_quantile = q
+        self.clip_norm_lr = check_number(clip_norm_lr, "clip_norm_lr", allow_equal=False)
+        if clipped_count_stddev is not None:
+            clipped_count_stddev = check_number(clipped_count_stddev, "clipped_count_stddev")
+        if direction not in ("paper", "flower"):
+            raise ValueError(f"direction must be 'paper' or 'flower', got {direction!r}")
+        self.direction = direction
+        self.clipped_count_stddev, self._z_update = adaptive_noise_params(self.noise_multiplier,
+                                                                          self.num_sampled_clients,
+                                                                          clipped_count_stddev)
+
+    @property
+    def update_noise_multiplier(self) -> float:
+        return self._z_update
+
+    def _next_norm(self, clipped: torch.Tensor, finite: torch.Tensor, round_: int) -> tuple[float, float]:
+        """Andrew et al.'s geometric update from a noised count: with ``f`` the noised fraction of clipped updates
+        (``(count + N(0, sigma_b^2)) / M``), ``C <- C exp(lr (f - q))`` (``direction="paper"``: too many clipped,
+        C grows towards the ``1 - q`` quantile of the norms, i.e. a fraction ``q`` clipped) or Flower 1.42's
+        ``C <- C exp(-lr (f - q))`` (``direction="flower"``, its sign: C moves away from the target)."""
+        count = float(clipped.sum())
+        total = clipped.numel()
+        noisy = (count + self.clipped_count_stddev * count_noise(self.seed, round_)) / total
+        sign = 1.0 if self.direction == "paper" else -1.0
+        return self.clipping_norm * math.exp(sign * self.clip_norm_lr * (noisy - self.target_clipped_quantile)), noisy
+
+
+class ServerSideFixedClipping(_Fixed):
+    """Central DP with server-side fixed clipping (Flower's ``DifferentialPrivacyServerSideFixedClipping``):
+    ``est = (1/M) sum_i min(1, C / ||delta_i||) delta_i + N(0, (z C / n)^2 I)`` with ``delta_i`` the client's
+    update against the current model (what Flower clips), ``n = num_sampled_clients``. Two reads of the updates
+    (norms, then the clipped sum with the noise written in)."""
+
+
+class ClientSideFixedClipping(_Fixed):
+    """Central DP with client-side fixed clipping (Flower's ``DifferentialPrivacyClientSideFixedClipping``): the
+    clients clip to ``C`` (``fastagg.client.clip_updates`` or ``fastagg.flower.fixedclipping_mod``) and the
+    server adds ``N(0, (z C / n)^2 I)`` to their mean: one read of the updates, what FedAvg costs. An update that
+    arrives longer than ``C`` is clipped again here (counted in ``clipped``)."""
+
+    client_side = True
+
+
+class ServerSideAdaptiveClipping(_Adaptive):
+    """Central DP with server-side adaptive clipping (Andrew et al., "Differentially Private Learning with Adaptive
+    Clipping", NeurIPS 2021; Flower's ``DifferentialPrivacyServerSideAdaptiveClipping`` and its arguments): clip to
+    the current ``C``, add ``N(0, (z_u C / n)^2 I)`` with ``z_u`` from :func:`adaptive_noise_params`, then move
+    ``C`` geometrically with the noised fraction of clipped updates (``_next_norm``). The noise is calibrated to
+    the ``C`` the round clipped with (the sensitivity); Flower 1.42 calibrates it to the updated ``C``, which is
+    smaller than the sensitivity whenever ``C`` shrinks."""
+
+
+class ClientSideAdaptiveClipping(_Adaptive):
+    """Adaptive clipping with the clipping done by the clients (Flower's
+    ``DifferentialPrivacyClientSideAdaptiveClipping`` with ``adaptiveclipping_mod``): they clip to the ``C`` they
+    were sent and report whether they clipped (``norm_bits``, passed with :meth:`set_norm_bits` before the step;
+    without them, a client counts as clipped when its update's norm is within 1e-5 of ``C``, as clipping leaves
+    it). The server adds the noise and moves ``C``."""
+
+    client_side = True
+
+    def set_norm_bits(self, bits) -> None:
+        """The clients' reports for the next release (1: the client clipped its update), in reply order."""
+        self._norm_bits = torch.as_tensor(bits).to(torch.bool).reshape(-1)
+
+
+MECHANISMS = (ServerSideFixedClipping, ServerSideAdaptiveClipping, ClientSideFixedClipping,
+              ClientSideAdaptiveClipping)
+
+
+# -- a release ---------------------------------------------------------------------------------------------------
+def dp_round(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, mean_out: torch.Tensor | None = None,
+             mean_dtype: torch.dtype | None = None) -> DPResult:
+    """One private release over ``rows`` (see the module docstring); every argument is checked before any
+    write, and the mechanism's state (release count, clipping norm) advances only after the release."""
+    if not isinstance(mech, MECHANISMS):
+        raise TypeError(f"expected a fastagg.privacy mechanism, got {type(mech).__name__}")
+    if weights is not None and not mech.weighted:
+        raise TypeError(f"{type(mech).__name__} averages the clipped updates uniformly (its noise is calibrated to "
+                        "the sensitivity C / n of that mean); drop weights=, or pass weighted=True to the mechanism "
+                        "to average with them as Flower's FedAvg does (the sensitivity is then max_i p_i C)")
+    m, dev = rows.num_clients, rows.device
+    p = normalized_weights(weights, m, dev)
+    if m != mech.num_sampled_clients:
+        warnings.warn(CLIENTS_DISCREPANCY.format(replies=m, expected=mech.num_sampled_clients), RuntimeWarning,
+                      stacklevel=3)
+    bits = getattr(mech, "_norm_bits", None)
+    if bits is not None and bits.numel() != m:
+        raise ValueError(f"set_norm_bits gave {bits.numel()} reports for {m} clients")
+    round_, c = mech.rounds, mech.clipping_norm
+    sigma = mech.noise_std(c)
+    dtype = mean_dtype or compute_dtype(rows.dtype)
+    out = mean_out if mean_out is not None else torch.empty(rows.numel, dtype=dtype, device=dev)
+    fused = (sigma, mech.seed, round_) if sigma > 0 and mech.noise_source is None else None
+    # pass 1: the norms (client-side: already the release when every update is finite and within C)
+    _, sq, bad, _ = run_stats(rows, p, backend, mean_out=out, mean_dtype=dtype,
+                              noise=fused if mech.client_side else None)
+    norms = sq.sqrt()
+    finite = ~bad
+    scale = torch.where(norms > c, c / norms, torch.ones_like(norms))
+    scale = torch.where(finite, scale, torch.zeros_like(scale))
+    clipped = finite & (norms > c)
+    if not bool(finite.any()):
+        raise ValueError(f"every one of the {m} clients' updates holds NaN or Inf: nothing to release")
+    if not mech.client_side or bool(clipped.any()) or not bool(finite.all()):
+        run_stats(rows, p * scale, backend, mean_out=out, mean_dtype=dtype, noise=fused)
+    if sigma > 0 and mech.noise_source is not None:
+        z = mech.noise_source(rows.numel, round_, out.dtype, out.device)
+        if not isinstance(z, torch.Tensor) or z.numel() != rows.numel:
+            raise ValueError(f"noise_source must return a tensor of {rows.numel} samples")
+        out.add_(z.to(device=out.device, dtype=out.dtype).reshape(-1), alpha=sigma)
+    if mech.adaptive and mech.client_side:
+        reported = bits.to(dev) if bits is not None else finite & (norms >= c * (1 - 1e-5))
+        next_c, noisy = mech._next_norm(reported & finite, finite, round_)
+    else:
+        next_c, noisy = mech._next_norm(clipped, finite, round_)
+    sq = torch.where(finite, sq, torch.full_like(sq, float("nan")))
+    mech.rounds = round_ + 1
+    if next_c is not None:
+        mech.clipping_norm = next_c
+    if bits is not None:
+        mech._norm_bits = None
+    eps = None
+    if mech.accountant is not None:
+        mech.accountant.step()
+        eps = mech.accountant.epsilon()
+    mech.last = DPResult(out, c, sigma, clipped, ~finite, sq, round_, next_c, noisy, eps)
+    return mech.last
+
+
+def dp_stats(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, name: str, mean_out=None,
+             mean_dtype=None) -> tuple[RoundStats, DPResult]:
+    """A server step's statistics with the private release as its mean: ``mean_sq = ||est||^2`` (noise
+    included), ``avg_sq`` the mean of the *clipped* squared norms ``min(||delta_i||, C)^2`` (what FedExP's eta
+    should see under DP: the raw norms are not private; see :class:`fastagg.server.FedExP`), every client finite
+    (the non-finite ones were left out)."""
+    res = dp_round(rows, weights, mech, backend, mean_out=mean_out, mean_dtype=mean_dtype)
+    est64 = res.estimate.to(torch.float64)
+    keep = ~res.excluded
+    p = normalized_weights(weights if mech.weighted else None, rows.num_clients, rows.device)
+    p = torch.where(keep, p, torch.zeros_like(p))
+    p = p / p.sum()
+    clipped_sq = torch.nan_to_num(res.sq_norms).clamp(max=res.clipping_norm ** 2)
+    stats = RoundStats(res.estimate, clipped_sq, torch.zeros(rows.num_clients, dtype=torch.bool, device=rows.device),
+                       est64 @ est64, (p * clipped_sq).sum(), rows.num_clients, rows.form, name)
+    stats.coefs = p
+    stats.buffers = rows.buffers
+    return stats, res
