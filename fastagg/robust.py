@@ -31,7 +31,7 @@ import torch
 from ._checks import check_number, normalized_weights
 from .backends import reference, resolve
 from .passes import RoundStats, run_stats
-from .rows import Buffers, ClientRows, attach_base, client_rows, compute_dtype
+from .rows import Buffers, ClientRows, attach_base, client_rows, compute_dtype, subset_rows
 
 __all__ = ["TooFewClients", "Median", "TrimmedMean", "MeaMed", "Krum", "MultiKrum", "Bulyan", "GeometricMedian",
            "NormBound", "CenteredClipping", "RobustResult", "aggregate", "gram"]
@@ -59,12 +59,6 @@ class RobustResult:
 
 
 # -- passes ------------------------------------------------------------------------------------------------------
-def _subset(rows: ClientRows, keep: list) -> ClientRows:
-    """The kept clients' rows (views, no copy)."""
-    return dataclasses.replace(rows, rows=[[seg[i] for i in keep] for seg in rows.rows], num_clients=len(keep),
-                               matrix=None, buffers=None)
-
-
 def gram(rows: ClientRows, backend="auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``(G, nonfinite)``: ``G[i, j] = <delta_i, delta_j>`` (float64 [M, M], the updates formed against ``base``
     before any product) and each client's non-finite mark, in one pass of ``backend``'s Gram kernel."""
@@ -383,7 +377,7 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
     sq[kept] = sq_all[kept]
     if rule.coordinatewise:
         if len(keep) < m:
-            _select_coords(_subset(rows, keep), rule.positions(len(keep)), backend, out)
+            _select_coords(subset_rows(rows, keep), rule.positions(len(keep)), backend, out)
         selected[kept] = True
         return RobustResult(out, selected, excluded, sq)
     g = g_all[kept[:, None], kept[None, :]]  # a NaN row of G touches only its own row and column
@@ -399,7 +393,7 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
             scores[kept] = sc
         if isinstance(rule, Bulyan):
             picked = [keep[int(i)] for i in chosen]
-            _select_coords(_subset(rows, picked), rule.positions(len(picked)), backend, out)
+            _select_coords(subset_rows(rows, picked), rule.positions(len(picked)), backend, out)
             selected[torch.tensor(picked, device=dev)] = True
             return RobustResult(out, selected, excluded, sq, distances=dist)
         c = torch.zeros(len(keep), dtype=torch.float64, device=dev)
@@ -414,7 +408,7 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
         scale = torch.clamp(rule.max_norm / norms.clamp_min(1e-300), max=1.0)
         clipped = int((scale < 1).sum())
         c = a * scale
-    sub = _subset(rows, keep)
+    sub = subset_rows(rows, keep)
     run_stats(sub, c.to(dev), backend, mean_out=out, mean_dtype=dtype)
     coefs = torch.zeros(m, dtype=torch.float64, device=dev)
     coefs[kept] = c

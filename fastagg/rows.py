@@ -377,6 +377,12 @@ def attach_base(rows: ClientRows, base: Any, *, name: str = "base") -> tuple[Cli
     return dataclasses.replace(rows, base=[seg[0] for seg in b.rows]), bufs
 
 
+def subset_rows(rows: ClientRows, keep: list) -> ClientRows:
+    """The clients ``keep`` (indices) of ``rows``, as views: no copy (their buffers are not carried)."""
+    return dataclasses.replace(rows, rows=[[seg[i] for i in keep] for seg in rows.rows], num_clients=len(keep),
+                               matrix=None, buffers=None)
+
+
 def with_base(rows: ClientRows, p: ParamRows) -> ClientRows:
     """Client models whose deltas are ``model - params``: attach params as the base, segment by segment.
 

@@ -32,7 +32,7 @@ import torch
 
 from .._checks import check_number, normalized_weights
 from ..passes import RoundStats, run_stats
-from ..rows import ClientRows, compute_dtype
+from ..rows import ClientRows, compute_dtype, subset_rows
 from .noise import NoiseSource, check_seed, count_noise
 
 __all__ = ["ServerSideFixedClipping", "ServerSideAdaptiveClipping", "ClientSideFixedClipping",
@@ -268,7 +268,9 @@ def dp_round(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, mean_
     if not bool(finite.any()):
         raise ValueError(f"every one of the {m} clients' updates holds NaN or Inf: nothing to release")
     if not mech.client_side or bool(clipped.any()) or not bool(finite.all()):
-        run_stats(rows, p * scale, backend, mean_out=out, mean_dtype=dtype, noise=fused)
+        keep = finite.nonzero().flatten().tolist()  # a non-finite client is left out (0 * NaN would be NaN)
+        sub = rows if len(keep) == m else subset_rows(rows, keep)
+        run_stats(sub, (p * scale)[finite], backend, mean_out=out, mean_dtype=dtype, noise=fused)
     if sigma > 0 and mech.noise_source is not None:
         z = mech.noise_source(rows.numel, round_, out.dtype, out.device)
         if not isinstance(z, torch.Tensor) or z.numel() != rows.numel:

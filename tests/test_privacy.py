@@ -1,0 +1,277 @@
+"""fastagg.privacy's mechanisms against float64 oracles written here from the formulas: the clipped mean plus
+``sigma`` times the reference noise, on every backend and client form; composition with the server optimizers;
+adaptive clipping's trajectory; the accountant against the exact Gaussian-DP curve; hostile arguments."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from fastagg import privacy, server
+from fastagg.backends import reference
+from fastagg.testing import cpu_backends, interpreting
+
+BACKENDS = cpu_backends()  # reference, cpu (and triton under TRITON_INTERPRET=1)
+
+
+def _clients(m=8, d=1000, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.2, 3.0, m, dtype=torch.float64)[:, None] / math.sqrt(d)
+    return (torch.randn(m, d, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def _clipped_mean(x, c, p=None):
+    x = x.double()
+    norms = x.norm(dim=1)
+    s = torch.where(norms > c, c / norms, torch.ones_like(norms))
+    p = torch.full((x.shape[0],), 1 / x.shape[0], dtype=torch.float64) if p is None else p
+    return (p[:, None] * s[:, None] * x).sum(0), norms > c
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", ["matrix", "layers", "models"])
+def test_server_side_fixed_clipping_is_the_clipped_mean_plus_the_reference_noise(backend, form):
+    m, d = 6, 999 if backend == "triton" else 100_003
+    x = _clients(m, d)
+    c, z, n = 0.8, 1.3, 10
+    mech = privacy.ServerSideFixedClipping(z, c, n, seed=1234)
+    base = torch.randn(d)
+    with pytest.warns(RuntimeWarning, match="num_sampled_clients"):
+        if form == "matrix":
+            r = privacy.release(x, mech, backend=backend)
+        elif form == "layers":
+            cut = [d // 3, d - d // 3]
+            r = privacy.release([list(row.split(cut)) for row in x], mech, backend=backend)
+        else:
+            r = privacy.release(x + base, mech, base=base, backend=backend)
+    want, clipped = _clipped_mean((x + base).double() - base.double() if form == "models" else x, c)
+    sigma = z * c / n
+    assert r.noise_std == pytest.approx(sigma) and r.clipping_norm == c and r.round == 0
+    assert r.clipped.tolist() == clipped.tolist() and 0 < int(clipped.sum()) < m
+    noise = (r.estimate.double() - want) / sigma
+    ref = reference.gaussian(d, seed=1234, round=0).double()
+    assert float((noise - ref).abs().max()) < 1e-3  # float32 sums over M rows, divided by sigma = 0.16
+    assert mech.rounds == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_client_side_fixed_clipping_reads_once_and_reclips_a_client_over_the_bound(backend):
+    m, d = 5, 777 if backend == "triton" else 20_000
+    x = _clients(m, d, seed=2)
+    c = float(x.double().norm(dim=1).max()) * 1.01  # every client within C: one pass, no clipping
+    mech = privacy.ClientSideFixedClipping(1.0, c, m, seed=5)
+    r = privacy.release(x, mech, backend=backend)
+    want = x.double().mean(0) + (c / m) * reference.gaussian(d, seed=5, round=0).double()
+    assert float((r.estimate.double() - want).abs().max()) < 1e-5 * c
+    assert not r.clipped.any()
+    hostile = x.clone()
+    hostile[3] *= 1000  # a client that did not clip
+    r = privacy.release(hostile, mech, backend=backend)
+    want, clipped = _clipped_mean(hostile, c)
+    assert clipped.tolist() == [False, False, False, True, False] and r.clipped.tolist() == clipped.tolist()
+    want = want + (c / m) * reference.gaussian(d, seed=5, round=1).double()
+    assert float((r.estimate.double() - want).abs().max()) < 1e-5 * c
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_and_huge_clients_cannot_break_the_bound(backend):
+    m, d = 6, 500
+    x = _clients(m, d, seed=3)
+    x[1, 7] = float("nan")
+    x[4] = 3e38  # finite, with a norm past float32's range
+    mech = privacy.ServerSideFixedClipping(0.0, 0.5, m)
+    r = privacy.release(x, mech, backend=backend)
+    assert r.excluded.tolist() == [False, True, False, False, False, False]
+    assert r.clipped[4]
+    keep = torch.tensor([0, 2, 3, 4, 5])
+    want, _ = _clipped_mean(x[keep], 0.5)
+    want = want * 5 / 6  # the excluded client counts as a zero update (clipped to nothing)
+    assert torch.isfinite(r.estimate).all()
+    np.testing.assert_allclose(r.estimate.double().numpy(), want.numpy(), atol=1e-6)
+    x[:] = float("inf")
+    with pytest.raises(ValueError, match="every one"):
+        privacy.release(x, privacy.ServerSideFixedClipping(1.0, 0.5, m), backend=backend)
+
+
+def test_same_seed_same_release_next_round_new_noise_and_restore_continues():
+    x = _clients(4, 3000)
+    a = privacy.ServerSideFixedClipping(1.0, 0.5, 4, seed=77)
+    b = privacy.ServerSideFixedClipping(1.0, 0.5, 4, seed=77)
+    r0 = privacy.release(x, a, backend="cpu").estimate.clone()
+    assert torch.equal(r0, privacy.release(x, b, backend="cpu").estimate)
+    r1 = privacy.release(x, a, backend="cpu").estimate.clone()
+    assert not torch.equal(r0, r1)
+    c = privacy.ServerSideFixedClipping(1.0, 0.5, 4)
+    c.load_state_dict(a.state_dict())  # a checkpoint taken after two releases continues with the third
+    assert torch.equal(privacy.release(x, c, backend="cpu").estimate, privacy.release(x, a, backend="cpu").estimate)
+    fresh = [privacy.ServerSideFixedClipping(1.0, 0.5, 4) for _ in range(2)]  # seed=None: from the secrets module
+    assert fresh[0].seed != fresh[1].seed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("opt", ["FedAvg", "FedAvgM", "FedAdam", "FedExP"])
+def test_every_server_optimizer_steps_on_the_noised_mean(backend, opt):
+    m, d = 5, 300
+    x = _clients(m, d, seed=4)
+    kw = {"FedAvg": {}, "FedAvgM": {"lr": 1.0, "momentum": 0.9}, "FedAdam": {"lr": 0.1}, "FedExP": {"eps": 1e-3}}[opt]
+    p0 = torch.randn(d, dtype=torch.float64)
+    params, twin = p0.clone(), p0.clone()
+    dp = getattr(server, opt)(params, aggregate=privacy.ServerSideFixedClipping(0.7, 0.3, m, seed=9), backend=backend,
+                              **kw)
+    plain = server.FedAvg(twin, backend="reference") if opt == "FedExP" else \
+        getattr(server, opt)(twin, backend="reference", **kw)
+    for _ in range(2):
+        st = dp.step(x)
+        est = dp.last_stats.robust.estimate.clone().double()
+        if opt == "FedExP":  # eta from the clipped norms (<= C^2) and the noised mean; the step eta * est
+            clipped_sq = x.double().norm(dim=1).clamp(max=0.3) ** 2
+            assert float(st.avg_sq_norm) == pytest.approx(float(clipped_sq.mean()), rel=1e-5)
+            assert float(st.mean_sq_norm) == pytest.approx(float(est @ est), rel=1e-6)
+            eta = max(1.0, float(clipped_sq.mean()) / (2 * (float(est @ est) + 1e-3)))
+            assert float(st.eta) == pytest.approx(eta, rel=1e-6)
+            est = est * eta
+        # the same optimizer stepped on the release as if it were one client's update
+        plain.step(est[None, :])
+        np.testing.assert_allclose(params.numpy(), twin.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_adaptive_clipping_moves_towards_the_target_quantile_and_flower_direction_does_not():
+    x = _clients(20, 2000, seed=5)
+    norms = x.double().norm(dim=1)
+    for direction, expect in (("paper", "converges"), ("flower", "diverges")):
+        mech = privacy.ServerSideAdaptiveClipping(0.0, 20, initial_clipping_norm=0.01, target_clipped_quantile=0.5,
+                                                  clip_norm_lr=0.2, direction=direction)
+        for _ in range(150):
+            r = privacy.release(x, mech, backend="cpu")
+        frac = float((norms > mech.clipping_norm).double().mean())
+        if expect == "converges":
+            assert 0.3 <= frac <= 0.7, (mech.clipping_norm, frac)
+        else:  # Flower 1.42's sign: with every update clipped, C keeps shrinking
+            assert mech.clipping_norm < 1e-3 and frac == 1.0
+
+
+def test_adaptive_noise_is_calibrated_to_the_norm_the_round_clipped_with():
+    x = _clients(10, 50_000, seed=6)
+    mech = privacy.ServerSideAdaptiveClipping(1.0, 10, initial_clipping_norm=0.05, clipped_count_stddev=2.0, seed=3)
+    z_u = (1.0 ** -2 - (2 * 2.0) ** -2) ** -0.5
+    r = privacy.release(x, mech, backend="cpu")
+    assert r.noise_std == pytest.approx(z_u * 0.05 / 10)
+    want, _ = _clipped_mean(x, 0.05)
+    resid = (r.estimate.double() - want) / r.noise_std
+    assert abs(float(resid.std()) - 1) < 0.02
+    assert r.next_clipping_norm == mech.clipping_norm != 0.05
+
+
+def test_client_side_adaptive_counts_the_reported_bits():
+    x = _clients(4, 100)
+    mech = privacy.ClientSideAdaptiveClipping(0.0, 4, initial_clipping_norm=1.0, clip_norm_lr=0.2)
+    mech.set_norm_bits([1, 1, 1, 0])
+    r = privacy.release(x, mech, backend="cpu")
+    assert r.noisy_clipped_fraction == 0.75
+    assert mech.clipping_norm == pytest.approx(math.exp(0.2 * (0.75 - 0.5)))
+    mech.set_norm_bits([1, 0])
+    with pytest.raises(ValueError, match="2 reports for 4 clients"):
+        privacy.release(x, mech, backend="cpu")
+
+
+class SecureNoise:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, numel, round, dtype, device):
+        self.calls.append((numel, round))
+        return torch.ones(numel, dtype=dtype, device=device)
+
+
+def test_noise_source_hook_replaces_the_generator():
+    x = _clients(4, 100)
+    src = SecureNoise()
+    mech = privacy.ServerSideFixedClipping(2.0, 0.5, 4, noise_source=src)
+    r = privacy.release(x, mech, backend="cpu")
+    want, _ = _clipped_mean(x, 0.5)
+    np.testing.assert_allclose(r.estimate.double().numpy(), (want + 0.25).numpy(), atol=1e-6)
+    assert src.calls == [(100, 0)]
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: privacy.ServerSideFixedClipping(-1.0, 1.0, 4), "noise_multiplier"),
+    (lambda: privacy.ServerSideFixedClipping(float("nan"), 1.0, 4), "noise_multiplier"),
+    (lambda: privacy.ServerSideFixedClipping(1.0, 0.0, 4), "clipping_norm"),
+    (lambda: privacy.ServerSideFixedClipping(1.0, float("nan"), 4), "clipping_norm"),
+    (lambda: privacy.ServerSideFixedClipping(1.0, 1.0, 0), "num_sampled_clients"),
+    (lambda: privacy.ServerSideFixedClipping(1.0, 1.0, 4, seed=-3), "seed"),
+    (lambda: privacy.ServerSideAdaptiveClipping(1.0, 4, target_clipped_quantile=1.5), "target_clipped_quantile"),
+    (lambda: privacy.ServerSideAdaptiveClipping(1.0, 4, target_clipped_quantile=-0.1), "target_clipped_quantile"),
+    (lambda: privacy.ServerSideAdaptiveClipping(1.0, 4, clip_norm_lr=0.0), "clip_norm_lr"),
+    (lambda: privacy.ServerSideAdaptiveClipping(1.0, 4), "clipped_count_stddev"),  # 4/20 = 0.2 < z / 2
+    (lambda: privacy.ServerSideAdaptiveClipping(1.0, 40, direction="up"), "direction"),
+])
+def test_hostile_mechanism_arguments(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_bad_release_changes_nothing():
+    x = _clients(4, 50)
+    params = torch.zeros(50)
+    mech = privacy.ServerSideFixedClipping(1.0, 0.5, 4, seed=1)
+    opt = server.FedAvg(params, aggregate=mech, backend="cpu")
+    with pytest.raises(TypeError, match="weights"):
+        opt.step(x, weights=[1, 2, 3, 4])
+    with pytest.raises(ValueError):
+        opt.step(x[:, :40])
+    assert params.abs().sum() == 0 and mech.rounds == 0
+    mech.set_norm_bits = None  # (fixed clipping has no reports)
+    with pytest.raises(TypeError, match="aggregate"):
+        server.FedAvg(torch.zeros(3), aggregate="dp")
+
+
+def test_accountant_matches_the_exact_gaussian_dp_curve():
+    pytest.importorskip("dp_accounting")
+    z, t, delta = 2.0, 50, 1e-5
+    mu = math.sqrt(t) / z  # t compositions of the Gaussian mechanism = one of multiplier z / sqrt(t) (Dong et al.)
+
+    def delta_of(eps):
+        return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
+
+    lo, hi = 0.0, 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if delta_of(mid) > delta else (lo, mid)
+    exact = hi
+    pld = privacy.PrivacyAccountant(z, method="pld", delta=delta)
+    rdp = privacy.PrivacyAccountant(z, method="rdp", delta=delta)
+    pld.step(t)
+    rdp.step(t)
+    assert pld.epsilon() == pytest.approx(exact, rel=2e-2)
+    assert exact <= rdp.epsilon() <= 1.5 * exact  # RDP is an upper bound
+    poisson = privacy.PrivacyAccountant(z, sampling="poisson", population_size=1000, num_sampled=10, delta=delta)
+    poisson.step(t)
+    assert poisson.epsilon() < 0.2 * rdp.epsilon()  # amplification by sampling
+    again = privacy.PrivacyAccountant(1.0)
+    again.load_state_dict(poisson.state_dict())
+    assert again.epsilon() == poisson.epsilon()
+
+
+def test_mechanism_reports_epsilon_after_each_release():
+    pytest.importorskip("dp_accounting")
+    acc = privacy.PrivacyAccountant(1.0, sampling="without-replacement", population_size=100, num_sampled=4)
+    mech = privacy.ServerSideFixedClipping(1.0, 0.5, 4, accountant=acc)
+    eps = [privacy.release(_clients(4, 64), mech, backend="cpu").epsilon for _ in range(3)]
+    assert 0 < eps[0] < eps[1] < eps[2] and acc.releases == 3
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(noise_multiplier=0.0), "noise_multiplier"), (dict(sampling="random"), "sampling"),
+    (dict(sampling="poisson"), "population_size"), (dict(delta=1.0), "delta"), (dict(method="gdp"), "method"),
+    (dict(sampling="without-replacement", population_size=10, num_sampled=4, method="pld"), "rdp"),
+    (dict(sampling="poisson", population_size=3, num_sampled=4), "exceeds"),
+])
+def test_hostile_accountant_arguments(bad, match):
+    kw = {"noise_multiplier": 1.0, **bad}
+    with pytest.raises(ValueError, match=match):
+        privacy.PrivacyAccountant(kw.pop("noise_multiplier"), **kw)
