@@ -30,7 +30,7 @@ from ._checks import canonical_device, check_number, check_prob, expect_like
 from .backends import resolve
 from .rowtable import RowTable, PerRow
 
-__all__ = ["ClientState", "sps_step", "decsps_step", "local_step", "mass_step", "CAPS"]
+__all__ = ["ClientState", "sps_step", "decsps_step", "local_step", "mass_step", "clip_updates", "update_norms", "CAPS"]
 
 CAPS = ("constant", "smooth", "smooth_prev_step")
 MIN_SQ_NORM = 1e-30
@@ -442,3 +442,70 @@ def mass_step(*, params, grads, state: ClientState, client_ids, eta1: Any, gam: 
                     first=first)
     started[b.ids] = torch.where(step > 0, torch.ones_like(first), 1.0 - first)
     return step
+
+
+def clip_updates(models: Any, base: Any, max_norm: Any, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip each client's update to norm ``max_norm`` in place, as client-side differential privacy does before a
+    reply leaves the client (Flower's ``fixedclipping_mod``; Andrew et al.'s clients)::
+
+        u_i = x_i - base;   s_i = min(1, C / ||u_i||);   x_i <- base + s_i u_i
+
+    ``models``: the clients' models after local training (an ``[M, d]`` matrix, or any client form
+    :func:`fastagg.fedexp_step` takes, written in place); ``base``: what they started from (one model, [d] or the
+    clients' form of one model). One read of the models for the norms (the stats pass, updates formed against
+    ``base`` inside it), then ``torch.lerp(base, x_i, s_i)`` written over the clipped clients only (a client whose
+    update is within ``C`` is not touched). A client whose update holds NaN or Inf is not touched either; its
+    norm is reported NaN. Returns ``(norms, clipped)``: float64 [M] norms before clipping, bool [M] which clients
+    were scaled (Flower's ``norm_bit``)."""
+    c = check_number(max_norm, "max_norm", allow_equal=False)
+    _check_in_place(models)
+    norms, rows = _update_norms(models, base, backend)
+    clipped = ~torch.isnan(norms) & (norms > c)
+    for i in clipped.nonzero().flatten().tolist():
+        s = c / float(norms[i])
+        for seg, b in zip(rows.rows, rows.base):
+            x = seg[i]
+            torch.lerp(b.to(x.dtype), x, s, out=x)
+    return norms, clipped
+
+
+def update_norms(models: Any, base: Any, *, backend: str = "auto") -> torch.Tensor:
+    """``||x_i - base||`` of each client (float64 [M]; NaN where the update holds NaN or Inf), in one read: the
+    stats pass with the updates formed against ``base`` inside it. The models are not written."""
+    return _update_norms(models, base, backend)[0]
+
+
+def _update_norms(models: Any, base: Any, backend: str):
+    from .passes import run_stats
+    from .rows import attach_base, client_rows
+
+    rows = client_rows(models, name="models")
+    rows, _ = attach_base(rows, base)
+    m = rows.num_clients
+    weights = torch.full((m,), 1.0 / m, dtype=torch.float64, device=rows.device)
+    _, sq, bad, _ = run_stats(rows, weights, resolve(backend, rows.device))
+    return torch.where(bad, torch.full_like(sq, float("nan")), sq.sqrt()), rows
+
+
+def _check_in_place(models: Any) -> None:
+    """Refuse client models that clipping could not write back to: a read-only numpy array, a tensor that is not
+    contiguous (its flat row would be a copy), anything that is not a tensor or array."""
+    import numpy as np
+
+    def visit(x, where):
+        if isinstance(x, torch.Tensor):
+            if not x.is_contiguous():
+                raise ValueError(f"{where} is not contiguous: clip_updates writes the clients' models in place")
+        elif isinstance(x, np.ndarray):
+            if not x.flags.writeable or not x.flags.c_contiguous:
+                raise ValueError(f"{where} is read-only or not C-contiguous: clip_updates writes it in place")
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                visit(v, f"{where}[{k!r}]")
+        elif isinstance(x, (list, tuple)):
+            for k, v in enumerate(x):
+                visit(v, f"{where}[{k}]")
+        else:
+            raise TypeError(f"{where} is a {type(x).__name__}; clip_updates takes tensors or numpy arrays")
+
+    visit(models, "models")

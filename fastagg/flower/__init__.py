@@ -9,7 +9,8 @@ Strategies: :class:`FedAvg`, :class:`FedAvgM`, :class:`FedProx`, :class:`FedAdam
 :class:`FedAdagrad` (subclasses of Flower's, same arguments), :class:`FedAMS` (Flower's ``FedOpt`` arguments),
 :class:`FedExP`, :class:`FedExPM`, :class:`FedACG` (Flower's ``FedAvg`` arguments plus their own); robust:
 :class:`FedMedian`, :class:`FedTrimmedAvg`, :class:`Krum`, :class:`MultiKrum`, :class:`Bulyan` (Flower's) and
-:class:`MeaMed` (:mod:`fastagg.flower.robust`). What a round
+:class:`MeaMed` (:mod:`fastagg.flower.robust`); differential privacy: Flower's four DP wrappers and its two
+clipping mods, fused around fastagg strategies (:mod:`fastagg.flower.privacy`). What a round
 does, what a bad reply gets and how buffers are treated: :mod:`fastagg.flower.strategies`.
 
 Needs Flower (``pip install 'fastagg[flower]'``; tested with flwr 1.42); ``import fastagg`` never imports it.
@@ -19,9 +20,15 @@ try:
 except ImportError as e:  # pragma: no cover - exercised in a process without flwr (tests/test_flower_strategies.py)
     raise ImportError("fastagg.flower needs Flower: pip install 'fastagg[flower]'") from e
 
+from .privacy import (DifferentialPrivacyClientSideAdaptiveClipping, DifferentialPrivacyClientSideFixedClipping,
+                      DifferentialPrivacyServerSideAdaptiveClipping, DifferentialPrivacyServerSideFixedClipping,
+                      adaptiveclipping_mod, fixedclipping_mod)
 from .records import ReplyError, array_view, record_views, to_array, to_record
 from .robust import Bulyan, FedMedian, FedTrimmedAvg, Krum, MeaMed, MultiKrum
 from .strategies import FedACG, FedAdagrad, FedAdam, FedAMS, FedAvg, FedAvgM, FedExP, FedExPM, FedProx, FedYogi, Result
 
 __all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "FedAMS", "FedExP", "FedExPM",
-           "FedACG", "FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan", "MeaMed", "Result", "ReplyError", "array_view", "record_views", "to_array", "to_record"]
+           "FedACG", "FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan", "MeaMed",
+           "DifferentialPrivacyServerSideFixedClipping", "DifferentialPrivacyClientSideFixedClipping",
+           "DifferentialPrivacyServerSideAdaptiveClipping", "DifferentialPrivacyClientSideAdaptiveClipping",
+           "fixedclipping_mod", "adaptiveclipping_mod", "Result", "ReplyError", "array_view", "record_views", "to_array", "to_record"]

@@ -64,6 +64,12 @@ def _metric_kind(value) -> tuple:
     return ("list", len(value)) if isinstance(value, list) else ("number",)
 
 
+def _norm_bit(msg: Message) -> int:
+    """A reply's ``norm_bit`` metric (Flower's adaptiveclipping_mod: 1 when the client clipped its update)."""
+    metrics = next(iter(msg.content.metric_records.values()))
+    return int(bool(metrics.get("norm_bit", 0)))
+
+
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype)).dtype
 
@@ -290,6 +296,8 @@ class _Fastagg:
         while usable and sum(w for _, _, w in usable) > 0:
             self.optimizer.flat_state["step"].fill_(server_round - 1)  # Flower's round numbering (FedAdam's bias corr.)
             weights = None if rule is not None and not rule.weighted else [w for _, _, w in usable]
+            if hasattr(rule, "set_norm_bits"):  # client-side adaptive DP: the clients' reports, in step order
+                rule.set_norm_bits([_norm_bit(m) for m, _, _ in usable])
             stats = self.optimizer.step([v for _, v, _ in usable], weights=weights, base=self._sent)
             if stats.robust is not None:  # a robust rule: NaN/Inf replies were left out (attacks), not refused
                 for i in stats.robust.excluded.nonzero().flatten().tolist():

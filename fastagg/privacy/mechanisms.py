@@ -63,6 +63,11 @@ class DPResult:
     noisy_clipped_fraction: float | None = None
     epsilon: float | None = None
 
+    @property
+    def selected(self) -> torch.Tensor:
+        """The clients that entered the release (every finite one)."""
+        return ~self.excluded
+
 
 def _check_count(value: Any, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
