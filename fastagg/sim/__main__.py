@@ -105,6 +105,10 @@ def parser() -> argparse.ArgumentParser:
                    "once per seed")
     p.add_argument("--attack-scale", type=float, help="the attack's strength (sign-flip 1, scale 10, gaussian 10, "
                    "ipm 0.5, alie: the paper's z) (default: the attack's)")
+    p.add_argument("--dp", help="central differential privacy for every algorithm's server step: "
+                   "server-fixed:clip=C,z=Z | server-adaptive:clip=C0,z=Z,quantile=Q,lr=L | client-fixed:... | "
+                   "client-adaptive:... (optional delta=, seed=); epsilon after each round in metrics.csv, the "
+                   "summary and epsilon.png (fastagg/sim/privacy.py)")
     p.add_argument("--target", type=float, help="a train loss; the summary reports the rounds to reach it "
                    "(default: none)")
     p.add_argument("--seed", type=int, default=None, help="one seed (overrides --seeds; default: --seeds)")
@@ -169,7 +173,7 @@ FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichl
                "nesterov_momentum": "nesterov_momentum", "mass_gam": "mass_gam", "mass_eta2": "mass_eta2",
                "mass_average": "mass_average", "target": "target", "eval_every": "eval_every", "eval_samples": "eval_samples", "seeds": "seeds",
                "seed": "seeds", "seed_scope": "seed_scope", "attack": "attack", "malicious": "malicious",
-               "attack_scale": "attack_scale", "device": "device", "backend": "backend", "dtype": "dtype",
+               "attack_scale": "attack_scale", "dp": "dp", "device": "device", "backend": "backend", "dtype": "dtype",
                "cuda_graph": "cuda_graph"}
 
 
@@ -236,7 +240,7 @@ def _config(a, argv) -> tuple:
                  nesterov_momentum=a.nesterov_momentum, mass_gam=a.mass_gam, mass_eta2=a.mass_eta2,
                  mass_average=a.mass_average, target=a.target, eval_every=a.eval_every,
                  eval_samples=a.eval_samples, seeds=_seeds(a), seed_scope=a.seed_scope, attack=a.attack,
-                 malicious=a.malicious, attack_scale=a.attack_scale,
+                 malicious=a.malicious, attack_scale=a.attack_scale, dp=a.dp,
                  device=a.device, backend=a.backend, cuda_graph=a.cuda_graph, dtype=a.dtype, out=a.out)
     explicit = {FLAG_FIELDS[k] for k in given if k in FLAG_FIELDS} | ({"out"} if "out" in given else set())
     merged = {**flags, **{k: v for k, v in settings.items() if k not in explicit}}

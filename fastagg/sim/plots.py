@@ -21,7 +21,7 @@ def _curves(rows, algorithm, field):
 
 
 def plot(history, out_dir: str) -> list:
-    """Writes ``loss.png``, ``eta.png`` (and ``accuracy.png`` with a test set) into ``out_dir``; returns the
+    """Writes ``loss.png``, ``eta.png`` (``accuracy.png`` with a test set, ``epsilon.png`` with --dp) into ``out_dir``; returns the
     paths."""
     import matplotlib
 
@@ -34,6 +34,8 @@ def plot(history, out_dir: str) -> list:
     if any(not math.isnan(r["test_acc"]) for r in history.rows):
         fields.append(("test_acc", "test accuracy", False))
     fields.append(("eta", "server step size eta", False))
+    if any("epsilon" in r for r in history.rows):  # --dp: the privacy spent
+        fields.append(("epsilon", f"epsilon spent (delta fixed; {history.config.dp})", False))
     paths = []
     for field, label, log in fields:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -49,7 +51,7 @@ def plot(history, out_dir: str) -> list:
         ax.set_title(f"{history.config.dataset}: {label}")
         ax.legend()
         fig.tight_layout()
-        name = {"train_loss": "loss.png", "test_acc": "accuracy.png", "eta": "eta.png"}[field]
+        name = {"train_loss": "loss.png", "test_acc": "accuracy.png", "eta": "eta.png", "epsilon": "epsilon.png"}[field]
         outdir.write_file(out_dir, name, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
         plt.close(fig)
         paths.append(os.path.join(out_dir, name))

@@ -16,6 +16,7 @@ from .. import client
 from .._checks import check_number, check_prob, did_you_mean
 from .._optional import require
 from . import algorithms, attacks, data as datasets, graphs as step_graphs, models, outdir
+from . import privacy as sim_privacy
 
 # seconds: wall time of the rounds since the previous row, as the user waits for it: local steps, server step and
 # the checkpoint written after each round (a round's checkpoint counts toward the next row); evaluation excluded.
@@ -27,6 +28,15 @@ METRIC_FIELDS = ["algorithm", "seed", "round", "train_loss", "train_loss_last", 
 SUMMARY_FIELDS = ["algorithm", "status", "seeds", "rounds", "train_loss_mean", "train_loss_std", "test_acc_mean",
                   "test_acc_std", "target", "rounds_to_target_mean", "seeds_reaching_target", "seconds_per_round",
                   "eval_seconds"]
+DP_FIELDS = ["epsilon"]  # with --dp: the privacy spent after the row's round (metrics) and at the end (summary)
+
+
+def metric_fields(cfg: "Config") -> list:
+    return METRIC_FIELDS + (DP_FIELDS if cfg.dp else [])
+
+
+def summary_fields(cfg: "Config") -> list:
+    return SUMMARY_FIELDS + (DP_FIELDS if cfg.dp else [])
 
 
 # Default size of the fixed sample of clients' training data the training loss is measured on: every data set of
@@ -78,6 +88,7 @@ class Config:
     f: int | None = None  # the attackers a robust rule assumes per round; None: round(malicious * participants)
     beta: float = 0.2  # trimmed mean: the fraction cut at each end (Flower's default)
     max_norm: float = 1.0  # norm bounding: the largest update norm kept
+    dp: str | None = None  # differential privacy (fastagg/sim/privacy.py): "server-fixed:clip=1.0,z=1.0", ...
     target: float | None = None  # train loss; the summary reports the rounds to reach it
     eval_every: int = 1  # evaluate (and write a metrics row) every this many rounds (round 0 too), and after the last
     eval_samples: int | None = None  # train loss on a fixed sample of this many clients' samples; None: the data set's
@@ -123,6 +134,12 @@ class Config:
                 alg.server_cls(torch.zeros(2, dtype=torch.float64), **alg.server_kwargs)  # its own checks, now
                 if alg.aggregate is not None and hasattr(alg.aggregate, "check") and cfg.clients:
                     alg.aggregate.check(max(1, int(round(cfg.participation * cfg.clients))))  # Krum's M > 2f + 2
+                if cfg.dp is not None:
+                    if alg.aggregate is not None:
+                        raise ValueError("--dp with a robust aggregate: DP's noise is calibrated to the clipped mean")
+                    if cfg.clients:
+                        sim_privacy.check(cfg.dp, participants=max(1, int(round(cfg.participation * cfg.clients))),
+                                          clients=cfg.clients)
                 if alg.client_rule == "scaffold" and not cfg.lr > 0:
                     raise ValueError(f"lr must be > 0 for {name} (its control variates divide by it), got {cfg.lr}")
             except (TypeError, ValueError) as e:
@@ -421,15 +438,17 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
     gen = torch.Generator().manual_seed(seed)
     w = model.init(dtype, device) if hasattr(model, "init") else torch.zeros(model.dim, dtype=dtype, device=device)
     group, rank, world = ranks()
-    if (cfg.attack is not None or alg.aggregate is not None) and group is not None:
-        raise ValueError("attacks and robust rules run on one process for now (no torchrun)")
-    opt = alg.server_cls(w, backend=cfg.backend, on_nonfinite="raise", group=group, aggregate=alg.aggregate,
-                         **alg.server_kwargs)
+    if (cfg.attack is not None or alg.aggregate is not None or cfg.dp is not None) and group is not None:
+        raise ValueError("attacks, robust rules and --dp run on one process for now (no torchrun)")
+    n = d.num_clients
+    m = max(1, int(round(cfg.participation * n)))
+    dp, accountant = (None, None) if cfg.dp is None else \
+        sim_privacy.make(sim_privacy.parse(cfg.dp), participants=m, clients=n, run_seed=seed)
+    opt = alg.server_cls(w, backend=cfg.backend, on_nonfinite="raise", group=group,
+                         aggregate=alg.aggregate if dp is None else dp, **alg.server_kwargs)
     bad = attacks.malicious_clients(d.num_clients, cfg.malicious, seed).to(device) if cfg.attack else None
     train_d = attacks.label_flipped(d, bad) if cfg.attack == "label-flip" else d
     attack_gen = torch.Generator().manual_seed(20_011 + seed)  # the attacks' draws, apart from the run's
-    n = d.num_clients
-    m = max(1, int(round(cfg.participation * n)))
     torch.set_num_threads(intra_op_threads(d, model, m, cfg.batch_size, d.x.element_size()))
     needs_state = alg.client_rule in ("decsps", "nesterov", "mass", "scaffold")
     state = client.ClientState(n, model.dim, dtype=dtype, device=device) if needs_state else None
@@ -443,9 +462,12 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         eval_w = torch.as_tensor(opt.eval_params())
         loss, last, test_loss, test_acc = _evaluate(model, d, eval_w, w)
         if on_row:
-            on_row(dict(algorithm=algorithm, seed=seed, round=t, train_loss=loss, train_loss_last=last,
-                        test_loss=test_loss, test_acc=test_acc, eta=eta, seconds=train_s,
-                        eval_seconds=time.perf_counter() - started))
+            row = dict(algorithm=algorithm, seed=seed, round=t, train_loss=loss, train_loss_last=last,
+                       test_loss=test_loss, test_acc=test_acc, eta=eta, seconds=train_s,
+                       eval_seconds=time.perf_counter() - started)
+            if dp is not None:
+                row["epsilon"] = accountant.epsilon() if accountant is not None else float("inf")
+            on_row(row)
         train_s = 0.0
         return loss
 
@@ -455,6 +477,10 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         opt.load_state_dict(resume["optimizer"])
         if state is not None:
             state.load_state_dict(resume["clients"])
+        if dp is not None:
+            dp.load_state_dict(resume["privacy"]["mechanism"])
+            if accountant is not None:
+                accountant.load_state_dict(resume["privacy"]["accountant"])
         gen.set_state(resume["generator"])
         start = resume["round"] + 1
         train_s = resume.get("train_seconds", 0.0)
@@ -482,11 +508,15 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         if control is not None:  # SCAFFOLD option II: c_i_new = c_i - c + (w - y_i) / (K lr)
             extra = ((anchor - x) / (sum(lr) if isinstance(lr, list) else cfg.local_steps * lr) - control,)
         try:
+            if dp is not None and dp.client_side:  # the clients clip their own updates before they leave them
+                _, clipped = client.clip_updates(x, anchor, dp.clipping_norm, backend=cfg.backend)
+                if dp.adaptive:
+                    dp.set_norm_bits(clipped)
             updates = x - anchor
             if bad is not None:
                 updates = attacks.attack_updates(cfg.attack, updates, bad[ids], cfg.attack_scale, attack_gen)
-            if alg.aggregate is not None and not alg.aggregate.weighted:
-                weights = None  # median, trimmed mean, Krum, Bulyan: unweighted, as in their papers
+            if (alg.aggregate is not None and not alg.aggregate.weighted) or dp is not None:
+                weights = None  # median, trimmed mean, Krum, Bulyan, DP's clipped mean: unweighted, as in their papers
             opt.step(updates, *extra, weights=weights)
         except ValueError as e:
             return f"round {t}: {e}"
@@ -501,9 +531,13 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
             loss = record(t, eta)
         if on_round:
             saving = time.perf_counter()
-            on_round(dict(algorithm=algorithm, seed=seed, round=t, params=w.clone(), optimizer=opt.state_dict(),
-                          clients=None if state is None else state.state_dict(), generator=gen.get_state(),
-                          train_seconds=train_s))
+            snap = dict(algorithm=algorithm, seed=seed, round=t, params=w.clone(), optimizer=opt.state_dict(),
+                        clients=None if state is None else state.state_dict(), generator=gen.get_state(),
+                        train_seconds=train_s)
+            if dp is not None:  # the noise stream, the clipping norm and the releases accounted so far
+                snap["privacy"] = {"mechanism": dp.state_dict(),
+                                   "accountant": None if accountant is None else accountant.state_dict()}
+            on_round(snap)
             train_s += time.perf_counter() - saving  # what the user waits for: counted in the next row's seconds
         if progress:
             progress(algorithm, seed, t, cfg.rounds, loss)
@@ -749,7 +783,7 @@ def _rows_of(cfg: Config, ckpt: dict) -> list:
     count = ckpt["rows_written"]
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise ValueError(f"{os.path.join(cfg.out, CHECKPOINT)!r}: its metric row count {count!r} is malformed")
-    return outdir.read_metrics(cfg.out, count, METRIC_FIELDS)
+    return outdir.read_metrics(cfg.out, count, metric_fields(cfg))
 
 
 def check_resume_state(cfg: Config, data, ckpt: dict, rows: list) -> None:
@@ -759,7 +793,7 @@ def check_resume_state(cfg: Config, data, ckpt: dict, rows: list) -> None:
     generator. Raises ValueError naming the first problem; nothing is written or changed here."""
     where = f"{os.path.join(cfg.out, CHECKPOINT)!r}"
     done, current = ckpt["done"], ckpt["current"]
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and set(METRIC_FIELDS) <= set(r) for r in rows):
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and set(metric_fields(cfg)) <= set(r) for r in rows):
         raise ValueError(f"{where}: its metric rows are malformed")
     pairs = {(a, sd) for a in cfg.algorithms for sd in cfg.seeds}
     if not isinstance(done, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 and tuple(p) in pairs
@@ -802,6 +836,13 @@ def check_snapshot(cfg: Config, data, current: dict, where: str, pairs: set | No
             state = client.ClientState(data.num_clients, model.dim, dtype=dtype, device=device)
             state.load_state_dict(current["clients"])
         torch.Generator().set_state(current["generator"])
+        if acfg.dp is not None:
+            n = data.num_clients
+            mech, acc = sim_privacy.make(sim_privacy.parse(acfg.dp), clients=n, run_seed=0,
+                                         participants=max(1, int(round(acfg.participation * n))))
+            mech.load_state_dict(current["privacy"]["mechanism"])
+            if acc is not None:
+                acc.load_state_dict(current["privacy"]["accountant"])
     except (TypeError, ValueError, RuntimeError, AttributeError, KeyError) as e:
         raise ValueError(f"{where}: its run in progress cannot be restored ({str(e).splitlines()[0][:160]})") \
             from None
@@ -816,7 +857,7 @@ def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool, extension
     if cfg.out:  # never through a link planted in the folder (outdir.open_new / write_file)
         outdir.write_file(cfg.out, "config.json", lambda f: json.dump(dataclasses.asdict(cfg), f, indent=2))
         out_file = outdir.open_new(cfg.out, "metrics.csv")
-        writer = csv.DictWriter(out_file, fieldnames=METRIC_FIELDS)
+        writer = csv.DictWriter(out_file, fieldnames=metric_fields(cfg))
         writer.writeheader()
         writer.writerows(rows)
 
@@ -885,7 +926,7 @@ def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool, extension
             print(format_summary(table), flush=True)
         if cfg.out:
             def write_summary(f):
-                w = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
+                w = csv.DictWriter(f, fieldnames=summary_fields(cfg))
                 w.writeheader()
                 w.writerows(table)
 
@@ -961,7 +1002,10 @@ def _summary_row(history: History, algorithm: str, rows: list, status: str) -> d
     reached = [r for r in reached if r is not None]
     train_s, timed_rounds = _steady_time(rows, seeds)
     evals = [float(r["eval_seconds"]) for r in rows if r.get("eval_seconds") not in (None, "")]
-    return dict(
+    extra = {}
+    if history.config.dp:  # the privacy each seed's run spent (the same for every seed of a run: reported as the mean)
+        extra["epsilon"] = sum(float(f.get("epsilon", float("nan"))) for f in finals) / len(finals)
+    return extra | dict(
         algorithm=algorithm, status=status if status == "finished" else f"unfinished (seed {seeds[0]})",
         seeds=len(seeds), rounds=max(f["round"] for f in finals),
         train_loss_mean=float(loss.mean()), train_loss_std=float(loss.std(unbiased=False)),
@@ -973,6 +1017,7 @@ def _summary_row(history: History, algorithm: str, rows: list, status: str) -> d
         eval_seconds=sum(evals) / len(evals) if evals else float("nan"))
 
 
+
 def _duration(seconds: float) -> str:
     return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
@@ -982,8 +1027,10 @@ def format_summary(table: list) -> str:
     has_acc = any(math.isfinite(r["test_acc_mean"]) for r in table)
     has_target = any(math.isfinite(r["target"]) for r in table)
     has_status = any(r["status"] != "finished" for r in table)
+    has_eps = any("epsilon" in r for r in table)
     head = ["algorithm"] + (["status"] if has_status else []) + ["seeds", "rounds", "final train loss"] + (["test accuracy"] if has_acc else []) + \
-        ([f"rounds to loss <= {table[0]['target']:g}"] if has_target else []) + ["time / round", "evaluation"]
+        ([f"rounds to loss <= {table[0]['target']:g}"] if has_target else []) + (["epsilon"] if has_eps else []) + \
+        ["time / round", "evaluation"]
     lines = []
     for r in table:
         cells = [r["algorithm"]] + ([r["status"]] if has_status else []) + [str(r["seeds"]), str(r["rounds"]),
@@ -993,6 +1040,8 @@ def format_summary(table: list) -> str:
         if has_target:
             cells.append("never" if not r["seeds_reaching_target"] else
                          f"{r['rounds_to_target_mean']:.1f} ({r['seeds_reaching_target']}/{r['seeds']} seeds)")
+        if has_eps:
+            cells.append(f"{r.get('epsilon', float('nan')):.4g}")
         cells += [_duration(r["seconds_per_round"]), _duration(r["eval_seconds"])]
         lines.append(cells)
     widths = [max(len(c) for c in col) for col in zip(head, *lines)]
