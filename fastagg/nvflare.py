@@ -23,6 +23,16 @@ Entries named like torch buffers (``running_mean``, ``running_var``, ``num_batch
 are averaged, never stepped (fastagg's buffer rule). The optimizer's state (momentum, Adam moments) lives as long
 as the aggregator.
 
+Central differential privacy (``dp=``, the server-side mechanisms of :mod:`fastagg.privacy`; FLARE has client
+filters but no noise): ``dp={"mechanism": "server-fixed", "noise_multiplier": 1.0, "clipping_norm": 0.5,
+"num_sampled_clients": 8}`` (or ``"server-adaptive"`` with ``initial_clipping_norm``, ``target_clipped_quantile``,
+``clip_norm_lr``, ``clipped_count_stddev``; optional ``seed``). Each result's update is clipped as it arrives (its
+norm read once, then folded with the clip scale as its coefficient), the results are averaged uniformly (the noise
+is calibrated to the sensitivity ``C / n`` of that mean, so site weights and NUM_STEPS_CURRENT_ROUND do not apply),
+and ``aggregate_model`` releases ``sum / M + N(0, (z C / n)^2)`` in one pass over the sum with the noise written by
+the kernel, then the rule steps on the release. The mechanism's state (seed, release count, clipping norm) is in
+:meth:`state_dict`.
+
 What a bad result gets: NaN/Inf, or one whose weighted update would overflow the running sum, is left out of the
 round with a warning (``on_nonfinite="skip"``, the default: a server must survive one broken client) or raises
 (``"raise"``); keys, shapes or dtypes other than the model's, a result from another round, or a site that already
@@ -51,7 +61,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised in a process without nvflare (tests/test_nvflare.py)
     raise ImportError("fastagg.nvflare needs NVIDIA FLARE: pip install 'fastagg[nvflare]'") from e
 
-from . import server
+from . import client, privacy, server
 from .stream import Accumulator
 
 RULES = {"fedavg": server.FedAvg, "fedavgm": server.FedAvgM, "fedexp": server.FedExP, "fedexpm": server.FedExPM,
@@ -75,7 +85,7 @@ class FastaggAggregator(ModelAggregator):
     """
 
     def __init__(self, rule: str = "fedavg", hyper: dict | None = None, aggregation_weights: dict | None = None,
-                 device: str = "cpu", backend: str = "auto", on_nonfinite: str = "skip"):
+                 device: str = "cpu", backend: str = "auto", on_nonfinite: str = "skip", dp: dict | None = None):
         super().__init__()
         if rule in NEEDS_ALL_RESULTS:
             raise ValueError(f"rule {rule!r} is a robust rule: it needs every site's result of a round at once "
@@ -99,9 +109,12 @@ class FastaggAggregator(ModelAggregator):
             if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
                 raise ValueError(f"aggregation_weights[{site!r}] must be a finite number >= 0; got {w!r}")
         RULES[rule](torch.zeros(1), **hyper)  # refuse unknown or invalid hyper-parameters now, not in round 1
+        self._mechanism = _dp_mechanism(dp)
         # attribute names = constructor argument names: FLARE's job export reads them back
         self.rule, self.hyper, self.aggregation_weights = rule, hyper, dict(aggregation_weights or {})
         self.device, self.backend, self.on_nonfinite = device, backend, on_nonfinite
+        self.dp = None if dp is None else dict(dp)
+        self._clipped: list = []  # dp: whether each folded result was clipped
         self._lock = threading.RLock()
         self._opt: server.ServerOptimizer | None = None
         self._restored: dict | None = None  # a state_dict loaded before the first round
@@ -151,6 +164,7 @@ class FastaggAggregator(ModelAggregator):
             self._base, self._round = base, model.current_round
             self._acc = self._round_acc
             self._sites, self._metrics, self._metric_weight = set(), {}, 0.0
+            self._clipped = []
 
     # -- ModelAggregator ---------------------------------------------------------------------------------------
     def reset_stats(self):
@@ -179,8 +193,20 @@ class FastaggAggregator(ModelAggregator):
                 return self._refuse(site, f"has weight {admin:g} x {steps:g} steps, which would overflow the round's "
                                     "total weight")
             base = None if model.params_type == ParamsType.DIFF else self._base  # FULL (FLARE's default)
-            if not self._acc.add(params, weight, base=base, on_nonfinite=self.on_nonfinite, client_id=site):
+            coef, clipped = weight, False
+            if self._mechanism is not None:  # dp: the update's norm (one read), then folded clipped, uniformly
+                norm = float(client.update_norms([params], base if base is not None else
+                                                 {k: torch.zeros_like(v) for k, v in self._base.items()},
+                                                 backend=self.backend)[0])
+                coef = privacy.mechanisms.clip_scale(norm, self._mechanism.clipping_norm)
+                if coef != coef:
+                    if self.on_nonfinite == "raise":
+                        raise ValueError(f"the result of {site} contains NaN or Inf")
+                    return self._refuse(site, "contains NaN or Inf")
+                clipped = coef < 1
+            if not self._acc.add(params, coef, base=base, on_nonfinite=self.on_nonfinite, client_id=site):
                 return self._refuse(site, "contains NaN or Inf (or would overflow the running sum)")
+            self._clipped.append(clipped)
             self._sites.add(site)
             for k, v in (model.metrics or {}).items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -197,7 +223,14 @@ class FastaggAggregator(ModelAggregator):
             if acc.num_clients == 0 or acc.total_weight == 0:
                 self.warning("fastagg: no client result was folded this round; the global model is unchanged")
             else:
-                stats = self._opt.step(acc)  # "skip": a step that would put Inf/NaN in the model keeps it
+                if self._mechanism is not None:  # the private release (noise in the kernel), stepped on as one update
+                    res = privacy.mechanisms.release_from_sum(acc.weighted_sum, self._clipped, self._mechanism,
+                                                              self._opt._backend)
+                    self.info(f"fastagg dp: {acc.num_clients} results, {sum(self._clipped)} clipped to "
+                              f"{res.clipping_norm:.4g}, noise std {res.noise_std:.4g}")
+                    stats = self._opt.step([self._opt.layout.unflatten(res.estimate)])
+                else:
+                    stats = self._opt.step(acc)  # "skip": a step that would put Inf/NaN in the model keeps it
                 if bool(stats.finite):
                     self.info(f"fastagg {self.rule}: {acc.num_clients} clients, step size {float(stats.eta):.4g}")
                 else:
@@ -211,11 +244,12 @@ class FastaggAggregator(ModelAggregator):
 
     def state_dict(self) -> dict:
         """The server optimizer's state (momentum, moments, round counter), for a checkpoint; ``{}`` before the
-        first round."""
+        first round. With ``dp=``, the mechanism's state too (seed, release count, clipping norm)."""
         with self._lock:
-            if self._opt is None:
-                return dict(self._restored or {})
-            return self._opt.state_dict()
+            state = dict(self._restored or {}) if self._opt is None else self._opt.state_dict()
+            if self._mechanism is not None:
+                state = {**state, "fastagg_dp": self._mechanism.state_dict()}
+            return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume the server optimizer from :meth:`state_dict` (e.g. after a server restart): loaded now if the
@@ -224,6 +258,13 @@ class FastaggAggregator(ModelAggregator):
         once and starts from a fresh state (it never fails every later round)."""
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from FastaggAggregator.state_dict(), got {type(state).__name__}")
+        state = dict(state)
+        dp_state = state.pop("fastagg_dp", None)
+        if (dp_state is None) != (self._mechanism is None):
+            raise ValueError("the state is of an aggregator " + ("with" if dp_state is not None else "without") +
+                             " dp=; this one is " + ("without" if self._mechanism is None else "with") + " it")
+        if dp_state is not None:
+            self._mechanism.load_state_dict(dp_state)
         rule_cls = RULES[self.rule].__name__
         meta = state.get("fastagg")  # torch's checkpoint shape keeps the class there; fastagg's format 1 at the top
         of = meta.get("optimizer") if isinstance(meta, dict) else state.get("optimizer")
@@ -244,6 +285,26 @@ class FastaggAggregator(ModelAggregator):
 
     def info(self, message: str):
         super().info(message) if self.fl_ctx is not None else _log.info(message)
+
+
+DP_MECHANISMS = {"server-fixed": privacy.ServerSideFixedClipping, "server-adaptive": privacy.ServerSideAdaptiveClipping}
+
+
+def _dp_mechanism(dp: dict | None):
+    """``dp=``'s mechanism (a dict, as a FLARE job config carries it), checked now."""
+    if dp is None:
+        return None
+    if not isinstance(dp, dict):
+        raise TypeError(f"dp must be a dict (mechanism, noise_multiplier, ...), got {type(dp).__name__}")
+    kw = dict(dp)
+    kind = kw.pop("mechanism", None)
+    if kind not in DP_MECHANISMS:
+        raise ValueError(f"dp['mechanism'] must be one of {', '.join(DP_MECHANISMS)} (client-side clipping needs "
+                         f"the sites to clip: not in FLARE), got {kind!r}")
+    try:
+        return DP_MECHANISMS[kind](**kw)
+    except TypeError as e:
+        raise TypeError(f"dp: {e}") from None
 
 
 def _to_tensor(v: Any, name: str, device: str) -> torch.Tensor:

@@ -304,3 +304,83 @@ def test_a_restored_state_of_another_rule_is_refused_at_load_and_never_wedges_th
     other_size.set_model(FLModel(params_type=ParamsType.FULL, params=small))  # raised once; fresh from then on
     assert other_size.accept_model(_result({"dense.weight": np.ones((2, 2), np.float32)}, "s0"))
     assert other_size.aggregate_model().params is not None
+
+
+# -- central differential privacy (dp=) ---------------------------------------------------------------------------
+DP_SHAPES = {"dense.weight": (40, 30), "dense.bias": (40,)}
+
+
+def _dp_round(agg, sent, updates, rnd=0):
+    agg.reset_stats()
+    agg.set_model(FLModel(params_type=ParamsType.FULL, params=sent, current_round=rnd))
+    for i, u in enumerate(updates):
+        agg.accept_model(_result({k: sent[k] + u[k] for k in sent}, f"site-{i}", steps=3 + i, rnd=rnd))
+    return agg.aggregate_model()
+
+
+def _dp_inputs(m=5, scale=0.02):
+    rng = np.random.default_rng(7)
+    sent = {k: rng.standard_normal(s).astype(np.float32) for k, s in DP_SHAPES.items()}
+    updates = [{k: (scale * (i + 1) * rng.standard_normal(s)).astype(np.float32) for k, s in DP_SHAPES.items()}
+               for i in range(m)]
+    return sent, updates
+
+
+def _clipped_mean(updates, c):
+    flat = [np.concatenate([u[k].astype(np.float64).ravel() for k in DP_SHAPES]) for u in updates]
+    return np.mean([f * min(1.0, c / np.linalg.norm(f)) for f in flat], axis=0)
+
+
+def test_dp_server_fixed_clipping_is_the_uniform_clipped_mean_plus_the_generators_noise():
+    from fastagg.backends import reference
+
+    sent, updates = _dp_inputs()
+    c, z, n = 0.7, 1.5, 5
+    agg = FastaggAggregator(rule="fedavg", dp={"mechanism": "server-fixed", "noise_multiplier": z,
+                                                "clipping_norm": c, "num_sampled_clients": n, "seed": 42})
+    out = _dp_round(agg, sent, updates)
+    got = _flat(out.params) - _flat(sent)
+    want = _clipped_mean(updates, c)  # uniform: the sites' NUM_STEPS_CURRENT_ROUND do not weigh under DP
+    noise = reference.gaussian(want.size, seed=42, round=0).double().numpy()
+    np.testing.assert_allclose(got, want + z * c / n * noise, atol=2e-6)
+    quiet = FastaggAggregator(rule="fedavg", dp={"mechanism": "server-fixed", "noise_multiplier": 0.0,
+                                                  "clipping_norm": c, "num_sampled_clients": n})
+    np.testing.assert_allclose(_flat(_dp_round(quiet, sent, updates).params) - _flat(sent), want, atol=1e-6)
+    assert 0 < sum(agg._clipped) < 5
+
+
+def test_dp_adaptive_clipping_moves_the_norm_and_the_state_travels():
+    sent, updates = _dp_inputs()
+    dp = {"mechanism": "server-adaptive", "noise_multiplier": 0.0, "num_sampled_clients": 5,
+          "initial_clipping_norm": 0.05, "seed": 1}
+    agg = FastaggAggregator(rule="fedadam", hyper={"lr": 0.01}, dp=dp)
+    norms = []
+    for rnd in range(3):
+        _dp_round(agg, sent, updates, rnd)
+        norms.append(agg._mechanism.clipping_norm)
+    assert norms[0] > 0.05 and norms[1] > norms[0]  # every update clipped: the norm grows towards the median
+    again = FastaggAggregator(rule="fedadam", hyper={"lr": 0.01}, dp=dp)
+    again.load_state_dict(agg.state_dict())
+    assert again._mechanism.clipping_norm == norms[-1] and again._mechanism.rounds == 3
+    with pytest.raises(ValueError, match="without dp"):
+        FastaggAggregator(rule="fedadam", hyper={"lr": 0.01}).load_state_dict(agg.state_dict())
+
+
+@pytest.mark.parametrize("dp,error", [({"mechanism": "client-fixed"}, ValueError), ({"mechanism": "server-fixed",
+                                       "noise_multiplier": -1, "clipping_norm": 1, "num_sampled_clients": 2}, ValueError),
+                                      ({"mechanism": "server-fixed", "clip": 1}, TypeError), ("dp", TypeError)])
+def test_dp_bad_configs_are_refused_at_once(dp, error):
+    with pytest.raises(error):
+        FastaggAggregator(dp=dp)
+
+
+def test_dp_a_nan_site_is_left_out_and_the_release_stays_finite(caplog):
+    sent, updates = _dp_inputs()
+    updates[2]["dense.bias"][3] = np.nan
+    agg = FastaggAggregator(rule="fedavg", dp={"mechanism": "server-fixed", "noise_multiplier": 0.0,
+                                                "clipping_norm": 0.7, "num_sampled_clients": 4})
+    with caplog.at_level(logging.WARNING):
+        out = _dp_round(agg, sent, updates)
+    assert "site-2" in caplog.text
+    good = [u for i, u in enumerate(updates) if i != 2]
+    np.testing.assert_allclose(_flat(out.params) - _flat(sent), _clipped_mean(good, 0.7), atol=1e-6)

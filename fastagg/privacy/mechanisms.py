@@ -276,28 +276,77 @@ def dp_round(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, mean_
         keep = finite.nonzero().flatten().tolist()  # a non-finite client is left out (0 * NaN would be NaN)
         sub = rows if len(keep) == m else subset_rows(rows, keep)
         run_stats(sub, (p * scale)[finite], backend, mean_out=out, mean_dtype=dtype, noise=fused)
-    if sigma > 0 and mech.noise_source is not None:
-        z = mech.noise_source(rows.numel, round_, out.dtype, out.device)
-        if not isinstance(z, torch.Tensor) or z.numel() != rows.numel:
-            raise ValueError(f"noise_source must return a tensor of {rows.numel} samples")
-        out.add_(z.to(device=out.device, dtype=out.dtype).reshape(-1), alpha=sigma)
+    _add_source_noise(mech, out, sigma, round_)
     if mech.adaptive and mech.client_side:
         reported = bits.to(dev) if bits is not None else finite & (norms >= c * (1 - 1e-5))
-        next_c, noisy = mech._next_norm(reported & finite, finite, round_)
+        counted = reported & finite
     else:
-        next_c, noisy = mech._next_norm(clipped, finite, round_)
+        counted = clipped
     sq = torch.where(finite, sq, torch.full_like(sq, float("nan")))
+    return _finish(mech, out, c, sigma, clipped, ~finite, sq, round_, counted)
+
+
+def _add_source_noise(mech: _Mechanism, out: torch.Tensor, sigma: float, round_: int) -> None:
+    """With ``noise_source=``: its samples times sigma, added in a pass of their own."""
+    if sigma > 0 and mech.noise_source is not None:
+        z = mech.noise_source(out.numel(), round_, out.dtype, out.device)
+        if not isinstance(z, torch.Tensor) or z.numel() != out.numel():
+            raise ValueError(f"noise_source must return a tensor of {out.numel()} samples")
+        out.add_(z.to(device=out.device, dtype=out.dtype).reshape(-1), alpha=sigma)
+
+
+def _finish(mech: _Mechanism, out, c, sigma, clipped, excluded, sq, round_, counted) -> DPResult:
+    """Advance the mechanism after a release: the release count, the adaptive clipping norm (from ``counted``,
+    the clients counted as clipped), the accountant."""
+    next_c, noisy = mech._next_norm(counted, ~excluded, round_)
     mech.rounds = round_ + 1
     if next_c is not None:
         mech.clipping_norm = next_c
-    if bits is not None:
+    if getattr(mech, "_norm_bits", None) is not None:
         mech._norm_bits = None
     eps = None
     if mech.accountant is not None:
         mech.accountant.step()
         eps = mech.accountant.epsilon()
-    mech.last = DPResult(out, c, sigma, clipped, ~finite, sq, round_, next_c, noisy, eps)
+    mech.last = DPResult(out, c, sigma, clipped, excluded, sq, round_, next_c, noisy, eps)
     return mech.last
+
+
+def clip_scale(norm: float, clipping_norm: float) -> float:
+    """``min(1, C / ||delta||)`` (1 for a zero update; NaN for a non-finite one)."""
+    return clipping_norm / norm if norm > clipping_norm else (1.0 if norm == norm else float("nan"))
+
+
+def release_from_sum(clipped_sum: Any, clipped: list, mech: _Mechanism, backend, *,
+                     mean_dtype: torch.dtype | None = None) -> DPResult:
+    """A server-side release from the *sum* of the clipped updates ``sum_i min(1, C/||delta_i||) delta_i``
+    (folded as the results arrived, e.g. into an :class:`fastagg.Accumulator` with the clip scales as weights),
+    for aggregators that stream results instead of holding them (fastagg.nvflare): one pass reads the sum, scales
+    it by ``1/M`` and writes the release with the noise as it goes. ``clipped``: one bool per folded client
+    (whether it was scaled), for adaptive clipping's count. The clipping norm used is ``mech.clipping_norm``."""
+    from ..rows import client_rows
+
+    if mech.client_side:
+        raise TypeError("release_from_sum releases a server-side mechanism's sum of clipped updates")
+    m = len(clipped)
+    if m < 1:
+        raise ValueError("release_from_sum needs at least one folded client")
+    if m != mech.num_sampled_clients:
+        warnings.warn(CLIENTS_DISCREPANCY.format(replies=m, expected=mech.num_sampled_clients), RuntimeWarning,
+                      stacklevel=2)
+    rows = client_rows([clipped_sum], name="clipped_sum")
+    round_, c = mech.rounds, mech.clipping_norm
+    sigma = mech.noise_std(c)
+    fused = (sigma, mech.seed, round_) if sigma > 0 and mech.noise_source is None else None
+    coef = torch.full((1,), 1.0 / m, dtype=torch.float64, device=rows.device)
+    out, _, bad, _ = run_stats(rows, coef, backend, mean_dtype=mean_dtype, noise=fused)
+    if bool(bad.any()):
+        raise ValueError("the sum of the clipped updates holds NaN or Inf")
+    _add_source_noise(mech, out, sigma, round_)
+    flags = torch.tensor([bool(x) for x in clipped], dtype=torch.bool, device=rows.device)
+    none = torch.zeros_like(flags)
+    return _finish(mech, out, c, sigma, flags, none, torch.full((m,), float("nan"), dtype=torch.float64,
+                                                                device=rows.device), round_, flags)
 
 
 def dp_stats(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, name: str, mean_out=None,
