@@ -868,7 +868,33 @@ def _robust(m: int, d: int) -> None:
     record("robust", f"{tag}: torch Krum (X @ X.T, topk, copy of the winner)", bench(torch_krum), m * d * 4)
 
 
-SECTIONS = {"copy": section_copy, "robust": section_robust, "feed": section_feed, "pageable": section_pageable, "queue": section_queue, "round": section_round,
+def section_dp() -> None:
+    """Issue 23: the noise generated in the stats kernel hidden under the memory time (a noised FedAvg step, client
+    side, within 1.15x of the plain step; the server-side step reads the updates twice); the noise alone against
+    torch.randn."""
+    from fastagg import privacy, server
+
+    for m, d in ((16, 50_000_000), (4, 100_000_000)):
+        d = size(d)
+        tag = f"M={m} d={d:.0e} fp32"
+        x = torch.randn(m, d, device=DEV) * 1e-3
+        p = torch.zeros(d, device=DEV)
+        c = float(x[0].norm()) * 0.8
+        steps = {"FedAvg step": server.FedAvg(p, backend="triton"),
+                 "client-side DP + FedAvg step": server.FedAvg(
+                     p, backend="triton", aggregate=privacy.ClientSideFixedClipping(1.0, 10 * c, m, seed=1)),
+                 "server-side DP + FedAvg step": server.FedAvg(
+                     p, backend="triton", aggregate=privacy.ServerSideFixedClipping(1.0, c, m, seed=1))}
+        for name, opt in steps.items():
+            record("dp", f"{tag}: {name}", bench(lambda: opt.step(x)), m * d * 4 + 8 * d)
+        record("dp", f"{tag}: fastagg gaussian_noise (materialized)",
+               bench(lambda: privacy.gaussian_noise(d, seed=1, round=0, device=DEV, backend="triton")), 4 * d)
+        record("dp", f"{tag}: torch.randn", bench(lambda: torch.randn(d, device=DEV)), 4 * d)
+        del x, p, steps
+        free()
+
+
+SECTIONS = {"copy": section_copy, "robust": section_robust, "dp": section_dp, "feed": section_feed, "pageable": section_pageable, "queue": section_queue, "round": section_round,
             "apply": section_apply, "compile": section_compile, "sweep": section_sweep, "server": section_server,
             "client": section_client, "sim": section_sim}
 

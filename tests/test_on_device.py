@@ -116,6 +116,32 @@ def test_robust_passes_on_device(dtype, m, d, form):
         assert torch.equal(g, g.T) and not bad.any()
 
 
+@pytest.mark.parametrize("form", ["matrix", "per-layer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dp_noise_and_release_on_device(dtype, form):
+    """fastagg.privacy on the device: the generator's noise against the reference's float64 transform of the same
+    Philox words (1e-5), and a server-side release (clipped mean + the noise written by the stats kernel) against
+    the reference backend's; the noise's first moments on 10^7 samples (GPU) or 10^5 (interpreter)."""
+    from fastagg import privacy
+    from fastagg.backends import reference
+
+    n = 10_000_000 if ON_GPU else 100_000
+    z = privacy.gaussian_noise(n, seed=77, round=5, first=3, device=DEVICE, backend="triton")
+    ref = reference.gaussian(n, seed=77, round=5, first=3)
+    assert float(((z.cpu().double() - ref.double()).abs() / (1 + ref.double().abs())).max()) < 1e-5
+    zz = z.double()
+    assert abs(float(zz.mean())) < 5 / n ** 0.5 and abs(float(zz.var()) - 1) < 5 * (2 / n) ** 0.5
+    m, d = 9, (300_007 if ON_GPU else 5_003)
+    x = 0.01 * _randn(m, d, seed=8, dtype=dtype)
+    c = float(x.double().norm(dim=1).median())
+    got = privacy.release(_forms(x.to(DEVICE), form), privacy.ServerSideFixedClipping(1.0, c, m, seed=4),
+                          backend="triton")
+    want = privacy.release(x.double(), privacy.ServerSideFixedClipping(1.0, c, m, seed=4), backend="reference")
+    assert torch.equal(got.clipped.cpu(), want.clipped)
+    assert_close(got.estimate.cpu().double(), want.estimate, rtol=1e-4, atol=1e-5 * c / m + 1e-6,
+                 name=f"DP release {dtype} {form}")
+
+
 SERVER_CASES = {
     "FedAvg": dict(lr=0.7), "FedAvgM": dict(lr=0.5, momentum=0.9, nesterov=True), "FedExP": dict(eps=1e-3),
     "FedExPM": dict(eps=1e-3, beta=0.9), "FedACG": dict(lam=0.85), "FedAdam": dict(lr=0.1, tau=1e-3),

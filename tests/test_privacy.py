@@ -274,3 +274,21 @@ def test_hostile_accountant_arguments(bad, match):
     kw = {"noise_multiplier": 1.0, **bad}
     with pytest.raises(ValueError, match=match):
         privacy.PrivacyAccountant(kw.pop("noise_multiplier"), **kw)
+
+
+def test_batchnorm_statistics_are_not_averaged_unnoised():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    updates = [{k: (torch.randn_like(v) if v.is_floating_point() else v + 1) for k, v in model.state_dict().items()}
+               for _ in range(4)]
+    opt = server.FedAvg(model, aggregate=privacy.ServerSideFixedClipping(1.0, 0.5, 4, seed=2), backend="cpu")
+    with pytest.warns(RuntimeWarning, match="not private"):
+        opt.step(updates)
+    assert torch.equal(model[1].running_mean, before["1.running_mean"])
+    assert torch.equal(model[1].num_batches_tracked, before["1.num_batches_tracked"])
+    assert not torch.equal(model[0].weight, before["0.weight"])
+    opt = server.FedAvg(model, aggregate=privacy.ServerSideFixedClipping(1.0, 0.5, 4, seed=2), backend="cpu",
+                        buffers="optimizer")
+    with pytest.warns(RuntimeWarning, match="num_batches_tracked"):  # (the integer counter alone is kept)
+        opt.step(updates)  # the running statistics are parameters now: clipped and noised with them
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])

@@ -19,7 +19,9 @@ sensitivity bound). The noise comes from fastagg's counter-based generator keyed
 (:mod:`fastagg.privacy.noise`), or from ``noise_source=``.
 
 A client whose update holds NaN or Inf contributes nothing (coefficient 0, reported in ``excluded``): that is
-clipping it to zero, which keeps the sensitivity bound.
+clipping it to zero, which keeps the sensitivity bound. The model's buffers (BatchNorm statistics) are not
+averaged under DP (an unnoised average would leak): the model keeps its own, with a warning once; a server
+optimizer built with ``buffers="optimizer"`` treats floating buffers as parameters, clipped and noised with them.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import torch
 
 from .._checks import check_number, normalized_weights
 from ..passes import RoundStats, run_stats
-from ..rows import ClientRows, compute_dtype, subset_rows
+from ..rows import Buffers, ClientRows, compute_dtype, subset_rows
 from .noise import NoiseSource, check_seed, count_noise
 
 __all__ = ["ServerSideFixedClipping", "ServerSideAdaptiveClipping", "ClientSideFixedClipping",
@@ -365,5 +367,12 @@ def dp_stats(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, name:
     stats = RoundStats(res.estimate, clipped_sq, torch.zeros(rows.num_clients, dtype=torch.bool, device=rows.device),
                        est64 @ est64, (p * clipped_sq).sum(), rows.num_clients, rows.form, name)
     stats.coefs = p
-    stats.buffers = rows.buffers
+    if rows.buffers is not None:  # an unnoised average of BatchNorm statistics would leak what the noise hides
+        if not getattr(mech, "_warned_buffers", False):
+            warnings.warn(f"{type(mech).__name__}: the clients' buffers ({', '.join(rows.buffers.names[:3])}...) are "
+                          "not private when averaged, so the model keeps its own; buffers='optimizer' clips and "
+                          "noises the floating ones with the parameters", RuntimeWarning, stacklevel=4)
+            mech._warned_buffers = True
+        stats.buffers = Buffers(rows.buffers.names, [])
+        stats.buffer_sums = [None] * len(rows.buffers.names)
     return stats, res
