@@ -1080,7 +1080,8 @@ class _ControlVariate:
                                      extra_coef_skip=None, overflow_out=self._overflow)
         self._finish(stats, both, updates)
         self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, both, _per_client(stats),
-                                    stats.num_clients, self._overflow)
+                                    stats.num_clients, self._overflow,
+                                    self._robust if self.aggregate is not None else None)
         check_overflow(self._overflow, self.on_nonfinite, "params or the control variate")
         return self.last_stats
 

@@ -292,3 +292,27 @@ def test_batchnorm_statistics_are_not_averaged_unnoised():
     with pytest.warns(RuntimeWarning, match="num_batches_tracked"):  # (the integer counter alone is kept)
         opt.step(updates)  # the running statistics are parameters now: clipped and noised with them
     assert not torch.equal(model[1].running_mean, before["1.running_mean"])
+
+
+ALL_OPTIMIZERS = {"FedAvg": {}, "FedAvgM": dict(lr=0.5, momentum=0.9), "FedExP": dict(eps=1e-3),
+                  "FedExPM": dict(eps=1e-3, beta=0.9), "FedACG": dict(lam=0.85), "FedAdam": dict(lr=0.1),
+                  "FedYogi": dict(lr=0.01), "FedAdagrad": dict(lr=0.1), "FedAMS": dict(lr=0.1),
+                  "Scaffold": dict(num_clients=8), "ScaffoldExP": dict(num_clients=8, eps=1e-3)}
+
+
+@pytest.mark.parametrize("name", list(ALL_OPTIMIZERS))
+@pytest.mark.parametrize("make", [lambda m: privacy.ServerSideFixedClipping(1.0, 0.05, m, seed=1),
+                                  lambda m: privacy.ServerSideAdaptiveClipping(0.5, m, 0.05, clipped_count_stddev=1.0, seed=1),
+                                  lambda m: privacy.ClientSideFixedClipping(1.0, 0.05, m, seed=1),
+                                  lambda m: privacy.ClientSideAdaptiveClipping(0.5, m, 0.05, clipped_count_stddev=1.0, seed=1)],
+                         ids=["server-fixed", "server-adaptive", "client-fixed", "client-adaptive"])
+def test_every_mechanism_composes_with_every_server_optimizer(name, make):
+    m, d = 4, 200
+    params = torch.zeros(d)
+    mech = make(m)
+    opt = getattr(server, name)(params, aggregate=mech, backend="cpu", **ALL_OPTIMIZERS[name])
+    for t in range(3):
+        x = _clients(m, d, seed=t)
+        st = opt.step(x, torch.zeros(m, d)) if name.startswith("Scaffold") else opt.step(x)
+        assert bool(st.finite) and st.robust.round == t and st.robust.noise_std > 0
+    assert mech.rounds == 3 and bool(torch.isfinite(params).all()) and float(params.abs().sum()) > 0

@@ -294,6 +294,8 @@ def _add_source_noise(mech: _Mechanism, out: torch.Tensor, sigma: float, round_:
         z = mech.noise_source(out.numel(), round_, out.dtype, out.device)
         if not isinstance(z, torch.Tensor) or z.numel() != out.numel():
             raise ValueError(f"noise_source must return a tensor of {out.numel()} samples")
+        if not bool(torch.isfinite(z).all()):
+            raise ValueError("noise_source returned NaN or Inf; nothing was updated")
         out.add_(z.to(device=out.device, dtype=out.dtype).reshape(-1), alpha=sigma)
 
 

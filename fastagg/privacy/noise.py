@@ -21,6 +21,7 @@ noise of your own with ``noise_source=`` (see :class:`NoiseSource`).
 """
 from __future__ import annotations
 
+import numbers
 import secrets
 from typing import Protocol
 
@@ -45,6 +46,8 @@ def check_seed(seed) -> int:
     """A seed as fastagg keys Philox with: an integer in [0, 2^64); None draws one from ``secrets``."""
     if seed is None:
         return secrets.randbits(SEED_BITS)
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):  # numpy and torch integers too
+        seed = int(seed)
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << SEED_BITS:
         raise ValueError(f"seed must be an integer in [0, 2^64) (or None: drawn from the secrets module), got {seed!r}")
     return seed
