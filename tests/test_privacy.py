@@ -227,6 +227,10 @@ def test_bad_release_changes_nothing():
     assert params.abs().sum() == 0 and mech.rounds == 0
     with pytest.raises(TypeError, match="aggregate"):
         server.FedAvg(torch.zeros(3), aggregate="dp")
+    mech.clipping_norm = -1.0  # set after construction: checked again at the release, never a silent no-noise round
+    with pytest.raises(ValueError, match="clipping_norm"):
+        opt.step(x)
+    assert params.abs().sum() == 0 and mech.rounds == 0 and "_z" not in repr(mech)
 
 
 def test_accountant_matches_the_exact_gaussian_dp_curve():

@@ -163,3 +163,12 @@ def test_cpu_binding_refuses_what_it_cannot_write():
                       0.0, torch.zeros(8).__dlpack__(), torch.zeros(2, dtype=torch.float64).__dlpack__(),
                       torch.zeros(2, dtype=torch.uint8).__dlpack__(), torch.zeros(1, dtype=torch.float64).__dlpack__(),
                       float("nan"), 0, 0)
+
+
+@pytest.mark.parametrize("seed", [0, 2 ** 32 - 1, 2 ** 63, 2 ** 64 - 1])
+@pytest.mark.parametrize("rnd", [0, 2 ** 32 + 3, 2 ** 63 - 1])
+def test_extreme_seeds_and_rounds_agree_on_every_backend(seed, rnd):
+    ref = gaussian_noise(999, seed=seed, round=rnd, first=2, backend="reference")
+    for backend in cpu_backends():
+        got = gaussian_noise(999, seed=seed, round=rnd, first=2, backend=backend)
+        assert float((got - ref).abs().max()) < 1e-5, backend

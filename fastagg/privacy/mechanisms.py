@@ -124,11 +124,18 @@ class _Mechanism:
         self.seed, self.rounds, self.clipping_norm = seed, rounds, norm
 
     def __repr__(self) -> str:
-        shown = {k: v for k, v in vars(self).items() if k not in ("seed", "last", "noise_source", "accountant")}
+        shown = {k: v for k, v in vars(self).items()
+                 if not k.startswith("_") and k not in ("seed", "last", "noise_source", "accountant")}
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def _next_norm(self, clipped: torch.Tensor, finite: torch.Tensor, round_: int) -> tuple[float | None, float | None]:
         return None, None
+
+    def _check_live(self) -> None:
+        """The settings a release uses, checked again (attributes may have been set since the constructor)."""
+        check_number(self.clipping_norm, "clipping_norm", allow_equal=False)
+        check_number(self.noise_multiplier, "noise_multiplier")
+        _check_count(self.num_sampled_clients, "num_sampled_clients")
 
 
 class _Fixed(_Mechanism):
@@ -247,6 +254,7 @@ def dp_round(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, mean_
     write, and the mechanism's state (release count, clipping norm) advances only after the release."""
     if not isinstance(mech, MECHANISMS):
         raise TypeError(f"expected a fastagg.privacy mechanism, got {type(mech).__name__}")
+    mech._check_live()
     if weights is not None and not mech.weighted:
         raise TypeError(f"{type(mech).__name__} averages the clipped updates uniformly (its noise is calibrated to "
                         "the sensitivity C / n of that mean); drop weights=, or pass weighted=True to the mechanism "
@@ -332,6 +340,7 @@ def release_from_sum(clipped_sum: Any, clipped: list, mech: _Mechanism, backend,
 
     if mech.client_side:
         raise TypeError("release_from_sum releases a server-side mechanism's sum of clipped updates")
+    mech._check_live()
     m = len(clipped)
     if m < 1:
         raise ValueError("release_from_sum needs at least one folded client")
