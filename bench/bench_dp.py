@@ -88,9 +88,11 @@ def flower(rounds: int = 3) -> dict:
     theirs = fl.DifferentialPrivacyServerSideFixedClipping(fl.FedAvg(**kw), 1.0, c, M)
     ours = fa.DifferentialPrivacyServerSideFixedClipping(fa.FedAvg(**kw), 1.0, c, M, seed=1)
     plain = fa.FedAvg(**kw)
-    times = {"flower DP(FedAvg)": [], "fastagg DP(FedAvg)": [], "fastagg FedAvg": []}
+    fl_plain = fl.FedAvg(**kw)
+    times = {"flower DP(FedAvg)": [], "flower FedAvg": [], "fastagg DP(FedAvg)": [], "fastagg FedAvg": []}
     for rnd in range(1, rounds + 1):
-        for name, strat in (("fastagg DP(FedAvg)", ours), ("fastagg FedAvg", plain), ("flower DP(FedAvg)", theirs)):
+        for name, strat in (("fastagg DP(FedAvg)", ours), ("fastagg FedAvg", plain), ("flower DP(FedAvg)", theirs),
+                            ("flower FedAvg", fl_plain)):
             msgs = sorted(strat.configure_train(rnd, arrays, ConfigRecord(), bf._grid()),
                           key=lambda m: m.metadata.dst_node_id)
             replies = bf._replies(plain, rnd, arrays)

@@ -52,7 +52,7 @@ class DPResult:
     left out), the clients' squared norms before clipping (NaN for the excluded), ``round`` (the release index
     keying the noise), ``next_clipping_norm`` (adaptive: the norm of the next round) and
     ``noisy_clipped_fraction`` (adaptive: the noised fraction that moved it); ``epsilon`` after this release when
-    the mechanism has an accountant."""
+    the mechanism has an accountant; ``mean_sq``, the release's squared norm."""
 
     estimate: torch.Tensor
     clipping_norm: float
@@ -64,6 +64,7 @@ class DPResult:
     next_clipping_norm: float | None = None
     noisy_clipped_fraction: float | None = None
     epsilon: float | None = None
+    mean_sq: torch.Tensor | None = None  # ||estimate||^2 (float64, 0-d), from the pass that wrote the estimate
 
     @property
     def selected(self) -> torch.Tensor:
@@ -273,7 +274,7 @@ def dp_round(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, mean_
     out = mean_out if mean_out is not None else torch.empty(rows.numel, dtype=dtype, device=dev)
     fused = (sigma, mech.seed, round_) if sigma > 0 and mech.noise_source is None else None
     # pass 1: the norms (client-side: already the release when every update is finite and within C)
-    _, sq, bad, _ = run_stats(rows, p, backend, mean_out=out, mean_dtype=dtype,
+    _, sq, bad, msq = run_stats(rows, p, backend, mean_out=out, mean_dtype=dtype,
                               noise=fused if mech.client_side else None)
     norms = sq.sqrt()
     finite = ~bad
@@ -285,19 +286,20 @@ def dp_round(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, mean_
     if not mech.client_side or bool(clipped.any()) or not bool(finite.all()):
         keep = finite.nonzero().flatten().tolist()  # a non-finite client is left out (0 * NaN would be NaN)
         sub = rows if len(keep) == m else subset_rows(rows, keep)
-        run_stats(sub, (p * scale)[finite], backend, mean_out=out, mean_dtype=dtype, noise=fused)
-    _add_source_noise(mech, out, sigma, round_)
+        _, _, _, msq = run_stats(sub, (p * scale)[finite], backend, mean_out=out, mean_dtype=dtype, noise=fused)
+    if _add_source_noise(mech, out, sigma, round_):
+        msq = None
     if mech.adaptive and mech.client_side:
         reported = bits.to(dev) if bits is not None else finite & (norms >= c * (1 - 1e-5))
         counted = reported & finite
     else:
         counted = clipped
     sq = torch.where(finite, sq, torch.full_like(sq, float("nan")))
-    return _finish(mech, out, c, sigma, clipped, ~finite, sq, round_, counted)
+    return _finish(mech, out, c, sigma, clipped, ~finite, sq, round_, counted, msq)
 
 
-def _add_source_noise(mech: _Mechanism, out: torch.Tensor, sigma: float, round_: int) -> None:
-    """With ``noise_source=``: its samples times sigma, added in a pass of their own."""
+def _add_source_noise(mech: _Mechanism, out: torch.Tensor, sigma: float, round_: int) -> bool:
+    """With ``noise_source=``: its samples times sigma, added in a pass of their own; returns whether it did."""
     if sigma > 0 and mech.noise_source is not None:
         z = mech.noise_source(out.numel(), round_, out.dtype, out.device)
         if not isinstance(z, torch.Tensor) or z.numel() != out.numel():
@@ -305,9 +307,11 @@ def _add_source_noise(mech: _Mechanism, out: torch.Tensor, sigma: float, round_:
         if not bool(torch.isfinite(z).all()):
             raise ValueError("noise_source returned NaN or Inf; nothing was updated")
         out.add_(z.to(device=out.device, dtype=out.dtype).reshape(-1), alpha=sigma)
+        return True
+    return False
 
 
-def _finish(mech: _Mechanism, out, c, sigma, clipped, excluded, sq, round_, counted) -> DPResult:
+def _finish(mech: _Mechanism, out, c, sigma, clipped, excluded, sq, round_, counted, mean_sq=None) -> DPResult:
     """Advance the mechanism after a release: the release count, the adaptive clipping norm (from ``counted``,
     the clients counted as clipped), the accountant."""
     next_c, noisy = mech._next_norm(counted, ~excluded, round_)
@@ -320,7 +324,10 @@ def _finish(mech: _Mechanism, out, c, sigma, clipped, excluded, sq, round_, coun
     if mech.accountant is not None:
         mech.accountant.step()
         eps = mech.accountant.epsilon()
-    mech.last = DPResult(out, c, sigma, clipped, excluded, sq, round_, next_c, noisy, eps)
+    if mean_sq is None:  # (noise from noise_source= was added after the pass)
+        est64 = out.to(torch.float64)
+        mean_sq = est64 @ est64
+    mech.last = DPResult(out, c, sigma, clipped, excluded, sq, round_, next_c, noisy, eps, mean_sq)
     return mech.last
 
 
@@ -352,14 +359,15 @@ def release_from_sum(clipped_sum: Any, clipped: list, mech: _Mechanism, backend,
     sigma = mech.noise_std(c)
     fused = (sigma, mech.seed, round_) if sigma > 0 and mech.noise_source is None else None
     coef = torch.full((1,), 1.0 / m, dtype=torch.float64, device=rows.device)
-    out, _, bad, _ = run_stats(rows, coef, backend, mean_dtype=mean_dtype, noise=fused)
+    out, _, bad, msq = run_stats(rows, coef, backend, mean_dtype=mean_dtype, noise=fused)
     if bool(bad.any()):
         raise ValueError("the sum of the clipped updates holds NaN or Inf")
-    _add_source_noise(mech, out, sigma, round_)
+    if _add_source_noise(mech, out, sigma, round_):
+        msq = None
     flags = torch.tensor([bool(x) for x in clipped], dtype=torch.bool, device=rows.device)
     none = torch.zeros_like(flags)
     return _finish(mech, out, c, sigma, flags, none, torch.full((m,), float("nan"), dtype=torch.float64,
-                                                                device=rows.device), round_, flags)
+                                                                device=rows.device), round_, flags, msq)
 
 
 def dp_stats(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, name: str, mean_out=None,
@@ -369,14 +377,14 @@ def dp_stats(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, name:
     should see under DP: the raw norms are not private; see :class:`fastagg.server.FedExP`), every client finite
     (the non-finite ones were left out)."""
     res = dp_round(rows, weights, mech, backend, mean_out=mean_out, mean_dtype=mean_dtype)
-    est64 = res.estimate.to(torch.float64)
+    mean_sq = res.mean_sq
     keep = ~res.excluded
     p = normalized_weights(weights if mech.weighted else None, rows.num_clients, rows.device)
     p = torch.where(keep, p, torch.zeros_like(p))
     p = p / p.sum()
     clipped_sq = torch.nan_to_num(res.sq_norms).clamp(max=res.clipping_norm ** 2)
     stats = RoundStats(res.estimate, clipped_sq, torch.zeros(rows.num_clients, dtype=torch.bool, device=rows.device),
-                       est64 @ est64, (p * clipped_sq).sum(), rows.num_clients, rows.form, name)
+                       mean_sq, (p * clipped_sq).sum(), rows.num_clients, rows.form, name)
     stats.coefs = p
     if rows.buffers is not None:  # an unnoised average of BatchNorm statistics would leak what the noise hides
         if not getattr(mech, "_warned_buffers", False):
