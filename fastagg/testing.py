@@ -4,6 +4,7 @@ verbose close-assert. Nobody redefines these elsewhere.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -202,3 +203,14 @@ def batchnorm_models(n: int, *, seed: int) -> tuple[dict, list]:
         sd["1.num_batches_tracked"] += 5
         models.append(sd)
     return base, models
+
+
+def outputs_with_threads(script: str, threads: int, path) -> Any:
+    """``torch.load`` of what ``script`` saved to ``sys.argv[1]`` when run in a fresh interpreter with
+    ``OMP_NUM_THREADS=threads`` (the thread count of the compiled kernels is fixed at their first call)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return torch.load(path)

@@ -4,7 +4,6 @@ adaptive clipping's trajectory; the accountant against the exact Gaussian-DP cur
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from scipy import stats
 
 from fastagg import privacy, server
 from fastagg.backends import reference
-from fastagg.testing import cpu_backends, interpreting
+from fastagg.testing import cpu_backends
 
 BACKENDS = cpu_backends()  # reference, cpu (and triton under TRITON_INTERPRET=1)
 
@@ -146,7 +145,7 @@ def test_adaptive_clipping_moves_towards_the_target_quantile_and_flower_directio
         mech = privacy.ServerSideAdaptiveClipping(0.0, 20, initial_clipping_norm=0.01, target_clipped_quantile=0.5,
                                                   clip_norm_lr=0.2, direction=direction)
         for _ in range(150):
-            r = privacy.release(x, mech, backend="cpu")
+            privacy.release(x, mech, backend="cpu")
         frac = float((norms > mech.clipping_norm).double().mean())
         if expect == "converges":
             assert 0.3 <= frac <= 0.7, (mech.clipping_norm, frac)

@@ -6,18 +6,15 @@ correlation between neighbouring coordinates or between rounds)."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-from fastagg.backends import reference, resolve
+from fastagg.backends import reference
 from fastagg.privacy import gaussian_noise
-from fastagg.testing import cpu_backends, interpreting
+from fastagg.testing import cpu_backends, outputs_with_threads
 
 # Random123's kat_vectors for philox4x32_10: (counter, key) -> output
 KAT = [
@@ -80,12 +77,7 @@ def test_cpu_noise_is_bit_identical_for_any_thread_count(tmp_path):
     script = ("import torch, sys\n"
               "from fastagg.privacy import gaussian_noise\n"
               "torch.save(gaussian_noise(3_000_017, seed=5, round=2, first=9, backend='cpu'), sys.argv[1])\n")
-    outs = []
-    for threads in (1, 2):
-        path = tmp_path / f"t{threads}.pt"
-        subprocess.run([sys.executable, "-c", script, str(path)], check=True,
-                       env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-        outs.append(torch.load(path))
+    outs = [outputs_with_threads(script, t, tmp_path / f"t{t}.pt") for t in (1, 2)]
     assert torch.equal(outs[0], outs[1])
 
 

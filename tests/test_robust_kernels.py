@@ -5,9 +5,6 @@ models against a base, the norms and non-finite marks of the same read, and host
 bindings (refused, nothing written)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +13,7 @@ import torch
 from fastagg import robust
 from fastagg.backends import resolve
 from fastagg.rows import attach_base, client_rows
-from fastagg.testing import cpu_backends
+from fastagg.testing import cpu_backends, outputs_with_threads
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -186,12 +183,7 @@ def test_cpu_robust_passes_are_bit_identical_for_any_thread_count(tmp_path):
         "k = robust.aggregate(x, robust.GeometricMedian(), backend='cpu')\n"
         "torch.save({'med': r.estimate, 'sq': r.sq_norms, 'geo': k.estimate, 'd': k.distances}, sys.argv[1])\n"
     )
-    outs = []
-    for threads in (1, 2):
-        path = tmp_path / f"t{threads}.pt"
-        subprocess.run([sys.executable, "-c", script, str(path)], check=True,
-                       env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-        outs.append(torch.load(path))
+    outs = [outputs_with_threads(script, t, tmp_path / f"t{t}.pt") for t in (1, 2)]
     for k in outs[0]:
         assert torch.equal(outs[0][k], outs[1][k]), k
 

@@ -179,6 +179,18 @@ class _AdaptiveBase(_Fused):
             self._install()
         return messages
 
+    def _check_replies(self, replies: list) -> None:
+        """What a wrapper refuses before anything changes (client-side: replies without a norm bit)."""
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        if not self._fused():
+            return super().aggregate_train(server_round, replies)
+        replies_list = list(replies)
+        if not validate_replies(replies_list, self.num_sampled_clients):
+            return None, None
+        self._check_replies(replies_list)
+        return self._fused_aggregate(server_round, replies_list)
+
 
 class DifferentialPrivacyServerSideAdaptiveClipping(_AdaptiveBase, _FlSSA):
     """Flower's ``DifferentialPrivacyServerSideAdaptiveClipping`` (same arguments; ``seed``, ``noise_source`` and
@@ -188,14 +200,6 @@ class DifferentialPrivacyServerSideAdaptiveClipping(_AdaptiveBase, _FlSSA):
 
     _mechanism_cls = privacy.ServerSideAdaptiveClipping
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        if not self._fused():
-            return super().aggregate_train(server_round, replies)
-        replies_list = list(replies)
-        if not validate_replies(replies_list, self.num_sampled_clients):
-            return None, None
-        return self._fused_aggregate(server_round, replies_list)
-
 
 class DifferentialPrivacyClientSideAdaptiveClipping(_AdaptiveBase, _FlCSA):
     """Flower's ``DifferentialPrivacyClientSideAdaptiveClipping`` (the clients clip with
@@ -204,20 +208,14 @@ class DifferentialPrivacyClientSideAdaptiveClipping(_AdaptiveBase, _FlCSA):
 
     _mechanism_cls = privacy.ClientSideAdaptiveClipping
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        if not self._fused():
-            return super().aggregate_train(server_round, replies)
-        replies_list = list(replies)
-        if not validate_replies(replies_list, self.num_sampled_clients):
-            return None, None
-        for msg in replies_list:  # Flower's check, before anything changes
+    def _check_replies(self, replies: list) -> None:
+        for msg in replies:  # Flower's check, before anything changes
             for _, mrec in msg.content.metric_records.items():
                 if KEY_NORM_BIT not in mrec:
                     from flwr.serverapp.exception import AggregationError
 
                     raise AggregationError(f"KEY_NORM_BIT ('{KEY_NORM_BIT}') not found in MetricRecord or metrics "
                                            "for reply.")
-        return self._fused_aggregate(server_round, replies_list)
 
 
 # -- client mods -------------------------------------------------------------------------------------------------
