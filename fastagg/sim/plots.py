@@ -34,7 +34,8 @@ def plot(history, out_dir: str) -> list:
     if any(not math.isnan(r["test_acc"]) for r in history.rows):
         fields.append(("test_acc", "test accuracy", False))
     fields.append(("eta", "server step size eta", False))
-    if any("epsilon" in r for r in history.rows):  # --dp: the privacy spent
+    eps = [r["epsilon"] for r in history.rows if "epsilon" in r]
+    if eps and all(math.isfinite(e) for e in eps):  # --dp with noise: the privacy spent (z = 0: infinite, no plot)
         fields.append(("epsilon", f"epsilon spent (delta fixed; {history.config.dp})", False))
     paths = []
     for field, label, log in fields:
