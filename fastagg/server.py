@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 
+import copy
 import dataclasses
 import math
 from collections.abc import Iterator, Mapping
@@ -532,7 +533,11 @@ class ServerOptimizer(torch.optim.Optimizer):
             import torch.distributed as dist
 
             flat["shard"] = {"rank": dist.get_rank(self.group), "world": dist.get_world_size(self.group)}
-        return torch_checkpoint(flat)
+        out = torch_checkpoint(flat)
+        if hasattr(self.aggregate, "state_dict"):  # a DP mechanism: its noise stream must continue, never replay
+            out["fastagg"]["aggregate"] = {"class": type(self.aggregate).__name__,
+                                           "state": self.aggregate.state_dict()}
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a checkpoint of the same optimizer class and parameter layout (hyperparameters included), in
@@ -570,12 +575,32 @@ class ServerOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError) as e:
             raise type(e)(f"state_dict's hyperparameters are invalid: {e}") from e
         state = self._checked_state(ck["state"])
+        agg = self._checked_aggregate_state(state_dict)
         for k in self._hyper:
             setattr(self, k, getattr(probe, k))
+        if agg is not None:
+            self.aggregate.load_state_dict(agg)
         self.param_groups[0].update(extras)  # what schedulers keep in the group (initial_lr, ...)
         self._flat = state
         self._extra = None
         self._forget_views()
+
+    def _checked_aggregate_state(self, state_dict: Mapping):
+        """The aggregate's (DP mechanism's) state in a checkpoint, checked on a copy of the mechanism; None when the
+        checkpoint has none or this optimizer's aggregate keeps none."""
+        meta = state_dict.get("fastagg") if isinstance(state_dict, Mapping) else None
+        saved = meta.get("aggregate") if isinstance(meta, Mapping) else None
+        if saved is None or not hasattr(self.aggregate, "load_state_dict"):
+            return None
+        if not isinstance(saved, Mapping) or saved.get("class") != type(self.aggregate).__name__:
+            got = saved.get("class") if isinstance(saved, Mapping) else type(saved).__name__
+            raise ValueError(f"state_dict's aggregate state is of {got!r}; this optimizer aggregates with "
+                             f"{type(self.aggregate).__name__}")
+        try:
+            copy.copy(self.aggregate).load_state_dict(saved["state"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"state_dict's aggregate state is invalid: {e!r}") from None
+        return saved["state"]
 
     def _check_shard(self, tag) -> None:
         """A sharded checkpoint is one rank's slice: only that rank of a group of that size may load it."""

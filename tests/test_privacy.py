@@ -3,6 +3,7 @@
 adaptive clipping's trajectory; the accountant against the exact Gaussian-DP curve; hostile arguments."""
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -319,3 +320,30 @@ def test_every_mechanism_composes_with_every_server_optimizer(name, make):
         st = opt.step(x, torch.zeros(m, d)) if name.startswith("Scaffold") else opt.step(x)
         assert bool(st.finite) and st.robust.round == t and st.robust.noise_std > 0
     assert mech.rounds == 3 and bool(torch.isfinite(params).all()) and float(params.abs().sum()) > 0
+
+
+def test_the_optimizers_checkpoint_carries_the_mechanism_so_a_restored_server_never_replays_noise():
+    x = _clients(4, 300)
+    p1 = torch.zeros(300)
+    opt = server.FedAdam(p1, lr=0.1, aggregate=privacy.ServerSideAdaptiveClipping(1.0, 4, 0.2, clipped_count_stddev=1.0,
+                                                                                  seed=5), backend="cpu")
+    opt.step(x)
+    opt.step(x)
+    ckpt = opt.state_dict()
+    p2 = p1.clone()
+    mech2 = privacy.ServerSideAdaptiveClipping(1.0, 4, 0.2, clipped_count_stddev=1.0)  # another seed, round 0
+    restored = server.FedAdam(p2, lr=0.1, aggregate=mech2, backend="cpu")
+    restored.load_state_dict(ckpt)
+    assert (mech2.seed, mech2.rounds, mech2.clipping_norm) == (5, 2, opt.aggregate.clipping_norm)
+    opt.step(x)
+    restored.step(x)
+    assert torch.equal(p1, p2)  # the third round's noise, not the first's again
+    bad = copy.deepcopy(ckpt)
+    bad["fastagg"]["aggregate"]["state"]["rounds"] = -1
+    before = (mech2.rounds, restored.state_dict()["state"][0]["m"].clone())
+    with pytest.raises(ValueError, match="aggregate state is invalid"):
+        restored.load_state_dict(bad)
+    assert mech2.rounds == before[0] and torch.equal(restored.state_dict()["state"][0]["m"], before[1])
+    other = server.FedAdam(torch.zeros(300), lr=0.1, aggregate=privacy.ServerSideFixedClipping(1.0, 0.2, 4))
+    with pytest.raises(ValueError, match="ServerSideAdaptiveClipping"):
+        other.load_state_dict(ckpt)
