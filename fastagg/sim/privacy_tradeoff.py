@@ -70,6 +70,9 @@ def plot(results: dict, path: str) -> None:
         ax.axhline(statistics.fmean(_final(results["no DP"], a, "test_acc")), ls="--", color=line.get_color(),
                    lw=0.8)
     ax.set_xscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    ax.xaxis.set_minor_formatter(NullFormatter())  # (the minor labels of a short log axis overlap)
     ax.set_xlabel("epsilon (delta = 50^-1.1)")
     ax.set_ylabel("final test accuracy")
     ax.set_title("digits, server-side clipping + noise (dashed: no DP)")
