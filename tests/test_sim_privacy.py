@@ -94,3 +94,15 @@ def test_spec_parsing():
     assert (s.kind, s.clip, s.z, s.quantile, s.lr, s.count_std, s.delta, s.seed) == \
         ("client-adaptive", 0.2, 1.5, 0.7, 0.1, 3.0, 1e-6, 9)
     assert s.client_side
+
+
+def test_the_privacy_tradeoff_experiment_writes_its_table_and_plot(tmp_path, monkeypatch):
+    from fastagg.sim import privacy_tradeoff as pt
+
+    monkeypatch.setattr(pt, "Z", (0.0, 1.0))
+    assert pt.main(["--out", str(tmp_path), "--rounds", "2", "--seeds", "0"]) == 0
+    text = (tmp_path / "PRIVACY.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["no DP", "z = 0", "z = 1"]
+    assert "inf (no noise)" in rows[2] and float(rows[3].split("|")[2]) > 0
+    assert (tmp_path / "accuracy_vs_epsilon.png").stat().st_size > 1000
