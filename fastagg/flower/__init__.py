@@ -25,10 +25,11 @@ from .privacy import (DifferentialPrivacyClientSideAdaptiveClipping, Differentia
                       adaptiveclipping_mod, fixedclipping_mod)
 from .records import ReplyError, array_view, record_views, to_array, to_record
 from .robust import Bulyan, FedMedian, FedTrimmedAvg, Krum, MeaMed, MultiKrum
-from .strategies import FedACG, FedAdagrad, FedAdam, FedAMS, FedAvg, FedAvgM, FedExP, FedExPM, FedProx, FedYogi, Result
+from .strategies import (FedACG, FedAdagrad, FedAdam, FedAMS, FedAvg, FedAvgM, FedExP, FedExPM, FedProx, FedYogi,
+                         QFedAvg, Result)
 
 __all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "FedAMS", "FedExP", "FedExPM",
-           "FedACG", "FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan", "MeaMed",
+           "FedACG", "QFedAvg", "FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan", "MeaMed",
            "DifferentialPrivacyServerSideFixedClipping", "DifferentialPrivacyClientSideFixedClipping",
            "DifferentialPrivacyServerSideAdaptiveClipping", "DifferentialPrivacyClientSideAdaptiveClipping",
            "fixedclipping_mod", "adaptiveclipping_mod", "Result", "ReplyError", "array_view", "record_views", "to_array", "to_record"]

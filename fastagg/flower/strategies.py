@@ -46,6 +46,7 @@ from flwr.serverapp.strategy import FedAvg as _FlFedAvg
 from flwr.serverapp.strategy import FedAvgM as _FlFedAvgM
 from flwr.serverapp.strategy import FedProx as _FlFedProx
 from flwr.serverapp.strategy import FedYogi as _FlFedYogi
+from flwr.serverapp.strategy import QFedAvg as _FlQFedAvg
 from flwr.serverapp.strategy import Result as _FlResult
 from flwr.serverapp.strategy.fedopt import FedOpt as _FlFedOpt
 from flwr.supercore import log
@@ -56,7 +57,7 @@ from ..flat import is_buffer_name
 from .records import ReplyError, record_views, to_record
 
 __all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "FedAMS", "FedExP", "FedExPM",
-           "FedACG"]
+           "FedACG", "QFedAvg"]
 
 
 def _metric_kind(value) -> tuple:
@@ -298,7 +299,7 @@ class _Fastagg:
             weights = None if rule is not None and not rule.weighted else [w for _, _, w in usable]
             if hasattr(rule, "set_norm_bits"):  # client-side adaptive DP: the clients' reports, in step order
                 rule.set_norm_bits([_norm_bit(m) for m, _, _ in usable])
-            stats = self.optimizer.step([v for _, v, _ in usable], weights=weights, base=self._sent)
+            stats = self._optimizer_step(usable, weights)
             if stats.robust is not None:  # a robust rule: NaN/Inf replies were left out (attacks), not refused
                 for i in stats.robust.excluded.nonzero().flatten().tolist():
                     log(WARNING, "aggregate_train: node %d left out of round %d: its reply holds NaN or Inf",
@@ -329,6 +330,10 @@ class _Fastagg:
                 self._refuse_or_skip(server_round, usable[i][0], why)
             usable = [u for i, u in enumerate(usable) if i not in set(bad)]
         return None, usable
+
+    def _optimizer_step(self, usable: list, weights) -> server.StepStats:
+        """The optimizer's step over the usable replies (QFedAvg passes their losses instead of weights)."""
+        return self.optimizer.step([v for _, v, _ in usable], weights=weights, base=self._sent)
 
     def _overflowing(self, usable: list, stats: server.StepStats) -> list:
         """The replies that can make the weighted mean overflow its dtype: if an element of ``sum_i p_i d_i`` passes
@@ -583,3 +588,32 @@ for _cls in (FedExP, FedExPM, FedACG):
     _cls.__doc__ += _COMMON.format(flower="FedAvg")
 FedAMS.__doc__ += _COMMON.format(flower="FedOpt")
 del _cls
+
+
+class QFedAvg(_Fastagg, _FlQFedAvg):
+    """q-FedAvg (Li et al., ICLR 2020; Flower's ``QFedAvg``, its arguments ``client_learning_rate``, ``q`` and
+    ``train_loss_key``): each reply's update weighed by its training loss to the power ``q`` and the step scaled
+    by ``L sum F_i^q / sum h_i`` (:class:`fastagg.server.QFedAvg`), in one read of the replies. A reply without a
+    finite training loss >= 0 under ``train_loss_key`` is a bad reply (refused, or left out with
+    ``on_nonfinite="skip"``); Flower raises on a missing one. The model keeps its dtypes (Flower's returns float64
+    arrays for a float32 model).""" + _COMMON.format(flower="QFedAvg")
+
+    def __init__(self, *args, backend: str = "auto", on_nonfinite: str = "raise", buffers: str = "average",
+                 **kwargs):
+        _FlQFedAvg.__init__(self, *args, **kwargs)
+        self._init_fastagg(backend, on_nonfinite, buffers)
+
+    def _optimizer(self, p):
+        return server.QFedAvg(p, client_learning_rate=self.client_learning_rate, q=self.q, **self._opt_kw())
+
+    def _read(self, msg: Message) -> tuple[dict, float]:
+        views, weight = super()._read(msg)
+        loss = next(iter(msg.content.metric_records.values())).get(self.train_loss_key)
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss) or loss < 0:
+            raise ReplyError(f"has {self.train_loss_key!r} = {loss!r:.60}; q-FedAvg needs the client's training loss, a "
+                             "finite number >= 0")
+        return views, weight
+
+    def _optimizer_step(self, usable: list, weights) -> server.StepStats:
+        losses = [float(next(iter(m.content.metric_records.values()))[self.train_loss_key]) for m, _, _ in usable]
+        return self.optimizer.step([v for _, v, _ in usable], losses, base=self._sent)
