@@ -120,8 +120,13 @@ class Accumulator:
         return self._round.ids()
 
     def add(self, delta: Any, weight: float = 1.0, *, base: Any = None, on_nonfinite: str = "raise",
-            client_id: Any = None) -> bool:
+            client_id: Any = None, scale: float = 1.0) -> bool:
         """Fold one client in: ``sum += weight * delta``; ``sq_sum += weight * ||delta||^2``.
+
+        ``scale`` (default 1) folds ``scale * delta`` in its place (``sum += weight * scale * delta``, ``sq_sum +=
+        weight * scale^2 ||delta||^2``) while the round's total weight grows by ``weight`` alone: the asynchronous
+        server's staleness discount (a stale update counts for less, without lifting the fresh ones), applied in
+        the fold's coefficient, never as a pass of its own.
 
         ``delta`` has the form, size, dtype and device of ``like`` (state_dicts are matched by entry name);
         ``weight`` is a finite number >= 0 (example count). With ``base`` (the model the client started from, in
@@ -146,6 +151,7 @@ class Accumulator:
         """
         check_on_nonfinite(on_nonfinite)
         w = check_number(weight, "weight")
+        sc = check_number(scale, "scale")
         _check_id(client_id)
         what = "delta" if base is None else "model"
         rows = client_rows([delta], name=what, like=self._like, like_name="the accumulator's `like`")
@@ -154,7 +160,7 @@ class Accumulator:
         base_bufs = None
         if base is not None:
             rows, base_bufs = attach_base(rows, base)
-        fold = _Fold(rows, w, client_id, on_nonfinite, self._client_buffers(rows, w, base_bufs))
+        fold = _Fold(rows, w, client_id, on_nonfinite, self._client_buffers(rows, w, base_bufs), scale=sc)
         if self._lock._is_owned():  # re-entered by the thread holding the lock: fold here (a folder would wait on it)
             try:
                 self._fold([fold], rows, atomic=False)
@@ -319,9 +325,11 @@ class Accumulator:
         if len(live) != len(folds):
             rows = _stack([f.rows for f in live]) if live else None
         while live:
-            coef = torch.tensor([f.weight for f in live], dtype=torch.float64, device=self.device)
+            coef = torch.tensor([f.weight * f.scale for f in live], dtype=torch.float64, device=self.device)
+            sq_coef = torch.tensor([f.weight * f.scale * f.scale for f in live], dtype=torch.float64,
+                                   device=self.device)
             _, sq, bad, msq = run_stats(rows, coef, self._backend, mean_init=self._sum, mean_out=self._spare())
-            sq_new = self._weighted_sq + (coef * sq).sum()
+            sq_new = self._weighted_sq + (sq_coef * sq).sum()
             # an update whose own norm passes the dtype's largest value cannot be stepped even alone (at lr 1):
             # folded in, it would make every later step of the round refuse, so it is refused like NaN here
             bad = bad | (sq > self._largest_sq)
@@ -357,7 +365,7 @@ class Accumulator:
             buffer_sums = [b if s is None else s + b for s, b in zip(buffer_sums, f.buffers)]
         spare = self._spare()
         r = self._round
-        committed = r.extended([(norm, f.client_id, f.token) for norm, f in zip(sq.unbind(), live)],
+        committed = r.extended([(norm * (f.scale * f.scale), f.client_id, f.token) for norm, f in zip(sq.unbind(), live)],
                                sum=spare, scratch=r.sum, weighted_sq=sq_new, buffer_sums=tuple(buffer_sums),
                                total_weight=r.total_weight + sum(f.weight for f in live))
         self._round = committed  # the one write that folds them: a signal lands before it or after it
@@ -758,6 +766,7 @@ class _Fold:
     on_nonfinite: str
     buffers: list  # its weighted buffers, float64 (state_dict clients)
     name: str | None = None  # how an error names it (add's: "delta (client N)")
+    scale: float = 1.0  # the update folded is scale * delta (the round's weight grows by weight alone)
     done: bool = False
     folded: bool = False
     error: BaseException | None = None

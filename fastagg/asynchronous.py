@@ -1,0 +1,310 @@
+"""Asynchronous buffered aggregation: FedBuff (Nguyen et al., AISTATS 2022) and FedAsync (Xie et al., 2019) on the
+streaming :class:`fastagg.Accumulator`, with any :mod:`fastagg.server` optimizer as the server step.
+
+Updates arrive at any time, each trained from some earlier model version. An update trained from version ``v``
+arriving while the server is at version ``V`` has staleness ``s = V - v``; it is folded into the current buffer
+with the coefficient ``n_i * staleness(s)`` (``n_i`` the client's own weight) while the buffer's total weight grows
+by ``n_i`` alone, so after ``K`` updates (``buffer_size``) the server optimizer steps on
+
+    mean = sum_i n_i s(tau_i) delta_i / sum_i n_i          (FedBuff: n_i = 1 gives the paper's sum_i s(tau_i) delta_i / K)
+
+and the version advances. ``buffer_size=1`` with ``FedAvg(lr=alpha)`` is FedAsync's ``w <- w + alpha s(tau)
+(w_i - w_tau)`` (the update against the model the client started from: FLSim's ``fed_buff_aggregation``
+direction, which FLSim found to train better than the paper's ``w_i - w``). Staleness rules (FLSim's and the papers'
+names): :class:`Constant`, :class:`Polynomial` ``(1 + s)^-a`` (FedBuff's ``a = 0.5``), :class:`Hinge` (FedAsync's),
+:class:`Threshold` (FLSim's). Updates older than ``max_staleness`` are refused.
+
+Threads: many request threads may :meth:`AsyncServer.submit` at once (their folds combine in the Accumulator's
+sweeps). Each submit reserves a slot in the first buffer with room, so a buffer never holds more than ``K``
+updates; the submit that completes a buffer steps it, and buffers step in the order they filled, one step at a
+time. An update that arrives during a step goes into the next buffer: never lost, never counted twice. A failed
+fold (NaN, Inf) frees its slot. :meth:`fetch` returns the model and its version consistently (never half a step).
+The staleness is measured when the update is submitted. A client id is folded at most once per version it trained
+from. :meth:`state_dict` / :meth:`load_state_dict` save and restore the buffers, the version and the optimizer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import Any
+
+import torch
+
+from ._checks import check_number
+from .stream import Accumulator
+
+__all__ = ["AsyncServer", "SubmitResult", "Constant", "Polynomial", "Hinge", "Threshold", "StaleUpdate"]
+
+
+class StaleUpdate(ValueError):
+    """An update trained from a version older than the server's ``max_staleness`` allows (or a version from the
+    future): refused, nothing folded."""
+
+
+# -- staleness rules ---------------------------------------------------------------------------------------------
+class _Staleness:
+    def __call__(self, s: int) -> float:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+class Constant(_Staleness):
+    """``s(tau) = 1``: every update counts the same, however stale (FLSim's ``ConstantStalenessWeight``)."""
+
+    def __call__(self, s: int) -> float:
+        return 1.0
+
+
+class Polynomial(_Staleness):
+    """``s(tau) = (1 + tau)^-exponent`` (FedBuff's choice with ``exponent = 0.5``; FedAsync's polynomial; FLSim's
+    ``PolynomialStalenessWeight``, whose exponent is in [0, 1])."""
+
+    def __init__(self, exponent: float = 0.5):
+        self.exponent = check_number(exponent, "exponent")
+
+    def __call__(self, s: int) -> float:
+        return (1.0 + s) ** -self.exponent
+
+
+class Hinge(_Staleness):
+    """FedAsync's hinge: ``s(tau) = 1`` for ``tau <= b``, else ``1 / (a (tau - b) + 1)``."""
+
+    def __init__(self, a: float = 10.0, b: int = 4):
+        self.a = check_number(a, "a")
+        if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+            raise ValueError(f"b must be an integer >= 0, got {b!r}")
+        self.b = b
+
+    def __call__(self, s: int) -> float:
+        return 1.0 if s <= self.b else 1.0 / (self.a * (s - self.b) + 1.0)
+
+
+class Threshold(_Staleness):
+    """FLSim's ``ThresholdStalenessWeight``: 1 up to ``cutoff``, ``value_after_cutoff`` beyond."""
+
+    def __init__(self, cutoff: int, value_after_cutoff: float = 0.0):
+        if not isinstance(cutoff, int) or isinstance(cutoff, bool) or cutoff < 0:
+            raise ValueError(f"cutoff must be an integer >= 0, got {cutoff!r}")
+        self.cutoff = cutoff
+        self.value_after_cutoff = check_number(value_after_cutoff, "value_after_cutoff")
+
+    def __call__(self, s: int) -> float:
+        return 1.0 if s <= self.cutoff else self.value_after_cutoff
+
+
+@dataclasses.dataclass
+class SubmitResult:
+    """What :meth:`AsyncServer.submit` did: ``folded`` (False: a NaN/Inf update with ``on_nonfinite="skip"``), the
+    update's ``staleness`` and staleness weight, and ``stepped``: the versions this call's step(s) produced (empty
+    when it only folded)."""
+
+    folded: bool
+    staleness: int
+    staleness_weight: float
+    stepped: list
+
+
+class _Buffer:
+    """One buffer of K slots: an Accumulator, the slots reserved by submits still folding, the updates folded."""
+
+    def __init__(self, acc: Accumulator):
+        self.acc = acc
+        self.reserved = 0
+        self.folded = 0
+
+
+def _version(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise StaleUpdate(f"version must be a whole number >= 0 (the model version the client trained from), "
+                              f"got {v!r}")
+    if v < 0:
+        raise StaleUpdate(f"version must be >= 0, got {v}")
+    return v
+
+
+class AsyncServer:
+    """A FedBuff / FedAsync server around ``optimizer`` (any :mod:`fastagg.server` optimizer; module docstring).
+
+    Args:
+        optimizer: the server step taken after every ``buffer_size`` updates (FedBuff: ``FedAvgM`` or ``FedAdam``
+            are the common choices; FedAsync: ``FedAvg(lr=alpha)`` with ``buffer_size=1``).
+        buffer_size: K, the updates per step.
+        staleness: the staleness rule (default ``Polynomial(0.5)``, FedBuff's).
+        max_staleness: updates staler than this are refused (:class:`StaleUpdate`); None: no bound.
+        on_nonfinite: an update holding NaN or Inf raises (``"raise"``) or is dropped (``"skip"``); either way
+            nothing of it is folded.
+    """
+
+    def __init__(self, optimizer, *, buffer_size: int = 10, staleness: _Staleness | None = None,
+                 max_staleness: int | None = None, on_nonfinite: str = "raise"):
+        from .server import ServerOptimizer
+
+        if not isinstance(optimizer, ServerOptimizer):
+            raise TypeError(f"optimizer must be a fastagg.server optimizer, got {type(optimizer).__name__}")
+        if optimizer.aggregate is not None:
+            raise TypeError("the asynchronous server folds updates into running sums; an optimizer whose aggregate= "
+                            "needs every update at once (robust rules, DP mechanisms) cannot step on them")
+        if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
+            raise ValueError(f"buffer_size must be an integer >= 1, got {buffer_size!r}")
+        if max_staleness is not None and (not isinstance(max_staleness, int) or isinstance(max_staleness, bool)
+                                          or max_staleness < 0):
+            raise ValueError(f"max_staleness must be an integer >= 0 or None, got {max_staleness!r}")
+        if staleness is None:
+            staleness = Polynomial(0.5)
+        if not callable(staleness):
+            raise TypeError(f"staleness must be a staleness rule (Constant, Polynomial, Hinge, Threshold), got "
+                            f"{type(staleness).__name__}")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        self.optimizer, self.buffer_size, self.staleness = optimizer, buffer_size, staleness
+        self.max_staleness, self.on_nonfinite = max_staleness, on_nonfinite
+        self.version = 0
+        self._like = optimizer.broadcast()
+        self._lock = threading.Lock()       # the version, the buffers' slots and counts, the ids
+        self._step_lock = threading.Lock()  # one step at a time; fetch reads the model under it
+        self._buffers: list[_Buffer] = [self._new_buffer()]
+        self._ids: dict[int, set] = {}      # version trained from -> client ids folded (or folding)
+
+    def _new_buffer(self) -> _Buffer:
+        return _Buffer(Accumulator(like=self._like, backend=self.optimizer._backend.name))
+
+    # -- the clients' side -------------------------------------------------------------------------------------
+    def fetch(self) -> tuple[Any, int]:
+        """``(model, version)``: a copy of the current model (the optimizer's ``broadcast()`` form) and its version,
+        read between steps."""
+        with self._step_lock:
+            model = self.optimizer.broadcast()
+            if isinstance(model, torch.Tensor):
+                model = model.detach().clone()
+            elif isinstance(model, dict):
+                model = {k: v.detach().clone() for k, v in model.items()}
+            else:
+                model = [v.detach().clone() for v in model]
+            return model, self.version
+
+    def submit(self, delta: Any, version: Any, *, weight: float = 1.0, client_id: Any = None,
+               base: Any = None) -> SubmitResult:
+        """Fold one client's update (``delta``: its update against the model of ``version``, in the model's form;
+        with ``base`` its full model and the model it started from). Steps the server when this update completes a
+        buffer (and any later buffer already full). Raises :class:`StaleUpdate` for a version from the future, a
+        negative or fractional one, or one staler than ``max_staleness``; ``ValueError`` for a client id already
+        folded from this version, or (``on_nonfinite="raise"``) an update with NaN/Inf. Nothing is folded then."""
+        v = _version(version)
+        w = check_number(weight, "weight")
+        with self._lock:
+            if v > self.version:
+                raise StaleUpdate(f"version {v} is from the future: the server is at version {self.version}")
+            s = self.version - v
+            if self.max_staleness is not None and s > self.max_staleness:
+                raise StaleUpdate(f"the update is {s} versions stale (trained from {v}, the server is at "
+                                  f"{self.version}); max_staleness={self.max_staleness}")
+            factor = float(self.staleness(s))
+            if not math.isfinite(factor) or factor < 0:
+                raise ValueError(f"the staleness rule gave {factor!r} for staleness {s}")
+            if client_id is not None:
+                seen = self._ids.setdefault(v, set())
+                if client_id in seen:
+                    raise ValueError(f"client {client_id!r} was already folded from version {v}")
+                seen.add(client_id)
+            buf = next((b for b in self._buffers if b.reserved + b.folded < self.buffer_size), None)
+            if buf is None:
+                buf = self._new_buffer()
+                self._buffers.append(buf)
+            buf.reserved += 1
+        folded = False
+        try:
+            folded = buf.acc.add(delta, w, base=base, on_nonfinite=self.on_nonfinite, scale=factor)
+        finally:
+            with self._lock:
+                buf.reserved -= 1
+                if folded:
+                    buf.folded += 1
+                elif client_id is not None:
+                    self._ids[v].discard(client_id)
+        stepped = self._step_full_buffers() if folded else []
+        return SubmitResult(folded, s, factor, stepped)
+
+    # -- the server's side -------------------------------------------------------------------------------------
+    def _step_full_buffers(self) -> list:
+        """Step every full buffer at the head of the queue, in order; returns the versions produced."""
+        produced = []
+        while True:
+            with self._step_lock:  # taken before the head is chosen: buffers step in the order they filled
+                with self._lock:
+                    head = self._buffers[0]
+                    if head.folded < self.buffer_size or head.reserved:
+                        return produced
+                    self._buffers.pop(0)
+                    if not self._buffers:
+                        self._buffers.append(self._new_buffer())
+                self.optimizer.step(head.acc)
+                with self._lock:
+                    self.version += 1
+                    produced.append(self.version)
+                    self._forget_ids()
+
+    def _forget_ids(self) -> None:
+        """Ids of versions no update can come from any more (staler than max_staleness) are dropped."""
+        if self.max_staleness is not None:
+            for old in [k for k in self._ids if k < self.version - self.max_staleness]:
+                del self._ids[old]
+
+    @property
+    def pending(self) -> int:
+        """Updates folded and waiting for their buffer's step."""
+        with self._lock:
+            return sum(b.folded for b in self._buffers)
+
+    def flush(self) -> bool:
+        """Step on the head buffer now even if it holds fewer than K updates (the end of a run); False when it holds
+        none."""
+        with self._step_lock:
+            with self._lock:
+                head = self._buffers[0]
+                if head.folded == 0 or head.reserved:
+                    return False
+                self._buffers.pop(0)
+                if not self._buffers:
+                    self._buffers.append(self._new_buffer())
+            self.optimizer.step(head.acc)
+            with self._lock:
+                self.version += 1
+                self._forget_ids()
+        return True
+
+    def state_dict(self) -> dict:
+        """The version, the optimizer's state and every buffer's sums (updates folded but not yet stepped), the ids
+        folded per version: a restarted server continues as if it had not stopped. Taken between steps; submits
+        still folding are not in it (their clients get no acknowledgement before their fold is in a buffer)."""
+        with self._step_lock, self._lock:
+            return {"version": self.version, "optimizer": self.optimizer.state_dict(),
+                    "buffers": [{"acc": b.acc.state_dict(), "folded": b.folded} for b in self._buffers],
+                    "ids": {k: sorted(v, key=repr) for k, v in self._ids.items()},
+                    "buffer_size": self.buffer_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (checked before anything changes)."""
+        if not isinstance(state, dict) or not {"version", "optimizer", "buffers", "ids"} <= set(state):
+            raise ValueError("not an AsyncServer state_dict (needs version, optimizer, buffers, ids)")
+        version = _version(state["version"])
+        buffers = []
+        for i, b in enumerate(state["buffers"]):
+            buf = self._new_buffer()
+            buf.acc.load_state_dict(b["acc"])
+            folded = b["folded"]
+            if not isinstance(folded, int) or not 0 <= folded <= self.buffer_size or folded != buf.acc.num_clients:
+                raise ValueError(f"buffer {i} of the state holds {buf.acc.num_clients} updates but says {folded!r} "
+                                 f"(buffer_size {self.buffer_size})")
+            buf.folded = folded
+            buffers.append(buf)
+        with self._step_lock, self._lock:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.version = version
+            self._buffers = buffers or [self._new_buffer()]
+            self._ids = {int(k): set(v) for k, v in state["ids"].items()}

@@ -1,0 +1,165 @@
+"""fastagg.asynchronous: FedBuff and FedAsync against float64 oracles written from the papers' algorithms, the
+staleness rules, threads submitting at once (no update lost or counted twice, one step per K), a restart from
+state_dict, and hostile submissions."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fastagg import server
+from fastagg.asynchronous import AsyncServer, Constant, Hinge, Polynomial, StaleUpdate, Threshold
+from fastagg.testing import cpu_backends
+
+
+def test_staleness_rules_are_their_formulas():
+    assert [Constant()(s) for s in (0, 5)] == [1.0, 1.0]
+    assert Polynomial(0.5)(3) == pytest.approx(0.5) and Polynomial(1.0)(0) == 1.0
+    assert [Hinge(10, 4)(s) for s in (0, 4, 5, 7)] == pytest.approx([1.0, 1.0, 1 / 11, 1 / 31])
+    assert [Threshold(2, 0.25)(s) for s in (2, 3)] == [1.0, 0.25]
+    for bad in (lambda: Polynomial(-1), lambda: Hinge(b=-1), lambda: Threshold(-1), lambda: Threshold(1, float("nan"))):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def _fedbuff_oracle(w0, events, k, rule, lr, momentum):
+    """FedBuff (Nguyen et al., Algorithm 1) with server momentum, in float64: events are (update, version)."""
+    w, buf, acc, total, version = w0.double().clone(), None, torch.zeros_like(w0, dtype=torch.float64), 0.0, 0
+    for d, v in events:
+        acc += rule(version - v) * d.double()
+        total += 1.0
+        if total == k:
+            mean = acc / total
+            buf = mean if buf is None else momentum * buf + mean
+            w += lr * buf
+            acc.zero_()
+            total, version = 0.0, version + 1
+    return w, version
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_fedbuff_equals_the_papers_algorithm(backend):
+    g = torch.Generator().manual_seed(0)
+    d = 257
+    w = torch.randn(d, generator=g)
+    w0 = w.clone()
+    srv = AsyncServer(server.FedAvgM(w, lr=0.7, momentum=0.9, backend=backend), buffer_size=3,
+                      staleness=Polynomial(0.5))
+    events = []
+    for i in range(14):  # versions lag behind by a varying amount
+        _, now = srv.fetch()
+        v = max(0, now - i % 3)
+        u = 0.1 * torch.randn(d, generator=g)
+        events.append((u, v))
+        r = srv.submit(u, v)
+        assert r.folded and r.staleness == now - v
+    want, version = _fedbuff_oracle(w0, events, 3, lambda s: (1 + s) ** -0.5, 0.7, 0.9)
+    assert srv.version == version == 4 and srv.pending == 2
+    torch.testing.assert_close(w.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_fedasync_is_a_mixing_step_per_update():
+    w = torch.zeros(50, dtype=torch.float64)
+    srv = AsyncServer(server.FedAvg(w, lr=0.6), buffer_size=1, staleness=Hinge(10, 0))
+    model0, _ = srv.fetch()
+    local = torch.ones(50, dtype=torch.float64)
+    srv.submit(local, 0, base=model0)  # a full model and what it started from: w <- w + 0.6 (w_i - w_0)
+    assert torch.allclose(w, torch.full_like(w, 0.6))
+    srv.submit(2 * local, 0, base=model0)  # staleness 1: s = 1 / (10 * 1 + 1)
+    assert torch.allclose(w, torch.full_like(w, 0.6 + 0.6 * 2 / 11))
+
+
+def test_threads_lose_nothing_and_step_once_per_k():
+    """FedAvg with lr 1 and constant staleness: whatever buffers the updates land in, after all n * K updates the
+    model moved by (1/K) times their sum, and the version advanced n times."""
+    k, threads, per = 5, 4, 25
+    d = 1000
+    w = torch.zeros(d, dtype=torch.float64)
+    srv = AsyncServer(server.FedAvg(w), buffer_size=k, staleness=Constant())
+    g = torch.Generator().manual_seed(1)
+    updates = [torch.randn(threads * per, d, generator=g, dtype=torch.float64)]
+    total = updates[0].sum(0)
+    stepped, errors = [], []
+
+    def worker(t):
+        try:
+            for j in range(per):
+                _, v = srv.fetch()
+                stepped.extend(srv.submit(updates[0][t * per + j], v, client_id=f"c{t}-{j}").stepped)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    assert srv.version == threads * per // k and sorted(stepped) == list(range(1, srv.version + 1))
+    assert srv.pending == 0
+    torch.testing.assert_close(w, total / k, rtol=1e-10, atol=1e-10)
+
+
+def test_state_dict_restart_continues_as_if_uninterrupted():
+    g = torch.Generator().manual_seed(2)
+    ups = [(torch.randn(64, generator=g), v) for v in (0, 0, 0, 1, 0, 1, 2, 1)]
+
+    def run(stop=None):
+        w = torch.zeros(64)
+        srv = AsyncServer(server.FedAdam(w, lr=0.05), buffer_size=3)
+        for i, (u, v) in enumerate(ups):
+            if i == stop:
+                state = srv.state_dict()
+                w2 = w.clone()
+                srv = AsyncServer(server.FedAdam(w2, lr=0.05), buffer_size=3)
+                srv.load_state_dict(state)
+                w = w2
+            srv.submit(u, v, client_id=i)
+        return w, srv.version
+
+    a, va = run()
+    b, vb = run(stop=4)  # one update waiting in a buffer when the server restarts
+    assert va == vb == 2
+    torch.testing.assert_close(a, b)
+
+
+def test_hostile_submissions_are_refused_and_change_nothing():
+    w = torch.zeros(8)
+    srv = AsyncServer(server.FedAvg(w), buffer_size=2, max_staleness=1)
+    srv.submit(torch.ones(8), 0, client_id="a")
+    for bad, err in ((1, "future"), (-1, ">= 0"), (0.5, "whole"), ("0", "whole"), (True, "whole")):
+        with pytest.raises(StaleUpdate, match=err):
+            srv.submit(torch.ones(8), bad)
+    with pytest.raises(ValueError, match="already folded"):
+        srv.submit(torch.ones(8), 0, client_id="a")
+    nan = torch.ones(8)
+    nan[3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        srv.submit(nan, 0, client_id="b")
+    assert srv.pending == 1 and srv.version == 0 and w.abs().sum() == 0
+    srv.submit(torch.ones(8), 0, client_id="b")  # the NaN attempt freed both its slot and its id
+    assert srv.version == 1
+    srv.submit(torch.ones(8), 1)
+    srv.submit(torch.ones(8), 1)
+    assert srv.version == 2
+    with pytest.raises(StaleUpdate, match="max_staleness=1"):
+        srv.submit(torch.ones(8), 0)
+    skip = AsyncServer(server.FedAvg(torch.zeros(8)), buffer_size=2, on_nonfinite="skip")
+    assert not skip.submit(nan, 0).folded and skip.pending == 0
+    for kw, err in ((dict(buffer_size=0), ValueError), (dict(max_staleness=-1), ValueError),
+                    (dict(staleness="poly"), TypeError), (dict(on_nonfinite="drop"), ValueError)):
+        with pytest.raises(err):
+            AsyncServer(server.FedAvg(torch.zeros(2)), **kw)
+    with pytest.raises(TypeError, match="optimizer"):
+        AsyncServer(torch.zeros(2))
+
+
+def test_flush_steps_a_partial_buffer_and_fetch_is_a_copy():
+    w = torch.zeros(4)
+    srv = AsyncServer(server.FedAvg(w), buffer_size=10, staleness=Constant())
+    model, v = srv.fetch()
+    srv.submit(torch.ones(4), v)
+    assert srv.flush() and srv.version == 1 and torch.equal(w, torch.ones(4))
+    assert not srv.flush()
+    assert torch.equal(model, torch.zeros(4))  # the copy fetched before the step is untouched
