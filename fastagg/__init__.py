@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 # Submodules reachable as attributes (``fastagg.server.FedAdam``) without importing them with the package: the
 # server optimizers, client steps and torch.distributed support load on first use, so ``import fastagg`` stays
 # light, and the optional integrations (flower, nvflare) import their framework only when asked for.
-_SUBMODULES = ("client", "distributed", "flower", "nvflare", "privacy", "robust", "server", "sim", "testing")
+_SUBMODULES = ("asynchronous", "client", "distributed", "flower", "nvflare", "privacy", "robust", "server", "sim",
+               "testing")
 
 
 def __getattr__(name: str):
