@@ -109,6 +109,15 @@ def parser() -> argparse.ArgumentParser:
                    "server-fixed:clip=C,z=Z | server-adaptive:clip=C0,z=Z,quantile=Q,lr=L | client-fixed:... | "
                    "client-adaptive:... (optional delta=, seed=); epsilon after each round in metrics.csv, the "
                    "summary and epsilon.png (fastagg/sim/privacy.py)")
+    p.add_argument("--client-time", help="a virtual clock: how long each client trains, e.g. "
+                   "exponential:mean=1,slow=0.1,factor=10 (10%% of the clients 10x slower) or lognormal:mu=0,sigma=0.5; "
+                   "metrics.csv gets the virtual_time of every row (fastagg/sim/asynchronous.py)")
+    p.add_argument("--mode", default="sync", choices=["sync", "async"], help="async: FedBuff/FedAsync through "
+                   "fastagg.asynchronous.AsyncServer on the virtual clock; --rounds counts server steps (versions)")
+    p.add_argument("--concurrency", type=int, help="async: clients training at once (default: participants per round)")
+    p.add_argument("--buffer-size", type=int, help="async: updates per server step (default: half the participants)")
+    p.add_argument("--staleness", default="polynomial:0.5", help="async: constant | polynomial:a | hinge:a,b")
+    p.add_argument("--max-staleness", type=int, help="async: staler updates are refused (default: none)")
     p.add_argument("--target", type=float, help="a train loss; the summary reports the rounds to reach it "
                    "(default: none)")
     p.add_argument("--seed", type=int, default=None, help="one seed (overrides --seeds; default: --seeds)")
@@ -173,7 +182,9 @@ FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichl
                "nesterov_momentum": "nesterov_momentum", "mass_gam": "mass_gam", "mass_eta2": "mass_eta2",
                "mass_average": "mass_average", "target": "target", "eval_every": "eval_every", "eval_samples": "eval_samples", "seeds": "seeds",
                "seed": "seeds", "seed_scope": "seed_scope", "attack": "attack", "malicious": "malicious",
-               "attack_scale": "attack_scale", "dp": "dp", "device": "device", "backend": "backend", "dtype": "dtype",
+               "attack_scale": "attack_scale", "dp": "dp", "client_time": "client_time", "mode": "mode",
+               "concurrency": "concurrency", "buffer_size": "buffer_size", "staleness": "staleness",
+               "max_staleness": "max_staleness", "device": "device", "backend": "backend", "dtype": "dtype",
                "cuda_graph": "cuda_graph"}
 
 
@@ -240,7 +251,9 @@ def _config(a, argv) -> tuple:
                  nesterov_momentum=a.nesterov_momentum, mass_gam=a.mass_gam, mass_eta2=a.mass_eta2,
                  mass_average=a.mass_average, target=a.target, eval_every=a.eval_every,
                  eval_samples=a.eval_samples, seeds=_seeds(a), seed_scope=a.seed_scope, attack=a.attack,
-                 malicious=a.malicious, attack_scale=a.attack_scale, dp=a.dp,
+                 malicious=a.malicious, attack_scale=a.attack_scale, dp=a.dp, client_time=a.client_time,
+                 mode=a.mode, concurrency=a.concurrency, buffer_size=a.buffer_size, staleness=a.staleness,
+                 max_staleness=a.max_staleness,
                  device=a.device, backend=a.backend, cuda_graph=a.cuda_graph, dtype=a.dtype, out=a.out)
     explicit = {FLAG_FIELDS[k] for k in given if k in FLAG_FIELDS} | ({"out"} if "out" in given else set())
     merged = {**flags, **{k: v for k, v in settings.items() if k not in explicit}}

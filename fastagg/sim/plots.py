@@ -21,7 +21,8 @@ def _curves(rows, algorithm, field):
 
 
 def plot(history, out_dir: str) -> list:
-    """Writes ``loss.png``, ``eta.png`` (``accuracy.png`` with a test set, ``epsilon.png`` with --dp) into ``out_dir``; returns the
+    """Writes ``loss.png``, ``eta.png`` (``accuracy.png`` with a test set, ``epsilon.png`` with --dp, ``time.png`` with
+    a virtual clock) into ``out_dir``; returns the
     paths."""
     import matplotlib
 
@@ -56,4 +57,19 @@ def plot(history, out_dir: str) -> list:
         outdir.write_file(out_dir, name, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
         plt.close(fig)
         paths.append(os.path.join(out_dir, name))
+    if any("virtual_time" in r for r in history.rows):  # --client-time: accuracy (or loss) on the virtual clock
+        field = "test_acc" if any(not math.isnan(r["test_acc"]) for r in history.rows) else "train_loss"
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for a in algorithms:
+            _, mean, _ = _curves(history.rows, a, field)
+            _, when, _ = _curves(history.rows, a, "virtual_time")
+            ax.plot(when, mean, label=a)
+        ax.set_xlabel("virtual time")
+        ax.set_ylabel("test accuracy" if field == "test_acc" else "train loss")
+        ax.set_title(f"{history.config.dataset}: on the virtual clock ({history.config.mode})")
+        ax.legend()
+        fig.tight_layout()
+        outdir.write_file(out_dir, "time.png", lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
+        plt.close(fig)
+        paths.append(os.path.join(out_dir, "time.png"))
     return paths

@@ -16,6 +16,7 @@ from .. import client
 from .._checks import check_number, check_prob, did_you_mean
 from .._optional import require
 from . import algorithms, attacks, data as datasets, graphs as step_graphs, models, outdir
+from . import asynchronous as sim_async
 from . import privacy as sim_privacy
 
 # seconds: wall time of the rounds since the previous row, as the user waits for it: local steps, server step and
@@ -29,10 +30,11 @@ SUMMARY_FIELDS = ["algorithm", "status", "seeds", "rounds", "train_loss_mean", "
                   "test_acc_std", "target", "rounds_to_target_mean", "seeds_reaching_target", "seconds_per_round",
                   "eval_seconds"]
 DP_FIELDS = ["epsilon"]  # with --dp: the privacy spent after the row's round (metrics) and at the end (summary)
+CLOCK_FIELDS = ["virtual_time"]  # with --client-time: the virtual clock when the row's round (version) ended
 
 
 def metric_fields(cfg: "Config") -> list:
-    return METRIC_FIELDS + (DP_FIELDS if cfg.dp else [])
+    return METRIC_FIELDS + (DP_FIELDS if cfg.dp else []) + (CLOCK_FIELDS if cfg.client_time else [])
 
 
 def summary_fields(cfg: "Config") -> list:
@@ -89,6 +91,13 @@ class Config:
     beta: float = 0.2  # trimmed mean: the fraction cut at each end (Flower's default)
     max_norm: float = 1.0  # norm bounding: the largest update norm kept
     dp: str | None = None  # differential privacy (fastagg/sim/privacy.py): "server-fixed:clip=1.0,z=1.0", ...
+    # the virtual clock and the asynchronous mode (fastagg/sim/asynchronous.py)
+    client_time: str | None = None  # "exponential:mean=1,slow=0.1,factor=10": training durations; rows get the time
+    mode: str = "sync"  # "async": FedBuff/FedAsync through fastagg.asynchronous.AsyncServer (rounds = versions)
+    concurrency: int | None = None  # async: clients training at once (default: the participants per round)
+    buffer_size: int | None = None  # async: updates per server step (default: half the participants per round)
+    staleness: str = "polynomial:0.5"  # async: constant | polynomial:a | hinge:a,b
+    max_staleness: int | None = None  # async: staler updates are refused
     target: float | None = None  # train loss; the summary reports the rounds to reach it
     eval_every: int = 1  # evaluate (and write a metrics row) every this many rounds (round 0 too), and after the last
     eval_samples: int | None = None  # train loss on a fixed sample of this many clients' samples; None: the data set's
@@ -140,6 +149,22 @@ class Config:
                     if cfg.clients:
                         sim_privacy.check(cfg.dp, participants=max(1, int(round(cfg.participation * cfg.clients))),
                                           clients=cfg.clients)
+                if cfg.mode not in ("sync", "async"):
+                    raise ValueError(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
+                if cfg.client_time is not None:
+                    sim_async.parse_clock(cfg.client_time)
+                if cfg.mode == "async":
+                    sim_async.parse_staleness(cfg.staleness)
+                    if alg.client_rule != "sgd" and alg.client_rule not in step_graphs.GRAPHED_RULES:
+                        raise ValueError(f"--mode async runs stateless client rules; {name}'s keeps per-client "
+                                         "state")
+                    if alg.aggregate is not None or cfg.dp is not None or cfg.attack is not None:
+                        raise ValueError("--mode async folds updates into running sums: no robust aggregate, --dp or "
+                                         "--attack")
+                    for key in ("concurrency", "buffer_size"):
+                        v = getattr(cfg, key)
+                        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                            raise ValueError(f"{key} must be an integer >= 1, got {v!r}")
                 if alg.client_rule == "scaffold" and not cfg.lr > 0:
                     raise ValueError(f"lr must be > 0 for {name} (its control variates divide by it), got {cfg.lr}")
             except (TypeError, ValueError) as e:
@@ -455,9 +480,14 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
     graphs = step_graphs_for(alg, cfg, model, device)
 
     train_s = 0.0  # training time since the last row
+    clock = None if cfg.client_time is None and cfg.mode == "sync" else \
+        sim_async.VirtualClock(sim_async.parse_clock(cfg.client_time or "exponential"), n, seed)
+    vclock = 0.0  # the virtual time (with a clock): a synchronous round lasts as long as its slowest participant
 
-    def record(t, eta):
+    def record(t, eta, vtime=None, wall=None):
         nonlocal train_s
+        if wall is not None:  # (the asynchronous loop times its own rounds)
+            train_s = wall
         started = time.perf_counter()
         eval_w = torch.as_tensor(opt.eval_params())
         loss, last, test_loss, test_acc = _evaluate(model, d, eval_w, w)
@@ -467,6 +497,8 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
                        eval_seconds=time.perf_counter() - started)
             if dp is not None:
                 row["epsilon"] = accountant.epsilon() if accountant is not None else float("inf")
+            if clock is not None:
+                row["virtual_time"] = vclock if vtime is None else vtime
             on_row(row)
         train_s = 0.0
         return loss
@@ -484,11 +516,28 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         gen.set_state(resume["generator"])
         start = resume["round"] + 1
         train_s = resume.get("train_seconds", 0.0)
+        vclock = resume.get("virtual_time", 0.0)
+        if clock is not None:  # the clock's generator as if the rounds before had drawn from it
+            for _ in range(resume["round"]):
+                clock.durations(torch.arange(m))
     else:
         loss = record(0, float("nan"))
+    if cfg.mode == "async":
+        if resume is not None:
+            raise ValueError("an asynchronous run cannot be resumed (its clients in flight are not checkpointed); "
+                             "run it again")
+
+        def local(ids, anchor, lr):
+            return _local_steps(alg, cfg, model, train_d, ids, anchor, state, lr, gen, graphs=graphs)
+
+        return sim_async.run_async(cfg, opt=opt, model=model, data=d, train_d=train_d, n=n, m=m, alg=alg, gen=gen,
+                                   lr_at=lambda v: cfg.lr * cfg.lr_decay ** v, local_steps=local, record=record,
+                                   clock=clock, progress=progress, algorithm=algorithm, seed=seed)
     for t in range(start, cfg.rounds + 1):
         started = time.perf_counter()
         ids = torch.sort(torch.randperm(n, generator=gen)[:m]).values.to(device)
+        if clock is not None:  # the round waits for its slowest participant
+            vclock += float(clock.durations(ids).max())
         anchor = torch.as_tensor(opt.broadcast()).clone()
         lr = cfg.lr * cfg.lr_decay ** (t - 1)
         if cfg.lr_c is not None:
@@ -533,7 +582,7 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
             saving = time.perf_counter()
             snap = dict(algorithm=algorithm, seed=seed, round=t, params=w.clone(), optimizer=opt.state_dict(),
                         clients=None if state is None else state.state_dict(), generator=gen.get_state(),
-                        train_seconds=train_s)
+                        train_seconds=train_s, virtual_time=vclock)
             if dp is not None:  # the noise stream, the clipping norm and the releases accounted so far
                 snap["privacy"] = {"mechanism": dp.state_dict(),
                                    "accountant": None if accountant is None else accountant.state_dict()}
