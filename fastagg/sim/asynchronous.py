@@ -108,10 +108,11 @@ def parse_staleness(spec: str):
     return STALENESS[kind](*args)
 
 
-def run_async(cfg, *, opt, model, data, train_d, n, m, alg, gen, lr_at, local_steps, record, clock, progress=None,
-              algorithm="", seed=0) -> str | None:
+def run_async(cfg, *, opt, data, n, m, gen, lr_at, local_steps, record, clock, progress=None, algorithm="",
+              seed=0) -> str | None:
     """The asynchronous loop (module docstring); ``record(version, eta, virtual time, wall seconds)`` writes a
-    metrics row. Returns why
+    metrics row; ``local_steps(ids, anchor, lr)`` trains clients ``ids`` from ``anchor`` (their models, rows). Returns
+    why
     it stopped early (a non-finite loss), or None."""
     server = AsyncServer(opt, buffer_size=cfg.buffer_size or max(1, m // 2), staleness=parse_staleness(cfg.staleness),
                          max_staleness=cfg.max_staleness)
@@ -127,7 +128,6 @@ def run_async(cfg, *, opt, model, data, train_d, n, m, alg, gen, lr_at, local_st
     loss = float("nan")
 
     def start(count: int, t: float) -> None:
-        nonlocal seq
         idle = torch.tensor(sorted(set(range(n)) - training), dtype=torch.long)
         pick = idle[torch.randperm(len(idle), generator=gen)[:count]]
         for c, dur in zip(pick.tolist(), clock.durations(pick).tolist()):

@@ -530,9 +530,9 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         def local(ids, anchor, lr):
             return _local_steps(alg, cfg, model, train_d, ids, anchor, state, lr, gen, graphs=graphs)
 
-        return sim_async.run_async(cfg, opt=opt, model=model, data=d, train_d=train_d, n=n, m=m, alg=alg, gen=gen,
-                                   lr_at=lambda v: cfg.lr * cfg.lr_decay ** v, local_steps=local, record=record,
-                                   clock=clock, progress=progress, algorithm=algorithm, seed=seed)
+        return sim_async.run_async(cfg, opt=opt, data=d, n=n, m=m, gen=gen, lr_at=lambda v: cfg.lr * cfg.lr_decay ** v,
+                                   local_steps=local, record=record, clock=clock, progress=progress,
+                                   algorithm=algorithm, seed=seed)
     for t in range(start, cfg.rounds + 1):
         started = time.perf_counter()
         ids = torch.sort(torch.randperm(n, generator=gen)[:m]).values.to(device)
