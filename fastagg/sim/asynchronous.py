@@ -111,9 +111,8 @@ def parse_staleness(spec: str):
 def run_async(cfg, *, opt, data, n, m, gen, lr_at, local_steps, record, clock, progress=None, algorithm="",
               seed=0) -> str | None:
     """The asynchronous loop (module docstring); ``record(version, eta, virtual time, wall seconds)`` writes a
-    metrics row; ``local_steps(ids, anchor, lr)`` trains clients ``ids`` from ``anchor`` (their models, rows). Returns
-    why
-    it stopped early (a non-finite loss), or None."""
+    metrics row; ``local_steps(ids, anchor, lr)`` trains clients ``ids`` from ``anchor`` (their models, rows).
+    Returns why it stopped early (a non-finite loss), or None."""
     server = AsyncServer(opt, buffer_size=cfg.buffer_size or max(1, m // 2), staleness=parse_staleness(cfg.staleness),
                          max_staleness=cfg.max_staleness)
     concurrency = cfg.concurrency or m
