@@ -1,0 +1,186 @@
+"""An asynchronous Flower server loop: FedBuff / FedAsync (:mod:`fastagg.asynchronous`) on Flower's message API.
+
+A ServerApp's main runs ``FedBuff(...).start(grid, initial_arrays, num_steps)``: train messages go to
+``concurrency`` nodes at once; replies are pulled as they come (``grid.pull_messages``, no round barrier), each is
+folded into the current buffer the moment it arrives (its update against the model that node was sent, formed
+inside the stats pass; the reply read in place), the server optimizer steps every ``buffer_size`` updates, and the
+node that just replied gets the newest model at once. A fast node never waits for a slow one. The node's train
+config carries ``server-version`` (the version it trains from). ClientApps are Flower's usual ones: they train
+from the arrays they receive and reply with their arrays and a MetricRecord (``weighted_by_key``: the weight).
+
+A reply that is a Flower error, holds NaN/Inf, has other keys or shapes, or is staler than ``max_staleness`` is
+left out and logged (the node is sent the newest model again). Each message's reply is folded at most once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from flwr.supercore import log
+
+from .. import server
+from ..asynchronous import AsyncServer, Polynomial, StaleUpdate
+from .records import ReplyError, record_views, to_record
+
+__all__ = ["FedBuff", "AsyncResult"]
+
+OPTIMIZERS = {"fedavg": server.FedAvg, "fedavgm": server.FedAvgM, "fedadam": server.FedAdam,
+              "fedyogi": server.FedYogi, "fedadagrad": server.FedAdagrad, "fedexp": server.FedExP}
+
+
+@dataclasses.dataclass
+class AsyncResult:
+    """What :meth:`FedBuff.start` returns: the final ``arrays``, the server ``version`` reached, the updates folded
+    per node, each step's aggregated train metrics (``train_metrics[version]``), the staleness of every folded
+    update, and the replies left out (node, why)."""
+
+    arrays: ArrayRecord
+    version: int
+    updates_per_node: dict
+    train_metrics: dict
+    staleness: list
+    left_out: list
+
+
+class FedBuff:
+    """FedBuff (``buffer_size`` K > 1, server momentum or an adaptive optimizer) or FedAsync (``buffer_size=1``,
+    ``optimizer="fedavg"`` with ``optimizer_kwargs={"lr": alpha}``) over a Flower Grid.
+
+    Args:
+        optimizer: ``"fedavg"``, ``"fedavgm"``, ``"fedadam"``, ``"fedyogi"``, ``"fedadagrad"``, ``"fedexp"`` or a
+            callable ``params -> fastagg.server optimizer``; ``optimizer_kwargs`` its hyperparameters.
+        buffer_size, staleness, max_staleness: as :class:`fastagg.asynchronous.AsyncServer`.
+        concurrency: nodes training at once (default: every connected node).
+        weighted_by_key, arrayrecord_key, configrecord_key, train_metrics_aggr_fn: Flower's names and defaults.
+        pull_interval: seconds between pulls when no reply is waiting.
+    """
+
+    def __init__(self, optimizer: str | Callable = "fedavg", *, optimizer_kwargs: dict | None = None,
+                 buffer_size: int = 10, staleness=None, max_staleness: int | None = None,
+                 concurrency: int | None = None, weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
+                 configrecord_key: str = "config", train_metrics_aggr_fn: Callable | None = None,
+                 pull_interval: float = 0.01, backend: str = "auto"):
+        if isinstance(optimizer, str):
+            if optimizer not in OPTIMIZERS:
+                raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)} or a callable, got {optimizer!r}")
+            cls, kw = OPTIMIZERS[optimizer], dict(optimizer_kwargs or {})
+            self._make = lambda params: cls(params, backend=backend, on_nonfinite="skip", **kw)
+        elif callable(optimizer):
+            self._make = optimizer
+        else:
+            raise TypeError(f"optimizer must be a name or a callable, got {type(optimizer).__name__}")
+        self._make(torch.zeros(1))  # the hyperparameters are checked now, not at the first reply
+        AsyncServer(server.FedAvg(torch.zeros(1)), buffer_size=buffer_size, staleness=staleness,
+                    max_staleness=max_staleness)  # (checks these)
+        if concurrency is not None and (not isinstance(concurrency, int) or isinstance(concurrency, bool)
+                                        or concurrency < 1):
+            raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+        self.buffer_size, self.staleness = buffer_size, staleness if staleness is not None else Polynomial(0.5)
+        self.max_staleness, self.concurrency = max_staleness, concurrency
+        self.weighted_by_key, self.arrayrecord_key, self.configrecord_key = weighted_by_key, arrayrecord_key, \
+            configrecord_key
+        self.train_metrics_aggr_fn = train_metrics_aggr_fn or aggregate_metricrecords
+        self.pull_interval = pull_interval
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_steps: int, *,
+              train_config: ConfigRecord | None = None, timeout: float = 3600.0) -> AsyncResult:
+        """Run until the server has taken ``num_steps`` steps (or ``timeout`` seconds pass); returns the
+        :class:`AsyncResult`."""
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
+            raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
+        params = {k: torch.from_numpy(np.array(v)) for k, v in record_views(initial_arrays, "initial_arrays").items()}
+        srv = AsyncServer(self._make(params), buffer_size=self.buffer_size, staleness=self.staleness,
+                          max_staleness=self.max_staleness, on_nonfinite="skip")
+        nodes = list(grid.get_node_ids())
+        if not nodes:
+            raise ValueError("no node is connected to the grid")
+        width = min(self.concurrency or len(nodes), len(nodes))
+        sent: dict[int, list] = {}  # version -> [ArrayRecord sent, its tensors, messages in flight]
+        in_flight: dict[str, tuple] = {}  # message id -> (node, version)
+        result = AsyncResult(initial_arrays, 0, {n: 0 for n in nodes}, {}, [], [])
+        contents: list = []  # the replies folded since the last step (their train metrics)
+        config = dict(train_config or {})
+
+        def send(node: int) -> None:
+            v = srv.version
+            if v not in sent:
+                sent[v] = [to_record(params), {k: t.clone() for k, t in params.items()}, 0]
+            entry = sent[v]
+            msg = Message(content=RecordDict({self.arrayrecord_key: entry[0],
+                                              self.configrecord_key: ConfigRecord({**config, "server-version": v})}),
+                          dst_node_id=node, message_type=MessageType.TRAIN)
+            for mid in grid.push_messages([msg]):
+                in_flight[mid] = (node, v)
+                entry[2] += 1
+
+        def release(v: int) -> None:
+            sent[v][2] -= 1
+            if sent[v][2] == 0 and v != srv.version:
+                del sent[v]  # no message of that version in flight any more: its base copy goes
+
+        for node in nodes[:width]:
+            send(node)
+        deadline = time.monotonic() + timeout
+        while srv.version < num_steps and time.monotonic() < deadline:
+            replies = list(grid.pull_messages(list(in_flight)))
+            if not replies:
+                time.sleep(self.pull_interval)
+                continue
+            for reply in replies:
+                if srv.version >= num_steps:
+                    break  # the run is over: the rest of this pull is not folded (no step would take it)
+                node, v = in_flight.pop(reply.metadata.reply_to_message_id)
+                why = self._fold(srv, reply, v, sent[v][1], node, result, contents)
+                release(v)
+                if why is not None:
+                    result.left_out.append((node, why))
+                    log(WARNING, "fastagg FedBuff: the reply of node %d left out: %s", node, why)
+                elif srv.version > result.version:
+                    result.version = srv.version
+                    for old in [k for k, e in sent.items() if e[2] == 0 and k != srv.version]:
+                        del sent[old]  # a base no message in flight needs any more
+                    if contents:
+                        result.train_metrics[srv.version] = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+                    contents = []
+                    log(INFO, "fastagg FedBuff: version %d (%d updates folded so far)", srv.version,
+                        sum(result.updates_per_node.values()))
+                if srv.version < num_steps:
+                    send(node)
+        if srv.version < num_steps:
+            log(WARNING, "fastagg FedBuff: stopped after %.0f s at version %d of %d", timeout, srv.version, num_steps)
+        result.arrays = to_record(params)
+        return result
+
+    def _fold(self, srv: AsyncServer, reply: Message, v: int, base: dict, node: int, result: AsyncResult,
+              contents: list) -> str | None:
+        """Fold one reply; returns why it was left out, or None."""
+        if reply.has_error():
+            return f"a Flower error ({reply.error.reason})"
+        try:
+            records = reply.content.array_records
+            if len(records) != 1 or len(reply.content.metric_records) != 1:
+                raise ReplyError("expected one ArrayRecord and one MetricRecord")
+            views = record_views(next(iter(records.values())), "the reply's ArrayRecord")
+            if set(views) != set(base) or any(tuple(views[k].shape) != tuple(base[k].shape) for k in base):
+                raise ReplyError("has other keys or shapes than the model sent")
+            views = {k: views[k] for k in base}
+            metrics = next(iter(reply.content.metric_records.values()))
+            weight = metrics.get(self.weighted_by_key, 1)
+            res = srv.submit(views, v, weight=float(weight), base=base,
+                             client_id=(node, reply.metadata.reply_to_message_id))
+        except (StaleUpdate, ValueError, TypeError) as e:
+            return str(e)
+        if not res.folded:
+            return "holds NaN or Inf"
+        result.updates_per_node[node] = result.updates_per_node.get(node, 0) + 1
+        result.staleness.append(res.staleness)
+        contents.append(reply.content)
+        return None
