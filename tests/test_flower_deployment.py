@@ -103,6 +103,25 @@ def test_fedexp_strategy_in_a_flower_deployment(federation):
     assert res["final_dtypes"] == {"w": "float32", "b": "float32"}
 
 
+@pytest.mark.parametrize("federation", ["preinstalled"], indirect=True)
+def test_fedbuff_in_a_flower_deployment(federation):
+    """fastagg's asynchronous FedBuff as the ServerApp of a real deployment: replies pulled as they come, a step
+    every 2, the replying node sent the newest model."""
+    env, tmp = federation
+    out = tmp / "result.json"
+    run_config = f"strategy='fedbuff' model='linear' num-server-rounds=4 out-file='{out}'"
+    cp = subprocess.run([str(BIN / "flwr"), "run", str(EXAMPLE), "ci", "--stream", "--run-config", run_config],
+                        env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    logs = cp.stdout[-3000:] + cp.stderr[-3000:]
+    assert cp.returncode == 0, logs
+    assert out.exists(), "the ServerApp wrote no result file:\n" + logs
+    res = json.loads(out.read_text())
+    assert res["strategy"] == "fedbuff" and res["rounds"] == 4 and not res["left_out"]
+    assert sum(res["updates_per_node"].values()) == 8 and len(res["updates_per_node"]) == 2
+    assert sorted(res["train"]) == ["1", "2", "3", "4"]
+    assert res["final_dtypes"] == {"w": "float32", "b": "float32"}
+
+
 def test_make_flower_example_runs_flwr_run_in_a_local_simulation_and_fedexp_extrapolates(tmp_path):
     """`make flower-example`'s script: `flwr run` into Flower's managed local SuperLink (simulation mode, Flower's
     default runtime dependency installation) with the CNN task; FedExP's eta, a server metric, exceeds 1 (the
