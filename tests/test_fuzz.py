@@ -466,3 +466,63 @@ def test_fuzz_hostile_scalars_get_a_type_or_value_error(data):
             bool(torch.isfinite(value)) or value is True and name == "eps", (name, value)
     for b, a in zip(before, [x, w]):
         assert torch.equal(b, a) or name in ("lr", "eps", "weights", "from sums", "accumulator weight")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@FUZZ
+@given(data=st.data())
+def test_fuzz_async_server(backend, data):
+    """Random submission sequences to the asynchronous server (versions from the past, the future, negative or
+    fractional; repeated client ids; NaN updates; huge weights): every refused submission leaves the buffers,
+    version and model exactly as they were; the version always equals the updates folded // K; params stay finite."""
+    from fastagg.asynchronous import AsyncServer, Polynomial
+
+    d = data.draw(st.integers(1, 30), label="d")
+    k = data.draw(st.integers(1, 4), label="K")
+    w = torch.zeros(d)
+    srv = AsyncServer(server.FedAvg(w, backend=backend), buffer_size=k, staleness=Polynomial(0.5),
+                      max_staleness=data.draw(st.sampled_from([None, 0, 2]), label="max_staleness"))
+    folded = 0
+    for _ in range(data.draw(st.integers(1, 12), label="submits")):
+        v = data.draw(st.sampled_from([srv.version, max(0, srv.version - 1), max(0, srv.version - 3),
+                                       srv.version + 1, -1, 0.5]), label="version")
+        cid = data.draw(st.sampled_from([None, "a", "b"]), label="client")
+        u = _values(data, (d,), torch.float32, "update")
+        weight = data.draw(st.sampled_from([1.0, 3.0, 1e30]), label="weight")
+        before = (srv.version, srv.pending, w.clone())
+        try:
+            res = srv.submit(u, v, weight=weight, client_id=cid)
+        except (ValueError, TypeError):
+            assert (srv.version, srv.pending) == before[:2] and torch.equal(w, before[2])
+            continue
+        folded += res.folded
+        assert srv.version == folded // k and srv.pending == folded % k
+        assert bool(torch.isfinite(w).all()), "Inf/NaN written into params"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@FUZZ
+@given(data=st.data())
+def test_fuzz_qfedavg(backend, data):
+    """QFedAvg on random client forms, dtypes, scales and losses (negative, NaN, huge): equal to the reference
+    backend's step, or both refuse alike with params unchanged; never Inf/NaN in params from finite ones."""
+    m, d = data.draw(st.integers(1, 6), label="M"), data.draw(st.integers(1, 30), label="d")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    deltas = _clients(data, m, d, dtype)
+    losses = [data.draw(st.sampled_from([0.0, 0.5, 3.0, 1e30, -1.0, float("nan")]), label="loss") for _ in range(m)]
+    q = data.draw(st.sampled_from([0.0, 0.2, 1.0, 3.0]), label="q")
+    params = _values(data, (d,), torch.float32, "params")
+    w, w_ref = params.clone(), params.clone()
+    outcome = []
+    for p, b, x in ((w, backend, deltas), (w_ref, "reference", copy.deepcopy(deltas))):
+        try:
+            outcome.append(bool(server.QFedAvg(p, client_learning_rate=0.1, q=q, backend=b,
+                                               on_nonfinite="skip").step(x, losses).finite))
+        except (ValueError, TypeError) as e:
+            outcome.append(type(e))
+    assert outcome[0] == outcome[1]
+    if not isinstance(outcome[0], bool):  # refused: params bit for bit as they were
+        assert torch.equal(w.view(torch.int32), params.view(torch.int32))
+    _close(w, w_ref, torch.float32, "params", "QFedAvg params")
+    if bool(torch.isfinite(params).all()):
+        assert bool(torch.isfinite(w).all()), "Inf/NaN written into params"
