@@ -89,7 +89,7 @@ def test_cpu_binding_rejects_bad_buffers_itself():
     def call(rows=None, weights=None, mean_out=None, sq_out=None, lens=(10,)):
         C.round_stats(dl(x) if rows is None else rows, None, list(lens), dl(w) if weights is None else weights,
                       None, None, 0.0, dl(mean) if mean_out is None else mean_out, dl(sq) if sq_out is None else sq_out,
-                      dl(bad), dl(msq))
+                      dl(bad), dl(msq), 0.0, 0, 0)  # (no noise: sigma, seed, round)
 
     with pytest.raises(TypeError, match="weights must be float64"):
         call(weights=dl(w.float()))
