@@ -9,7 +9,6 @@ import dataclasses
 import itertools
 import math
 import threading
-import time
 import zlib
 from typing import Any
 
@@ -20,6 +19,7 @@ from ._aliasing import check_writes
 from ._checks import check_number, check_on_nonfinite, expect_like
 from ._docs import share_docs
 from .backends import resolve
+from .combining import FlatCombiner
 from .flat import Layout
 from .ops import round_reads
 from .passes import RoundStats, run_stats, sum_stats
@@ -64,9 +64,9 @@ class Accumulator:
         self._buffer_like = {} if rows.buffers is None else \
             {n: v[0] for n, v in zip(rows.buffers.names, rows.buffers.values)}
         self._lock = threading.RLock()  # held while folding or stepping
-        self._qlock = threading.Lock()  # guards the adds waiting to be folded (add)
-        self._pending: list = []
-        self._last_group, self._last_fold_s = 1, 0.0  # how many adds the last fold took, and its seconds
+        # concurrent adds: queued, then folded together by whichever thread takes the lock (fastagg/combining.py)
+        self._combiner = FlatCombiner(self._lock, lambda group: self._fold_group(group),
+                                      lambda fold: self._round.has_token(fold.token))
         self._round = _Round.empty(torch.zeros(rows.numel, dtype=cdt, device=rows.device),
                                    torch.empty(rows.numel, dtype=cdt, device=rows.device), len(self._buffer_names))
 
@@ -90,7 +90,12 @@ class Accumulator:
     @property
     def _folding(self) -> bool:
         """Adds are waiting to be folded (their threads wait for the lock, then one folds them all)."""
-        return bool(self._pending)
+        return bool(self._combiner.pending)
+
+    @property
+    def _pending(self) -> list:
+        """The adds queued, waiting to be folded."""
+        return self._combiner.pending
 
     @property
     def num_clients(self) -> int:
@@ -165,70 +170,12 @@ class Accumulator:
             try:
                 self._fold([fold], rows, atomic=False)
             finally:
-                self._settle([fold])
+                self._combiner.settle([fold])
         else:
-            self._join_or_fold(fold)
+            self._combiner.join_or_fold(fold)
         if fold.error is not None:
             raise fold.error
         return fold.folded
-
-    def _join_or_fold(self, fold: "_Fold") -> None:
-        """Queue ``fold``, then take the lock: whoever gets it first folds every add queued by then in one sweep
-        (flat combining); an add already folded by another thread finds itself done and returns.
-
-        When the last fold took several adds, their threads are about to queue their next ones: the folder waits
-        for as many (at most a tenth of the last fold's time, 1 ms at most; PostgreSQL's commit_delay with
-        commit_siblings, for the same reason), so the adds keep folding together instead of one alone, then the rest.
-
-        Signal safety: no wait here can leave a lock or a condition half-taken (a lock's acquire interrupted by a
-        signal raises without holding it; ``with`` releases what it took), and whether a client is in the round is
-        read from the round itself (its token), so a fold taken by a folder that was interrupted is folded by the
-        next one, never twice.
-        """
-        try:
-            with self._qlock:
-                self._pending.append(fold)
-            while not self._settled(fold):
-                with self._lock:
-                    if self._settled(fold):
-                        break
-                    self._fold_queue(fold)
-        except BaseException:  # interrupted (a signal): withdraw the client unless it was folded already
-            with self._qlock:
-                if fold in self._pending:
-                    self._pending.remove(fold)
-            raise
-
-    def _settled(self, fold: "_Fold") -> bool:
-        """``fold`` is done: refused, or folded (it is in the committed round: the round's word is final)."""
-        if not fold.done and self._round.has_token(fold.token):
-            fold.finish(folded=True)
-        return fold.done
-
-    def _fold_queue(self, mine: "_Fold") -> None:
-        """Fold every queued add (caller holds the lock), ``mine`` among them even when an interrupted folder took it
-        off the queue and never put it back."""
-        deadline = time.perf_counter() + min(0.1 * self._last_fold_s, 1e-3)
-        while len(self._pending) < self._last_group and time.perf_counter() < deadline:
-            time.sleep(2e-5)  # no condition variable: an interrupted wait on one can leave its lock released
-        with self._qlock:
-            group, self._pending = self._pending, []
-        if mine not in group:
-            group.append(mine)
-        t0 = time.perf_counter()
-        try:
-            self._fold_group(group)
-        finally:
-            self._settle(group)
-            undone = [f for f in group if not f.done and f is not mine]
-            if undone:  # interrupted (a signal): the others' adds go to the next folder
-                with self._qlock:
-                    self._pending[:0] = undone
-        self._last_group, self._last_fold_s = len(group), time.perf_counter() - t0
-
-    def _settle(self, group: list) -> None:
-        for f in group:
-            self._settled(f)
 
     def add_many(self, deltas: Any, weights: Any = None, *, base: Any = None, on_nonfinite: str = "raise",
                  client_ids: Any = None) -> list:
