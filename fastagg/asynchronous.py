@@ -234,20 +234,26 @@ class AsyncServer:
     def _step_full_buffers(self) -> list:
         """Step every full buffer at the head of the queue, in order; returns the versions produced."""
         produced = []
-        while True:
-            with self._step_lock:  # taken before the head is chosen: buffers step in the order they filled
-                with self._lock:
-                    head = self._buffers[0]
-                    if head.folded < self.buffer_size or head.reserved:
-                        return produced
-                    self._buffers.pop(0)
-                    if not self._buffers:
-                        self._buffers.append(self._new_buffer())
-                self.optimizer.step(head.acc)
-                with self._lock:
-                    self.version += 1
-                    produced.append(self.version)
-                    self._forget_ids()
+        while self._step_head(minimum=self.buffer_size):
+            produced.append(self.version)
+        return produced
+
+    def _step_head(self, *, minimum: int) -> bool:
+        """Step on the head buffer if it holds at least ``minimum`` folded updates and none still folding; the
+        step lock is taken before the head is chosen, so buffers step in the order they filled, one at a time."""
+        with self._step_lock:
+            with self._lock:
+                head = self._buffers[0]
+                if head.folded < max(minimum, 1) or head.reserved:
+                    return False
+                self._buffers.pop(0)
+                if not self._buffers:
+                    self._buffers.append(self._new_buffer())
+            self.optimizer.step(head.acc)
+            with self._lock:
+                self.version += 1
+                self._forget_ids()
+        return True
 
     def _forget_ids(self) -> None:
         """Ids of versions no update can come from any more (staler than max_staleness) are dropped."""
@@ -264,19 +270,7 @@ class AsyncServer:
     def flush(self) -> bool:
         """Step on the head buffer now even if it holds fewer than K updates (the end of a run); False when it holds
         none."""
-        with self._step_lock:
-            with self._lock:
-                head = self._buffers[0]
-                if head.folded == 0 or head.reserved:
-                    return False
-                self._buffers.pop(0)
-                if not self._buffers:
-                    self._buffers.append(self._new_buffer())
-            self.optimizer.step(head.acc)
-            with self._lock:
-                self.version += 1
-                self._forget_ids()
-        return True
+        return self._step_head(minimum=1)
 
     def state_dict(self) -> dict:
         """The version, the optimizer's state and every buffer's sums (updates folded but not yet stepped), the ids

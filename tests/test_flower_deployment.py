@@ -83,16 +83,21 @@ def federation(request, tmp_path):
             _kill_group(p)
 
 
-def test_fedexp_strategy_in_a_flower_deployment(federation):
+def _flwr_run(federation, run_config: str) -> dict:
+    """``flwr run`` of the example app on the federation; the result file its ServerApp wrote (``flwr run`` exits 0
+    even when the app failed, so the file is what is checked)."""
     env, tmp = federation
     out = tmp / "result.json"
-    run_config = f"strategy='fedexp' model='linear' num-server-rounds=3 fraction-evaluate=0.0 out-file='{out}'"
-    cp = subprocess.run([str(BIN / "flwr"), "run", str(EXAMPLE), "ci", "--stream", "--run-config", run_config],
-                        env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    cp = subprocess.run([str(BIN / "flwr"), "run", str(EXAMPLE), "ci", "--stream", "--run-config",
+                         f"{run_config} out-file='{out}'"], env=env, capture_output=True, text=True, timeout=TIMEOUT)
     logs = cp.stdout[-3000:] + cp.stderr[-3000:]
     assert cp.returncode == 0, logs
     assert out.exists(), "the ServerApp wrote no result file:\n" + logs
-    res = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_fedexp_strategy_in_a_flower_deployment(federation):
+    res = _flwr_run(federation, "strategy='fedexp' model='linear' num-server-rounds=3 fraction-evaluate=0.0")
     assert res["strategy"] == "fedexp" and res["rounds"] == 3
     etas = [res["server"][str(r)]["fedexp-eta"] for r in (1, 2, 3)]
     assert all(e >= 1.0 for e in etas) and max(etas) > 1.0, etas  # FedExP's own step ran (non-IID clients)
@@ -107,15 +112,7 @@ def test_fedexp_strategy_in_a_flower_deployment(federation):
 def test_fedbuff_in_a_flower_deployment(federation):
     """fastagg's asynchronous FedBuff as the ServerApp of a real deployment: replies pulled as they come, a step
     every 2, the replying node sent the newest model."""
-    env, tmp = federation
-    out = tmp / "result.json"
-    run_config = f"strategy='fedbuff' model='linear' num-server-rounds=4 out-file='{out}'"
-    cp = subprocess.run([str(BIN / "flwr"), "run", str(EXAMPLE), "ci", "--stream", "--run-config", run_config],
-                        env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    logs = cp.stdout[-3000:] + cp.stderr[-3000:]
-    assert cp.returncode == 0, logs
-    assert out.exists(), "the ServerApp wrote no result file:\n" + logs
-    res = json.loads(out.read_text())
+    res = _flwr_run(federation, "strategy='fedbuff' model='linear' num-server-rounds=4")
     assert res["strategy"] == "fedbuff" and res["rounds"] == 4 and not res["left_out"]
     assert sum(res["updates_per_node"].values()) == 8 and len(res["updates_per_node"]) == 2
     assert sorted(res["train"]) == ["1", "2", "3", "4"]

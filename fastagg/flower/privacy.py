@@ -65,6 +65,13 @@ class _Fused:
         self.mechanism = cls(*args, seed=seed, noise_source=noise_source, weighted=True, **kw) if self._fused() \
             else None
 
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        messages = super().configure_train(server_round, arrays, config, grid)  # (Flower's wrapper's)
+        if self._fused():
+            self._install()
+        return messages
+
     def _install(self) -> None:
         """Make the mechanism the wrapped strategy's aggregation (its optimizer exists once it configured a round)."""
         opt = self.strategy.optimizer
@@ -120,12 +127,6 @@ class _FixedBase(_Fused):
     def _init_flower(self, strategy, noise_multiplier, clipping_norm, num_sampled_clients, accountant) -> None:
         super().__init__(strategy, noise_multiplier, clipping_norm, num_sampled_clients, accountant=accountant)
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        messages = super().configure_train(server_round, arrays, config, grid)
-        if self._fused():
-            self._install()
-        return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         if not self._fused():
@@ -172,12 +173,6 @@ class _AdaptiveBase(_Fused):
                              target_clipped_quantile, clip_norm_lr, clipped_count_stddev, seed=seed,
                              noise_source=noise_source, direction=direction)
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        messages = super().configure_train(server_round, arrays, config, grid)
-        if self._fused():
-            self._install()
-        return messages
 
     def _check_replies(self, replies: list) -> None:
         """What a wrapper refuses before anything changes (client-side: replies without a norm bit)."""

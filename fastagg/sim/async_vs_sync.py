@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from .._optional import require
+from .experiments import pyplot, save, write_report
 from .runner import Config, run
 
 CLOCK = "exponential:mean=1,slow=0.1,factor=10"
@@ -53,11 +53,7 @@ def table(results: dict, target: float = TARGET) -> list[str]:
 
 
 def plot(results: dict, path: str) -> None:
-    require("matplotlib", "sim", "the asynchronous plot")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the asynchronous plot")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, h in results.items():
@@ -67,10 +63,7 @@ def plot(results: dict, path: str) -> None:
     ax.set_xlabel("virtual time (Exp(1) per training; 10% of the clients 10x slower)")
     ax.set_ylabel("test accuracy")
     ax.set_title("digits: FedBuff against synchronous FedAvg")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, legend_ax=ax)
 
 
 def main(argv=None) -> int:
@@ -93,11 +86,8 @@ def main(argv=None) -> int:
              f"{versions} steps. Mean over seeds {', '.join(map(str, seeds))}. Written by "
              f"`python -m fastagg.sim.async_vs_sync{' --quick' if a.quick else ''}` in {time.time() - t0:.0f} s.",
              ""] + table(results) + [""]
-    text = "\n".join(lines)
-    with open(os.path.join(a.out, "ASYNC.md"), "w") as f:
-        f.write(text)
+    write_report(a.out, "ASYNC.md", lines)
     plot(results, os.path.join(a.out, "time.png"))
-    print(text)
     return 0
 
 

@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from .._optional import require
+from .experiments import pyplot, save, write_report
 from .runner import Config, run
 
 ALGORITHMS = ("fedavg", "fedadam")
@@ -55,11 +55,7 @@ def table(results: dict) -> list[str]:
 
 
 def plot(results: dict, path: str) -> None:
-    require("matplotlib", "sim", "the privacy trade-off plot")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the privacy trade-off plot")
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     noised = {k: h for k, h in results.items() if k.startswith("z = ") and k != "z = 0"}
@@ -76,10 +72,7 @@ def plot(results: dict, path: str) -> None:
     ax.set_xlabel("epsilon (delta = 50^-1.1)")
     ax.set_ylabel("final test accuracy")
     ax.set_title("digits, server-side clipping + noise (dashed: no DP)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, legend_ax=ax)
 
 
 def main(argv=None) -> int:
@@ -100,11 +93,8 @@ def main(argv=None) -> int:
              "optimizer; epsilon from dp-accounting (RDP, sampling without replacement) after "
              f"the last round (delta = 50^-1.1). Written by `python -m fastagg.sim.privacy_tradeoff{' --quick' if a.quick else ''}` "
              f"in {time.time() - t0:.0f} s.", ""] + table(results) + [""]
-    text = "\n".join(lines)
-    with open(os.path.join(a.out, "PRIVACY.md"), "w") as f:
-        f.write(text)
+    write_report(a.out, "PRIVACY.md", lines)
     plot(results, os.path.join(a.out, "accuracy_vs_epsilon.png"))
-    print(text)
     return 0
 
 

@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-from .._optional import require
+from .experiments import pyplot, save, write_report
 from .runner import Config, run
 
 ATTACKS = ("none", "sign-flip", "scale", "gaussian", "label-flip", "alie", "ipm")
@@ -51,11 +51,7 @@ def table(results: dict, rules=RULES) -> list[str]:
 
 
 def plot(results: dict, path: str, rules=RULES) -> None:
-    require("matplotlib", "sim", "the robustness plot")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the robustness plot")
 
     fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 3.0), sharey=True)
     for ax, (attack, h) in zip(axes if len(results) > 1 else [axes], results.items()):
@@ -67,9 +63,7 @@ def plot(results: dict, path: str, rules=RULES) -> None:
         ax.set_xlabel("round")
     axes[0].set_ylabel("test accuracy")
     axes[-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv=None) -> int:
@@ -90,11 +84,8 @@ def main(argv=None) -> int:
              "defaults); the robust rules assume f = 20% of a round's "
              f"participants. Written by `python -m fastagg.sim.robustness{' --quick' if a.quick else ''}` in "
              f"{time.time() - t0:.0f} s.", ""] + table(results) + [""]
-    text = "\n".join(lines)
-    with open(os.path.join(a.out, "ROBUSTNESS.md"), "w") as f:
-        f.write(text)
+    write_report(a.out, "ROBUSTNESS.md", lines)
     plot(results, os.path.join(a.out, "accuracy.png"))
-    print(text)
     return 0
 
 
