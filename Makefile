@@ -49,13 +49,14 @@ test-package: $(VENV)/.installed
 # fastagg.nvflare in an environment of its own (NVIDIA FLARE pins protobuf 7, Flower < 7): the aggregator driven
 # directly and inside `nvflare simulator` (tests_nvflare/). fastagg is installed as a package, not editable: FLARE's
 # job export copies a component's non-site-packages sources into the job, which would shadow an editable checkout.
+# FASTAGG_WHEEL=path installs that wheel (CI: the one test-package built from the sdist) instead of building again.
 NVFLARE_VENV ?= .venv-nvflare
 NVPY := $(NVFLARE_VENV)/bin/python
 $(NVFLARE_VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(shell find fastagg -name '*.py')
 	test -x $(NVPY) || $(PYTHON) -m venv $(NVFLARE_VENV)
 	$(NVPY) -m pip install --upgrade pip
 	$(NVPY) -m pip install $(TORCH) 'nvflare==2.9.0' pytest
-	$(NVPY) -m pip install --no-deps --force-reinstall .
+	$(NVPY) -m pip install --no-deps --force-reinstall $(if $(FASTAGG_WHEEL),$(FASTAGG_WHEEL),.)
 	touch $@
 
 test-nvflare: $(NVFLARE_VENV)/.installed

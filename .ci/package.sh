@@ -2,7 +2,8 @@
 # The package as a user gets it: build the sdist, build a wheel from that sdist alone (pip unpacks it into a
 # directory of its own: nothing of this checkout is visible), install the wheel into a fresh venv (the CPU build of
 # torch first), then import fastagg from another directory and run one fused step on the compiled C++ backend.
-# Usage: PY=.venv/bin/python bash .ci/package.sh   (`make test-package`; CI runs it)
+# Usage: PY=.venv/bin/python bash .ci/package.sh   (`make test-package`; CI runs it; KEEP_WHEEL_DIR=dir keeps the
+# wheel there)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(realpath -s "${PY:-.venv/bin/python}")  # absolute, the venv link kept
@@ -20,6 +21,12 @@ done
 
 echo "== wheel from the sdist"
 (cd "$work" && "$PY" -m pip wheel --no-deps --wheel-dir "$work/wheels" "$sdist")
+
+if [ -n "${KEEP_WHEEL_DIR:-}" ]; then  # CI installs this wheel into NVIDIA FLARE's env instead of building again
+    mkdir -p "$KEEP_WHEEL_DIR"
+    rm -f "$KEEP_WHEEL_DIR"/fastagg-*.whl
+    cp "$work"/wheels/fastagg-*.whl "$KEEP_WHEEL_DIR"/
+fi
 
 echo "== fresh venv: $TORCH, then the wheel"
 python3 -m venv "$work/venv"
