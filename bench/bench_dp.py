@@ -70,18 +70,13 @@ def core(rounds: int = 5) -> dict:
 
 
 def flower(rounds: int = 3) -> dict:
-    import logging
-
     import bench_flower as bf
     from flwr.app import ConfigRecord, Message
     from flwr.serverapp import strategy as fl
 
     from fastagg import flower as fa
 
-    bf.M, bf.D = M, D
-    bf.SIZES = [D // 2, D // 4, D // 8, D - D // 2 - D // 4 - D // 8]
-    bf._setup()
-    logging.getLogger("flwr").setLevel(logging.WARNING)
+    bf.configure(M, D)
     arrays = bf._initial()
     kw = dict(min_available_nodes=1)
     c = 1.0

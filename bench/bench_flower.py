@@ -26,6 +26,18 @@ D = int(float(os.environ.get("FASTAGG_BENCH_D", "1e7")))
 SIZES = [D // 2, D // 4, D // 8, D - D // 2 - D // 4 - D // 8]
 
 
+def configure(m: int, d: int) -> None:
+    """M replies of d float32 in 4 layers (halves, quarters, eighths and the rest), and Messages outside a run,
+    Flower's logging at warnings: what the Flower benchmarks share."""
+    import logging
+
+    global M, D, SIZES
+    M, D = m, d
+    SIZES = [d // 2, d // 4, d // 8, d - d // 2 - d // 4 - d // 8]
+    _setup()
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+
+
 def _setup():
     from flwr.supercore.task_identity import TaskIdentity
 

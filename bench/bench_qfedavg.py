@@ -23,8 +23,6 @@ D = int(float(os.environ.get("FASTAGG_BENCH_D", "1e7")))
 
 
 def main(rounds: int = 3) -> dict:
-    import logging
-
     import bench_flower as bf
     import torch
     from flwr.app import ConfigRecord, Message
@@ -32,10 +30,7 @@ def main(rounds: int = 3) -> dict:
 
     from fastagg import flower as fa
 
-    bf.M, bf.D = M, D
-    bf.SIZES = [D // 2, D // 4, D // 8, D - D // 2 - D // 4 - D // 8]
-    bf._setup()
-    logging.getLogger("flwr").setLevel(logging.WARNING)
+    bf.configure(M, D)
     arrays = bf._initial()
     kw = dict(client_learning_rate=0.1, q=0.2, min_available_nodes=1)
     pairs = {"flower QFedAvg": fl.QFedAvg(**kw), "fastagg QFedAvg": fa.QFedAvg(**kw),

@@ -133,7 +133,6 @@ def _accountant():
 
 
 def test_flowers_accountant_spends_the_same_epsilon_and_fused_adam_is_accounted():
-    pytest.importorskip("dp_accounting")
     theirs = fl.DifferentialPrivacyServerSideFixedClipping(fl.FedAvg(min_available_nodes=1), 1.2, 0.6, NODES,
                                                            accountant=_accountant())
     ours = fa.DifferentialPrivacyServerSideFixedClipping(fa.FedAvg(min_available_nodes=1, backend="cpu"), 1.2, 0.6,

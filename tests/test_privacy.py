@@ -234,7 +234,6 @@ def test_bad_release_changes_nothing():
 
 
 def test_accountant_matches_the_exact_gaussian_dp_curve():
-    pytest.importorskip("dp_accounting")
     z, t, delta = 2.0, 50, 1e-5
     mu = math.sqrt(t) / z  # t compositions of the Gaussian mechanism = one of multiplier z / sqrt(t) (Dong et al.)
 
@@ -261,7 +260,6 @@ def test_accountant_matches_the_exact_gaussian_dp_curve():
 
 
 def test_mechanism_reports_epsilon_after_each_release():
-    pytest.importorskip("dp_accounting")
     acc = privacy.PrivacyAccountant(1.0, sampling="without-replacement", population_size=100, num_sampled=4)
     mech = privacy.ServerSideFixedClipping(1.0, 0.5, 4, accountant=acc)
     eps = [privacy.release(_clients(4, 64), mech, backend="cpu").epsilon for _ in range(3)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import math
 
+import dp_accounting  # noqa: F401  (a test requirement, pinned in [test]: a missing one fails here)
 import pytest
 import torch
 
@@ -13,7 +14,6 @@ from fastagg import privacy
 from fastagg.sim import Config, run
 from fastagg.sim import privacy as sim_privacy
 
-pytest.importorskip("dp_accounting")
 BASE = dict(dataset="digits", rounds=4, participation=0.5, batch_size=16)
 
 
