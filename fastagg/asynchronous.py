@@ -24,11 +24,8 @@ from. :meth:`state_dict` / :meth:`load_state_dict` save and restore the buffers,
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
 import math
-import signal
 import threading
 from typing import Any
 
@@ -38,32 +35,6 @@ from ._checks import check_number
 from .stream import Accumulator
 
 __all__ = ["AsyncServer", "SubmitResult", "Constant", "Polynomial", "Hinge", "Threshold", "StaleUpdate"]
-
-
-_tokens = itertools.count()
-
-
-@contextlib.contextmanager
-def _signals_deferred():
-    """Python-level signal handlers (Ctrl-C's KeyboardInterrupt, a timer's) run after the block, not inside it: a
-    server step and its commit (the buffer off the queue, the version advanced) happen together or not at all.
-    Python runs handlers on the main thread only, so off it (a request thread) there is nothing to defer; a
-    signal's C-level delivery is untouched (whatever thread receives it, the handler is what waits)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list = []
-    saved = {}
-    for sig in (signal.SIGINT, getattr(signal, "SIGALRM", None), getattr(signal, "SIGTERM", None)):
-        if sig is not None and callable(signal.getsignal(sig)):
-            saved[sig] = signal.signal(sig, lambda num, frame: caught.append((num, frame)))
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-        for num, frame in caught:  # now, in the order they came (the first that raises ends the call)
-            saved[num](num, frame)
 
 
 class StaleUpdate(ValueError):
@@ -246,13 +217,11 @@ class AsyncServer:
                 buf = self._new_buffer()
                 self._buffers.append(buf)
             buf.reserved += 1
-        token = next(_tokens)  # whether the fold happened is read from the buffer itself (a signal may interrupt)
         folded = False
         try:
-            folded = buf.acc.add(delta, w, base=base, on_nonfinite=self.on_nonfinite, scale=factor, client_id=token)
+            folded = buf.acc.add(delta, w, base=base, on_nonfinite=self.on_nonfinite, scale=factor)
         finally:
             with self._lock:
-                folded = token in buf.acc.client_ids
                 buf.reserved -= 1
                 if folded:
                     buf.folded += 1
@@ -272,7 +241,7 @@ class AsyncServer:
     def _step_head(self, *, minimum: int) -> bool:
         """Step on the head buffer if it holds at least ``minimum`` folded updates and none still folding; the
         step lock is taken before the head is chosen, so buffers step in the order they filled, one at a time."""
-        with self._step_lock, _signals_deferred():  # a Ctrl-C waits for the step and its commit, never splits them
+        with self._step_lock:
             with self._lock:
                 head = self._buffers[0]
                 if head.folded < max(minimum, 1) or head.reserved:

@@ -163,38 +163,3 @@ def test_flush_steps_a_partial_buffer_and_fetch_is_a_copy():
     assert srv.flush() and srv.version == 1 and torch.equal(w, torch.ones(4))
     assert not srv.flush()
     assert torch.equal(model, torch.zeros(4))  # the copy fetched before the step is untouched
-
-
-def test_a_signal_anywhere_in_a_submit_leaves_a_consistent_server():
-    """A timer whose handler raises (Ctrl-C's KeyboardInterrupt), at many points of a stream of submits: afterwards
-    every buffer's count equals its accumulator's, the model moved exactly once per version (FedAvg of all-ones
-    updates: w == version), and the server takes the next submits."""
-    import signal
-
-    from fastagg.asynchronous import Constant
-
-    w = torch.zeros(2000, dtype=torch.float64)
-    srv = AsyncServer(server.FedAvg(w), buffer_size=3, staleness=Constant())
-
-    def interrupt(*_):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    try:
-        for k in range(40):
-            signal.setitimer(signal.ITIMER_REAL, 1e-4 * (1 + k % 20))
-            try:
-                for i in range(50):
-                    srv.submit(torch.ones(2000, dtype=torch.float64), srv.version, client_id=(k, i))
-            except KeyboardInterrupt:
-                pass
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            assert all(b.folded == b.acc.num_clients and b.reserved == 0 for b in srv._buffers)
-            assert torch.equal(w, torch.full_like(w, float(srv.version)))
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    v = srv.version
-    for _ in range(3 - srv.pending % 3):
-        srv.submit(torch.ones(2000, dtype=torch.float64), srv.version)
-    assert srv.version == v + 1 and torch.equal(w, torch.full_like(w, float(v + 1)))
