@@ -43,7 +43,8 @@ client_app = ClientApp()
 
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    fedbuff = FedBuff("fedavgm", optimizer_kwargs={"lr": 1.0, "momentum": 0.5}, buffer_size=ARGS.buffer_size)
+    fedbuff = FedBuff("fedavgm", optimizer_kwargs={"lr": 1.0, "momentum": 0.5}, buffer_size=ARGS.buffer_size,
+                      min_available_nodes=ARGS.nodes)
     start = time.monotonic()
     result = fedbuff.start(grid, ArrayRecord([np.zeros(DIM, dtype=np.float32)]), num_steps=ARGS.steps, timeout=600)
     w = result.arrays.to_numpy_ndarrays()[0]

@@ -5,7 +5,9 @@ A ServerApp's main runs ``FedBuff(...).start(grid, initial_arrays, num_steps)``:
 folded into the current buffer the moment it arrives (its update against the model that node was sent, formed
 inside the stats pass; the reply read in place), the server optimizer steps every ``buffer_size`` updates, and the
 node that just replied gets the newest model at once. A fast node never waits for a slow one. The node's train
-config carries ``server-version`` (the version it trains from). ClientApps are Flower's usual ones: they train
+config carries ``server-version`` (the version it trains from). As Flower's strategies do, ``start`` first waits
+for ``min_available_nodes`` to connect; a node that connects later is sent the newest model within
+``node_poll_interval`` seconds (up to ``concurrency`` nodes train at once). ClientApps are Flower's usual ones: they train
 from the arrays they receive and reply with their arrays and a MetricRecord (``weighted_by_key``: the weight).
 
 A reply that is a Flower error, holds NaN/Inf, has other keys or shapes, or is staler than ``max_staleness`` is
@@ -57,14 +59,17 @@ class FedBuff:
         optimizer: ``"fedavg"``, ``"fedavgm"``, ``"fedadam"``, ``"fedyogi"``, ``"fedadagrad"``, ``"fedexp"`` or a
             callable ``params -> fastagg.server optimizer``; ``optimizer_kwargs`` its hyperparameters.
         buffer_size, staleness, max_staleness: as :class:`fastagg.asynchronous.AsyncServer`.
-        concurrency: nodes training at once (default: every connected node).
+        concurrency: nodes training at once (default: every connected node, including those that connect later).
+        min_available_nodes: nodes ``start`` waits for before sending the first model (Flower's name and default).
+        node_poll_interval: seconds between looks for newly connected nodes while below ``concurrency``.
         weighted_by_key, arrayrecord_key, configrecord_key, train_metrics_aggr_fn: Flower's names and defaults.
         pull_interval: seconds between pulls when no reply is waiting.
     """
 
     def __init__(self, optimizer: str | Callable = "fedavg", *, optimizer_kwargs: dict | None = None,
                  buffer_size: int = 10, staleness=None, max_staleness: int | None = None,
-                 concurrency: int | None = None, weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
+                 concurrency: int | None = None, min_available_nodes: int = 2, node_poll_interval: float = 1.0,
+                 weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
                  configrecord_key: str = "config", train_metrics_aggr_fn: Callable | None = None,
                  pull_interval: float = 0.01, backend: str = "auto"):
         if isinstance(optimizer, str):
@@ -82,8 +87,14 @@ class FedBuff:
         if concurrency is not None and (not isinstance(concurrency, int) or isinstance(concurrency, bool)
                                         or concurrency < 1):
             raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+        if not isinstance(min_available_nodes, int) or isinstance(min_available_nodes, bool) or min_available_nodes < 1:
+            raise ValueError(f"min_available_nodes must be an integer >= 1, got {min_available_nodes!r}")
+        for name, value in (("node_poll_interval", node_poll_interval), ("pull_interval", pull_interval)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.buffer_size, self.staleness = buffer_size, staleness if staleness is not None else Polynomial(0.5)
         self.max_staleness, self.concurrency = max_staleness, concurrency
+        self.min_available_nodes, self.node_poll_interval = min_available_nodes, node_poll_interval
         self.weighted_by_key, self.arrayrecord_key, self.configrecord_key = weighted_by_key, arrayrecord_key, \
             configrecord_key
         self.train_metrics_aggr_fn = train_metrics_aggr_fn or aggregate_metricrecords
@@ -98,13 +109,11 @@ class FedBuff:
         params = {k: torch.from_numpy(np.array(v)) for k, v in record_views(initial_arrays, "initial_arrays").items()}
         srv = AsyncServer(self._make(params), buffer_size=self.buffer_size, staleness=self.staleness,
                           max_staleness=self.max_staleness, on_nonfinite="skip")
-        nodes = list(grid.get_node_ids())
-        if not nodes:
-            raise ValueError("no node is connected to the grid")
-        width = min(self.concurrency or len(nodes), len(nodes))
+        deadline = time.monotonic() + timeout
+        nodes = self._wait_for_nodes(grid, deadline)
         sent: dict[int, list] = {}  # version -> [ArrayRecord sent, its tensors, messages in flight]
         in_flight: dict[str, tuple] = {}  # message id -> (node, version)
-        result = AsyncResult(initial_arrays, 0, {n: 0 for n in nodes}, {}, [], [])
+        result = AsyncResult(initial_arrays, 0, {}, {}, [], [])
         contents: list = []  # the replies folded since the last step (their train metrics)
         config = dict(train_config or {})
 
@@ -125,10 +134,24 @@ class FedBuff:
             if sent[v][2] == 0 and v != srv.version:
                 del sent[v]  # no message of that version in flight any more: its base copy goes
 
-        for node in nodes[:width]:
-            send(node)
-        deadline = time.monotonic() + timeout
+        def send_to_idle(connected: list) -> None:
+            """Send the newest model to connected nodes with nothing in flight, up to ``concurrency`` busy."""
+            busy = {node for node, _ in in_flight.values()}
+            for node in connected:
+                if self.concurrency is not None and len(busy) >= self.concurrency:
+                    break
+                if node not in busy:
+                    result.updates_per_node.setdefault(node, 0)
+                    send(node)
+                    busy.add(node)
+
+        send_to_idle(nodes)
+        next_poll = time.monotonic() + self.node_poll_interval
         while srv.version < num_steps and time.monotonic() < deadline:
+            if time.monotonic() >= next_poll:
+                if self.concurrency is None or len(in_flight) < self.concurrency:
+                    send_to_idle(list(grid.get_node_ids()))
+                next_poll = time.monotonic() + self.node_poll_interval
             replies = list(grid.pull_messages(list(in_flight)))
             if not replies:
                 time.sleep(self.pull_interval)
@@ -157,6 +180,21 @@ class FedBuff:
             log(WARNING, "fastagg FedBuff: stopped after %.0f s at version %d of %d", timeout, srv.version, num_steps)
         result.arrays = to_record(params)
         return result
+
+    def _wait_for_nodes(self, grid: Grid, deadline: float) -> list:
+        """Wait (as Flower's ``sample_nodes`` does) until ``min_available_nodes`` are connected; returns them."""
+        last_log = 0.0
+        while len(nodes := list(grid.get_node_ids())) < self.min_available_nodes:
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(f"fastagg FedBuff: {len(nodes)} node(s) connected before the timeout, "
+                                   f"min_available_nodes={self.min_available_nodes}")
+            if now - last_log >= 10.0:
+                log(INFO, "Waiting for nodes to connect: %d connected (minimum required: %d).", len(nodes),
+                    self.min_available_nodes)
+                last_log = now
+            time.sleep(min(0.1, deadline - now))
+        return nodes
 
     def _fold(self, srv: AsyncServer, reply: Message, v: int, base: dict, node: int, result: AsyncResult,
               contents: list) -> str | None:

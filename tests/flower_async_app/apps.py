@@ -20,7 +20,8 @@ client_app = ClientApp()
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     start = ArrayRecord([np.zeros(1000, dtype=np.float32)])
-    fedbuff = FedBuff("fedavgm", optimizer_kwargs={"lr": 1.0, "momentum": 0.5}, buffer_size=2, concurrency=3)
+    fedbuff = FedBuff("fedavgm", optimizer_kwargs={"lr": 1.0, "momentum": 0.5}, buffer_size=2, concurrency=3,
+                      min_available_nodes=3)
     RESULT["result"] = fedbuff.start(grid, start, num_steps=5, timeout=120)
 
 

@@ -1,0 +1,162 @@
+"""fastagg.flower.FedBuff's server loop against a scripted Grid (no Ray, no network): nodes that connect late,
+``min_available_nodes``, ``concurrency``, replies left out, and the model against an AsyncServer fed the same
+replies in the same order."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from fastagg import server
+from fastagg.asynchronous import AsyncServer, Constant
+from fastagg.flower.asynchronous import FedBuff
+
+# flwr 1.42: Message() outside a running task raises "TaskIdentity.run_id is not set" (private API, test-only)
+TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+
+
+class ScriptedGrid:
+    """A Grid whose nodes ``connect`` after a number of ``get_node_ids``/``pull_messages`` calls and answer a train
+    message ``delay[node]`` pulls after it was pushed, with ``client(node, sent arrays, message)``."""
+
+    def __init__(self, client, delay, connect=None):
+        self.client, self.delay = client, delay
+        self.connect = connect or {n: 0 for n in delay}  # node -> the tick it connects at
+        self.ticks = 0
+        self.pending: dict[str, list] = {}  # message id -> [message, pulls left]
+        self.ids = (f"m{i}" for i in itertools.count())
+        self.pushed: list = []  # (node, server-version) of every message pushed
+        self.max_in_flight = 0
+        self.received: list = []  # (node, version trained from, reply arrays) in the order pulled
+
+    def get_node_ids(self):
+        self.ticks += 1
+        return [n for n, t in self.connect.items() if self.ticks >= t]
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            mid = next(self.ids)
+            msg.metadata.__dict__["_message_id"] = mid  # what the SuperLink does on push
+            self.pending[mid] = [msg, self.delay[msg.metadata.dst_node_id]]
+            self.pushed.append((msg.metadata.dst_node_id, int(msg.content["config"]["server-version"])))
+            ids.append(mid)
+        self.max_in_flight = max(self.max_in_flight, len(self.pending))
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.ticks += 1
+        out = []
+        for mid in list(message_ids):
+            entry = self.pending.get(mid)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] <= 0:
+                msg = self.pending.pop(mid)[0]
+                node = msg.metadata.dst_node_id
+                sent = {k: a.numpy() for k, a in msg.content["arrays"].items()}
+                reply = self.client(node, sent, msg)
+                if not reply.has_error():
+                    self.received.append((node, int(msg.content["config"]["server-version"]),
+                                          {k: a.numpy().copy() for k, a in reply.content["arrays"].items()}))
+                out.append(reply)
+        return out
+
+
+def train(node, sent, msg, n=10):
+    """A client: the model it was sent plus a node-specific step."""
+    new = {k: (v + np.float32(0.01 * node) - np.float32(0.1) * v).astype(np.float32) for k, v in sent.items()}
+    return Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in new.items()}),
+                               "metrics": MetricRecord({"num-examples": n})}), reply_to=msg)
+
+
+START = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, np.float32)}
+
+
+def start_arrays():
+    return ArrayRecord({k: Array(v.copy()) for k, v in START.items()})
+
+
+def run(grid, num_steps, **kw):
+    kw = {"optimizer": "fedavgm", "optimizer_kwargs": {"lr": 1.0, "momentum": 0.5}, "buffer_size": 2,
+          "pull_interval": 1e-4, "node_poll_interval": 1e-4, **kw}
+    return FedBuff(**kw).start(grid, start_arrays(), num_steps=num_steps, timeout=30)
+
+
+def test_a_node_that_connects_late_is_sent_work_and_its_updates_are_folded():
+    grid = ScriptedGrid(train, delay={1: 2, 2: 3, 3: 1}, connect={1: 0, 2: 0, 3: 25})
+    result = run(grid, num_steps=20)
+    assert result.version == 20 and not result.left_out
+    assert result.updates_per_node[3] > 0  # joined after start and carried part of the run
+    assert sum(result.updates_per_node.values()) == 40
+
+
+def test_start_waits_for_min_available_nodes_as_flower_strategies_do():
+    grid = ScriptedGrid(train, delay={1: 1, 2: 1, 3: 1}, connect={1: 0, 2: 5, 3: 9})
+    result = run(grid, num_steps=3, min_available_nodes=3)
+    first = {node for node, _ in grid.pushed[:3]}
+    assert first == {1, 2, 3}  # the first model went to all three at once
+    assert result.version == 3
+
+
+def test_too_few_nodes_before_the_timeout_is_an_error_naming_min_available_nodes():
+    grid = ScriptedGrid(train, delay={1: 1}, connect={1: 0})
+    with pytest.raises(TimeoutError, match="min_available_nodes=2"):
+        FedBuff(buffer_size=2).start(grid, start_arrays(), num_steps=2, timeout=0.3)
+    assert grid.pushed == []
+
+
+def test_concurrency_caps_the_nodes_training_at_once_even_as_nodes_connect():
+    grid = ScriptedGrid(train, delay={n: n for n in range(1, 7)}, connect={n: 3 * n for n in range(1, 7)})
+    result = run(grid, num_steps=10, concurrency=3, min_available_nodes=1)
+    assert result.version == 10
+    assert grid.max_in_flight <= 3
+
+
+def test_bad_replies_are_left_out_and_the_model_matches_an_async_server_fed_the_good_ones():
+    def client(node, sent, msg):
+        if node == 4:
+            return Message(Error(code=0, reason="the node crashed"), reply_to=msg)
+        if node == 5:
+            return train(node, {k: np.full_like(v, np.nan) for k, v in sent.items()}, msg)
+        if node == 6:
+            return train(node, {"w": sent["w"][:2], "b": sent["b"]}, msg)
+        return train(node, sent, msg, n=10 * node)
+
+    grid = ScriptedGrid(client, delay={1: 1, 2: 2, 3: 3, 4: 2, 5: 1, 6: 4})
+    result = run(grid, num_steps=8, staleness=Constant(), optimizer="fedavg", optimizer_kwargs={"lr": 1.0})
+    assert result.version == 8
+    reasons = {node: why for node, why in result.left_out}
+    assert "the node crashed" in reasons[4] and "NaN" in reasons[5] and "shapes" in reasons[6]
+    assert {n for n, c in result.updates_per_node.items() if c} <= {1, 2, 3}
+
+    # the oracle: the same replies, folded in the order pulled, until the 8th step
+    params = {k: torch.from_numpy(v.astype(np.float64)) for k, v in START.items()}
+    oracle = AsyncServer(server.FedAvg(params, lr=1.0, backend="reference"), buffer_size=2, staleness=Constant())
+    bases = {0: {k: t.clone() for k, t in params.items()}}
+    for node, v, arrays in grid.received:
+        if oracle.version == 8:
+            break
+        if node in (5, 6):
+            continue
+        oracle.submit({k: torch.from_numpy(a.astype(np.float64)) for k, a in arrays.items()}, v,
+                      weight=10.0 * node, base=bases[v])
+        bases.setdefault(oracle.version, {k: t.clone() for k, t in params.items()})
+    got = {k: a.numpy() for k, a in result.arrays.items()}
+    for k in START:
+        np.testing.assert_allclose(got[k], params[k].numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"min_available_nodes": 0}, "min_available_nodes"),
+                                           ({"min_available_nodes": True}, "min_available_nodes"),
+                                           ({"node_poll_interval": 0}, "node_poll_interval"),
+                                           ({"pull_interval": float("nan")}, "pull_interval"),
+                                           ({"concurrency": 0}, "concurrency")])
+def test_bad_loop_settings_are_refused_naming_the_setting(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FedBuff(**kwargs)
