@@ -21,6 +21,10 @@ time. An update that arrives during a step goes into the next buffer: never lost
 fold (NaN, Inf) frees its slot. :meth:`fetch` returns the model and its version consistently (never half a step).
 The staleness is measured when the update is submitted. A client id is folded at most once per version it trained
 from. :meth:`state_dict` / :meth:`load_state_dict` save and restore the buffers, the version and the optimizer.
+
+Signals: a Ctrl-C (or a timer whose handler raises) during a call from the main thread interrupts only the wait:
+the call (a fold, a step, a restore) runs to completion on a helper thread, so no update is half-folded or lost and
+no buffer is dropped; the next call from the main thread sees all it did (:mod:`fastagg._uninterruptible`).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from typing import Any
 import torch
 
 from ._checks import check_number
+from ._uninterruptible import uninterruptible
 from .stream import Accumulator
 
 __all__ = ["AsyncServer", "SubmitResult", "Constant", "Polynomial", "Hinge", "Threshold", "StaleUpdate"]
@@ -175,6 +180,7 @@ class AsyncServer:
         return _Buffer(Accumulator(like=self._like, backend=self.optimizer._backend.name))
 
     # -- the clients' side -------------------------------------------------------------------------------------
+    @uninterruptible
     def fetch(self) -> tuple[Any, int]:
         """``(model, version)``: a copy of the current model (the optimizer's ``broadcast()`` form) and its version,
         read between steps."""
@@ -188,6 +194,7 @@ class AsyncServer:
                 model = [v.detach().clone() for v in model]
             return model, self.version
 
+    @uninterruptible
     def submit(self, delta: Any, version: Any, *, weight: float = 1.0, client_id: Any = None,
                base: Any = None) -> SubmitResult:
         """Fold one client's update (``delta``: its update against the model of ``version``, in the model's form;
@@ -267,11 +274,13 @@ class AsyncServer:
         with self._lock:
             return sum(b.folded for b in self._buffers)
 
+    @uninterruptible
     def flush(self) -> bool:
         """Step on the head buffer now even if it holds fewer than K updates (the end of a run); False when it holds
         none."""
         return self._step_head(minimum=1)
 
+    @uninterruptible
     def state_dict(self) -> dict:
         """The version, the optimizer's state and every buffer's sums (updates folded but not yet stepped), the ids
         folded per version: a restarted server continues as if it had not stopped. Taken between steps; submits
@@ -282,6 +291,7 @@ class AsyncServer:
                     "ids": {k: sorted(v, key=repr) for k, v in self._ids.items()},
                     "buffer_size": self.buffer_size}
 
+    @uninterruptible
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (checked before anything changes)."""
         if not isinstance(state, dict) or not {"version", "optimizer", "buffers", "ids"} <= set(state):

@@ -163,3 +163,43 @@ def test_flush_steps_a_partial_buffer_and_fetch_is_a_copy():
     assert srv.flush() and srv.version == 1 and torch.equal(w, torch.ones(4))
     assert not srv.flush()
     assert torch.equal(model, torch.zeros(4))  # the copy fetched before the step is untouched
+
+
+def test_a_signal_anywhere_in_a_submit_leaves_a_consistent_server():
+    """A timer whose handler raises (Ctrl-C's KeyboardInterrupt), at many points of a stream of submits: afterwards
+    every buffer's count equals its accumulator's and no slot stays reserved, the model moved exactly once per
+    version (FedAvg of all-ones updates: w == version), no update was lost (version * K + pending == updates
+    folded), and the server takes the next submits."""
+    import signal
+
+    from fastagg.asynchronous import Constant
+
+    w = torch.zeros(2000, dtype=torch.float64)
+    srv = AsyncServer(server.FedAvg(w), buffer_size=3, staleness=Constant())
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    interrupted = 0
+    try:
+        for k in range(40):
+            signal.setitimer(signal.ITIMER_REAL, 1e-4 * (1 + k % 20))
+            try:
+                for i in range(50):
+                    srv.submit(torch.ones(2000, dtype=torch.float64), srv.version, client_id=(k, i))
+            except KeyboardInterrupt:
+                interrupted += 1
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            state = srv.state_dict()  # a call after the interrupted one: it sees everything that one did
+            assert all(b.folded == b.acc.num_clients and b.reserved == 0 for b in srv._buffers)
+            assert torch.equal(w, torch.full_like(w, float(state["version"])))
+            assert 3 * state["version"] + srv.pending == sum(len(ids) for ids in state["ids"].values())
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupted > 20  # the timer did cut submit streams (not a test that cannot fail)
+    v = srv.version
+    for _ in range(3 - srv.pending % 3):
+        srv.submit(torch.ones(2000, dtype=torch.float64), srv.version)
+    assert srv.version == v + 1 and torch.equal(w, torch.full_like(w, float(v + 1)))

@@ -1,0 +1,75 @@
+"""Run a call to completion even when a signal interrupts its caller.
+
+CPython runs signal handlers (Ctrl-C's ``KeyboardInterrupt``, a timer whose handler raises) in the main thread only,
+between bytecodes, so a state change spread over several statements can be cut in the middle. A call made from the
+main thread through :func:`run_to_completion` runs on one helper thread instead: the caller waits, a signal
+interrupts only the wait (the exception reaches the caller at once), and the call itself finishes and commits.
+Calls from the main thread run on the helper one after another in the order made, so a call made after an
+interrupted one sees everything the interrupted one did. Calls from other threads (where no handler runs) run
+directly. The helper never waits on anything the caller holds: the caller waits on a lock the helper releases.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import threading
+
+_tasks: queue.SimpleQueue | None = None
+_start_lock = threading.Lock()
+
+
+def _serve(tasks: queue.SimpleQueue) -> None:
+    while True:
+        fn, args, kwargs, box, done = tasks.get()
+        try:
+            box.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # handed to the caller, who raises it
+            box.append((False, e))
+        finally:
+            del fn, args, kwargs  # hold nothing of the call while waiting for the next
+            done.release()
+
+
+def _helper() -> queue.SimpleQueue:
+    global _tasks
+    with _start_lock:
+        if _tasks is None:
+            tasks = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(tasks,), name="fastagg-uninterruptible", daemon=True).start()
+            _tasks = tasks
+        return _tasks
+
+
+def _forget_helper_after_fork() -> None:
+    global _tasks, _start_lock
+    _tasks, _start_lock = None, threading.Lock()  # the child has no helper thread: start its own when needed
+
+
+os.register_at_fork(after_in_child=_forget_helper_after_fork)
+
+
+def run_to_completion(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, finished even if a signal interrupts the calling (main) thread; returns its result
+    or raises its exception."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args, **kwargs)
+    done = threading.Lock()
+    done.acquire()
+    box: list = []
+    _helper().put((fn, args, kwargs, box, done))
+    done.acquire()  # a signal raises here; the helper finishes the call all the same
+    ok, value = box[0]
+    if ok:
+        return value
+    raise value
+
+
+def uninterruptible(method):
+    """Decorator: the method runs through :func:`run_to_completion`."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        return run_to_completion(method, *args, **kwargs)
+
+    return wrapper

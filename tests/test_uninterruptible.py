@@ -1,0 +1,45 @@
+"""fastagg._uninterruptible: a call from the main thread finishes even when a signal interrupts its caller."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from fastagg._uninterruptible import run_to_completion
+
+
+def test_an_interrupted_call_finishes_and_the_next_call_sees_it():
+    log = []
+
+    def slow():
+        time.sleep(0.2)
+        log.append("done")
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.02)
+        with pytest.raises(KeyboardInterrupt):
+            run_to_completion(slow)  # the caller is interrupted at once ...
+        assert log == []
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert run_to_completion(lambda: list(log)) == ["done"]  # ... the call finished before the next one ran
+
+
+def test_results_and_exceptions_come_back_and_other_threads_run_directly():
+    assert run_to_completion(lambda a, b=1: a + b, 2, b=3) == 5
+    with pytest.raises(ValueError, match="bad"):
+        run_to_completion(lambda: (_ for _ in ()).throw(ValueError("bad")))
+    main = threading.main_thread()
+    assert run_to_completion(threading.current_thread) is not main  # the helper
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(run_to_completion(threading.current_thread)))
+    t.start()
+    t.join()
+    assert seen == [t]  # from another thread: run right there
