@@ -7,12 +7,16 @@ interrupts only the wait (the exception reaches the caller at once), and the cal
 Calls from the main thread run on the helper one after another in the order made, so a call made after an
 interrupted one sees everything the interrupted one did. Calls from other threads (where no handler runs) run
 directly. The helper never waits on anything the caller holds: the caller waits on a lock the helper releases.
+The call runs under the caller's torch grad mode and, once CUDA is initialized, its current device and stream
+(thread-local in torch, so a helper thread would otherwise launch on device 0's default stream).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import queue
+import sys
 import threading
 
 _tasks: queue.SimpleQueue | None = None
@@ -21,13 +25,14 @@ _start_lock = threading.Lock()
 
 def _serve(tasks: queue.SimpleQueue) -> None:
     while True:
-        fn, args, kwargs, box, done = tasks.get()
+        fn, args, kwargs, context, box, done = tasks.get()
         try:
-            box.append((True, fn(*args, **kwargs)))
+            with context():
+                box.append((True, fn(*args, **kwargs)))
         except BaseException as e:  # handed to the caller, who raises it
             box.append((False, e))
         finally:
-            del fn, args, kwargs  # hold nothing of the call while waiting for the next
+            del fn, args, kwargs, context  # hold nothing of the call while waiting for the next
             done.release()
 
 
@@ -49,6 +54,26 @@ def _forget_helper_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_helper_after_fork)
 
 
+def _callers_context():
+    """A context manager factory re-creating the calling thread's torch state that is thread-local."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return contextlib.nullcontext
+    grad = torch.is_grad_enabled()
+    cuda = torch.cuda.is_initialized()
+    device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)
+
+    def context():
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.set_grad_enabled(grad))
+        if cuda:
+            stack.enter_context(torch.cuda.device(device))
+            stack.enter_context(torch.cuda.stream(stream))
+        return stack
+
+    return context
+
+
 def run_to_completion(fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, finished even if a signal interrupts the calling (main) thread; returns its result
     or raises its exception."""
@@ -57,7 +82,7 @@ def run_to_completion(fn, *args, **kwargs):
     done = threading.Lock()
     done.acquire()
     box: list = []
-    _helper().put((fn, args, kwargs, box, done))
+    _helper().put((fn, args, kwargs, _callers_context(), box, done))
     done.acquire()  # a signal raises here; the helper finishes the call all the same
     ok, value = box[0]
     if ok:

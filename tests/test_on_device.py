@@ -580,3 +580,22 @@ def test_simulator_steps_replayed_from_a_cuda_graph_equal_eager_steps(algorithm,
     shapes = list(made[1]._shapes.values())
     assert len(shapes) == 1 and shapes[0]._graph is not None and not shapes[0]._failed
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+@gpu_only
+def test_an_async_server_called_from_the_main_thread_steps_on_the_callers_stream():
+    """AsyncServer's main-thread calls run on fastagg's helper thread: they must use the caller's CUDA device and
+    stream (thread-local in torch), so the step lands on the stream the caller synchronizes with."""
+    from fastagg import server
+    from fastagg._uninterruptible import run_to_completion
+    from fastagg.asynchronous import AsyncServer, Constant
+
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert run_to_completion(torch.cuda.current_stream) == s
+        w = torch.zeros(1 << 20, device="cuda")
+        srv = AsyncServer(server.FedAvg(w), buffer_size=2, staleness=Constant())
+        for _ in range(2):
+            srv.submit(torch.ones_like(w), 0)
+    s.synchronize()
+    assert srv.version == 1 and torch.equal(w, torch.ones_like(w))

@@ -43,3 +43,11 @@ def test_results_and_exceptions_come_back_and_other_threads_run_directly():
     t.start()
     t.join()
     assert seen == [t]  # from another thread: run right there
+
+
+def test_the_call_runs_under_the_callers_grad_mode():
+    import torch
+
+    with torch.no_grad():
+        assert run_to_completion(torch.is_grad_enabled) is False
+    assert run_to_completion(torch.is_grad_enabled) is True
