@@ -280,6 +280,10 @@ class AsyncServer:
         none."""
         return self._step_head(minimum=1)
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("an AsyncServer cannot be pickled or copied (it holds locks and its buffers' accumulators): "
+                        "save server.state_dict() and restore it with load_state_dict()")
+
     @uninterruptible
     def state_dict(self) -> dict:
         """The version, the optimizer's state and every buffer's sums (updates folded but not yet stepped), the ids

@@ -1,0 +1,73 @@
+"""Memory a long-running server must give back at once: objects made every round or step are freed by reference
+counting alone, never left to Python's cycle collector (which runs rarely and would hold d-vectors, on CUDA device
+memory, until it did)."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+import fastagg
+from fastagg import server
+from fastagg.asynchronous import AsyncServer, Constant
+
+
+def _cyclic_garbage(fn) -> int:
+    """Objects ``fn()`` leaves in reference cycles (after two warm-up calls)."""
+    fn()
+    fn()
+    gc.collect()
+    gc.disable()
+    try:
+        fn()
+        return gc.collect()
+    finally:
+        gc.enable()
+
+
+def test_an_accumulator_is_freed_by_reference_counting_alone():
+    gc.disable()
+    try:
+        acc = fastagg.Accumulator(like=torch.zeros(1000))
+        acc.add(torch.ones(1000))
+        ref = weakref.ref(acc)
+        del acc
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_server_steps_and_async_submits_leave_no_cyclic_garbage():
+    model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.BatchNorm1d(30), torch.nn.Linear(30, 5))
+    g = torch.Generator().manual_seed(0)
+    ups = [{k: torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+            for k, v in model.state_dict().items()} for _ in range(4)]
+    opt = server.FedAdam(model, lr=0.1)
+    acc = fastagg.Accumulator(like=model)
+
+    def through_an_accumulator():
+        acc.reset()
+        for u in ups:
+            acc.add(u)
+        opt.step(acc)
+
+    assert _cyclic_garbage(lambda: opt.step(ups)) == 0
+    assert _cyclic_garbage(through_an_accumulator) == 0
+    w = torch.zeros(1000)
+    srv = AsyncServer(server.FedAvg(w), buffer_size=2, staleness=Constant())  # a new Accumulator every step
+    assert _cyclic_garbage(lambda: [srv.submit(torch.ones(1000), srv.version) for _ in range(6)]) == 0
+
+
+def test_copying_or_pickling_an_accumulator_or_async_server_says_to_use_state_dict():
+    import copy
+    import pickle
+
+    import pytest
+
+    acc = fastagg.Accumulator(like=torch.zeros(10))
+    srv = AsyncServer(server.FedAvg(torch.zeros(10)), buffer_size=2)
+    for obj in (acc, srv):
+        for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+            with pytest.raises(TypeError, match="state_dict"):
+                copier(obj)
