@@ -220,8 +220,15 @@ class ParamState(Mapping):
     torch Optimizers; iteration yields the parameters only."""
 
     def __init__(self, opt: "ServerOptimizer"):
-        self._opt = opt
+        self._owner = weakref.ref(opt)  # weakly: the optimizer holds this, and a cycle would outlive its last user
         self._ids: tuple = (None, {})  # (the params list it indexes, id -> position)
+
+    @property
+    def _opt(self) -> "ServerOptimizer":
+        opt = self._owner()
+        if opt is None:
+            raise RuntimeError("the optimizer this state belongs to was deleted")
+        return opt
 
     def _index(self, key) -> int | None:
         params = self._opt.param_groups[0]["params"]
@@ -372,11 +379,12 @@ class ServerOptimizer(torch.optim.Optimizer):
                 p.grad.zero_()
 
     def __getstate__(self) -> dict:  # torch's keeps only defaults, state and param_groups; the backend by name
-        return {k: v for k, v in self.__dict__.items() if k != "_backend"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_backend", "state")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._backend = resolve(self._backend_name, self.device)
+        self.state = ParamState(self)  # a view of the flat buffers restored above
 
     # -- following the parameters -------------------------------------------------------------------------------
     def _binding(self) -> tuple:

@@ -71,3 +71,19 @@ def test_copying_or_pickling_an_accumulator_or_async_server_says_to_use_state_di
         for copier in (copy.deepcopy, copy.copy, pickle.dumps):
             with pytest.raises(TypeError, match="state_dict"):
                 copier(obj)
+
+
+def test_server_optimizers_are_freed_by_reference_counting_alone():
+    model = torch.nn.Linear(4, 3)
+    update = {k: torch.ones_like(v) for k, v in model.state_dict().items()}
+    made = [server.FedAvg(model), server.FedAdam(model, lr=0.1), server.FedExP(model, eps=1e-3),
+            server.FedAvgM(model, momentum=0.9), server.Scaffold(model, num_clients=4)]
+    gc.disable()
+    try:
+        for opt in made[:4]:
+            opt.step([update, update])
+        refs = [weakref.ref(opt) for opt in made]
+        del made, opt
+        assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
