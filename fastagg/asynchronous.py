@@ -241,18 +241,19 @@ class AsyncServer:
     def _step_full_buffers(self) -> list:
         """Step every full buffer at the head of the queue, in order; returns the versions produced."""
         produced = []
-        while self._step_head(minimum=self.buffer_size):
-            produced.append(self.version)
+        while (v := self._step_head(minimum=self.buffer_size)) is not None:
+            produced.append(v)
         return produced
 
-    def _step_head(self, *, minimum: int) -> bool:
-        """Step on the head buffer if it holds at least ``minimum`` folded updates and none still folding; the
+    def _step_head(self, *, minimum: int) -> int | None:
+        """Step on the head buffer if it holds at least ``minimum`` folded updates and none still folding; returns
+        the version that step produced (read under the lock: another thread may step right after), or None. The
         step lock is taken before the head is chosen, so buffers step in the order they filled, one at a time."""
         with self._step_lock:
             with self._lock:
                 head = self._buffers[0]
                 if head.folded < max(minimum, 1) or head.reserved:
-                    return False
+                    return None
                 self._buffers.pop(0)
                 if not self._buffers:
                     self._buffers.append(self._new_buffer())
@@ -260,7 +261,7 @@ class AsyncServer:
             with self._lock:
                 self.version += 1
                 self._forget_ids()
-        return True
+                return self.version
 
     def _forget_ids(self) -> None:
         """Ids of versions no update can come from any more (staler than max_staleness) are dropped."""
@@ -278,7 +279,7 @@ class AsyncServer:
     def flush(self) -> bool:
         """Step on the head buffer now even if it holds fewer than K updates (the end of a run); False when it holds
         none."""
-        return self._step_head(minimum=1)
+        return self._step_head(minimum=1) is not None
 
     def __reduce_ex__(self, protocol):
         raise TypeError("an AsyncServer cannot be pickled or copied (it holds locks and its buffers' accumulators): "

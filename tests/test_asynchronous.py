@@ -70,9 +70,34 @@ def test_fedasync_is_a_mixing_step_per_update():
     assert torch.allclose(w, torch.full_like(w, 0.6 + 0.6 * 2 / 11))
 
 
+def test_each_submit_reports_the_version_its_own_step_produced():
+    """Another step can happen between a step releasing its lock and its submit returning: the version reported is
+    the one that step produced, read under the lock (deterministic here: the lock's release runs the other step)."""
+    w = torch.zeros(10, dtype=torch.float64)
+    srv = AsyncServer(server.FedAvg(w), buffer_size=1, staleness=Constant())
+    inner = []
+
+    class StepsAnotherBufferOnRelease:
+        lock, armed = threading.Lock(), True
+
+        def __enter__(self):
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+            if self.armed:
+                self.armed = False
+                inner.extend(srv.submit(torch.ones(10, dtype=torch.float64), srv.version).stepped)
+
+    srv._step_lock = StepsAnotherBufferOnRelease()
+    outer = srv.submit(torch.ones(10, dtype=torch.float64), 0).stepped
+    assert srv.version == 2 and inner == [2] and outer == [1]
+
+
 def test_threads_lose_nothing_and_step_once_per_k():
     """FedAvg with lr 1 and constant staleness: whatever buffers the updates land in, after all n * K updates the
-    model moved by (1/K) times their sum, and the version advanced n times."""
+    model moved by (1/K) times their sum, the version advanced n times and each step's version was reported once
+    (by the submit that took it, even when another thread steps right after)."""
     k, threads, per = 5, 4, 25
     d = 1000
     w = torch.zeros(d, dtype=torch.float64)
