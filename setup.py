@@ -10,7 +10,8 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 SOURCES = ["csrc/bindings.cpp", "csrc/round_stats.cpp", "csrc/server_apply.cpp", "csrc/local_step.cpp",
-           "csrc/robust.cpp", "csrc/noise.cpp"]
+           "csrc/robust.cpp", "csrc/noise.cpp",
+           "csrc/quantized.cpp"]
 # Every source includes these: a changed header rebuilds the modules (setuptools compares them with the built .so;
 # without them `pip install .` relinked stale objects). MANIFEST.in ships them in the sdist.
 HEADERS = sorted(glob.glob("csrc/*.h"))

@@ -13,6 +13,7 @@
 
 #include "kernels.h"
 #include "noise.h"
+#include "quantized.h"
 #include "segments.h"
 #include "views.h"
 
@@ -193,6 +194,68 @@ std::vector<uint32_t> checked_philox(const std::vector<uint32_t>& counter, const
   std::vector<uint32_t> out(4);
   fastagg::philox4x32_10(counter.data(), key.data(), out.data());
   return out;
+}
+
+// ---- int8 blockwise clients (quantized.h) -------------------------------------------------------------------
+
+void checked_int8_blockwise_fold(py::handle codes, py::handle scales, int64_t block, py::handle coef,
+                                 py::handle init, py::handle out, py::handle sq_out, py::handle bad_out,
+                                 py::handle msq_out) {
+  const std::string pass = "int8_blockwise_fold: ";
+  if (!py::isinstance<py::list>(codes) || !py::isinstance<py::list>(scales))
+    type_error(pass + "codes and scales must be lists of tensors");
+  const py::list cl = codes.cast<py::list>(), sl = scales.cast<py::list>();
+  const int64_t M = static_cast<int64_t>(cl.size());
+  if (M == 0) value_error(pass + "no clients");
+  if (static_cast<int64_t>(sl.size()) != M)
+    value_error(pass + str(M) + " codes but " + str(static_cast<int64_t>(sl.size())) + " scales");
+  if (block < 1) value_error(pass + "block must be >= 1, got " + str(block));
+  View o = view_of(out, "out", kAnyFloat);
+  if (o.kind != kF32 && o.kind != kF64) type_error(pass + "out must be float32 or float64");
+  const int64_t d = o.numel();
+  o = flat_view(out, "out", o.kind, d);
+  const int64_t nblocks = d == 0 ? 0 : (d - 1) / block + 1;
+  std::vector<View> cv, sv;
+  for (int64_t i = 0; i < M; ++i) {
+    cv.push_back(flat_view(cl[i], "codes[" + str(i) + "]", kI8, d));
+    sv.push_back(flat_view(sl[i], "scales[" + str(i) + "]", kF32, nblocks));
+    const float* s = reinterpret_cast<const float*>(sv.back().data);
+    for (int64_t b = 0; b < nblocks; ++b)
+      if (!(std::isfinite(s[b]) && s[b] > 0.0f))
+        value_error(pass + "client " + str(i) + ": scale of block " + str(b) + " is " + std::to_string(s[b]) +
+                    " (scales must be finite and > 0)");
+  }
+  View c = flat_view(coef, "coef", kF64, M);
+  const double* cf = reinterpret_cast<const double*>(c.data);
+  for (int64_t i = 0; i < M; ++i)
+    if (!std::isfinite(cf[i])) value_error(pass + "coef[" + str(i) + "] is not finite");
+  View in = init.is_none() ? View{} : flat_view(init, "init", o.kind, d);
+  View sq = flat_view(sq_out, "sq_out", kF64, M), bad = flat_view(bad_out, "bad_out", kBool, M),
+       msq = flat_view(msq_out, "msq_out", kF64, 1);
+  std::vector<const View*> reads = pointers(cv);
+  for (const View& v : sv) reads.push_back(&v);
+  reads.push_back(&c);
+  if (!init.is_none()) reads.push_back(&in);
+  check_overlaps({&o, &sq, &bad, &msq}, reads);
+  std::vector<const int8_t*> cp;
+  std::vector<const float*> sp;
+  for (int64_t i = 0; i < M; ++i) {
+    cp.push_back(reinterpret_cast<const int8_t*>(cv[i].data));
+    sp.push_back(reinterpret_cast<const float*>(sv[i].data));
+  }
+  py::gil_scoped_release release;
+  auto* sqp = reinterpret_cast<double*>(sq.data);
+  auto* badp = reinterpret_cast<uint8_t*>(bad.data);
+  auto* msqp = reinterpret_cast<double*>(msq.data);
+  if (o.kind == kF32) {
+    int8_blockwise_fold<float>(cp.data(), sp.data(), M, d, block, cf,
+                               init.is_none() ? nullptr : reinterpret_cast<const float*>(in.data),
+                               reinterpret_cast<float*>(o.data), sqp, badp, msqp);
+  } else {
+    int8_blockwise_fold<double>(cp.data(), sp.data(), M, d, block, cf,
+                                init.is_none() ? nullptr : reinterpret_cast<const double*>(in.data),
+                                reinterpret_cast<double*>(o.data), sqp, badp, msqp);
+  }
 }
 
 // ---- robust passes ------------------------------------------------------------------------------------------
@@ -489,6 +552,7 @@ PYBIND11_MODULE(FASTAGG_MODULE, m) {
   m.def("round_stats", &checked_round_stats);
   m.def("gaussian_noise", &checked_gaussian_noise);
   m.def("philox4x32_10", &checked_philox);
+  m.def("int8_blockwise_fold", &checked_int8_blockwise_fold);
   m.def("coord_select", &checked_coord_select);
   m.def("gram", &checked_gram);
   m.def("momentum_apply", &checked_momentum_apply);

@@ -37,7 +37,7 @@ constexpr int32_t kDLCPU = 1;
 
 // Element kinds a binding may ask for (the float ones are DType codes).
 enum Kind : int { kAnyFloat = -1, kF16 = kFloat16, kBF16 = kBFloat16, kF32 = kFloat32, kF64 = kFloat64,
-                  kI64 = 10, kI32 = 11, kBool = 12 };
+                  kI64 = 10, kI32 = 11, kBool = 12, kI8 = 13 };
 
 [[noreturn]] inline void value_error(const std::string& m) { throw py::value_error("fastagg._C: " + m); }
 [[noreturn]] inline void type_error(const std::string& m) { throw py::type_error("fastagg._C: " + m); }
@@ -51,6 +51,7 @@ inline const char* kind_name(int k) {
     case kI64: return "int64";
     case kI32: return "int32";
     case kBool: return "bool";
+    case kI8: return "int8";
     default: return "a floating dtype";
   }
 }
@@ -95,6 +96,7 @@ inline int kind_of(const DLDataType& t, const std::string& name) {
   if (t.code == kDLFloat && t.bits == 64) return kF64;
   if (t.code == kDLInt && t.bits == 64) return kI64;
   if (t.code == kDLInt && t.bits == 32) return kI32;
+  if (t.code == kDLInt && t.bits == 8) return kI8;
   if ((t.code == kDLBool || t.code == kDLUInt) && t.bits == 8) return kBool;
   type_error(name + " has an unsupported dtype (DLPack code " + std::to_string(t.code) + ", " +
              std::to_string(t.bits) + " bits)");

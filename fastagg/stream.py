@@ -21,6 +21,7 @@ from ._checks import check_number, check_on_nonfinite, expect_like
 from ._docs import share_docs
 from .backends import resolve
 from .combining import FlatCombiner
+from .compress.int8 import Int8Blockwise, check_format
 from .flat import Layout
 from .ops import round_reads
 from .passes import RoundStats, run_stats, sum_stats
@@ -162,6 +163,10 @@ class Accumulator:
         w = check_number(weight, "weight")
         sc = check_number(scale, "scale")
         _check_id(client_id)
+        if isinstance(delta, Int8Blockwise):
+            if base is not None:
+                raise TypeError("base= does not apply to a compressed update: it is the update itself")
+            return self._add_compressed([delta], [w], [client_id], on_nonfinite, sc, names=["delta"])[0]
         what = "delta" if base is None else "model"
         rows = client_rows([delta], name=what, like=self._like, like_name="the accumulator's `like`")
         expect_like(what, "the accumulator's `like`", numel=(rows.numel, self._numel),
@@ -204,6 +209,14 @@ class Accumulator:
         named = [i for i in ids if i is not None]
         if len(set(named)) != len(named):
             raise ValueError("add_many got the same client id twice")
+        compressed = [isinstance(u, Int8Blockwise) for u in items]
+        if any(compressed):
+            if not all(compressed):
+                raise TypeError("add_many takes clients of one kind: add the compressed and the float ones in two "
+                                "calls (a round may mix them)")
+            if base is not None:
+                raise TypeError("base= does not apply to compressed updates: they are the updates themselves")
+            return self._add_compressed(items, ws, ids, on_nonfinite, 1.0, names=[f"deltas[{j}]" for j in range(k)])
         what = "deltas" if base is None else "models"
         rows = client_rows(items, name=what, like=self._like, like_name="the accumulator's `like`")
         expect_like(what, "the accumulator's `like`", numel=(rows.numel, self._numel),
@@ -322,6 +335,72 @@ class Accumulator:
         self._round = committed  # the one write that folds them: a signal lands before it or after it
         for f in live:
             f.finish(folded=True)
+
+    def _add_compressed(self, updates: list, weights: list, ids: list, on_nonfinite: str, scale: float, *,
+                        names: list) -> list:
+        """Fold int8 blockwise updates in one sweep that reads their codes and scales where they lie
+        (csrc/quantized.h): ``sum += sum_i w_i scale s_ib q_ij``, ``sq_sum += sum_i w_i scale^2 ||x~_i||^2``.
+        All or nothing: a malformed update (wrong size, block, code -128, a scale <= 0) raises naming it; a
+        non-finite scale, or sums that would overflow, raise or (``on_nonfinite="skip"``) fold nothing and return
+        False for each."""
+        blocks = {u.block for u in updates}
+        for u, name in zip(updates, names):
+            check_format(u, name)
+            if u.numel != self._numel:
+                raise ValueError(f"{name} has {u.numel} elements; the accumulator's `like` has {self._numel}")
+            if u.device != self.device:
+                raise ValueError(f"{name} is on {u.device}; the accumulator is on {self.device}")
+        if len(blocks) > 1:
+            raise ValueError(f"the updates of one add_many must share a block size, got {sorted(blocks)}")
+        if self._buffer_names:
+            raise ValueError(f"a compressed update carries no buffers; the accumulator's `like` has "
+                             f"{', '.join(self._buffer_names)} (accumulate the parameters alone)")
+        nonfinite = []
+        for u, name in zip(updates, names):
+            finite = torch.isfinite(u.scales)
+            if not bool(finite.all()):
+                nonfinite.append(name)
+            elif not bool((u.scales > 0).all()):
+                b = int((u.scales <= 0).nonzero()[0])
+                raise ValueError(f"{name}: the scale of block {b} is {float(u.scales[b])!r} (scales must be > 0); "
+                                 f"the accumulator is unchanged")
+        m = len(updates)
+
+        def refuse(why: str) -> list:
+            if on_nonfinite == "skip":
+                return [False] * m
+            raise ValueError(f"{why}; the accumulator is unchanged")
+
+        if nonfinite:
+            return refuse(f"{', '.join(nonfinite)} has a NaN or Inf scale")
+        with self._lock:
+            r = self._round
+            for i, name in zip(ids, names):
+                if i is not None and r.has_id(i):
+                    raise ValueError(f"client {i!r} was already folded into this round; the accumulator is unchanged")
+            total = r.total_weight + sum(weights)
+            if not math.isfinite(total):
+                return refuse(f"the weights would overflow the round's total weight {r.total_weight:g}")
+            dev = self.device
+            coef = torch.tensor([w * scale for w in weights], dtype=torch.float64, device=dev)
+            sq = torch.empty(m, dtype=torch.float64, device=dev)
+            bad = torch.empty(m, dtype=torch.bool, device=dev)
+            msq = torch.empty((), dtype=torch.float64, device=dev)
+            spare = self._spare()
+            self._backend.int8_blockwise_fold(codes=[u.codes for u in updates], scales=[u.scales for u in updates],
+                                              block=blocks.pop(), coef=coef, init=r.sum, out=spare, sq_out=sq,
+                                              bad_out=bad, msq_out=msq)
+            if bool(bad.any()):
+                who = ", ".join(names[j] for j in bad.nonzero().flatten().tolist())
+                raise ValueError(f"{who} holds the code -128 (int8 blockwise codes lie in [-127, 127]); the "
+                                 f"accumulator is unchanged")
+            sq_coef = torch.tensor([w * scale * scale for w in weights], dtype=torch.float64, device=dev)
+            sq_new = r.weighted_sq + (sq_coef * sq).sum()
+            if not bool(torch.isfinite(msq) & torch.isfinite(sq_new) & (sq <= self._largest_sq).all()):
+                return refuse("the update(s) would overflow the running sums")
+            self._round = r.extended([(norm * (scale * scale), i, None) for norm, i in zip(sq.unbind(), ids)],
+                                     sum=spare, scratch=r.sum, weighted_sq=sq_new, total_weight=total)
+        return [True] * m
 
     def merge(self, other: "Accumulator") -> None:
         """Fold in every client of ``other`` (an accumulator of the same ``like``: entries matched by key, size, dtype,

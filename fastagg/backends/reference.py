@@ -71,6 +71,20 @@ def gaussian_noise(*, out: torch.Tensor, seed: int, round: int, first: int = 0) 
 
 
 @torch.no_grad()
+def int8_blockwise_fold(*, codes: list, scales: list, block: int, coef: torch.Tensor, init: torch.Tensor | None,
+                        out: torch.Tensor, sq_out: torch.Tensor, bad_out: torch.Tensor, msq_out: torch.Tensor) -> None:
+    """csrc/quantized.h in float64: each client dequantized, then summed (the oracle's order of operations)."""
+    d = out.numel()
+    acc = torch.zeros(d, dtype=torch.float64, device=out.device) if init is None else init.to(torch.float64)
+    for i, (q, s) in enumerate(zip(codes, scales)):
+        x = s.to(torch.float64).repeat_interleave(block)[:d] * q.to(torch.float64)
+        acc += coef[i] * x
+        sq_out[i] = (x * x).sum()
+        bad_out[i] = (q == -128).any()
+    out.copy_(acc)
+    msq_out.copy_((out.to(torch.float64) ** 2).sum())
+
+
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
                 aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
                 nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor, noise=None) -> None:
