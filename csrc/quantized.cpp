@@ -14,7 +14,7 @@ namespace fastagg {
 
 namespace {
 constexpr int64_t kChunk = int64_t(1) << 16;  // columns per chunk (its partial sums are added in chunk order)
-constexpr int64_t kTile = 2048;               // columns kept in registers/L1 while every client is added
+constexpr int64_t kTile = 2048;               // columns kept in L1 while every client is added
 }  // namespace
 
 template <typename T>
@@ -45,14 +45,15 @@ void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales,
         const int8_t* q = codes[i] + lo;
         const double s = static_cast<double>(scales[i][b]);
         const T cs = static_cast<T>(coef[i] * s);
-        int64_t qq = 0;
-        int lowest = 0;
+        // int32 sums: a tile holds at most kTile codes of |q| <= 128, so sum q^2 <= 2048 * 16384 < 2^31
+        int32_t qq = 0;
+        int32_t lowest = 0;
 #pragma omp simd reduction(+ : qq) reduction(min : lowest)
         for (int64_t t = 0; t < n; ++t) {
-          const int v = q[t];
+          const int32_t v = q[t];
           acc[t] += cs * static_cast<T>(v);
           qq += v * v;
-          lowest = std::min(lowest, v);
+          lowest = v < lowest ? v : lowest;
         }
         psq[i] += s * s * static_cast<double>(qq);
         pbad[i] |= lowest < -127;

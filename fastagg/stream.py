@@ -388,7 +388,8 @@ class Accumulator:
             msq = torch.empty((), dtype=torch.float64, device=dev)
             spare = self._spare()
             self._backend.int8_blockwise_fold(codes=[u.codes for u in updates], scales=[u.scales for u in updates],
-                                              block=blocks.pop(), coef=coef, init=r.sum, out=spare, sq_out=sq,
+                                              block=blocks.pop(), coef=coef, init=r.sum if r.n else None,
+                                              out=spare, sq_out=sq,
                                               bad_out=bad, msq_out=msq)
             if bool(bad.any()):
                 who = ", ".join(names[j] for j in bad.nonzero().flatten().tolist())

@@ -1,0 +1,72 @@
+"""int8 blockwise clients folded where they lie, against the same round on float32 clients and against one plain
+read of the int8 bytes, M = 16 clients, d = 10^7 (FASTAGG_BENCH_D), block 256, CPU backend, the calls interleaved
+in a fresh random order every round (medians of 9 rounds).
+
+    python bench/bench_compress.py
+
+- ``read int8``: the clients' int8 bytes read once (viewed as float32 and summed: a plain read of the same bytes)
+- ``fold int8``: ``Accumulator.add_many`` of the 16 int8 clients into an empty accumulator (reads the codes and
+  scales once, writes the sum once)
+- ``round int8`` / ``round fp32``: that fold (or ``add_many`` of the float32 clients) then ``fedexp_step``
+"""
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+
+import torch
+
+import fastagg
+from fastagg.compress import quantize_int8
+
+D = int(float(os.environ.get("FASTAGG_BENCH_D", "1e7")))
+M = 16
+BLOCK = 256
+
+
+def main(rounds: int = 9) -> dict:
+    g = torch.Generator().manual_seed(0)
+    floats = [torch.randn(D, generator=g) for _ in range(M)]
+    ints = [quantize_int8(x, BLOCK) for x in floats]
+    raw = torch.stack([u.codes for u in ints])  # the same bytes, to read plainly
+    raw_f32 = raw.view(-1)[: (raw.numel() // 4) * 4].view(torch.float32)
+    acc8 = fastagg.Accumulator(like=torch.zeros(D), backend="cpu")
+    acc32 = fastagg.Accumulator(like=torch.zeros(D), backend="cpu")
+
+    def fold8():
+        acc8.reset()
+        acc8.add_many(ints)
+
+    def round8():
+        fold8()
+        return acc8.fedexp_step(eps=1e-3)
+
+    def round32():
+        acc32.reset()
+        acc32.add_many(floats)
+        return acc32.fedexp_step(eps=1e-3)
+
+    calls = {"read int8": raw_f32.sum, "fold int8": fold8, "round int8": round8, "round fp32": round32}
+    times = {k: [] for k in calls}
+    for r in range(rounds + 1):
+        order = list(calls)
+        random.Random(r).shuffle(order)
+        for k in order:
+            t0 = time.perf_counter()
+            calls[k]()
+            if r:  # round 0 warms up
+                times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    int8_bytes = sum(u.nbytes for u in ints)
+    print(f"M = {M}, d = {D}, block {BLOCK}, torch {torch.__version__}, {os.cpu_count()} cores, medians of {rounds}")
+    for k, t in med.items():
+        print(f"  {k:12s} {t * 1e3:8.2f} ms   {int8_bytes / t / 1e9:6.2f} GB/s of int8 bytes")
+    print(f"  fold int8 / read int8   {med['fold int8'] / med['read int8']:.2f}x")
+    print(f"  round fp32 / round int8 {med['round fp32'] / med['round int8']:.2f}x")
+    return med
+
+
+if __name__ == "__main__":
+    main()
