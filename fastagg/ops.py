@@ -15,9 +15,11 @@ import numpy as np
 import torch
 
 from . import _buffers, rules
-from ._checks import check_number, check_on_nonfinite, out_buffer
+from ._checks import check_number, check_on_nonfinite, normalized_weights, out_buffer
 from ._docs import share_docs
 from .backends import resolve
+from .compress.fold import check_batch, fold, is_compressed, nonfinite_scales
+from .flat import Layout
 from ._aliasing import check_writes
 from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, client_stats, device_scalar,
                      like_params, overflow_counter, round_dtype, sum_stats, warn_unmatched_buffers,
@@ -152,6 +154,9 @@ def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows
 
 def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool,
          mean_out=None, eval_out=None, group=None):
+    if models is None and group is None and is_compressed(deltas):
+        return _run_compressed(deltas, weights, params, on_nonfinite, backend_name, eta_rule, want_eval, mean_out,
+                               eval_out)
     try:
         check_on_nonfinite(on_nonfinite)
         rows, p, name = prepare(deltas, models, params)
@@ -184,6 +189,49 @@ def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: 
     eta = eta_rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
     return apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite, backend=backend,
                              eval_buf=eval_buf, models=name == "models")
+
+
+def _run_compressed(deltas, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool,
+                    mean_out, eval_out) -> RoundResult:
+    """The round on int8 blockwise clients (fastagg.compress): one sweep reads every client's codes and scales
+    and writes the mean (``mean = sum_i p_i x~_i``, ``||x~_i||^2``, ``||mean||^2``), then the rule and the apply
+    pass as for float clients. A client with a NaN/Inf scale makes the round non-finite (raised or skipped)."""
+    check_on_nonfinite(on_nonfinite)
+    names = [f"deltas[{i}]" for i in range(len(deltas))]
+    p = param_rows(params) if params is not None else None
+    numel = p.segments.numel if p is not None else deltas[0].numel
+    dev = p.device if p is not None else deltas[0].device
+    block = check_batch(deltas, names, numel=numel, device=dev, where="the params" if p is not None else "deltas[0]")
+    cdt = round_dtype(torch.float32, None if p is None else p.dtype)
+    mean_buf = out_buffer(mean_out, "mean_out", numel, cdt, dev)
+    eval_buf = None
+    if eval_out is not None:
+        if p is None:
+            raise TypeError("eval_out= needs params= (the evaluation model is computed from the updated params)")
+        eval_buf = out_buffer(eval_out, "eval_out", p.segments.numel, p.dtype, p.device)
+    writes = [(f"params entry {k}", t) for k, t in enumerate(p.parts)] if p is not None else []
+    writes += [(n, t) for n, t in (("mean_out", mean_buf), ("eval_out", eval_buf)) if t is not None]
+    check_writes(writes, [(f"{n}.{f}", getattr(u, f)) for n, u in zip(names, deltas) for f in ("codes", "scales")])
+    backend = resolve(backend_name, dev)
+    if mean_buf is None:
+        mean_buf = _buffers.empty(numel, cdt, dev)
+    m = len(deltas)
+    coefs = normalized_weights(weights, m, dev, sync=on_nonfinite == "raise")
+    nonfinite = torch.zeros(m, dtype=torch.bool, device=dev)
+    bad = nonfinite_scales(deltas, names)
+    if bad:  # no kernel reads a NaN scale: the round is not finite, raised or skipped below
+        nonfinite[bad] = True
+        mean_buf.zero_()
+        sq = torch.full((m,), float("nan"), dtype=torch.float64, device=dev)
+        msq = torch.full((), float("nan"), dtype=torch.float64, device=dev)
+    else:
+        sq, msq = fold(deltas, names, block, coefs, backend, init=None, out=mean_buf)
+    form = p.form if p is not None else Layout.of(mean_buf)
+    stats = RoundStats(mean_buf, sq, nonfinite, msq, (coefs * sq).sum(), m, form, "deltas")
+    stats.coefs = coefs
+    eta = eta_rule(stats.avg_sq, stats.mean_sq, m)
+    return apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite, backend=backend,
+                             eval_buf=eval_buf)
 
 
 def fedexp_rule(eps: Any, eps_mode: str) -> Callable:

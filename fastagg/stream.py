@@ -21,7 +21,8 @@ from ._checks import check_number, check_on_nonfinite, expect_like
 from ._docs import share_docs
 from .backends import resolve
 from .combining import FlatCombiner
-from .compress.int8 import Int8Blockwise, check_format
+from .compress.fold import check_batch, fold, nonfinite_scales
+from .compress.int8 import Int8Blockwise
 from .flat import Layout
 from .ops import round_reads
 from .passes import RoundStats, run_stats, sum_stats
@@ -340,68 +341,49 @@ class Accumulator:
                         names: list) -> list:
         """Fold int8 blockwise updates in one sweep that reads their codes and scales where they lie
         (csrc/quantized.h): ``sum += sum_i w_i scale s_ib q_ij``, ``sq_sum += sum_i w_i scale^2 ||x~_i||^2``.
-        All or nothing: a malformed update (wrong size, block, code -128, a scale <= 0) raises naming it; a
-        non-finite scale, or sums that would overflow, raise or (``on_nonfinite="skip"``) fold nothing and return
-        False for each."""
-        blocks = {u.block for u in updates}
-        for u, name in zip(updates, names):
-            check_format(u, name)
-            if u.numel != self._numel:
-                raise ValueError(f"{name} has {u.numel} elements; the accumulator's `like` has {self._numel}")
-            if u.device != self.device:
-                raise ValueError(f"{name} is on {u.device}; the accumulator is on {self.device}")
-        if len(blocks) > 1:
-            raise ValueError(f"the updates of one add_many must share a block size, got {sorted(blocks)}")
+        A malformed update (wrong size, block, the code -128, a scale <= 0) raises naming it, nothing folded; one
+        with a NaN/Inf scale raises too, or (``"skip"``) is left out (False) while the others are folded; sums
+        that would overflow raise, or (``"skip"``) fold none of this call."""
+        block = check_batch(updates, names, numel=self._numel, device=self.device, where="the accumulator's `like`")
         if self._buffer_names:
             raise ValueError(f"a compressed update carries no buffers; the accumulator's `like` has "
                              f"{', '.join(self._buffer_names)} (accumulate the parameters alone)")
-        nonfinite = []
-        for u, name in zip(updates, names):
-            finite = torch.isfinite(u.scales)
-            if not bool(finite.all()):
-                nonfinite.append(name)
-            elif not bool((u.scales > 0).all()):
-                b = int((u.scales <= 0).nonzero()[0])
-                raise ValueError(f"{name}: the scale of block {b} is {float(u.scales[b])!r} (scales must be > 0); "
-                                 f"the accumulator is unchanged")
-        m = len(updates)
-
-        def refuse(why: str) -> list:
-            if on_nonfinite == "skip":
-                return [False] * m
-            raise ValueError(f"{why}; the accumulator is unchanged")
-
-        if nonfinite:
-            return refuse(f"{', '.join(nonfinite)} has a NaN or Inf scale")
-        with self._lock:
-            r = self._round
-            for i, name in zip(ids, names):
-                if i is not None and r.has_id(i):
-                    raise ValueError(f"client {i!r} was already folded into this round; the accumulator is unchanged")
-            total = r.total_weight + sum(weights)
-            if not math.isfinite(total):
-                return refuse(f"the weights would overflow the round's total weight {r.total_weight:g}")
-            dev = self.device
-            coef = torch.tensor([w * scale for w in weights], dtype=torch.float64, device=dev)
-            sq = torch.empty(m, dtype=torch.float64, device=dev)
-            bad = torch.empty(m, dtype=torch.bool, device=dev)
-            msq = torch.empty((), dtype=torch.float64, device=dev)
-            spare = self._spare()
-            self._backend.int8_blockwise_fold(codes=[u.codes for u in updates], scales=[u.scales for u in updates],
-                                              block=blocks.pop(), coef=coef, init=r.sum if r.n else None,
-                                              out=spare, sq_out=sq,
-                                              bad_out=bad, msq_out=msq)
-            if bool(bad.any()):
-                who = ", ".join(names[j] for j in bad.nonzero().flatten().tolist())
-                raise ValueError(f"{who} holds the code -128 (int8 blockwise codes lie in [-127, 127]); the "
-                                 f"accumulator is unchanged")
-            sq_coef = torch.tensor([w * scale * scale for w in weights], dtype=torch.float64, device=dev)
-            sq_new = r.weighted_sq + (sq_coef * sq).sum()
-            if not bool(torch.isfinite(msq) & torch.isfinite(sq_new) & (sq <= self._largest_sq).all()):
-                return refuse("the update(s) would overflow the running sums")
-            self._round = r.extended([(norm * (scale * scale), i, None) for norm, i in zip(sq.unbind(), ids)],
-                                     sum=spare, scratch=r.sum, weighted_sq=sq_new, total_weight=total)
-        return [True] * m
+        folded = [True] * len(updates)
+        try:
+            skipped = nonfinite_scales(updates, names)
+            if skipped and on_nonfinite == "raise":
+                raise ValueError(f"{', '.join(names[j] for j in skipped)} has a NaN or Inf scale")
+            for j in skipped:
+                folded[j] = False
+            live = [j for j in range(len(updates)) if folded[j]]
+            if not live:
+                return folded
+            with self._lock:
+                r = self._round
+                for j in live:
+                    if ids[j] is not None and r.has_id(ids[j]):
+                        raise ValueError(f"client {ids[j]!r} was already folded into this round")
+                total = r.total_weight + sum(weights[j] for j in live)
+                if not math.isfinite(total):
+                    if on_nonfinite == "skip":
+                        return [False] * len(updates)
+                    raise ValueError(f"the weights would overflow the round's total weight {r.total_weight:g}")
+                coef = torch.tensor([weights[j] * scale for j in live], dtype=torch.float64, device=self.device)
+                spare = self._spare()
+                sq, msq = fold([updates[j] for j in live], [names[j] for j in live], block, coef, self._backend,
+                               init=r.sum if r.n else None, out=spare)
+                sq_coef = torch.tensor([weights[j] * scale * scale for j in live], dtype=torch.float64,
+                                       device=self.device)
+                sq_new = r.weighted_sq + (sq_coef * sq).sum()
+                if not bool(torch.isfinite(msq) & torch.isfinite(sq_new) & (sq <= self._largest_sq).all()):
+                    if on_nonfinite == "skip":
+                        return [False] * len(updates)
+                    raise ValueError("the update(s) would overflow the running sums")
+                self._round = r.extended([(norm * (scale * scale), ids[j], None) for norm, j in zip(sq.unbind(), live)],
+                                         sum=spare, scratch=r.sum, weighted_sq=sq_new, total_weight=total)
+        except ValueError as e:
+            raise ValueError(f"{e}; the accumulator is unchanged") from None
+        return folded
 
     def merge(self, other: "Accumulator") -> None:
         """Fold in every client of ``other`` (an accumulator of the same ``like``: entries matched by key, size, dtype,

@@ -244,3 +244,69 @@ def test_the_cpu_binding_checks_what_it_is_handed():
                       ({"codes": torch.zeros(2 * d, dtype=torch.int8)[::2]}, "contiguous")]:
         with pytest.raises((ValueError, TypeError), match=match):
             call(**kw)
+
+
+# -- the functional round and the optimizers' lists --------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fedexp_step_on_int8_clients_is_one_sweep_equal_to_the_oracle(backend):
+    _, us = _clients(6, block=128, seed=4)
+    w = torch.randn(D, generator=torch.Generator().manual_seed(9))
+    ref = w.double().clone()
+    weights = [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
+    got = fastagg.fedexp_step(us, eps=1e-3, weights=weights, params=w, backend=backend)
+    want = fastagg.fedexp_step([dequantize(u) for u in us], eps=1e-3, weights=weights, params=ref,
+                               backend="reference")
+    assert_close(got.eta, want.eta, rtol=1e-5, atol=0, name="eta")
+    assert_close(got.sq_norms, want.sq_norms, rtol=1e-12, atol=0, name="norms")
+    assert_close(w, ref, rtol=1e-5, atol=1e-6, name="params")
+    plain = fastagg.fedavg_step(us, weights=weights, backend=backend)
+    assert_close(plain.mean_flat, want.mean_flat, rtol=1e-5, atol=1e-6 * float(want.mean_flat.abs().max()),
+                 name="mean")
+
+
+def test_a_nan_scale_in_a_round_raises_naming_it_or_skips_the_round():
+    _, us = _clients(3)
+    scales = us[1].scales.clone()
+    scales[0] = float("nan")
+    us[1] = _with(us[1], scales=scales)
+    w = torch.zeros(D)
+    with pytest.raises(ValueError, match=r"deltas\[1\]"):
+        fastagg.fedexp_step(us, eps=1e-3, params=w)
+    res = fastagg.fedexp_step(us, eps=1e-3, params=w, on_nonfinite="skip")
+    assert not bool(res.finite) and torch.equal(w, torch.zeros(D))
+
+
+def test_a_server_optimizer_takes_a_list_of_int8_clients():
+    params = torch.zeros(D, dtype=torch.float64)
+    ref = params.clone()
+    opt = server.FedAdam(params, lr=0.1)
+    oracle = server.FedAdam(ref, lr=0.1, backend="reference")
+    for seed in range(3):
+        _, us = _clients(4, seed=seed, dtype=torch.float64)
+        opt.step(us, [1.0, 2.0, 3.0, 4.0])
+        oracle.step([dequantize(u) for u in us], [1.0, 2.0, 3.0, 4.0])
+    assert_close(params, ref, rtol=1e-10, atol=1e-12, name="params")
+    _, us = _clients(2)
+    scales = us[0].scales.clone()
+    scales[2] = float("inf")
+    us[0] = _with(us[0], scales=scales)
+    before = params.clone()
+    with pytest.raises(ValueError, match="NaN or Inf scale"):
+        opt.step(us)
+    assert torch.equal(params, before)
+    skip = server.FedAvg(params, on_nonfinite="skip")
+    skip.step(us)  # the client with an Inf scale is left out, the other stepped
+    assert_close(params, before + dequantize(us[1]), rtol=1e-6, atol=1e-7, name="params")
+    with pytest.raises(TypeError, match="one kind"):
+        opt.step([us[1], torch.zeros(D)])
+
+
+def test_add_many_with_skip_leaves_out_only_the_nonfinite_update():
+    _, us = _clients(3)
+    scales = us[1].scales.clone()
+    scales[0] = float("nan")
+    us[1] = _with(us[1], scales=scales)
+    acc = fastagg.Accumulator(like=torch.zeros(D))
+    assert acc.add_many(us, on_nonfinite="skip") == [True, False, True]
+    oracle = dequantize(us[0]) + dequantize(us[2])
+    assert_close(acc.weighted_sum, oracle, rtol=0, atol=_sum_atol(oracle, 2, torch.float32), name="sum")
