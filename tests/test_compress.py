@@ -310,3 +310,14 @@ def test_add_many_with_skip_leaves_out_only_the_nonfinite_update():
     assert acc.add_many(us, on_nonfinite="skip") == [True, False, True]
     oracle = dequantize(us[0]) + dequantize(us[2])
     assert_close(acc.weighted_sum, oracle, rtol=0, atol=_sum_atol(oracle, 2, torch.float32), name="sum")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_more_clients_than_one_sweep_keeps_in_registers(backend):
+    """70 clients (the AVX2 path folds 64 at a time) and a size whose tiles end in a partial group of 32."""
+    _, us = _clients(70, d=1000 + 17, block=512, seed=11)
+    acc = fastagg.Accumulator(like=torch.zeros(1017), backend=backend)
+    acc.add_many(us)
+    oracle = sum(dequantize(u) for u in us)
+    assert_close(acc.weighted_sum, oracle, rtol=0, atol=_sum_atol(oracle, 70, torch.float32), name="sum")
+    assert_close(acc.sq_norms, [float((dequantize(u) ** 2).sum()) for u in us], rtol=1e-12, atol=0, name="norms")
