@@ -371,7 +371,7 @@ class Accumulator:
                 coef = torch.tensor([weights[j] * scale for j in live], dtype=torch.float64, device=self.device)
                 spare = self._spare()
                 sq, msq = fold([updates[j] for j in live], [names[j] for j in live], block, coef, self._backend,
-                               init=r.sum if r.n else None, out=spare)
+                               init=r.sum, out=spare)
                 sq_coef = torch.tensor([weights[j] * scale * scale for j in live], dtype=torch.float64,
                                        device=self.device)
                 sq_new = r.weighted_sq + (sq_coef * sq).sum()
