@@ -152,6 +152,21 @@ def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows
     return res
 
 
+def _round_outputs(p: ParamRows | None, mean_out, eval_out, numel: int, cdt: torch.dtype, device, reads: list):
+    """The round's mean and evaluation buffers (given or None), checked against what the round reads and writes."""
+    mean_buf = out_buffer(mean_out, "mean_out", numel, cdt, device)
+    eval_buf = None
+    if eval_out is not None:
+        if p is None:
+            raise TypeError("eval_out= needs params= (the evaluation model is computed from the updated params)")
+        eval_buf = out_buffer(eval_out, "eval_out", p.segments.numel, p.dtype, p.device)
+    writes = [(f"params entry {k}", t) for k, t in enumerate(p.parts)] if p is not None else []
+    writes += [(n, t) for n, t in (("mean_out", mean_buf), ("eval_out", eval_buf)) if t is not None]
+    if writes:
+        check_writes(writes, reads)
+    return mean_buf, eval_buf
+
+
 def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool,
          mean_out=None, eval_out=None, group=None):
     if models is None and group is None and is_compressed(deltas):
@@ -161,16 +176,8 @@ def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: 
         check_on_nonfinite(on_nonfinite)
         rows, p, name = prepare(deltas, models, params)
         cdt = round_dtype(rows.dtype, None if p is None else p.dtype)
-        mean_buf = out_buffer(mean_out, "mean_out", rows.numel, cdt, rows.device)
-        eval_buf = None
-        if eval_out is not None:
-            if p is None:
-                raise TypeError("eval_out= needs params= (the evaluation model is computed from the updated params)")
-            eval_buf = out_buffer(eval_out, "eval_out", p.segments.numel, p.dtype, p.device)
-        writes = [(f"params entry {k}", t) for k, t in enumerate(p.parts)] if p is not None else []
-        writes += [(n, t) for n, t in (("mean_out", mean_buf), ("eval_out", eval_buf)) if t is not None]
-        if writes:
-            check_writes(writes, round_reads(rows))
+        mean_buf, eval_buf = _round_outputs(p, mean_out, eval_out, rows.numel, cdt, rows.device,
+                                            round_reads(rows))
         backend = resolve(backend_name, rows.device)
     except Exception as e:  # noqa: BLE001 (with a group: every other rank learns at once, then this one raises)
         if group is not None:
@@ -203,15 +210,9 @@ def _run_compressed(deltas, weights, params, on_nonfinite, backend_name, eta_rul
     dev = p.device if p is not None else deltas[0].device
     block = check_batch(deltas, names, numel=numel, device=dev, where="the params" if p is not None else "deltas[0]")
     cdt = round_dtype(torch.float32, None if p is None else p.dtype)
-    mean_buf = out_buffer(mean_out, "mean_out", numel, cdt, dev)
-    eval_buf = None
-    if eval_out is not None:
-        if p is None:
-            raise TypeError("eval_out= needs params= (the evaluation model is computed from the updated params)")
-        eval_buf = out_buffer(eval_out, "eval_out", p.segments.numel, p.dtype, p.device)
-    writes = [(f"params entry {k}", t) for k, t in enumerate(p.parts)] if p is not None else []
-    writes += [(n, t) for n, t in (("mean_out", mean_buf), ("eval_out", eval_buf)) if t is not None]
-    check_writes(writes, [(f"{n}.{f}", getattr(u, f)) for n, u in zip(names, deltas) for f in ("codes", "scales")])
+    mean_buf, eval_buf = _round_outputs(p, mean_out, eval_out, numel, cdt, dev,
+                                        [(f"{n}.{f}", getattr(u, f)) for n, u in zip(names, deltas)
+                                         for f in ("codes", "scales")])
     backend = resolve(backend_name, dev)
     if mean_buf is None:
         mean_buf = _buffers.empty(numel, cdt, dev)
