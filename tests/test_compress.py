@@ -321,3 +321,24 @@ def test_more_clients_than_one_sweep_keeps_in_registers(backend):
     oracle = sum(dequantize(u) for u in us)
     assert_close(acc.weighted_sum, oracle, rtol=0, atol=_sum_atol(oracle, 70, torch.float32), name="sum")
     assert_close(acc.sq_norms, [float((dequantize(u) ** 2).sum()) for u in us], rtol=1e-12, atol=0, name="norms")
+
+
+def test_stochastic_rounding_is_unbiased_keyed_and_reproducible():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(300, generator=g, dtype=torch.float64)
+    a = quantize_int8(x, 64, stochastic=True, seed=7, round=3, client=1)
+    assert torch.equal(a.codes, quantize_int8(x, 64, stochastic=True, seed=7, round=3, client=1).codes)
+    for other in ({"seed": 8}, {"round": 4}, {"client": 2}):
+        kw = {"seed": 7, "round": 3, "client": 1, **other}
+        assert not torch.equal(a.codes, quantize_int8(x, 64, stochastic=True, **kw).codes), other
+    s = a.scales.to(torch.float64).repeat_interleave(64)[:300]
+    assert bool(((dequantize(a) - x).abs() < s).all())  # within one step (floor or ceil)
+    mean = sum(dequantize(quantize_int8(x, 64, stochastic=True, seed=k)) for k in range(400)) / 400
+    # unbiased: each coordinate's average of 400 draws is within 5 standard errors (<= s/2 / sqrt(400))
+    assert bool(((mean - x).abs() <= 5 * (s / 2) / 20).all())
+    det = dequantize(quantize_int8(x, 64))
+    assert float((det - x).abs().max()) <= float(s.max()) / 2 * (1 + 1e-6)
+    with pytest.raises(ValueError, match="seed"):
+        quantize_int8(x, 64, stochastic=True, seed=-1)
+    with pytest.raises(ValueError, match="client"):
+        quantize_int8(x, 64, stochastic=True, client=2 ** 32)
