@@ -45,7 +45,7 @@ void fold_tile(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, con
 }
 
 #ifdef __AVX2__
-// float32 on AVX2: 32 columns at a time with their sums in four registers while every client is added (the codes
+// float32 on AVX2: 64 columns at a time with their sums in eight registers while every client is added (the codes
 // are read once, the sums never leave the registers); squares by vpmaddwd on int16, the minimum by vpminsb.
 template <>
 void fold_tile<float>(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, const float* cs, float* acc,
@@ -61,38 +61,48 @@ void fold_tile<float>(const int8_t* const* codes, int64_t lo, int64_t n, int64_t
     sqv[i] = _mm256_setzero_si256();
     lowv[i] = _mm256_setzero_si256();
   }
-  const int64_t whole = n - n % 32;
-  for (int64_t g = 0; g < whole; g += 32) {
-    __m256 a0 = _mm256_loadu_ps(acc + g), a1 = _mm256_loadu_ps(acc + g + 8), a2 = _mm256_loadu_ps(acc + g + 16),
-           a3 = _mm256_loadu_ps(acc + g + 24);
+  // 64 columns (a cache line of each client's codes) per visit, the next lines prefetched: with M streams read
+  // in turn, the hardware prefetchers alone left the loop waiting on memory
+  const int64_t whole = n - n % 64;
+  for (int64_t g = 0; g < whole; g += 64) {
+    __m256 a[8];
+    for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_ps(acc + g + 8 * k);
     for (int64_t i = 0; i < M; ++i) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[i] + lo + g));
-      const __m128i v0 = _mm256_castsi256_si128(v), v1 = _mm256_extracti128_si256(v, 1);
+      const int8_t* src = codes[i] + lo + g;
+      _mm_prefetch(reinterpret_cast<const char*>(src) + 512, _MM_HINT_T0);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
       const __m256 c = _mm256_set1_ps(cs[i]);
-      a0 = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)), a0);
-      a1 = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))), a1);
-      a2 = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), a2);
-      a3 = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))), a3);
+      const __m128i v0 = _mm256_castsi256_si128(v), v1 = _mm256_extracti128_si256(v, 1);
+      const __m128i u0 = _mm256_castsi256_si128(u), u1 = _mm256_extracti128_si256(u, 1);
+      a[0] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)), a[0]);
+      a[1] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))), a[1]);
+      a[2] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), a[2]);
+      a[3] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))), a[3]);
+      a[4] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u0)), a[4]);
+      a[5] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(u0, 8))), a[5]);
+      a[6] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u1)), a[6]);
+      a[7] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(u1, 8))), a[7]);
       const __m256i w0 = _mm256_cvtepi8_epi16(v0), w1 = _mm256_cvtepi8_epi16(v1);
-      sqv[i] = _mm256_add_epi32(sqv[i], _mm256_add_epi32(_mm256_madd_epi16(w0, w0), _mm256_madd_epi16(w1, w1)));
-      lowv[i] = _mm256_min_epi8(lowv[i], v);
+      const __m256i x0 = _mm256_cvtepi8_epi16(u0), x1 = _mm256_cvtepi8_epi16(u1);
+      const __m256i sq = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(w0, w0), _mm256_madd_epi16(w1, w1)),
+                                          _mm256_add_epi32(_mm256_madd_epi16(x0, x0), _mm256_madd_epi16(x1, x1)));
+      sqv[i] = _mm256_add_epi32(sqv[i], sq);
+      lowv[i] = _mm256_min_epi8(lowv[i], _mm256_min_epi8(v, u));
     }
-    _mm256_storeu_ps(acc + g, a0);
-    _mm256_storeu_ps(acc + g + 8, a1);
-    _mm256_storeu_ps(acc + g + 16, a2);
-    _mm256_storeu_ps(acc + g + 24, a3);
+    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + g + 8 * k, a[k]);
   }
-  for (int64_t i = 0; i < M; ++i) {
-    alignas(32) int32_t s[8];
-    alignas(32) int8_t m[32];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(s), sqv[i]);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(m), lowv[i]);
-    int64_t total = 0;
-    for (int k = 0; k < 8; ++k) total += s[k];
-    int32_t low = 0;
-    for (int k = 0; k < 32; ++k) low = std::min<int32_t>(low, m[k]);
-    qq[i] += total;
-    lowest[i] = std::min(lowest[i], low);
+  for (int64_t i = 0; i < M; ++i) {  // horizontal sum and minimum, a few shuffles each
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sqv[i]), _mm256_extracti128_si256(sqv[i], 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    __m128i m16 = _mm_min_epi8(_mm256_castsi256_si128(lowv[i]), _mm256_extracti128_si256(lowv[i], 1));
+    m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 8));
+    m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 4));
+    m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 2));
+    m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 1));
+    qq[i] += _mm_cvtsi128_si32(s4);
+    lowest[i] = std::min<int32_t>(lowest[i], static_cast<int8_t>(_mm_cvtsi128_si32(m16) & 0xFF));
   }
   if (whole < n) {
     for (int64_t i = 0; i < M; ++i) {
