@@ -213,7 +213,6 @@ def test_an_update_that_would_overflow_the_sum_is_refused():
     assert acc.add(huge, on_nonfinite="skip") is False
 
 
-@pytest.mark.skipif("cpu" not in BACKENDS, reason="the compiled module did not build here")
 def test_the_cpu_binding_checks_what_it_is_handed():
     from fastagg.backends.cpu import compiled
 
