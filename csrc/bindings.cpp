@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -196,12 +197,13 @@ std::vector<uint32_t> checked_philox(const std::vector<uint32_t>& counter, const
   return out;
 }
 
-// ---- int8 blockwise clients (quantized.h) -------------------------------------------------------------------
+// ---- compressed clients (quantized.h) ------------------------------------------------------------------------
 
-void checked_int8_blockwise_fold(py::handle codes, py::handle scales, int64_t block, py::handle coef,
-                                 py::handle init, py::handle out, py::handle sq_out, py::handle bad_out,
-                                 py::handle msq_out) {
-  const std::string pass = "int8_blockwise_fold: ";
+// Blockwise clients: int8 codes (table None) or one-byte codes read through `table` (256 float32 entries).
+void checked_blockwise_fold(py::handle codes, py::handle scales, int64_t block, py::handle table, py::handle coef,
+                            py::handle init, py::handle out, py::handle sq_out, py::handle bad_out,
+                            py::handle msq_out) {
+  const std::string pass = "blockwise_fold: ";
   if (!py::isinstance<py::list>(codes) || !py::isinstance<py::list>(scales))
     type_error(pass + "codes and scales must be lists of tensors");
   const py::list cl = codes.cast<py::list>(), sl = scales.cast<py::list>();
@@ -215,9 +217,12 @@ void checked_int8_blockwise_fold(py::handle codes, py::handle scales, int64_t bl
   const int64_t d = o.numel();
   o = flat_view(out, "out", o.kind, d);
   const int64_t nblocks = d == 0 ? 0 : (d - 1) / block + 1;
+  const bool tabled = !table.is_none();
+  View tv = tabled ? flat_view(table, "table", kF32, 256) : View{};
   std::vector<View> cv, sv;
   for (int64_t i = 0; i < M; ++i) {
-    cv.push_back(flat_view(cl[i], "codes[" + str(i) + "]", kI8, d));
+    // one-byte codes read through a table travel as uint8 (the byte kind bool shares)
+    cv.push_back(flat_view(cl[i], "codes[" + str(i) + "]", tabled ? kBool : kI8, d));
     sv.push_back(flat_view(sl[i], "scales[" + str(i) + "]", kF32, nblocks));
     const float* s = reinterpret_cast<const float*>(sv.back().data);
     for (int64_t b = 0; b < nblocks; ++b)
@@ -235,27 +240,109 @@ void checked_int8_blockwise_fold(py::handle codes, py::handle scales, int64_t bl
   std::vector<const View*> reads = pointers(cv);
   for (const View& v : sv) reads.push_back(&v);
   reads.push_back(&c);
-  if (!init.is_none()) reads.push_back(&in);
+  if (tabled) reads.push_back(&tv);
+  // init may be out itself (an in-place fold: each element is read before it is written)
+  if (!init.is_none() && in.data != o.data) reads.push_back(&in);
   check_overlaps({&o, &sq, &bad, &msq}, reads);
-  std::vector<const int8_t*> cp;
+  std::vector<const void*> cp;
   std::vector<const float*> sp;
   for (int64_t i = 0; i < M; ++i) {
-    cp.push_back(reinterpret_cast<const int8_t*>(cv[i].data));
+    cp.push_back(cv[i].data);
     sp.push_back(reinterpret_cast<const float*>(sv[i].data));
   }
+  const float* tp = tabled ? reinterpret_cast<const float*>(tv.data) : nullptr;
   py::gil_scoped_release release;
   auto* sqp = reinterpret_cast<double*>(sq.data);
   auto* badp = reinterpret_cast<uint8_t*>(bad.data);
   auto* msqp = reinterpret_cast<double*>(msq.data);
-  if (o.kind == kF32) {
-    int8_blockwise_fold<float>(cp.data(), sp.data(), M, d, block, cf,
-                               init.is_none() ? nullptr : reinterpret_cast<const float*>(in.data),
-                               reinterpret_cast<float*>(o.data), sqp, badp, msqp);
-  } else {
-    int8_blockwise_fold<double>(cp.data(), sp.data(), M, d, block, cf,
-                                init.is_none() ? nullptr : reinterpret_cast<const double*>(in.data),
-                                reinterpret_cast<double*>(o.data), sqp, badp, msqp);
+  auto run = [&](auto* typed_out) {
+    using T = std::remove_pointer_t<decltype(typed_out)>;
+    const T* ip = init.is_none() ? nullptr : reinterpret_cast<const T*>(in.data);
+    if (tabled)
+      table_blockwise_fold<T>(reinterpret_cast<const uint8_t* const*>(cp.data()), tp, sp.data(), M, d, block, cf,
+                              ip, typed_out, sqp, badp, msqp);
+    else
+      int8_blockwise_fold<T>(reinterpret_cast<const int8_t* const*>(cp.data()), sp.data(), M, d, block, cf, ip,
+                             typed_out, sqp, badp, msqp);
+  };
+  if (o.kind == kF32)
+    run(reinterpret_cast<float*>(o.data));
+  else
+    run(reinterpret_cast<double*>(o.data));
+}
+
+// Sparse clients added into out in place. Every index is checked here (in [0, d), strictly increasing per client)
+// and every value finite, before anything is written.
+void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef, py::handle out,
+                         py::handle sq_out) {
+  const std::string pass = "sparse_fold: ";
+  if (!py::isinstance<py::list>(indices) || !py::isinstance<py::list>(values))
+    type_error(pass + "indices and values must be lists of tensors");
+  const py::list il = indices.cast<py::list>(), vl = values.cast<py::list>();
+  const int64_t M = static_cast<int64_t>(il.size());
+  if (M == 0) value_error(pass + "no clients");
+  if (static_cast<int64_t>(vl.size()) != M)
+    value_error(pass + str(M) + " index tensors but " + str(static_cast<int64_t>(vl.size())) + " value tensors");
+  View o = view_of(out, "out", kAnyFloat);
+  if (o.kind != kF32 && o.kind != kF64) type_error(pass + "out must be float32 or float64");
+  const int64_t d = o.numel();
+  o = flat_view(out, "out", o.kind, d);
+  std::vector<View> iv, vv;
+  std::vector<int64_t> ks;
+  for (int64_t i = 0; i < M; ++i) {
+    View ix = view_of(il[i], "indices[" + str(i) + "]", kAnyIndex);
+    const int64_t k = ix.numel();
+    ix = flat_view(il[i], "indices[" + str(i) + "]", ix.kind, k);
+    if (!iv.empty() && ix.kind != iv.front().kind) type_error(pass + "the clients' indices must share one dtype");
+    View vals = flat_view(vl[i], "values[" + str(i) + "]", kF32, k);
+    const std::string who = pass + "client " + str(i) + ": ";
+    const auto* v = reinterpret_cast<const float*>(vals.data);
+    int64_t prev = -1;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t at = ix.kind == kI64 ? reinterpret_cast<const int64_t*>(ix.data)[j]
+                                         : static_cast<int64_t>(reinterpret_cast<const int32_t*>(ix.data)[j]);
+      if (at < 0 || at >= d) value_error(who + "index " + str(at) + " (entry " + str(j) + ") is outside [0, " + str(d) + ")");
+      if (at <= prev)
+        value_error(who + "indices must be strictly increasing; entry " + str(j) + " is " + str(at) + " after " +
+                    str(prev));
+      if (!std::isfinite(v[j])) value_error(who + "value " + str(j) + " is not finite");
+      prev = at;
+    }
+    iv.push_back(ix);
+    vv.push_back(vals);
+    ks.push_back(k);
   }
+  View c = flat_view(coef, "coef", kF64, M);
+  const double* cf = reinterpret_cast<const double*>(c.data);
+  for (int64_t i = 0; i < M; ++i)
+    if (!std::isfinite(cf[i])) value_error(pass + "coef[" + str(i) + "] is not finite");
+  View sq = flat_view(sq_out, "sq_out", kF64, M);
+  std::vector<const View*> reads = pointers(iv);
+  for (const View& v : vv) reads.push_back(&v);
+  reads.push_back(&c);
+  check_overlaps({&o, &sq}, reads);
+  std::vector<const void*> ip;
+  std::vector<const float*> vp;
+  for (int64_t i = 0; i < M; ++i) {
+    ip.push_back(iv[i].data);
+    vp.push_back(reinterpret_cast<const float*>(vv[i].data));
+  }
+  const bool wide = iv.front().kind == kI64;
+  auto* sqp = reinterpret_cast<double*>(sq.data);
+  py::gil_scoped_release release;
+  auto run = [&](auto* typed_out) {
+    using T = std::remove_pointer_t<decltype(typed_out)>;
+    if (wide)
+      sparse_fold<T, int64_t>(reinterpret_cast<const int64_t* const*>(ip.data()), vp.data(), ks.data(), M, cf,
+                              typed_out, sqp);
+    else
+      sparse_fold<T, int32_t>(reinterpret_cast<const int32_t* const*>(ip.data()), vp.data(), ks.data(), M, cf,
+                              typed_out, sqp);
+  };
+  if (o.kind == kF32)
+    run(reinterpret_cast<float*>(o.data));
+  else
+    run(reinterpret_cast<double*>(o.data));
 }
 
 // ---- robust passes ------------------------------------------------------------------------------------------
@@ -552,7 +639,8 @@ PYBIND11_MODULE(FASTAGG_MODULE, m) {
   m.def("round_stats", &checked_round_stats);
   m.def("gaussian_noise", &checked_gaussian_noise);
   m.def("philox4x32_10", &checked_philox);
-  m.def("int8_blockwise_fold", &checked_int8_blockwise_fold);
+  m.def("blockwise_fold", &checked_blockwise_fold);
+  m.def("sparse_fold", &checked_sparse_fold);
   m.def("coord_select", &checked_coord_select);
   m.def("gram", &checked_gram);
   m.def("momentum_apply", &checked_momentum_apply);

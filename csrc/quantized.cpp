@@ -122,14 +122,18 @@ void fold_tile<float>(const int8_t* const* codes, int64_t lo, int64_t n, int64_t
 }
 #endif
 
-template <typename T>
-void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales, int64_t M, int64_t d,
-                         int64_t block, const double* coef, const T* init, T* out, double* sq_out,
-                         uint8_t* bad_out, double* msq_out) {
+// The sweep every blockwise format shares: columns cut into fixed chunks (one per thread at a time), each chunk into
+// tiles that never cross a block boundary, so every client has one scale per tile. `tile(lo, n, cs, acc, inner,
+// bad)` adds sum_i cs[i] * v_i[lo + t] into acc[0 .. n) and, per client, the sum of v^2 over the tile into inner[i]
+// (float64) and whether it met an invalid code into bad[i].
+template <typename T, typename Tile>
+void blockwise_sweep(const float* const* scales, int64_t M, int64_t d, int64_t block, const double* coef,
+                     const T* init, T* out, double* sq_out, uint8_t* bad_out, double* msq_out, int64_t code_bytes,
+                     const Tile& tile) {
   const int64_t chunks = (d + kChunk - 1) / kChunk;
   std::vector<double> part_sq(static_cast<size_t>(chunks * M), 0.0), part_msq(static_cast<size_t>(chunks), 0.0);
   std::vector<uint8_t> part_bad(static_cast<size_t>(chunks * M), 0);
-#pragma omp parallel for schedule(static) num_threads(threads_for(d * (M + 2 * int64_t(sizeof(T)))))
+#pragma omp parallel for schedule(static) num_threads(threads_for(d * (M * code_bytes + 2 * int64_t(sizeof(T)))))
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t c_lo = c * kChunk, c_hi = std::min(d, c_lo + kChunk);
     double* psq = part_sq.data() + c * M;
@@ -137,10 +141,8 @@ void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales,
     double msq = 0.0;
     alignas(32) T acc[kTile];
     std::vector<T> cs(static_cast<size_t>(M));
-    std::vector<int64_t> qq(static_cast<size_t>(M));
-    std::vector<int32_t> lowest(static_cast<size_t>(M), 0);
+    std::vector<double> inner(static_cast<size_t>(M));
     for (int64_t lo = c_lo; lo < c_hi;) {
-      // a tile never crosses a block boundary: one scale per client per tile
       const int64_t b = lo / block;
       const int64_t hi = std::min({c_hi, lo + kTile, (b + 1) * block});
       const int64_t n = hi - lo;
@@ -150,14 +152,13 @@ void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales,
         for (int64_t t = 0; t < n; ++t) acc[t] = T(0);
       }
       for (int64_t i = 0; i < M; ++i) {
-        const double s = static_cast<double>(scales[i][b]);
-        cs[i] = static_cast<T>(coef[i] * s);
-        qq[i] = 0;
+        cs[i] = static_cast<T>(coef[i] * static_cast<double>(scales[i][b]));
+        inner[i] = 0.0;
       }
-      fold_tile<T>(codes, lo, n, M, cs.data(), acc, qq.data(), lowest.data());
+      tile(lo, n, cs.data(), acc, inner.data(), pbad);
       for (int64_t i = 0; i < M; ++i) {
         const double s = static_cast<double>(scales[i][b]);
-        psq[i] += s * s * static_cast<double>(qq[i]);
+        psq[i] += s * s * inner[i];
       }
       for (int64_t t = 0; t < n; ++t) {
         out[lo + t] = acc[t];
@@ -166,7 +167,6 @@ void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales,
       lo = hi;
     }
     part_msq[c] = msq;
-    for (int64_t i = 0; i < M; ++i) pbad[i] = lowest[i] < -127;
   }
   double msq = 0.0;
   for (int64_t i = 0; i < M; ++i) {
@@ -183,9 +183,80 @@ void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales,
   *msq_out = msq;
 }
 
+template <typename T>
+void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales, int64_t M, int64_t d,
+                         int64_t block, const double* coef, const T* init, T* out, double* sq_out,
+                         uint8_t* bad_out, double* msq_out) {
+  blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1,
+                     [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
+                       thread_local std::vector<int64_t> qq;
+                       thread_local std::vector<int32_t> lowest;
+                       qq.assign(static_cast<size_t>(M), 0);
+                       lowest.assign(static_cast<size_t>(M), 0);
+                       fold_tile<T>(codes, lo, n, M, cs, acc, qq.data(), lowest.data());
+                       for (int64_t i = 0; i < M; ++i) {
+                         inner[i] = static_cast<double>(qq[i]);  // exact: an int64 sum below 2^53
+                         bad[i] |= lowest[i] < -127;
+                       }
+                     });
+}
+
+template <typename T>
+void table_blockwise_fold(const uint8_t* const* codes, const float* table, const float* const* scales, int64_t M,
+                          int64_t d, int64_t block, const double* coef, const T* init, T* out, double* sq_out,
+                          uint8_t* bad_out, double* msq_out) {
+  blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1,
+                     [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
+                       for (int64_t i = 0; i < M; ++i) {
+                         const uint8_t* q = codes[i] + lo;
+                         const T c = cs[i];
+                         double s = 0.0;  // NaN once a code maps to NaN: the client is flagged, out is garbage
+#pragma omp simd reduction(+ : s)
+                         for (int64_t t = 0; t < n; ++t) {
+                           const float v = table[q[t]];
+                           acc[t] += c * static_cast<T>(v);
+                           s += static_cast<double>(v) * static_cast<double>(v);
+                         }
+                         inner[i] = s;
+                         bad[i] |= !(s == s);
+                       }
+                     });
+}
+
+template <typename T, typename I>
+void sparse_fold(const I* const* idx, const float* const* vals, const int64_t* k, int64_t M, const double* coef,
+                 T* out, double* sq_out) {
+  for (int64_t i = 0; i < M; ++i) {
+    const I* ix = idx[i];
+    const float* v = vals[i];
+    const double c = coef[i];
+    double s = 0.0;
+    for (int64_t j = 0; j < k[i]; ++j) {
+      const double x = static_cast<double>(v[j]);
+      out[ix[j]] += static_cast<T>(c * x);
+      s += x * x;
+    }
+    sq_out[i] = s;
+  }
+}
+
 template void int8_blockwise_fold<float>(const int8_t* const*, const float* const*, int64_t, int64_t, int64_t,
                                          const double*, const float*, float*, double*, uint8_t*, double*);
 template void int8_blockwise_fold<double>(const int8_t* const*, const float* const*, int64_t, int64_t, int64_t,
                                           const double*, const double*, double*, double*, uint8_t*, double*);
+
+template void table_blockwise_fold<float>(const uint8_t* const*, const float*, const float* const*, int64_t, int64_t,
+                                          int64_t, const double*, const float*, float*, double*, uint8_t*, double*);
+template void table_blockwise_fold<double>(const uint8_t* const*, const float*, const float* const*, int64_t, int64_t,
+                                           int64_t, const double*, const double*, double*, double*, uint8_t*,
+                                           double*);
+template void sparse_fold<float, int64_t>(const int64_t* const*, const float* const*, const int64_t*, int64_t,
+                                          const double*, float*, double*);
+template void sparse_fold<double, int64_t>(const int64_t* const*, const float* const*, const int64_t*, int64_t,
+                                           const double*, double*, double*);
+template void sparse_fold<float, int32_t>(const int32_t* const*, const float* const*, const int64_t*, int64_t,
+                                          const double*, float*, double*);
+template void sparse_fold<double, int32_t>(const int32_t* const*, const float* const*, const int64_t*, int64_t,
+                                           const double*, double*, double*);
 
 }  // namespace fastagg

@@ -19,4 +19,21 @@ void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales,
                          int64_t block, const double* coef, const T* init, T* out, double* sq_out,
                          uint8_t* bad_out, double* msq_out);
 
+// Clients of one-byte codes read through a 256-entry table (fp8 e4m3, bitsandbytes' dynamic map), one scale per
+// block as above:
+//
+//   out_j  = init_j + sum_i coef_i * scale_i[j / B] * table[q_ij]
+//   sq_i   = sum_b scale_ib^2 * sum_{j in b} table[q_ij]^2          (float64)
+//   bad_i  = client i holds a code whose table entry is NaN (out is then garbage)
+template <typename T>
+void table_blockwise_fold(const uint8_t* const* codes, const float* table, const float* const* scales, int64_t M,
+                          int64_t d, int64_t block, const double* coef, const T* init, T* out, double* sq_out,
+                          uint8_t* bad_out, double* msq_out);
+
+// Sparse clients (k_i indices, strictly increasing in [0, d), and their values), added into out in place, client
+// by client: out[idx_ij] += T(coef_i * val_ij) (the product in float64, rounded once); sq_i = sum_j val_ij^2.
+template <typename T, typename I>
+void sparse_fold(const I* const* idx, const float* const* vals, const int64_t* k, int64_t M, const double* coef,
+                 T* out, double* sq_out);
+
 }  // namespace fastagg

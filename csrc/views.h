@@ -36,7 +36,7 @@ enum DLCode : uint8_t { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kD
 constexpr int32_t kDLCPU = 1;
 
 // Element kinds a binding may ask for (the float ones are DType codes).
-enum Kind : int { kAnyFloat = -1, kF16 = kFloat16, kBF16 = kBFloat16, kF32 = kFloat32, kF64 = kFloat64,
+enum Kind : int { kAnyIndex = -2, kAnyFloat = -1, kF16 = kFloat16, kBF16 = kBFloat16, kF32 = kFloat32, kF64 = kFloat64,
                   kI64 = 10, kI32 = 11, kBool = 12, kI8 = 13 };
 
 [[noreturn]] inline void value_error(const std::string& m) { throw py::value_error("fastagg._C: " + m); }
@@ -52,6 +52,7 @@ inline const char* kind_name(int k) {
     case kI32: return "int32";
     case kBool: return "bool";
     case kI8: return "int8";
+    case kAnyIndex: return "int64 or int32";
     default: return "a floating dtype";
   }
 }
@@ -127,6 +128,8 @@ inline View view_of(py::handle capsule, const std::string& name, int want) {
     if (s < 0) value_error(name + " has a negative dimension");
   if (want == kAnyFloat) {
     if (v.kind > kF64) type_error(name + " must have a floating dtype, got " + kind_name(v.kind));
+  } else if (want == kAnyIndex) {
+    if (v.kind != kI64 && v.kind != kI32) type_error(name + " must be int64 or int32, got " + kind_name(v.kind));
   } else if (v.kind != want) {
     type_error(name + " must be " + kind_name(want) + ", got " + kind_name(v.kind));
   }

@@ -200,19 +200,21 @@ def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: 
 
 def _run_compressed(deltas, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool,
                     mean_out, eval_out) -> RoundResult:
-    """The round on int8 blockwise clients (fastagg.compress): one sweep reads every client's codes and scales
+    """The round on compressed clients (fastagg.compress): one sweep per format reads every client where it lies
     and writes the mean (``mean = sum_i p_i x~_i``, ``||x~_i||^2``, ``||mean||^2``), then the rule and the apply
-    pass as for float clients. A client with a NaN/Inf scale makes the round non-finite (raised or skipped)."""
+    pass as for float clients. A client with a NaN/Inf scale or value makes the round non-finite
+    (raised or skipped)."""
     check_on_nonfinite(on_nonfinite)
     names = [f"deltas[{i}]" for i in range(len(deltas))]
     p = param_rows(params) if params is not None else None
     numel = p.segments.numel if p is not None else deltas[0].numel
     dev = p.device if p is not None else deltas[0].device
-    block = check_batch(deltas, names, numel=numel, device=dev, where="the params" if p is not None else "deltas[0]")
+    check_batch(deltas, names, numel=numel, device=dev, where="the params" if p is not None else "deltas[0]")
     cdt = round_dtype(torch.float32, None if p is None else p.dtype)
     mean_buf, eval_buf = _round_outputs(p, mean_out, eval_out, numel, cdt, dev,
-                                        [(f"{n}.{f}", getattr(u, f)) for n, u in zip(names, deltas)
-                                         for f in ("codes", "scales")])
+                                        [(f"{n}.{f.name}", getattr(u, f.name)) for n, u in zip(names, deltas)
+                                         for f in dataclasses.fields(u)
+                                         if isinstance(getattr(u, f.name), torch.Tensor)])
     backend = resolve(backend_name, dev)
     if mean_buf is None:
         mean_buf = _buffers.empty(numel, cdt, dev)
@@ -226,7 +228,7 @@ def _run_compressed(deltas, weights, params, on_nonfinite, backend_name, eta_rul
         sq = torch.full((m,), float("nan"), dtype=torch.float64, device=dev)
         msq = torch.full((), float("nan"), dtype=torch.float64, device=dev)
     else:
-        sq, msq = fold(deltas, names, block, coefs, backend, init=None, out=mean_buf)
+        sq, msq = fold(deltas, names, coefs, backend, init=None, out=mean_buf)
     form = p.form if p is not None else Layout.of(mean_buf)
     stats = RoundStats(mean_buf, sq, nonfinite, msq, (coefs * sq).sum(), m, form, "deltas")
     stats.coefs = coefs

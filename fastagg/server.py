@@ -28,7 +28,7 @@ from ._aliasing import check_writes
 from ._checks import check_number, check_on_nonfinite, check_prob
 from .backends import resolve
 from .ops import round_reads
-from .compress.fold import is_compressed
+from .compress.fold import dense_rows, is_compressed
 from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, client_stats, device_scalar,
                      like_params, overflow_counter, warn_unmatched_buffers, write_buffers)
 from .flat import as_tensor, split_entries
@@ -751,7 +751,15 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     def _signed_stats(self, deltas: Any, weights: Any, name: str, base: Any, sign: float) -> RoundStats:
         if is_compressed(deltas):
-            deltas, weights = self._accumulate_compressed(deltas, weights, name, base), None
+            if base is not None:
+                raise TypeError("base= does not apply to compressed updates: they are the updates themselves")
+            if self.group is not None:
+                raise TypeError("group= takes float updates; compressed ones are not supported there yet")
+            if self.aggregate is not None:  # robust rules and DP read every client: dequantized rows, one each
+                deltas = dense_rows(deltas, [f"{name}[{i}]" for i in range(len(deltas))],
+                                    numel=self._p.segments.numel, device=self.device, dtype=self._p.dtype)
+            else:
+                deltas, weights = self._accumulate_compressed(deltas, weights, name), None
         if self.aggregate is not None and name != "control_deltas":
             return self._robust_stats(deltas, weights, name, base, sign)
         try:
@@ -798,15 +806,10 @@ class ServerOptimizer(torch.optim.Optimizer):
                             sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
                             mean_out=self._mean_buffer(name, self._cdt, rows.numel))
 
-    def _accumulate_compressed(self, deltas: list, weights: Any, name: str, base: Any) -> Accumulator:
-        """int8 blockwise clients (fastagg.compress) folded where they lie into an Accumulator of the params' size,
+    def _accumulate_compressed(self, deltas: list, weights: Any, name: str) -> Accumulator:
+        """Compressed clients (fastagg.compress) folded where they lie into an Accumulator of the params' size,
         which the step then reads like any other (every rule, aux terms included). A client with a NaN/Inf scale
         raises, or with ``on_nonfinite="skip"`` is left out of the round."""
-        if base is not None:
-            raise TypeError("base= does not apply to compressed updates: they are the updates themselves")
-        if self.aggregate is not None or self.group is not None:
-            raise TypeError("robust rules, DP mechanisms and group= take float updates; compressed ones are not "
-                            "supported there yet")
         acc = Accumulator(like=torch.empty(self._p.segments.numel, dtype=self._p.dtype, device=self.device),
                           backend=self._backend_name)
         ws = [1.0] * len(deltas) if weights is None else weights

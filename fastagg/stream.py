@@ -22,7 +22,7 @@ from ._docs import share_docs
 from .backends import resolve
 from .combining import FlatCombiner
 from .compress.fold import check_batch, fold, nonfinite_scales
-from .compress.int8 import Int8Blockwise
+from .compress.fold import FORMATS as COMPRESSED
 from .flat import Layout
 from .ops import round_reads
 from .passes import RoundStats, run_stats, sum_stats
@@ -164,7 +164,7 @@ class Accumulator:
         w = check_number(weight, "weight")
         sc = check_number(scale, "scale")
         _check_id(client_id)
-        if isinstance(delta, Int8Blockwise):
+        if isinstance(delta, COMPRESSED):
             if base is not None:
                 raise TypeError("base= does not apply to a compressed update: it is the update itself")
             return self._add_compressed([delta], [w], [client_id], on_nonfinite, sc, names=["delta"])[0]
@@ -210,7 +210,7 @@ class Accumulator:
         named = [i for i in ids if i is not None]
         if len(set(named)) != len(named):
             raise ValueError("add_many got the same client id twice")
-        compressed = [isinstance(u, Int8Blockwise) for u in items]
+        compressed = [isinstance(u, COMPRESSED) for u in items]
         if any(compressed):
             if not all(compressed):
                 raise TypeError("add_many takes clients of one kind: add the compressed and the float ones in two "
@@ -339,12 +339,13 @@ class Accumulator:
 
     def _add_compressed(self, updates: list, weights: list, ids: list, on_nonfinite: str, scale: float, *,
                         names: list) -> list:
-        """Fold int8 blockwise updates in one sweep that reads their codes and scales where they lie
-        (csrc/quantized.h): ``sum += sum_i w_i scale s_ib q_ij``, ``sq_sum += sum_i w_i scale^2 ||x~_i||^2``.
-        A malformed update (wrong size, block, the code -128, a scale <= 0) raises naming it, nothing folded; one
-        with a NaN/Inf scale raises too, or (``"skip"``) is left out (False) while the others are folded; sums
-        that would overflow raise, or (``"skip"``) fold none of this call."""
-        block = check_batch(updates, names, numel=self._numel, device=self.device, where="the accumulator's `like`")
+        """Fold compressed updates (fastagg.compress) in one sweep per format that reads them where they lie
+        (csrc/quantized.h): ``sum += sum_i w_i scale x~_i``, ``sq_sum += sum_i w_i scale^2 ||x~_i||^2``. A
+        malformed update (wrong size, block, an invalid code, a scale <= 0, sparse indices out of range or not
+        strictly increasing) raises naming it, nothing folded; one with a NaN/Inf scale or value raises too, or
+        (``"skip"``) is left out (False) while the others are folded; sums that would overflow raise, or
+        (``"skip"``) fold none of this call."""
+        check_batch(updates, names, numel=self._numel, device=self.device, where="the accumulator's `like`")
         if self._buffer_names:
             raise ValueError(f"a compressed update carries no buffers; the accumulator's `like` has "
                              f"{', '.join(self._buffer_names)} (accumulate the parameters alone)")
@@ -370,7 +371,7 @@ class Accumulator:
                     raise ValueError(f"the weights would overflow the round's total weight {r.total_weight:g}")
                 coef = torch.tensor([weights[j] * scale for j in live], dtype=torch.float64, device=self.device)
                 spare = self._spare()
-                sq, msq = fold([updates[j] for j in live], [names[j] for j in live], block, coef, self._backend,
+                sq, msq = fold([updates[j] for j in live], [names[j] for j in live], coef, self._backend,
                                init=r.sum, out=spare)
                 sq_coef = torch.tensor([weights[j] * scale * scale for j in live], dtype=torch.float64,
                                        device=self.device)

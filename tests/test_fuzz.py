@@ -571,3 +571,60 @@ def test_fuzz_int8_clients(backend, data):
         _close(got[1], ref[1], dtype, "mean", "sum")
         if got[2]:
             _close(args[1], ref_args[1], dtype, "params", "params")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@FUZZ
+@given(data=st.data())
+def test_fuzz_fp8_and_sparse_clients(backend, data):
+    """fp8 blockwise clients (random bytes: the two NaN codes now and then) and sparse clients (indices sorted, or
+    duplicated, unsorted, out of range; values tiny, huge, NaN) mixed in one list: the Accumulator's fold and the
+    functional round equal the reference backend's, or both refuse alike with every input unchanged."""
+    from fastagg.compress import Fp8Blockwise, SparseUpdate
+
+    d = data.draw(st.integers(1, 300), label="d")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float64]), label="dtype")
+    us = []
+    for _ in range(data.draw(st.integers(1, 4), label="M")):
+        g = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
+        if data.draw(st.booleans(), label="fp8"):
+            block = data.draw(st.sampled_from([1, 7, 64, 1000]), label="block")
+            codes = torch.randint(0, 256, (d,), generator=g, dtype=torch.int32).to(torch.uint8)
+            if data.draw(st.sampled_from([False, False, True]), label="finite codes only"):
+                codes[(codes & 0x7F) == 0x7F] = 0
+            scales = torch.tensor([data.draw(st.sampled_from([1.0, 1e-30, 1e30, float("nan"), 0.0, 1.0]))
+                                   for _ in range(-(-d // block))], dtype=torch.float32)
+            us.append(Fp8Blockwise(codes.view(torch.float8_e4m3fn), scales, block))
+        else:
+            k = data.draw(st.integers(0, d), label="k")
+            idx = torch.sort(torch.randperm(d, generator=g)[:k]).values
+            how = data.draw(st.sampled_from(["sorted", "sorted", "sorted", "duplicated", "unsorted", "outside"]))
+            if k >= 2 and how == "duplicated":
+                idx[1] = idx[0]
+            elif k >= 2 and how == "unsorted":
+                idx = idx.flip(0)
+            elif k >= 1 and how == "outside":
+                idx[-1] = d
+            vals = torch.randn(k, generator=g) * data.draw(st.sampled_from([1.0, 1e-30, 1e30, float("nan")]))
+            us.append(SparseUpdate(idx.to(data.draw(st.sampled_from([torch.int32, torch.int64]))), vals, d))
+    ws = [data.draw(st.sampled_from([1.0, 2.0, 0.0, 1e30]), label="weight") for _ in us]
+    params = torch.randn(d, dtype=dtype)
+
+    def call(args, backend):
+        us, params = args
+        acc = fastagg.Accumulator(torch.zeros(d, dtype=dtype), backend=backend)
+        took = acc.add_many(us, ws, on_nonfinite="skip")
+        summed = acc.weighted_sum.clone()
+        res = fastagg.fedexp_step(us, eps=1e-3, weights=ws if sum(ws) > 0 else None, params=params,
+                                  on_nonfinite="skip", backend=backend)
+        return took, summed, bool(res.finite)
+
+    got, ref, args, ref_args = _run_both(call, (us, params), backend)
+    assert bool(torch.isfinite(args[1]).all()), "Inf/NaN written into params"
+    if got is None:
+        return
+    assert got[0] == ref[0] and got[2] == ref[2]
+    if all(got[0]):
+        _close(got[1], ref[1], dtype, "mean", "sum")
+        if got[2]:
+            _close(args[1], ref_args[1], dtype, "params", "params")

@@ -71,18 +71,31 @@ def gaussian_noise(*, out: torch.Tensor, seed: int, round: int, first: int = 0) 
 
 
 @torch.no_grad()
-def int8_blockwise_fold(*, codes: list, scales: list, block: int, coef: torch.Tensor, init: torch.Tensor | None,
-                        out: torch.Tensor, sq_out: torch.Tensor, bad_out: torch.Tensor, msq_out: torch.Tensor) -> None:
+def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, coef: torch.Tensor,
+                   init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor, bad_out: torch.Tensor,
+                   msq_out: torch.Tensor) -> None:
     """csrc/quantized.h in float64: each client dequantized, then summed (the oracle's order of operations)."""
     d = out.numel()
-    acc = torch.zeros(d, dtype=torch.float64, device=out.device) if init is None else init.to(torch.float64)
+    acc = torch.zeros(d, dtype=torch.float64, device=out.device) if init is None else init.to(torch.float64, copy=True)
     for i, (q, s) in enumerate(zip(codes, scales)):
-        x = s.to(torch.float64).repeat_interleave(block)[:d] * q.to(torch.float64)
+        v = q.to(torch.float64) if table is None else table.to(torch.float64)[q.long()]
+        x = s.to(torch.float64).repeat_interleave(block)[:d] * v
         acc += coef[i] * x
         sq_out[i] = (x * x).sum()
-        bad_out[i] = (q == -128).any()
+        bad_out[i] = bool((q == -128).any()) if table is None else bool(v.isnan().any())
     out.copy_(acc)
     msq_out.copy_((out.to(torch.float64) ** 2).sum())
+
+
+@torch.no_grad()
+def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, out: torch.Tensor, sq_out: torch.Tensor) -> None:
+    """csrc/quantized.h in float64: ``out[idx_i] += coef_i * val_i`` client by client, rounded once to out's dtype."""
+    acc = out.to(torch.float64)
+    for i, (ix, v) in enumerate(zip(indices, values)):
+        x = v.to(torch.float64)
+        acc[ix.long()] += coef[i] * x
+        sq_out[i] = (x * x).sum()
+    out.copy_(acc)
 
 
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,

@@ -1,10 +1,24 @@
 """Compressed client updates, folded where they lie (no dequantized copy per client).
 
-So far: :class:`Int8Blockwise` (int8 codes with one float32 absmax scale per block of ``block`` elements),
-made by :func:`quantize_int8` and folded by :meth:`fastagg.Accumulator.add` / ``add_many`` on every backend, so
-every :mod:`fastagg.server` optimizer, FedExP and the asynchronous server step on int8 clients, mixed freely with
-float ones.
-"""
-from .int8 import Int8Blockwise, dequantize, quantize_int8
+Formats (each module states its layout, scale rule, rounding and what is exact):
 
-__all__ = ["Int8Blockwise", "quantize_int8", "dequantize"]
+- :class:`Int8Blockwise` (:mod:`.int8`): int8 codes, one float32 absmax scale per block; :func:`quantize_int8`,
+  deterministic or stochastic rounding. :func:`quantize_qsgd` (:mod:`.qsgd`, Alistarh et al.) writes it too.
+- :class:`Fp8Blockwise` (:mod:`.fp8`): fp8 e4m3 codes, one float32 scale per block (rowwise: block = row length).
+- :class:`SparseUpdate` (:mod:`.sparse`): top-k / random-k indices and values, folded by scatter-add.
+
+Every :mod:`fastagg.server` optimizer, :func:`fastagg.fedexp_step` / :func:`fastagg.fedavg_step`, the
+:class:`fastagg.Accumulator` and the asynchronous server take them (a list may mix formats; a round may mix them
+with float clients through an Accumulator); the robust rules and DP mechanisms read them dequantized, one row
+each. Batched quantizers for M clients at once (``*_rows``) and :func:`fastagg.client.compress_updates` (with
+error feedback) serve the clients; :func:`parse` reads a spec such as ``"int8:block=256"``.
+"""
+from .blockwise import Blockwise
+from .fp8 import Fp8Blockwise, quantize_fp8, quantize_fp8_rows
+from .int8 import Int8Blockwise, dequantize, quantize_int8, quantize_int8_rows
+from .qsgd import quantize_qsgd, quantize_qsgd_rows
+from .sparse import SparseUpdate, sparsify_randk, sparsify_rows, sparsify_topk
+
+__all__ = ["Blockwise", "Int8Blockwise", "Fp8Blockwise", "SparseUpdate", "quantize_int8", "quantize_int8_rows",
+           "quantize_fp8", "quantize_fp8_rows", "quantize_qsgd", "quantize_qsgd_rows", "sparsify_topk",
+           "sparsify_randk", "sparsify_rows", "dequantize"]

@@ -1,63 +1,120 @@
-"""One sweep over int8 blockwise clients, shared by the Accumulator and the functional round (above the backends):
-the checks every backend relies on, then the backend's ``int8_blockwise_fold`` (csrc/quantized.h)."""
+"""One fold of compressed clients, shared by the Accumulator, the functional round and the server optimizers (above
+the backends): the checks every backend relies on, then the backends' ``blockwise_fold`` and ``sparse_fold``
+(csrc/quantized.h), one sweep per group of clients of one format and block, in the order the groups first appear."""
 from __future__ import annotations
 
 import torch
 
-from .int8 import Int8Blockwise, check_format
+from .blockwise import Blockwise, check_blockwise
+from .sparse import SparseUpdate, check_sparse
+
+FORMATS = (Blockwise, SparseUpdate)
 
 
 def is_compressed(x) -> bool:
-    """True for a non-empty list or tuple of :class:`Int8Blockwise` (refused when only some are)."""
-    if not isinstance(x, (list, tuple)) or not x or not any(isinstance(u, Int8Blockwise) for u in x):
+    """True for a non-empty list or tuple of compressed updates (refused when only some are)."""
+    if not isinstance(x, (list, tuple)) or not x or not any(isinstance(u, FORMATS) for u in x):
         return False
-    if not all(isinstance(u, Int8Blockwise) for u in x):
+    if not all(isinstance(u, FORMATS) for u in x):
         raise TypeError("clients of one kind per call: compressed and float updates cannot be mixed in one list "
                         "(an Accumulator takes both, in separate adds)")
     return True
 
 
-def check_batch(updates: list, names: list, *, numel: int, device: torch.device, where: str) -> int:
-    """Formats, sizes, devices and one shared block; returns the block."""
+def check_batch(updates: list, names: list, *, numel: int, device: torch.device, where: str) -> None:
+    """Formats, sizes, devices and sparse indices (in range, strictly increasing), each error naming the update."""
     for u, name in zip(updates, names):
-        check_format(u, name)
+        if isinstance(u, SparseUpdate):
+            check_sparse(u, name)
+        else:
+            check_blockwise(u, name)
         if u.numel != numel:
             raise ValueError(f"{name} has {u.numel} elements; {where} has {numel}")
         if u.device != torch.device(device):
             raise ValueError(f"{name} is on {u.device}; {where} is on {device}")
-    blocks = sorted({u.block for u in updates})
-    if len(blocks) > 1:
-        raise ValueError(f"the updates of one call must share a block size, got {blocks}")
-    return blocks[0]
+        if isinstance(u, SparseUpdate):
+            u.check_indices(name)
+
+
+def _finite_part(u) -> torch.Tensor:
+    return u.values if isinstance(u, SparseUpdate) else u.scales
 
 
 def nonfinite_scales(updates: list, names: list) -> list:
-    """Indices of the updates with a NaN or Inf scale; raises naming the first update with a scale <= 0."""
-    every = torch.cat([u.scales for u in updates])
-    if bool((torch.isfinite(every) & (every > 0)).all()):  # the usual case: one check, one host read
+    """Indices of the updates with a NaN or Inf scale (blockwise) or value (sparse); raises naming the first
+    blockwise update with a scale <= 0."""
+    parts = [_finite_part(u) for u in updates]
+    every = torch.cat([p.reshape(-1) for p in parts])
+    positive = torch.cat([u.scales > 0 for u in updates if not isinstance(u, SparseUpdate)] +
+                         [torch.ones(0, dtype=torch.bool, device=every.device)])
+    if bool(torch.isfinite(every).all()) and bool(positive.all()):  # the usual case: two checks
         return []
     bad = []
-    for j, (u, name) in enumerate(zip(updates, names)):
-        if not bool(torch.isfinite(u.scales).all()):
+    for j, (u, p, name) in enumerate(zip(updates, parts, names)):
+        if not bool(torch.isfinite(p).all()):
             bad.append(j)
-        elif not bool((u.scales > 0).all()):
+        elif not isinstance(u, SparseUpdate) and not bool((u.scales > 0).all()):
             b = int((u.scales <= 0).nonzero()[0])
             raise ValueError(f"{name}: the scale of block {b} is {float(u.scales[b])!r} (scales must be > 0)")
     return bad
 
 
-def fold(updates: list, names: list, block: int, coef: torch.Tensor, backend, *, init: torch.Tensor | None,
+def _groups(updates: list) -> list:
+    """Positions of the updates grouped by (format, block), groups in order of first appearance."""
+    groups: dict = {}
+    for j, u in enumerate(updates):
+        key = ("sparse", type(u).__name__) if isinstance(u, SparseUpdate) else (type(u), u.block)
+        groups.setdefault(key, []).append(j)
+    return list(groups.values())
+
+
+def fold(updates: list, names: list, coef: torch.Tensor, backend, *, init: torch.Tensor | None,
          out: torch.Tensor) -> tuple:
     """``out = init + sum_i coef_i x~_i``; returns ``(sq_norms [M] float64, mean_sq 0-d float64)`` where
-    ``sq_norms_i = ||x~_i||^2`` and ``mean_sq = ||out||^2``. Raises naming the updates holding the code -128 (out
-    is then garbage: callers write into a spare buffer)."""
+    ``sq_norms_i = ||x~_i||^2`` and ``mean_sq = ||out||^2``. Raises naming the updates holding an invalid code (out
+    is then garbage: callers write into a spare buffer). ``init`` must not overlap ``out`` unless it is ``out``."""
     m, dev = len(updates), out.device
     sq = torch.empty(m, dtype=torch.float64, device=dev)
-    bad = torch.empty(m, dtype=torch.bool, device=dev)
     msq = torch.empty((), dtype=torch.float64, device=dev)
-    backend.int8_blockwise_fold(codes=[u.codes for u in updates], scales=[u.scales for u in updates], block=block,
-                                coef=coef, init=init, out=out, sq_out=sq, bad_out=bad, msq_out=msq)
-    if bool(bad.any()):
-        who = ", ".join(names[j] for j in bad.nonzero().flatten().tolist())
-        raise ValueError(f"{who} holds the code -128 (int8 blockwise codes lie in [-127, 127])")
+    last_sparse = False
+    for n, group in enumerate(_groups(updates)):
+        first = updates[group[0]]
+        src = init if n == 0 else out
+        gsq = torch.empty(len(group), dtype=torch.float64, device=dev)
+        gcoef = coef[group] if len(group) < m else coef
+        if isinstance(first, SparseUpdate):
+            if src is None:
+                out.zero_()
+            elif src is not out:
+                out.copy_(src)
+            itype = torch.int64 if any(updates[j].indices.dtype == torch.int64 for j in group) else torch.int32
+            backend.sparse_fold(indices=[updates[j].indices.to(itype) for j in group],
+                                values=[updates[j].values for j in group], coef=gcoef, out=out, sq_out=gsq)
+            last_sparse = True
+        else:
+            bad = torch.empty(len(group), dtype=torch.bool, device=dev)
+            backend.blockwise_fold(codes=[updates[j].code_bytes() for j in group],
+                                   scales=[updates[j].scales for j in group], block=first.block,
+                                   table=first.table(), coef=gcoef, init=src, out=out, sq_out=gsq, bad_out=bad,
+                                   msq_out=msq)
+            if bool(bad.any()):
+                who = ", ".join(names[group[j]] for j in bad.nonzero().flatten().tolist())
+                raise ValueError(f"{who} {first.INVALID_CODES}")
+            last_sparse = False
+        sq[group] = gsq
+    if last_sparse:
+        msq.copy_(torch.linalg.vector_norm(out, dtype=torch.float64).square())
     return sq, msq
+
+
+def dense_rows(updates: list, names: list, *, numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The updates dequantized into the rows of one ``[M, d]`` tensor of ``dtype`` (for the rules that read every
+    client: robust aggregation, DP's clipping). Checked as a fold checks them; a NaN/Inf scale or value gives a
+    non-finite row (the rules leave such clients out), an invalid code raises naming the update."""
+    check_batch(updates, names, numel=numel, device=device, where="the params")
+    out = torch.empty(len(updates), numel, dtype=dtype, device=device)
+    for i, (u, name) in enumerate(zip(updates, names)):
+        if not isinstance(u, SparseUpdate) and u.holds_invalid_code():
+            raise ValueError(f"{name} {u.INVALID_CODES}")
+        out[i] = u.dequantize(torch.float64)
+    return out

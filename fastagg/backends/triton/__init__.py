@@ -6,11 +6,11 @@ from .adam_apply import adam_apply
 from .local_step import local_step
 from .momentum_apply import momentum_apply
 from .noise import gaussian_noise
-from .quantized import int8_blockwise_fold
+from .quantized import blockwise_fold, sparse_fold
 from .robust import coord_select, gram
 from .round_stats import round_stats
 
 name = "triton"
 
 __all__ = ["round_stats", "coord_select", "gram", "momentum_apply", "adam_apply", "local_step", "gaussian_noise",
-           "int8_blockwise_fold", "name"]
+           "blockwise_fold", "sparse_fold", "name"]

@@ -1,7 +1,10 @@
-"""int8 blockwise clients folded into a sum on the GPU (the definition: csrc/quantized.h). One program per tile of
-columns adds every client's ``(coef_i * s_ib) * q_ij`` in client order (the C++ backend's arithmetic), writes the
-sum once, and leaves per-program partials (squared norms, lowest code, the sum's squares) that are added in
-program order on the device."""
+"""Compressed clients folded into a sum on the GPU (the definitions: csrc/quantized.h).
+
+Blockwise (int8, or one-byte codes read through a 256-entry table): one program per tile of columns adds every
+client's ``(coef_i * s_ib) * v(q_ij)`` in client order (the C++ backend's arithmetic), writes the sum once, and
+leaves per-program partials (squared norms, an invalid-code flag, the sum's squares) that are added in program
+order on the device. Sparse: one launch per client (its indices are strictly increasing, so no two programs of a
+launch touch one element), in client order."""
 from __future__ import annotations
 
 import torch
@@ -11,11 +14,12 @@ import triton.language as tl
 from .launch import address_table
 
 _TILE = 1024
+_SPARSE_TILE = 1024
 
 
 @triton.jit
-def _int8_fold_kernel(code_ptrs, scale_ptrs, coef, init, out, part_sq, part_low, part_msq, M, d, block,
-                      HAS_INIT: tl.constexpr, TILE: tl.constexpr):
+def _blockwise_fold_kernel(code_ptrs, scale_ptrs, table, coef, init, out, part_sq, part_bad, part_msq, M, d, block,
+                           HAS_INIT: tl.constexpr, TABLED: tl.constexpr, TILE: tl.constexpr):
     pid = tl.program_id(0)
     cols = pid.to(tl.int64) * TILE + tl.arange(0, TILE).to(tl.int64)
     mask = cols < d
@@ -25,32 +29,61 @@ def _int8_fold_kernel(code_ptrs, scale_ptrs, coef, init, out, part_sq, part_low,
         acc = tl.zeros([TILE], dtype=out.dtype.element_ty)
     blocks = cols // block
     for i in range(M):
-        q = tl.load(tl.load(code_ptrs + i).to(tl.pointer_type(tl.int8)) + cols, mask=mask, other=0).to(tl.int32)
+        if TABLED:
+            q = tl.load(tl.load(code_ptrs + i).to(tl.pointer_type(tl.uint8)) + cols, mask=mask, other=0).to(tl.int32)
+            v = tl.load(table + q, mask=mask, other=0.0).to(tl.float64)
+            invalid = tl.max((v != v).to(tl.int32), axis=0)
+        else:
+            q = tl.load(tl.load(code_ptrs + i).to(tl.pointer_type(tl.int8)) + cols, mask=mask, other=0).to(tl.int32)
+            v = q.to(tl.float64)
+            invalid = (tl.min(q, axis=0) < -127).to(tl.int32)
         s = tl.load(tl.load(scale_ptrs + i).to(tl.pointer_type(tl.float32)) + blocks, mask=mask, other=0.0)
         s = s.to(tl.float64)
         cs = (tl.load(coef + i) * s).to(out.dtype.element_ty)
-        acc += cs * q.to(out.dtype.element_ty)
-        x = s * q.to(tl.float64)
+        acc += cs * v.to(out.dtype.element_ty)
+        x = s * v
         tl.store(part_sq + pid * M + i, tl.sum(x * x, axis=0))
-        tl.store(part_low + pid * M + i, tl.min(q, axis=0))
+        tl.store(part_bad + pid * M + i, invalid)
     tl.store(out + cols, acc, mask=mask)
     a = acc.to(tl.float64)
     tl.store(part_msq + pid, tl.sum(tl.where(mask, a * a, 0.0), axis=0))
 
 
-def int8_blockwise_fold(*, codes: list, scales: list, block: int, coef: torch.Tensor, init: torch.Tensor | None,
-                        out: torch.Tensor, sq_out: torch.Tensor, bad_out: torch.Tensor,
-                        msq_out: torch.Tensor) -> None:
+def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, coef: torch.Tensor,
+                   init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor, bad_out: torch.Tensor,
+                   msq_out: torch.Tensor) -> None:
     d, m, dev = out.numel(), len(codes), out.device
     programs = max(1, triton.cdiv(d, _TILE))
     part_sq = torch.zeros(programs, m, dtype=torch.float64, device=dev)
-    part_low = torch.zeros(programs, m, dtype=torch.int32, device=dev)
+    part_bad = torch.zeros(programs, m, dtype=torch.int32, device=dev)
     part_msq = torch.zeros(programs, dtype=torch.float64, device=dev)
     if d:
-        _int8_fold_kernel[(programs,)](address_table([c.data_ptr() for c in codes], dev),
-                                       address_table([s.data_ptr() for s in scales], dev), coef,
-                                       init if init is not None else out, out, part_sq, part_low, part_msq, m, d,
-                                       int(block), HAS_INIT=init is not None, TILE=_TILE)
+        tab = table.to(dev, torch.float32).contiguous() if table is not None else out
+        _blockwise_fold_kernel[(programs,)](address_table([c.data_ptr() for c in codes], dev),
+                                            address_table([s.data_ptr() for s in scales], dev), tab, coef,
+                                            init if init is not None else out, out, part_sq, part_bad, part_msq, m, d,
+                                            int(block), HAS_INIT=init is not None, TABLED=table is not None,
+                                            TILE=_TILE)
     sq_out.copy_(part_sq.sum(0))
-    bad_out.copy_(part_low.amin(0) < -127)
+    bad_out.copy_(part_bad.amax(0) > 0)
     msq_out.copy_(part_msq.sum())
+
+
+@triton.jit
+def _sparse_fold_kernel(idx, vals, coef, out, k, TILE: tl.constexpr):
+    pid = tl.program_id(0)
+    t = pid.to(tl.int64) * TILE + tl.arange(0, TILE).to(tl.int64)
+    mask = t < k
+    at = tl.load(idx + t, mask=mask, other=0).to(tl.int64)
+    v = tl.load(vals + t, mask=mask, other=0.0).to(tl.float64)
+    add = (tl.load(coef) * v).to(out.dtype.element_ty)
+    old = tl.load(out + at, mask=mask, other=0.0)
+    tl.store(out + at, old + add, mask=mask)
+
+
+def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, out: torch.Tensor, sq_out: torch.Tensor) -> None:
+    for i, (ix, v) in enumerate(zip(indices, values)):
+        k = ix.numel()
+        if k:
+            _sparse_fold_kernel[(triton.cdiv(k, _SPARSE_TILE),)](ix, v, coef[i:i + 1], out, k, TILE=_SPARSE_TILE)
+        sq_out[i] = v.to(torch.float64).square().sum()

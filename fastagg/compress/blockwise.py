@@ -1,0 +1,149 @@
+"""What every blockwise format shares: one client's update ``x`` (the flat vector of d elements, in the order
+:func:`fastagg.flat.flatten` gives the model's entries) cut into blocks of ``block`` consecutive elements (the last
+one may be shorter), each stored as one float32 scale ``s_b > 0`` and one byte per element, a code ``q_j``, which
+stands for
+
+    x~_j = s_b * v(q_j)
+
+where ``v`` is the format's code value (int8: the code itself; fp8 e4m3: the float8 number it encodes). Every fold
+reads ``x~``: sums and squared norms are those of the dequantized update, exact against the float64 oracle
+:meth:`Blockwise.dequantize`. The formats, their scale rules and rounding: :mod:`.int8`, :mod:`.fp8`, :mod:`.qsgd`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from ..flat import flatten
+
+MAX_BLOCK = (1 << 31) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Blockwise:
+    """``codes`` ``[d]`` (one byte each, of the format's dtype), ``scales`` float32 ``[ceil(d / block)]``, ``block``
+    elements per scale. Built checked: dtypes, shapes, device, block (values are checked by the folds)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    block: int
+
+    CODE_DTYPE: ClassVar[torch.dtype]
+    FORMAT: ClassVar[str]
+    INVALID_CODES: ClassVar[str]  # what the fold reports when a client holds a code outside the format
+
+    def __post_init__(self):
+        check_blockwise(self, "the update")
+
+    @property
+    def numel(self) -> int:
+        return self.codes.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: the codes and the scales."""
+        return self.codes.numel() + 4 * self.scales.numel()
+
+    def table(self) -> torch.Tensor | None:
+        """The 256 code values (float32, NaN for invalid codes) indexed by the code's byte; None when the code is its
+        own value (int8)."""
+        return None
+
+    def code_bytes(self) -> torch.Tensor:
+        """The codes as the fold kernels read them (int8 as they are; table formats as uint8)."""
+        return self.codes
+
+    def holds_invalid_code(self) -> bool:
+        """Whether a code lies outside the format (int8: -128; table formats: a code whose value is NaN)."""
+        t = self.table()
+        if t is None:
+            return bool((self.codes == -128).any())
+        return bool(t.to(self.device)[self.codes.view(torch.uint8).long()].isnan().any())
+
+    def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``x~_j = s_b * v(q_j)`` as a flat ``dtype`` tensor (float64 by default: the oracle every fold is tested
+        against)."""
+        check_blockwise(self, "the update")
+        t = self.table()
+        v = self.codes.to(torch.float64) if t is None else \
+            t.to(self.device, torch.float64)[self.codes.view(torch.uint8).long()]
+        s = self.scales.to(torch.float64).repeat_interleave(self.block)[:self.numel]
+        return (s * v).to(dtype)
+
+
+def check_blockwise(u: Any, name: str) -> None:
+    """Shapes, dtypes, device and block of a :class:`Blockwise` update."""
+    if isinstance(u.block, bool) or not isinstance(u.block, int) or not 1 <= u.block <= MAX_BLOCK:
+        raise ValueError(f"{name}: block must be an integer in [1, {MAX_BLOCK}], got {u.block!r}")
+    for field, t, dtype in (("codes", u.codes, u.CODE_DTYPE), ("scales", u.scales, torch.float32)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {field} must be a torch tensor, got {type(t).__name__}")
+        if t.dtype != dtype or t.dim() != 1:
+            raise TypeError(f"{name}: {field} must be a 1-D {dtype} tensor, got {t.dtype} of shape {tuple(t.shape)}")
+    if u.scales.device != u.codes.device:
+        raise ValueError(f"{name}: codes are on {u.codes.device} but scales on {u.scales.device}")
+    blocks = math.ceil(u.codes.numel() / u.block)
+    if u.scales.numel() != blocks:
+        raise ValueError(f"{name}: {u.codes.numel()} codes in blocks of {u.block} need {blocks} scales, got "
+                         f"{u.scales.numel()}")
+
+
+def check_block(block: Any) -> int:
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
+        raise ValueError(f"block must be an integer in [1, {MAX_BLOCK}], got {block!r}")
+    return block
+
+
+def check_keys(seed: Any, round: Any, clients: Any) -> None:
+    """The stochastic rounding's keys: seed in [0, 2^64), round and every client id in [0, 2^32)."""
+    for name, value, bits in (("seed", seed, 64), ("round", round, 32)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** bits:
+            raise ValueError(f"{name} must be an integer in [0, 2^{bits}), got {value!r}")
+    for c in clients:
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < 2 ** 32:
+            raise ValueError(f"client must be an integer in [0, 2^32), got {c!r}")
+
+
+def as_rows(update: Any, what: str = "the update") -> torch.Tensor:
+    """One update (a flat tensor, a list of tensors, a state_dict or a module's parameters) as a ``[1, d]`` row, or
+    an ``[M, d]`` tensor of M updates as it is; detached, finite, floating point."""
+    if isinstance(update, torch.Tensor) and update.dim() in (1, 2):
+        x = update if update.dim() == 2 else update[None]
+    else:
+        x = flatten(update)[0][None]
+    x = x.detach()
+    if not x.is_floating_point():
+        raise TypeError(f"{what} must be floating point, got {x.dtype}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{what} holds NaN or Inf: it has no compressed form")
+    return x
+
+
+def tiles(rows: torch.Tensor, block: int) -> torch.Tensor:
+    """``[M, d]`` rows as float64 ``[M, ceil(d / block), block]`` tiles, the last one padded with zeros."""
+    m, d = rows.shape
+    blocks = math.ceil(d / block)
+    padded = torch.zeros(m, blocks * block, dtype=torch.float64, device=rows.device)
+    padded[:, :d] = rows.to(torch.float64)
+    return padded.view(m, blocks, block)
+
+
+def uniforms(shape: tuple, *, seed: int, round: int, clients: list, device) -> torch.Tensor:
+    """``u[i, j]`` in [0, 1), float64, ``shape = (M, n)``: the ``(j mod 4)``-th 32-bit word of Philox4x32-10 with
+    counter ``(j // 4 low, high 32 bits, round, clients[i])`` and key ``seed`` (two 32-bit words), times 2^-32: the
+    same numbers for the same keys on any machine."""
+    from ..backends.reference import philox4x32_10
+
+    m, n = shape
+    groups = torch.arange((n + 3) // 4, dtype=torch.int64, device=device)[None].expand(m, -1)
+    client = torch.tensor(clients, dtype=torch.int64, device=device)[:, None].expand_as(groups)
+    words = philox4x32_10((groups & 0xFFFFFFFF, groups >> 32, torch.full_like(groups, round), client),
+                          (seed & 0xFFFFFFFF, seed >> 32))
+    return torch.stack(words, dim=2).reshape(m, -1)[:, :n].to(torch.float64) * 2.0 ** -32

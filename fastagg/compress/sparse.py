@@ -1,0 +1,154 @@
+"""Sparse updates: top-k and random-k (indices + values per client), folded by scatter-add.
+
+A :class:`SparseUpdate` of a d-element update holds ``k`` indices, **strictly increasing** in [0, d) (sorted,
+no duplicates: anything else is refused, naming the client), int32 or int64, and their float32 values; the update
+it stands for is ``x~_j = values[t]`` where ``indices[t] = j``, 0 elsewhere. Exact: the kept entries are float32
+of the client's entries (exact for float32 updates).
+
+- :func:`sparsify_topk`: the ``k`` entries of largest ``|x_j|`` (ties: the lower index).
+- :func:`sparsify_randk`: ``k`` entries drawn uniformly without replacement, keyed by ``(seed, round, client)``;
+  unscaled (biased: ``E[x~] = (k / d) x``) as error feedback uses it, or with ``unbiased=True`` scaled by ``d / k``.
+
+Error feedback (Stich et al. 2018; Karimireddy et al. 2019) keeps what was not sent on the client and adds it to the
+next update: :func:`fastagg.client.compress_updates` with a ``ClientState``. Bytes: k * (4 + 4) with int32 indices
+(d < 2^31), k * (8 + 4) with int64.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from .blockwise import as_rows, check_keys
+
+__all__ = ["SparseUpdate", "sparsify_topk", "sparsify_randk", "sparsify_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseUpdate:
+    """``indices`` (1-D int32 or int64, strictly increasing in [0, numel)), ``values`` (1-D float32, as many),
+    ``numel`` (the update's size d). Built checked: dtypes, shapes, devices, numel (the index order and range are
+    checked by :meth:`check_indices` and again by the C++ fold)."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    numel: int
+
+    FORMAT = "sparse"
+
+    def __post_init__(self):
+        check_sparse(self, "the update")
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.indices.numel() * self.indices.element_size() + 4 * self.values.numel()
+
+    def check_indices(self, name: str) -> None:
+        """Raises naming ``name`` when an index is outside [0, numel) or the indices are not strictly increasing."""
+        ix = self.indices
+        if ix.numel() == 0:
+            return
+        lo, hi = int(ix[0]), int(ix[-1])
+        steps = ix[1:] - ix[:-1] if ix.numel() > 1 else ix[:0]
+        if steps.numel() and not bool((steps > 0).all()):
+            t = int((steps <= 0).nonzero()[0]) + 1
+            what = "duplicated" if int(ix[t]) == int(ix[t - 1]) else "unsorted"
+            raise ValueError(f"{name}: indices must be strictly increasing (sorted, no duplicates); index {int(ix[t])} "
+                             f"at entry {t} follows {int(ix[t - 1])} ({what})")
+        if lo < 0 or hi >= self.numel:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name}: index {bad} is outside [0, {self.numel})")
+
+    def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        check_sparse(self, "the update")
+        self.check_indices("the update")
+        out = torch.zeros(self.numel, dtype=torch.float64, device=self.device)
+        out[self.indices.long()] = self.values.to(torch.float64)
+        return out.to(dtype)
+
+
+def check_sparse(u: Any, name: str) -> None:
+    if isinstance(u.numel, bool) or not isinstance(u.numel, int) or u.numel < 0:
+        raise ValueError(f"{name}: numel must be an integer >= 0, got {u.numel!r}")
+    for field, t, dtypes in (("indices", u.indices, (torch.int32, torch.int64)), ("values", u.values, (torch.float32,))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {field} must be a torch tensor, got {type(t).__name__}")
+        if t.dtype not in dtypes or t.dim() != 1:
+            raise TypeError(f"{name}: {field} must be a 1-D tensor of {' or '.join(map(str, dtypes))}, got {t.dtype} "
+                            f"of shape {tuple(t.shape)}")
+    if u.indices.numel() != u.values.numel():
+        raise ValueError(f"{name}: {u.indices.numel()} indices but {u.values.numel()} values")
+    if u.indices.device != u.values.device:
+        raise ValueError(f"{name}: indices are on {u.indices.device} but values on {u.values.device}")
+    if u.indices.numel() > u.numel:
+        raise ValueError(f"{name}: {u.indices.numel()} entries of a {u.numel}-element update")
+
+
+def _count(d: int, fraction: Any, k: Any) -> int:
+    if (fraction is None) == (k is None):
+        raise TypeError("give one of fraction= (of the entries, in (0, 1]) and k= (how many)")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= d:
+            raise ValueError(f"k must be an integer in [0, {d}], got {k!r}")
+        return k
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
+    return min(d, max(1, math.ceil(fraction * d))) if d else 0
+
+
+def sparsify_rows(rows: torch.Tensor, *, kind: str = "topk", fraction: float | None = None, k: int | None = None,
+                  unbiased: bool = False, seed: int = 0, round: int = 0, clients: list | None = None) -> list:
+    """Each row of an ``[M, d]`` batch as a :class:`SparseUpdate`: ``kind="topk"`` or ``"randk"`` (module
+    docstring), ``k`` entries per row (or ``ceil(fraction * d)``, at least 1)."""
+    if kind not in ("topk", "randk"):
+        raise ValueError(f"kind must be 'topk' or 'randk', got {kind!r}")
+    x = as_rows(rows, "the updates")
+    m, d = x.shape
+    kk = _count(d, fraction, k)
+    clients = list(range(m)) if clients is None else list(clients)
+    check_keys(seed, round, clients)
+    if len(clients) != m:
+        raise ValueError(f"{m} rows but {len(clients)} client ids")
+    if kind == "topk":
+        # a stable descending sort: equal magnitudes keep the lower index
+        picked = torch.sort(x.abs(), dim=1, descending=True, stable=True).indices[:, :kk]
+    else:
+        picked = torch.stack([torch.randperm(d, generator=_keyed(seed, round, c), device="cpu")[:kk]
+                              for c in clients]).to(x.device) if m else torch.zeros(0, kk, dtype=torch.int64)
+    idx = torch.sort(picked, dim=1).values
+    vals = torch.gather(x, 1, idx).to(torch.float64)
+    if kind == "randk" and unbiased and kk:
+        vals = vals * (d / kk)
+    vals = vals.to(torch.float32)
+    itype = torch.int32 if d < 2 ** 31 else torch.int64
+    return [SparseUpdate(idx[i].to(itype).contiguous(), vals[i].contiguous(), d) for i in range(m)]
+
+
+def _keyed(seed: int, round: int, client: int) -> torch.Generator:
+    """A CPU generator (torch's mt19937) seeded by a 64-bit mix of (seed, round, client): the same draws anywhere."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + round * 0xBF58476D1CE4E5B9 + client * 0x94D049BB133111EB) % 2 ** 63
+    return torch.Generator().manual_seed(mixed)
+
+
+def sparsify_topk(update: Any, fraction: float | None = None, *, k: int | None = None) -> SparseUpdate:
+    """The ``k`` largest-magnitude entries of ``update`` (a flat tensor, a list of tensors, a state_dict or a
+    module's parameters), or ``ceil(fraction * d)`` of them; module docstring."""
+    if isinstance(update, torch.Tensor) and update.dim() == 2:
+        raise ValueError("sparsify_topk takes one update; sparsify_rows takes an [M, d] batch")
+    return sparsify_rows(as_rows(update), kind="topk", fraction=fraction, k=k)[0]
+
+
+def sparsify_randk(update: Any, fraction: float | None = None, *, k: int | None = None, unbiased: bool = False,
+                   seed: int = 0, round: int = 0, client: int = 0) -> SparseUpdate:
+    """``k`` entries of ``update`` drawn uniformly without replacement, keyed by ``(seed, round, client)``;
+    ``unbiased=True`` scales them by ``d / k``. Module docstring."""
+    if isinstance(update, torch.Tensor) and update.dim() == 2:
+        raise ValueError("sparsify_randk takes one update; sparsify_rows takes an [M, d] batch")
+    return sparsify_rows(as_rows(update), kind="randk", fraction=fraction, k=k, unbiased=unbiased, seed=seed,
+                         round=round, clients=[client])[0]

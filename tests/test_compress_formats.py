@@ -1,0 +1,233 @@
+"""fp8 e4m3, QSGD and top-k / random-k sparse clients (fastagg.compress): the quantizers' stated bounds, every fold
+against the float64 oracle that dequantizes first (each format alone and mixed in one list, on every backend),
+every entry point (functional round, Accumulator, server optimizers, robust rules), and bad input refused naming
+the client with nothing changed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastagg
+from fastagg import server
+from fastagg.compress import (Fp8Blockwise, Int8Blockwise, SparseUpdate, dequantize, quantize_fp8, quantize_int8,
+                              quantize_qsgd, quantize_qsgd_rows, sparsify_randk, sparsify_rows, sparsify_topk)
+from fastagg.compress.fold import fold
+from fastagg.robust import Median
+from fastagg.testing import assert_close, cpu_backends
+
+BACKENDS = cpu_backends()
+D = 3001
+
+
+def _xs(m, d=D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(d, generator=g) * (1 + i) for i in range(m)]
+
+
+def _mixed(d=D, seed=0):
+    xs = _xs(6, d, seed)
+    return [quantize_int8(xs[0], 64), quantize_fp8(xs[1], 100), quantize_qsgd(xs[2], 16, client=2),
+            sparsify_topk(xs[3], 0.05), sparsify_randk(xs[4], 0.02, client=4), quantize_fp8(xs[5], 256)]
+
+
+def _state(acc):
+    return (acc.weighted_sum.clone(), float(acc.weighted_sq_norm_sum), acc.total_weight, acc.num_clients,
+            list(acc.client_ids))
+
+
+# -- the quantizers ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [1, 32, 256, D])
+def test_fp8_error_bound_and_nan_codes_never_written(block):
+    x = torch.randn(D, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * \
+        torch.logspace(-2, 2, D, dtype=torch.float64)
+    u = quantize_fp8(x, block)
+    assert u.codes.dtype == torch.float8_e4m3fn and u.nbytes == D + 4 * u.scales.numel()
+    assert not u.holds_invalid_code()
+    s = u.scales.double().repeat_interleave(block)[:D]
+    err = (dequantize(u) - x).abs()
+    normal = (x / s).abs() >= 2.0 ** -6
+    assert bool((err[normal] <= 2.0 ** -4 * x[normal].abs() * (1 + 1e-6)).all())  # 3 mantissa bits
+    assert bool((err[~normal] <= 2.0 ** -10 * s[~normal] * (1 + 1e-6)).all())
+    assert float((dequantize(u) / s).abs().max()) <= 448.0
+
+
+def test_qsgd_levels_unbiased_keyed_and_within_the_papers_variance():
+    x = torch.randn(500, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    u = quantize_qsgd(x, 4, seed=3, round=1, client=7)
+    assert isinstance(u, Int8Blockwise) and u.block == 500 and int(u.codes.abs().max()) <= 4
+    assert torch.equal(u.codes, quantize_qsgd(x, 4, seed=3, round=1, client=7).codes)
+    assert not torch.equal(u.codes, quantize_qsgd(x, 4, seed=3, round=1, client=8).codes)
+    draws = torch.stack([dequantize(v) for v in quantize_qsgd_rows(x[None].expand(2000, -1), 4, seed=5)])
+    assert float((draws.mean(0) - x).abs().max()) < 5 * float(draws.std(0).max()) / 2000 ** 0.5
+    variance = float(((draws - x) ** 2).sum(1).mean())
+    assert variance <= min(500 / 16, 500 ** 0.5 / 4) * float(x @ x)  # Lemma 3.1
+    with pytest.raises(ValueError, match="\\[1, 127\\]"):
+        quantize_qsgd(x, 128)
+
+
+def test_qsgd_buckets_scale_each_by_its_own_norm():
+    x = torch.cat([torch.full((10,), 1e-3), torch.full((10,), 1e3)])
+    u = quantize_qsgd(x, 8, bucket=10)
+    assert u.scales.numel() == 2 and float(u.scales[0]) < 1e-2 < 1e2 < float(u.scales[1])
+
+
+def test_topk_keeps_the_largest_randk_is_keyed_and_unbiased_scaling():
+    x = torch.tensor([0.5, -3.0, 0.1, 2.0, -2.0, 0.0])
+    t = sparsify_topk(x, k=3)
+    assert t.indices.tolist() == [1, 3, 4] and t.values.tolist() == [-3.0, 2.0, -2.0]
+    assert t.indices.dtype == torch.int32 and t.nbytes == 3 * 8
+    a = sparsify_randk(x, k=2, seed=1, round=2, client=3)
+    assert torch.equal(a.indices, sparsify_randk(x, k=2, seed=1, round=2, client=3).indices)
+    assert bool((a.indices[1:] > a.indices[:-1]).all()) and torch.equal(a.values, x[a.indices.long()])
+    b = sparsify_randk(x, k=2, seed=1, round=2, client=3, unbiased=True)
+    assert torch.allclose(b.values, x[b.indices.long()] * 3)
+    y = torch.randn(40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mean = sum(sparsify_randk(y, k=10, unbiased=True, client=c).dequantize() for c in range(3000)) / 3000
+    assert float((mean - y).abs().max()) < 0.25 * float(y.abs().max())
+    with pytest.raises(TypeError, match="one of fraction"):
+        sparsify_topk(x)
+    with pytest.raises(ValueError, match="fraction"):
+        sparsify_topk(x, 1.5)
+
+
+# -- the folds against the oracle -------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("init", [False, True])
+def test_every_format_alone_and_mixed_folds_like_the_dequantized_oracle(backend, dtype, init):
+    from fastagg.backends import resolve
+
+    be = resolve(backend, torch.device("cpu"))
+    us = _mixed()
+    coef = torch.tensor([0.1, 0.3, 0.2, 0.15, 0.05, 0.2], dtype=torch.float64)
+    start = torch.randn(D, dtype=dtype) if init else None
+    groups = [[j] for j in range(len(us))] + [list(range(len(us)))]
+    for g in groups:
+        sub = [us[j] for j in g]
+        out = torch.empty(D, dtype=dtype)
+        sq, msq = fold(sub, [f"u{j}" for j in g], coef[g], be, init=start, out=out)
+        want = sum(coef[j] * dequantize(us[j]) for j in g) + (start.double() if init else 0)
+        tol = torch.finfo(dtype).eps * (len(g) + 2) * float(want.abs().max())
+        assert_close(out, want, rtol=0, atol=tol, name=f"sum of {g}")
+        assert_close(sq, torch.stack([dequantize(us[j]).square().sum() for j in g]), rtol=1e-12, atol=0, name="sq")
+        assert_close(msq, out.double().square().sum(), rtol=1e-12, atol=0, name="mean sq")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fedexp_and_server_optimizers_step_on_mixed_lists_as_on_the_dequantized_updates(backend):
+    us = _mixed()
+    dense = [dequantize(u) for u in us]
+    w = torch.randn(D)
+    ref = w.double().clone()
+    got = fastagg.fedexp_step(us, eps=1e-3, params=w, backend=backend)
+    want = fastagg.fedexp_step(dense, eps=1e-3, params=ref, backend="reference")
+    assert_close(got.eta, want.eta, rtol=1e-5, atol=0, name="eta")
+    assert_close(w, ref, rtol=1e-5, atol=1e-5, name="params")
+    a, b = torch.zeros(D), torch.zeros(D, dtype=torch.float64)
+    oa, ob = server.FedAdam([a], lr=0.1, backend=backend), server.FedAdam([b], lr=0.1, backend="reference")
+    for _ in range(2):
+        oa.step(us, weights=[1, 2, 3, 4, 5, 6])
+        ob.step([x.clone() for x in dense], weights=[1, 2, 3, 4, 5, 6])
+    assert_close(a, b, rtol=1e-4, atol=1e-6, name="FedAdam params")
+
+
+def test_a_robust_rule_reads_compressed_clients_dequantized():
+    us = _mixed()
+    a, b = torch.zeros(D), torch.zeros(D)
+    server.FedAvg([a], aggregate=Median()).step(us)
+    server.FedAvg([b], aggregate=Median()).step(torch.stack([dequantize(u, torch.float32) for u in us]))
+    assert torch.equal(a, b)
+    bad = list(us)
+    bad[0] = Int8Blockwise(us[0].codes.clone().fill_(-128), us[0].scales, 64)
+    with pytest.raises(ValueError, match="deltas\\[0\\] holds the code -128"):
+        server.FedAvg([a], aggregate=Median()).step(bad)
+
+
+def test_a_round_may_mix_float_and_compressed_clients_in_an_accumulator():
+    xs = _xs(3)
+    us = _mixed()
+    acc = fastagg.Accumulator(like=torch.zeros(D))
+    acc.add_many(us[:3], [1.0, 2.0, 3.0])
+    acc.add(xs[0], weight=4.0)
+    acc.add_many(us[3:], [1.0, 1.0, 1.0])
+    want = dequantize(us[0]) + 2 * dequantize(us[1]) + 3 * dequantize(us[2]) + 4 * xs[0].double() + \
+        sum(dequantize(u) for u in us[3:])
+    assert_close(acc.weighted_sum, want, rtol=0, atol=1e-5 * float(want.abs().max()), name="sum")
+    assert acc.num_clients == 7
+
+
+# -- bad input --------------------------------------------------------------------------------------------------
+def _fp8_with_nan_code(u):
+    codes = u.codes.view(torch.uint8).clone()
+    codes[5] = 0x7F
+    return Fp8Blockwise(codes.view(torch.float8_e4m3fn), u.scales, u.block)
+
+
+def _sparse(u, indices=None, values=None):
+    return SparseUpdate(u.indices if indices is None else indices, u.values if values is None else values, u.numel)
+
+
+BAD = {
+    "fp8-nan-code": (lambda us: _fp8_with_nan_code(us[1]), "holds a NaN code"),
+    "sparse-out-of-range": (lambda us: _sparse(us[3], us[3].indices.clone().index_fill_(0, torch.tensor([0]), -1)),
+                            "index -1 is outside"),
+    "sparse-past-the-end": (lambda us: _sparse(us[3], torch.cat([us[3].indices[:-1], us[3].indices.new_tensor([D])])),
+                            f"index {D} is outside"),
+    "sparse-duplicated": (lambda us: _sparse(us[3], torch.cat([us[3].indices[:1], us[3].indices[:-1]])), "duplicated"),
+    "sparse-unsorted": (lambda us: _sparse(us[3], us[3].indices.flip(0)), "unsorted"),
+    "sparse-nan-value": (lambda us: _sparse(us[3], values=us[3].values.clone().index_fill_(0, torch.tensor([2]),
+                                                                                         float("nan"))), "NaN or Inf"),
+    "other-size": (lambda us: sparsify_topk(torch.ones(D + 1), k=3), f"has {D + 1} elements"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_a_bad_update_is_refused_naming_it_and_nothing_changes(backend, dtype, bad):
+    us = _mixed()
+    make, match = BAD[bad]
+    batch = list(us[:2]) + [make(us)]
+    acc = fastagg.Accumulator(like=torch.zeros(D, dtype=dtype), backend=backend)
+    acc.add(us[0], client_id="first")
+    before = _state(acc)
+    with pytest.raises(ValueError, match=match) as e:
+        acc.add_many(batch)
+    assert "deltas[2]" in str(e.value) or bad == "sparse-nan-value"
+    after = _state(acc)
+    assert torch.equal(after[0], before[0]) and after[1:] == before[1:]
+    w = torch.ones(D)
+    with pytest.raises(ValueError, match=match):
+        fastagg.fedexp_step(batch, eps=1e-3, params=w, backend=backend)
+    assert torch.equal(w, torch.ones(D))
+    if bad == "sparse-nan-value":  # a non-finite client: on_nonfinite="skip" leaves it out, the others fold
+        assert acc.add_many(batch, client_ids=["a", "b", "c"], on_nonfinite="skip") == [True, True, False]
+
+
+def test_the_cpu_binding_checks_sparse_indices_itself():
+    from fastagg.backends.cpu import compiled
+
+    c = compiled()
+    out, sq = torch.zeros(10), torch.zeros(1, dtype=torch.float64)
+    coef = torch.ones(1, dtype=torch.float64)
+
+    def call(ix, vals=None):
+        v = torch.ones(ix.numel()) if vals is None else vals
+        c.sparse_fold([ix.__dlpack__()], [v.__dlpack__()], coef.__dlpack__(), out.__dlpack__(), sq.__dlpack__())
+
+    call(torch.tensor([0, 3, 9]))
+    assert out.tolist() == [1, 0, 0, 1, 0, 0, 0, 0, 0, 1]
+    for ix, match in [(torch.tensor([0, 10]), "index 10 \\(entry 1\\) is outside \\[0, 10\\)"),
+                      (torch.tensor([-1, 2], dtype=torch.int32), "index -1"),
+                      (torch.tensor([4, 4]), "strictly increasing"),
+                      (torch.tensor([5, 2]), "strictly increasing"),
+                      (torch.tensor([2 ** 40]), "outside"),
+                      (torch.tensor([1.0]), "int64 or int32")]:
+        before = out.clone()
+        with pytest.raises((ValueError, TypeError), match=match):
+            call(ix)
+        assert torch.equal(out, before)
+    with pytest.raises(ValueError, match="value 0 is not finite"):
+        call(torch.tensor([1]), torch.tensor([float("inf")]))
+    with pytest.raises(ValueError, match="has 2 elements; expected 1"):
+        call(torch.tensor([1]), torch.ones(2))
