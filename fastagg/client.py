@@ -30,7 +30,8 @@ from ._checks import canonical_device, check_number, check_prob, expect_like
 from .backends import resolve
 from .rowtable import RowTable, PerRow
 
-__all__ = ["ClientState", "sps_step", "decsps_step", "local_step", "mass_step", "clip_updates", "update_norms", "CAPS"]
+__all__ = ["ClientState", "sps_step", "decsps_step", "local_step", "mass_step", "clip_updates", "update_norms",
+           "compress_updates", "CAPS"]
 
 CAPS = ("constant", "smooth", "smooth_prev_step")
 MIN_SQ_NORM = 1e-30
@@ -40,7 +41,8 @@ class ClientState:
     """Population-level per-client state on one device, created lazily by the steps that need it.
 
     Vectors ``[N, d]`` (float32; float64 with ``dtype=torch.float64``): ``"momentum"`` (heavy-ball / Nesterov
-    buffers), ``"control"`` (SCAFFOLD's c_i), ``"mass"`` (FedMaSS's / paper 004 Nesterov's second sequence).
+    buffers), ``"control"`` (SCAFFOLD's c_i), ``"mass"`` (FedMaSS's / paper 004 Nesterov's second sequence),
+    ``"residual"`` (error feedback: what compression left out of the client's last updates).
     Scalars ``[N]`` float64: FedDecSPS's previous step and step count, the smoothed SPS caps.
     A client that sits out a round keeps all of it.
     """
@@ -77,7 +79,7 @@ class ClientState:
                 "vectors": {k: v.clone() for k, v in self.vectors.items()},
                 "scalars": {k: v.clone() for k, v in self.scalars.items()}}
 
-    VECTORS = ("momentum", "control", "mass")
+    VECTORS = ("momentum", "control", "mass", "residual")
     # per-client scalars; NaN marks "not seen yet" in the ones that start from gamma_b
     SCALARS = {"decsps_steps": False, "decsps_gamma": True, "sps_cap": True, "sps_prev_gamma": True,
                "mass_started": False}
@@ -509,3 +511,33 @@ def _check_in_place(models: Any) -> None:
             raise TypeError(f"{where} is a {type(x).__name__}; clip_updates takes tensors or numpy arrays")
 
     visit(models, "models")
+
+
+def compress_updates(updates: torch.Tensor, compression: Any, *, state: ClientState | None = None,
+                     client_ids: Any = None, seed: int = 0, round: int = 0):
+    """The ``[M, d]`` updates of M clients compressed for sending (:mod:`fastagg.compress`; ``compression`` a
+    :class:`fastagg.compress.spec.Compression` or its spec, e.g. ``"int8:block=256"``), in one vectorized pass;
+    stochastic rounding and random-k keyed by ``(seed, round, client id)``. With error feedback (the sparse kinds'
+    default) each client sends ``C(x_i + e_i)`` and keeps ``e_i <- x_i + e_i - C(x_i + e_i)`` (dequantized) in
+    ``state.vector("residual")`` at its ``client_ids`` row (Karimireddy et al. 2019, EF-SGD). Returns a list of
+    compressed updates (or, for fp32 / bf16 / fp16, an ``[M, d]`` tensor); the residuals are written only once every
+    row was compressed."""
+    from .compress.spec import parse
+
+    comp = parse(compression)
+    x = _matrix(updates, "updates")
+    m = x.shape[0]
+    ids = None if client_ids is None else _client_ids(client_ids, m, state, x.device)
+    keys = list(range(m)) if ids is None else [int(i) for i in ids.tolist()]
+    if not comp.error_feedback:
+        return comp.compress_rows(x, seed=seed, round=round, clients=keys)
+    if state is None or ids is None:
+        raise ValueError(f"{comp} keeps error-feedback residuals: pass state= (a ClientState) and client_ids= "
+                         "(or ef=0 in the spec)")
+    expect_like("updates", "the ClientState", numel=(x.shape[1], state.dim), device=(x.device, state.device))
+    residual = state.vector("residual")
+    target = x.to(state.dtype) + residual[ids]
+    sent = comp.compress_rows(target, seed=seed, round=round, clients=keys)
+    kept = target - torch.stack([u.dequantize(torch.float64) for u in sent]).to(state.dtype)
+    residual[ids] = kept
+    return sent

@@ -109,6 +109,10 @@ def parser() -> argparse.ArgumentParser:
                    "server-fixed:clip=C,z=Z | server-adaptive:clip=C0,z=Z,quantile=Q,lr=L | client-fixed:... | "
                    "client-adaptive:... (optional delta=, seed=); epsilon after each round in metrics.csv, the "
                    "summary and epsilon.png (fastagg/sim/privacy.py)")
+    p.add_argument("--compress", help="what each client uploads, folded by the server where it lies: none (fp32) | "
+                   "bf16 | fp16 | int8:block=256[,stochastic] | fp8:block=256 | qsgd:s=16[,bucket=N] | topk:0.01[,ef=1] | "
+                   "randk:0.01[,ef=1] (error feedback on for the sparse kinds); metrics.csv gets bytes_sent, the "
+                   "summary bytes_per_round (fastagg/compress/spec.py)")
     p.add_argument("--client-time", help="a virtual clock: how long each client trains, e.g. "
                    "exponential:mean=1,slow=0.1,factor=10 (10%% of the clients 10x slower) or lognormal:mu=0,sigma=0.5; "
                    "metrics.csv gets the virtual_time of every row (fastagg/sim/asynchronous.py)")
@@ -182,7 +186,7 @@ FLAG_FIELDS = {"dataset": "dataset", "clients": "clients", "dirichlet": "dirichl
                "nesterov_momentum": "nesterov_momentum", "mass_gam": "mass_gam", "mass_eta2": "mass_eta2",
                "mass_average": "mass_average", "target": "target", "eval_every": "eval_every", "eval_samples": "eval_samples", "seeds": "seeds",
                "seed": "seeds", "seed_scope": "seed_scope", "attack": "attack", "malicious": "malicious",
-               "attack_scale": "attack_scale", "dp": "dp", "client_time": "client_time", "mode": "mode",
+               "attack_scale": "attack_scale", "dp": "dp", "compress": "compress", "client_time": "client_time", "mode": "mode",
                "concurrency": "concurrency", "buffer_size": "buffer_size", "staleness": "staleness",
                "max_staleness": "max_staleness", "device": "device", "backend": "backend", "dtype": "dtype",
                "cuda_graph": "cuda_graph"}
@@ -251,7 +255,8 @@ def _config(a, argv) -> tuple:
                  nesterov_momentum=a.nesterov_momentum, mass_gam=a.mass_gam, mass_eta2=a.mass_eta2,
                  mass_average=a.mass_average, target=a.target, eval_every=a.eval_every,
                  eval_samples=a.eval_samples, seeds=_seeds(a), seed_scope=a.seed_scope, attack=a.attack,
-                 malicious=a.malicious, attack_scale=a.attack_scale, dp=a.dp, client_time=a.client_time,
+                 malicious=a.malicious, attack_scale=a.attack_scale, dp=a.dp, compress=a.compress,
+                 client_time=a.client_time,
                  mode=a.mode, concurrency=a.concurrency, buffer_size=a.buffer_size, staleness=a.staleness,
                  max_staleness=a.max_staleness,
                  device=a.device, backend=a.backend, cuda_graph=a.cuda_graph, dtype=a.dtype, out=a.out)

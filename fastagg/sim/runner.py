@@ -18,6 +18,7 @@ from .._optional import require
 from . import algorithms, attacks, data as datasets, graphs as step_graphs, models, outdir
 from . import asynchronous as sim_async
 from . import privacy as sim_privacy
+from ..compress import spec as compress_spec
 
 # seconds: wall time of the rounds since the previous row, as the user waits for it: local steps, server step and
 # the checkpoint written after each round (a round's checkpoint counts toward the next row); evaluation excluded.
@@ -31,14 +32,17 @@ SUMMARY_FIELDS = ["algorithm", "status", "seeds", "rounds", "train_loss_mean", "
                   "eval_seconds"]
 DP_FIELDS = ["epsilon"]  # with --dp: the privacy spent after the row's round (metrics) and at the end (summary)
 CLOCK_FIELDS = ["virtual_time"]  # with --client-time: the virtual clock when the row's round (version) ended
+# with --compress: the bytes the clients uploaded from round 1 to the row's round (metrics), per round (summary)
+COMPRESS_FIELDS = ["bytes_sent"]
 
 
 def metric_fields(cfg: "Config") -> list:
-    return METRIC_FIELDS + (DP_FIELDS if cfg.dp else []) + (CLOCK_FIELDS if cfg.client_time else [])
+    return METRIC_FIELDS + (DP_FIELDS if cfg.dp else []) + (CLOCK_FIELDS if cfg.client_time else []) + \
+        (COMPRESS_FIELDS if cfg.compress else [])
 
 
 def summary_fields(cfg: "Config") -> list:
-    return SUMMARY_FIELDS + (DP_FIELDS if cfg.dp else [])
+    return SUMMARY_FIELDS + (DP_FIELDS if cfg.dp else []) + (["bytes_per_round"] if cfg.compress else [])
 
 
 # Default size of the fixed sample of clients' training data the training loss is measured on: every data set of
@@ -91,6 +95,8 @@ class Config:
     beta: float = 0.2  # trimmed mean: the fraction cut at each end (Flower's default)
     max_norm: float = 1.0  # norm bounding: the largest update norm kept
     dp: str | None = None  # differential privacy (fastagg/sim/privacy.py): "server-fixed:clip=1.0,z=1.0", ...
+    # what each client uploads (fastagg/compress/spec.py): none | bf16 | int8:block=256 | fp8 | qsgd:s=16 | topk:0.01
+    compress: str | None = None
     # the virtual clock and the asynchronous mode (fastagg/sim/asynchronous.py)
     client_time: str | None = None  # "exponential:mean=1,slow=0.1,factor=10": training durations; rows get the time
     mode: str = "sync"  # "async": FedBuff/FedAsync through fastagg.asynchronous.AsyncServer (rounds = versions)
@@ -151,6 +157,10 @@ class Config:
                                           clients=cfg.clients)
                 if cfg.mode not in ("sync", "async"):
                     raise ValueError(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
+                if cfg.compress is not None:
+                    compress_spec.parse(cfg.compress)
+                    if cfg.mode == "async":
+                        raise ValueError("--compress runs in the synchronous mode (--mode sync) for now")
                 if cfg.client_time is not None:
                     sim_async.parse_clock(cfg.client_time)
                 if cfg.mode == "async":
@@ -463,8 +473,9 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
     gen = torch.Generator().manual_seed(seed)
     w = model.init(dtype, device) if hasattr(model, "init") else torch.zeros(model.dim, dtype=dtype, device=device)
     group, rank, world = ranks()
-    if (cfg.attack is not None or alg.aggregate is not None or cfg.dp is not None) and group is not None:
-        raise ValueError("attacks, robust rules and --dp run on one process for now (no torchrun)")
+    if (cfg.attack is not None or alg.aggregate is not None or cfg.dp is not None or cfg.compress is not None) \
+            and group is not None:
+        raise ValueError("attacks, robust rules, --dp and --compress run on one process for now (no torchrun)")
     n = d.num_clients
     m = max(1, int(round(cfg.participation * n)))
     dp, accountant = (None, None) if cfg.dp is None else \
@@ -475,7 +486,9 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
     train_d = attacks.label_flipped(d, bad) if cfg.attack == "label-flip" else d
     attack_gen = torch.Generator().manual_seed(20_011 + seed)  # the attacks' draws, apart from the run's
     torch.set_num_threads(intra_op_threads(d, model, m, cfg.batch_size, d.x.element_size()))
-    needs_state = alg.client_rule in ("decsps", "nesterov", "mass", "scaffold")
+    comp = None if cfg.compress is None else compress_spec.parse(cfg.compress)
+    needs_state = alg.client_rule in ("decsps", "nesterov", "mass", "scaffold") or (comp is not None and
+                                                                                   comp.error_feedback)
     state = client.ClientState(n, model.dim, dtype=dtype, device=device) if needs_state else None
     graphs = step_graphs_for(alg, cfg, model, device)
 
@@ -483,6 +496,7 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
     clock = None if cfg.client_time is None and cfg.mode == "sync" else \
         sim_async.VirtualClock(sim_async.parse_clock(cfg.client_time or "exponential"), n, seed)
     vclock = 0.0  # the virtual time (with a clock): a synchronous round lasts as long as its slowest participant
+    sent = 0  # with --compress: the bytes the clients uploaded so far
 
     def record(t, eta, vtime=None, wall=None):
         nonlocal train_s
@@ -499,6 +513,8 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
                 row["epsilon"] = accountant.epsilon() if accountant is not None else float("inf")
             if clock is not None:
                 row["virtual_time"] = vclock if vtime is None else vtime
+            if comp is not None:
+                row["bytes_sent"] = sent
             on_row(row)
         train_s = 0.0
         return loss
@@ -517,6 +533,7 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
         start = resume["round"] + 1
         train_s = resume.get("train_seconds", 0.0)
         vclock = resume.get("virtual_time", 0.0)
+        sent = resume.get("bytes_sent", 0)
         if clock is not None:  # the clock's generator as if the rounds before had drawn from it
             for _ in range(resume["round"]):
                 clock.durations(torch.arange(m))
@@ -566,6 +583,9 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
                 updates = attacks.attack_updates(cfg.attack, updates, bad[ids], cfg.attack_scale, attack_gen)
             if (alg.aggregate is not None and not alg.aggregate.weighted) or dp is not None:
                 weights = None  # median, trimmed mean, Krum, Bulyan, DP's clipped mean: unweighted, as in their papers
+            if comp is not None:  # what the clients send; the server folds it where it lies
+                updates = client.compress_updates(updates, comp, state=state, client_ids=ids, seed=seed, round=t)
+                sent += compress_spec.sent_bytes(updates)
             opt.step(updates, *extra, weights=weights)
         except ValueError as e:
             return f"round {t}: {e}"
@@ -582,7 +602,7 @@ def _run_one(cfg: Config, data, algorithm: str, seed: int, *, on_row, on_round, 
             saving = time.perf_counter()
             snap = dict(algorithm=algorithm, seed=seed, round=t, params=w.clone(), optimizer=opt.state_dict(),
                         clients=None if state is None else state.state_dict(), generator=gen.get_state(),
-                        train_seconds=train_s, virtual_time=vclock)
+                        train_seconds=train_s, virtual_time=vclock, bytes_sent=sent)
             if dp is not None:  # the noise stream, the clipping norm and the releases accounted so far
                 snap["privacy"] = {"mechanism": dp.state_dict(),
                                    "accountant": None if accountant is None else accountant.state_dict()}
@@ -1054,6 +1074,9 @@ def _summary_row(history: History, algorithm: str, rows: list, status: str) -> d
     extra = {}
     if history.config.dp:  # the privacy each seed's run spent (the same for every seed of a run: reported as the mean)
         extra["epsilon"] = sum(float(f.get("epsilon", float("nan"))) for f in finals) / len(finals)
+    if history.config.compress:  # the bytes the clients uploaded per round, averaged over the seeds
+        extra["bytes_per_round"] = sum(float(f.get("bytes_sent", 0)) / max(1, int(f["round"])) for f in finals) / \
+            len(finals)
     return extra | dict(
         algorithm=algorithm, status=status if status == "finished" else f"unfinished (seed {seeds[0]})",
         seeds=len(seeds), rounds=max(f["round"] for f in finals),
@@ -1071,15 +1094,23 @@ def _duration(seconds: float) -> str:
     return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B" if math.isfinite(n) else "nan"
+
+
 def format_summary(table: list) -> str:
     """The summary as an aligned text table."""
     has_acc = any(math.isfinite(r["test_acc_mean"]) for r in table)
     has_target = any(math.isfinite(r["target"]) for r in table)
     has_status = any(r["status"] != "finished" for r in table)
     has_eps = any("epsilon" in r for r in table)
+    has_bytes = any("bytes_per_round" in r for r in table)
     head = ["algorithm"] + (["status"] if has_status else []) + ["seeds", "rounds", "final train loss"] + (["test accuracy"] if has_acc else []) + \
         ([f"rounds to loss <= {table[0]['target']:g}"] if has_target else []) + (["epsilon"] if has_eps else []) + \
-        ["time / round", "evaluation"]
+        (["uploaded / round"] if has_bytes else []) + ["time / round", "evaluation"]
     lines = []
     for r in table:
         cells = [r["algorithm"]] + ([r["status"]] if has_status else []) + [str(r["seeds"]), str(r["rounds"]),
@@ -1091,6 +1122,8 @@ def format_summary(table: list) -> str:
                          f"{r['rounds_to_target_mean']:.1f} ({r['seeds_reaching_target']}/{r['seeds']} seeds)")
         if has_eps:
             cells.append(f"{r.get('epsilon', float('nan')):.4g}")
+        if has_bytes:
+            cells.append(_size(r.get("bytes_per_round", float("nan"))))
         cells += [_duration(r["seconds_per_round"]), _duration(r["eval_seconds"])]
         lines.append(cells)
     widths = [max(len(c) for c in col) for col in zip(head, *lines)]

@@ -1,0 +1,120 @@
+"""Client-side compression (fastagg.client.compress_updates, fastagg.compress.spec) and the simulator's
+--compress: specs parsed or refused clearly, the batched quantizers equal the one-client ones row by row, error
+feedback keeps exactly what was not sent, bytes_sent in metrics.csv and the summary, checkpoints resume it."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from fastagg import client
+from fastagg.compress import (dequantize, quantize_fp8, quantize_int8, quantize_int8_rows, quantize_qsgd,
+                              sparsify_randk, sparsify_topk)
+from fastagg.compress.spec import Compression, parse, sent_bytes
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("int8", Compression("int8")),
+    ("int8:block=64,stochastic", Compression("int8", block=64, stochastic=True)),
+    ("fp8:block=128", Compression("fp8", block=128)),
+    ("qsgd:s=4,bucket=512", Compression("qsgd", levels=4, bucket=512)),
+    ("topk:0.01", Compression("topk", fraction=0.01, error_feedback=True)),
+    ("randk:0.1,ef=0", Compression("randk", fraction=0.1, error_feedback=False)),
+    ("bf16", Compression("bf16")),
+    (" none ", Compression("none")),
+])
+def test_specs_parse_and_print_back(spec, want):
+    got = parse(spec)
+    assert got == want and parse(str(got)) == got
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("int4", "unknown compression 'int4'"), ("int8:block=0", "block must be an integer >= 1"),
+    ("qsgd:s=300", "s must be an integer in \\[1, 127\\]"), ("topk:2", "fraction must be a number in \\(0, 1\\]"),
+    ("fp8:stochastic", "not a setting of fp8"), ("topk:0.1,ef=yes", "ef must be 0 or 1"), ("", "a compression spec"),
+    ("int8:blok=64", "'blok' is not a setting of int8"),
+])
+def test_bad_specs_are_refused_naming_what_is_wrong(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse(spec)
+
+
+def test_the_batched_quantizers_equal_the_one_client_ones_row_by_row():
+    x = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    ids = [3, 9, 11, 40]
+    for spec, one in [("int8:block=64,stochastic", lambda r, c: quantize_int8(r, 64, stochastic=True, seed=5,
+                                                                              round=2, client=c)),
+                      ("fp8:block=64", lambda r, c: quantize_fp8(r, 64)),
+                      ("qsgd:s=8,bucket=100", lambda r, c: quantize_qsgd(r, 8, bucket=100, seed=5, round=2, client=c)),
+                      ("topk:0.02,ef=0", lambda r, c: sparsify_topk(r, 0.02)),
+                      ("randk:0.02,ef=0", lambda r, c: sparsify_randk(r, 0.02, seed=5, round=2, client=c))]:
+        got = client.compress_updates(x, spec, client_ids=ids, seed=5, round=2)
+        for i, c in enumerate(ids):
+            assert torch.equal(dequantize(got[i]), dequantize(one(x[i], c))), (spec, i)
+
+
+def test_error_feedback_keeps_exactly_what_was_not_sent_and_sends_it_later():
+    g = torch.Generator().manual_seed(1)
+    state = client.ClientState(6, 50)
+    first = torch.randn(3, 50, generator=g)
+    sent = client.compress_updates(first, "topk:0.1", state=state, client_ids=[0, 2, 5])
+    dense = torch.stack([dequantize(u, torch.float32) for u in sent])
+    assert torch.allclose(state.vector("residual")[[0, 2, 5]], first - dense)
+    assert bool((state.vector("residual")[[1, 3, 4]] == 0).all())  # clients that sat out keep theirs
+    zero = torch.zeros(3, 50)
+    again = client.compress_updates(zero, "topk:0.1", state=state, client_ids=[0, 2, 5])
+    total = dense + torch.stack([dequantize(u, torch.float32) for u in again])
+    # over rounds everything is sent: what was sent plus what is kept equals what the client had
+    assert torch.allclose(total + state.vector("residual")[[0, 2, 5]], first, atol=1e-6)
+    with pytest.raises(ValueError, match="pass state="):
+        client.compress_updates(first, "topk:0.1")
+    sd = state.state_dict()
+    other = client.ClientState(6, 50)
+    other.load_state_dict(sd)
+    assert torch.equal(other.vector("residual"), state.vector("residual"))
+
+
+def test_sent_bytes_counts_what_goes_on_the_wire():
+    x = torch.randn(2, 1000)
+    assert sent_bytes(client.compress_updates(x, "none")) == 2 * 4000
+    assert sent_bytes(client.compress_updates(x, "bf16")) == 2 * 2000
+    assert sent_bytes(quantize_int8_rows(x, 256)) == 2 * (1000 + 4 * 4)
+    assert sent_bytes(client.compress_updates(x, "topk:0.01,ef=0")) == 2 * 10 * 8
+
+
+def _metrics(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_simulator_compresses_counts_bytes_and_resumes(tmp_path):
+    from fastagg.sim.runner import Config, run
+
+    cfg = dict(dataset="digits", algorithms=("fedavg",), rounds=3, seeds=(0,), compress="topk:0.1")
+    run(Config(**cfg, out=str(tmp_path / "a")))
+    rows = _metrics(tmp_path / "a" / "metrics.csv")
+    sent = [int(r["bytes_sent"]) for r in rows]
+    assert sent[0] == 0 and sent[1] > 0 and sent[2] == 2 * sent[1] and sent[3] == 3 * sent[1]
+    summary = _metrics(tmp_path / "a" / "summary.csv")
+    assert float(summary[0]["bytes_per_round"]) == sent[1]
+    # two rounds, then one more resumed from the checkpoint: the same metrics (error feedback residuals and the
+    # byte count travel in it)
+    run(Config(**{**cfg, "rounds": 2}, out=str(tmp_path / "b")))
+    run(Config(**cfg, out=str(tmp_path / "b")), resume=True)
+    again = _metrics(tmp_path / "b" / "metrics.csv")
+    assert [float(r["bytes_sent"]) for r in again] == [float(r["bytes_sent"]) for r in rows]
+    assert [r["train_loss"] for r in again] == [r["train_loss"] for r in rows]
+    with pytest.raises(ValueError, match="--compress runs in the synchronous mode"):
+        run(Config(**cfg, mode="async"))
+
+
+def test_the_compression_tradeoff_experiment_writes_its_table_and_plot(tmp_path, monkeypatch):
+    from fastagg.sim import compression_tradeoff as ct
+
+    monkeypatch.setattr(ct, "SPECS", {"fp32": "none", "int8": "int8:block=256", "top-k 5% + EF": "topk:0.05"})
+    assert ct.main(["--out", str(tmp_path), "--rounds", "2", "--seeds", "0"]) == 0
+    rows = [line for line in (tmp_path / "COMPRESSION.md").read_text().splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["fp32", "int8", "top-k 5% + EF"]
+    assert "3.94x smaller" in rows[2]
+    assert (tmp_path / "accuracy_vs_bytes.png").stat().st_size > 1000
