@@ -10,7 +10,9 @@ Strategies: :class:`FedAvg`, :class:`FedAvgM`, :class:`FedProx`, :class:`FedAdam
 :class:`FedExP`, :class:`FedExPM`, :class:`FedACG` (Flower's ``FedAvg`` arguments plus their own); robust:
 :class:`FedMedian`, :class:`FedTrimmedAvg`, :class:`Krum`, :class:`MultiKrum`, :class:`Bulyan` (Flower's) and
 :class:`MeaMed` (:mod:`fastagg.flower.robust`); differential privacy: Flower's four DP wrappers and its two
-clipping mods, fused around fastagg strategies (:mod:`fastagg.flower.privacy`). What a round
+clipping mods, fused around fastagg strategies (:mod:`fastagg.flower.privacy`); compressed replies: the client mod
+:func:`compress_mod` sends updates as int8 / fp8 / QSGD / top-k, which every strategy folds in place
+(:mod:`fastagg.flower.compressed`). What a round
 does, what a bad reply gets and how buffers are treated: :mod:`fastagg.flower.strategies`.
 
 Needs Flower (``pip install 'fastagg[flower]'``; tested with flwr 1.42); ``import fastagg`` never imports it.
@@ -20,6 +22,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised in a process without flwr (tests/test_flower_strategies.py)
     raise ImportError("fastagg.flower needs Flower: pip install 'fastagg[flower]'") from e
 
+from .compressed import compress_mod, compressed_record, read_compressed
 from .privacy import (DifferentialPrivacyClientSideAdaptiveClipping, DifferentialPrivacyClientSideFixedClipping,
                       DifferentialPrivacyServerSideAdaptiveClipping, DifferentialPrivacyServerSideFixedClipping,
                       adaptiveclipping_mod, fixedclipping_mod)
@@ -32,4 +35,4 @@ __all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "
            "FedACG", "QFedAvg", "FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan", "MeaMed",
            "DifferentialPrivacyServerSideFixedClipping", "DifferentialPrivacyClientSideFixedClipping",
            "DifferentialPrivacyServerSideAdaptiveClipping", "DifferentialPrivacyClientSideAdaptiveClipping",
-           "fixedclipping_mod", "adaptiveclipping_mod", "Result", "ReplyError", "array_view", "record_views", "to_array", "to_record"]
+           "fixedclipping_mod", "adaptiveclipping_mod", "compress_mod", "compressed_record", "read_compressed", "Result", "ReplyError", "array_view", "record_views", "to_array", "to_record"]

@@ -32,6 +32,7 @@ import dataclasses
 import inspect
 import math
 import pprint
+import warnings
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
@@ -53,7 +54,9 @@ from flwr.supercore import log
 
 from .. import server
 from .._checks import check_number, check_on_nonfinite
-from ..flat import is_buffer_name
+from ..compress import SparseUpdate
+from ..flat import as_tensor, is_buffer_name, split_entries
+from .compressed import is_compressed_record, read_compressed
 from .records import ReplyError, record_views, to_record
 
 __all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "FedAMS", "FedExP", "FedExPM",
@@ -73,6 +76,14 @@ def _norm_bit(msg: Message) -> int:
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+@dataclasses.dataclass
+class CompressedReply:
+    """A reply of fastagg's compress_mod: the compressed parameter update and the model's buffers (numpy views)."""
+
+    update: object
+    buffers: dict
 
 
 class _Fastagg:
@@ -180,9 +191,44 @@ class _Fastagg:
             raise ReplyError(f"has {self.weighted_by_key!r} = {metrics[self.weighted_by_key]!r:.60}; expected a "
                              "finite number >= 0")
         key, record = next(iter(content.array_records.items()))
+        if is_compressed_record(record):
+            return self._read_compressed(record, f"ArrayRecord {key!r}"), weight
         views = self._floats_as_global(record_views(record, f"ArrayRecord {key!r}"))
         self._check_like_global(views, f"ArrayRecord {key!r}")
         return views, weight
+
+    def _read_compressed(self, record: ArrayRecord, where: str) -> "CompressedReply":
+        """A reply of :func:`fastagg.flower.compressed.compress_mod`: the compressed update (read in place) checked
+        against the model's parameters, its buffers against the model's, every value finite, every code valid."""
+        if self.buffers != "average":
+            raise ReplyError("is compressed (parameters only); buffers='optimizer' steps buffers as parameters")
+        update, bufs = read_compressed(record, where)
+        numel = self.optimizer._p.segments.numel
+        if update.numel != numel:
+            raise ReplyError(f"is a compressed update of {update.numel} elements; the model has {numel} parameters")
+        if update.device != self.optimizer.device:
+            raise ReplyError(f"is on {update.device}; the model is on {self.optimizer.device}")
+        names = [n for n, _ in self.optimizer._p.buffers]
+        self._check_like_buffers(bufs, names, where)
+        if isinstance(update, SparseUpdate):
+            update.check_indices(where)
+            finite = bool(torch.isfinite(update.values).all())
+        else:
+            if update.holds_invalid_code():
+                raise ReplyError(f"{update.INVALID_CODES}")
+            if bool((torch.isfinite(update.scales) & ~(update.scales > 0)).any()):
+                raise ReplyError("has a compressed scale <= 0")
+            finite = bool(torch.isfinite(update.scales).all())
+        if not finite or not all(np.isfinite(v).all() for v in bufs.values() if v.dtype.kind == "f"):
+            raise ReplyError("contains NaN or Inf")
+        return CompressedReply(update, bufs)
+
+    def _check_like_buffers(self, bufs: dict, names: list, where: str) -> None:
+        if set(bufs) != set(names):
+            raise ReplyError(f"{where} carries buffers {sorted(bufs)[:4]}; the model's are {sorted(names)[:4]}")
+        self._check_like_global({**{k: v for k, v in bufs.items()},
+                                 **{k: self.global_model[k].numpy() for k in self.global_model if k not in bufs}},
+                                where)
 
     def _floats_as_global(self, views: dict) -> dict:
         """A reply's floating entries in another float dtype than the global model's (float64 from a numpy client
@@ -333,7 +379,51 @@ class _Fastagg:
 
     def _optimizer_step(self, usable: list, weights) -> server.StepStats:
         """The optimizer's step over the usable replies (QFedAvg passes their losses instead of weights)."""
+        if any(isinstance(v, CompressedReply) for _, v, _ in usable):
+            return self._compressed_step(usable, weights)
         return self.optimizer.step([v for _, v, _ in usable], weights=weights, base=self._sent)
+
+    def _compressed_step(self, usable: list, weights) -> server.StepStats:
+        """A round with compressed replies: all compressed, folded where they lie; mixed with full models, each
+        compressed one dequantized into a row beside the others' updates. Buffers: the replies' weighted average
+        (integer counters: the rounded average advance), written only when the step is taken."""
+        opt = self.optimizer
+        if all(isinstance(v, CompressedReply) for _, v, _ in usable):
+            updates = [v.update for _, v, _ in usable]
+        else:
+            sent = dict(split_entries(self._sent, where="the model sent")[0])
+            rows = []
+            for _, v, _ in usable:
+                if isinstance(v, CompressedReply):
+                    rows.append(v.update.dequantize(opt._cdt))
+                else:
+                    params = split_entries(v, where="the reply")[0]
+                    rows.append(torch.cat([as_tensor(x).reshape(-1).to(opt._cdt) -
+                                           sent[k].reshape(-1).to(opt._cdt) for k, x in params]))
+            updates = torch.stack(rows)
+        try:
+            with warnings.catch_warnings():  # the buffers are averaged below, from the replies' own
+                warnings.filterwarnings("ignore", message="the global model has buffers", category=RuntimeWarning)
+                stats = opt.step(updates, weights=weights)
+        except ValueError as e:
+            raise AggregationError(f"the compressed replies cannot be aggregated ({e}); the round is refused and "
+                                   "the global model is unchanged") from e
+        if not bool(stats.finite):
+            raise AggregationError(f"the step on the compressed replies is not finite (eta={float(stats.eta)!r}); "
+                                   "the round is refused and the global model is unchanged")
+        w = np.ones(len(usable)) if weights is None else np.asarray(weights, dtype=np.float64)
+        p = w / w.sum()
+        for name, _ in opt._p.buffers:
+            got = [v.buffers[name] if isinstance(v, CompressedReply) else v[name] for _, v, _ in usable]
+            old = self._sent[name]
+            if old.is_floating_point():
+                avg = sum(pi * np.asarray(g, dtype=np.float64) for pi, g in zip(p, got))
+                self.global_model[name].copy_(torch.from_numpy(np.asarray(avg)).to(old.dtype))
+            else:
+                step = sum(pi * (np.asarray(g, dtype=np.float64) - old.numpy()) for pi, g in zip(p, got))
+                self.global_model[name].copy_(old + torch.from_numpy(np.asarray(np.rint(step))).to(old.dtype))
+        stats.nonfinite = torch.zeros(len(usable), dtype=torch.bool)
+        return stats
 
     def _overflowing(self, usable: list, stats: server.StepStats) -> list:
         """The replies that can make the weighted mean overflow its dtype: if an element of ``sum_i p_i d_i`` passes
@@ -613,6 +703,10 @@ class QFedAvg(_Fastagg, _FlQFedAvg):
             raise ReplyError(f"has {self.train_loss_key!r} = {loss!r:.60}; q-FedAvg needs the client's training loss, a "
                              "finite number >= 0")
         return views, weight
+
+    def _read_compressed(self, record, where):
+        raise ReplyError("is compressed; QFedAvg reads full models (its q-weights need each client's update with "
+                         "its loss), so compressed replies are not supported by it")
 
     def _optimizer_step(self, usable: list, weights) -> server.StepStats:
         losses = [float(next(iter(m.content.metric_records.values()))[self.train_loss_key]) for m, _, _ in usable]

@@ -4,7 +4,22 @@ from flwr.clientapp import ClientApp
 
 from .task import cfg, cnn_eval, cnn_train, image_data, linear_data, linear_loss, linear_train, make_cnn
 
-app = ClientApp()
+
+
+def _compress(msg: Message, context: Context, call_next) -> Message:
+    """The server's train config may ask for compressed replies ("compress": "int8:block=256", ...): then the
+    reply's update goes through fastagg's compress_mod (imported only then: the linear model's clients never load
+    torch)."""
+    configs = list(msg.content.config_records.values()) if msg.metadata.message_type == "train" else []
+    spec = str(configs[0].get("compress", "")) if configs else ""
+    if not spec:
+        return call_next(msg, context)
+    from fastagg.flower import compress_mod
+
+    return compress_mod(spec)(msg, context, call_next)
+
+
+app = ClientApp(mods=[_compress])
 
 
 def _partition(context: Context) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 
-from flwr.app import Array, ArrayRecord, Context
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from .task import cfg, initial_linear, make_cnn
@@ -65,8 +65,9 @@ def run(grid: Grid, config) -> dict:
         return _report(run_fedbuff(grid, config, model), config)
     strategy = make_strategy(name, config)
     t0 = time.time()
+    train_config = ConfigRecord({"compress": str(cfg(config, "compress"))}) if cfg(config, "compress") else None
     result = strategy.start(grid=grid, initial_arrays=initial_arrays(model),
-                            num_rounds=int(cfg(config, "num-server-rounds")), timeout=600)
+                            num_rounds=int(cfg(config, "num-server-rounds")), timeout=600, train_config=train_config)
     final = {k: a.numpy() for k, a in result.arrays.items()}
     summary = {
         "strategy": name, "model": model,

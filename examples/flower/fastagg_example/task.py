@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 DEFAULTS = {"strategy": "fedexp", "model": "cnn", "num-server-rounds": 3, "local-steps": 5, "lr": 0.1,
-            "fraction-evaluate": 1.0, "min-nodes": 2, "eps": 1e-3, "on-nonfinite": "skip", "buffers": "average", "out-file": ""}
+            "fraction-evaluate": 1.0, "min-nodes": 2, "eps": 1e-3, "on-nonfinite": "skip", "buffers": "average", "out-file": "",
+            "compress": ""}
 DIM = 10
 
 
