@@ -56,6 +56,9 @@ $(NVFLARE_VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(shell f
 	test -x $(NVPY) || $(PYTHON) -m venv $(NVFLARE_VENV)
 	$(NVPY) -m pip install --upgrade pip
 	$(NVPY) -m pip install $(TORCH) 'nvflare==2.9.0' pytest
+	# FLARE's quantization filters import bitsandbytes (tests_nvflare/test_blockwise8.py runs them on the CPU);
+	# --no-deps: its requirements (torch, numpy, packaging) are already here, and pip must not swap the torch build
+	$(NVPY) -m pip install --no-deps 'bitsandbytes==0.50.2'
 	$(NVPY) -m pip install --no-deps --force-reinstall $(if $(FASTAGG_WHEEL),$(FASTAGG_WHEEL),.)
 	touch $@
 

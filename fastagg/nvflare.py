@@ -33,6 +33,13 @@ and ``aggregate_model`` releases ``sum / M + N(0, (z C / n)^2)`` in one pass ove
 the kernel, then the rule steps on the release. The mechanism's state (seed, release count, clipping norm) is in
 :meth:`state_dict`.
 
+Compressed results: a result quantized by FLARE's ``ModelQuantizer("blockwise8")`` filter (bitsandbytes'
+dynamic 8-bit code, one absmax per 4096 elements of each tensor) needs no ``ModelDequantizer`` on the server: a
+``DIFF`` result is folded where it lies (codes, absmax and code book read by the fused kernel,
+:class:`fastagg.compress.Codebook8`); a ``FULL`` one (or any with ``dp=`` or a model with buffers) is dequantized
+once into the model's dtype and folded as above. Other quantizations (fp16, fp4, nf4) still go through FLARE's
+dequantizer filter.
+
 What a bad result gets: NaN/Inf, or one whose weighted update would overflow the running sum, is left out of the
 round with a warning (``on_nonfinite="skip"``, the default: a server must survive one broken client) or raises
 (``"raise"``); keys, shapes or dtypes other than the model's, a result from another round, or a site that already
@@ -62,6 +69,7 @@ except ImportError as e:  # pragma: no cover - exercised in a process without nv
     raise ImportError("fastagg.nvflare needs NVIDIA FLARE: pip install 'fastagg[nvflare]'") from e
 
 from . import client, privacy, server
+from .compress.codebook import LayerwiseUpdate, from_bitsandbytes
 from .stream import Accumulator
 
 RULES = {"fedavg": server.FedAvg, "fedavgm": server.FedAvgM, "fedexp": server.FedExP, "fedexpm": server.FedExPM,
@@ -184,7 +192,14 @@ class FastaggAggregator(ModelAggregator):
             if site in self._sites:
                 return self._refuse(site, "already sent a result this round")
             try:
-                params = _client_params(model.params, self._base)
+                parts = _blockwise8_parts(model.params, meta, self._base)
+                folds_in_place = parts is not None and model.params_type == ParamsType.DIFF and \
+                    self._mechanism is None and not self._acc._buffer_names
+                if parts is not None and not folds_in_place:  # FULL, buffers or dp: one dequantized copy
+                    params = {k: p.dequantize(torch.float64).reshape(self._base[k].shape).to(self._base[k].dtype)
+                              for k, p in parts.items()}
+                else:
+                    params = parts if folds_in_place else _client_params(model.params, self._base)
             except (TypeError, ValueError) as e:
                 return self._refuse(site, str(e))
             admin, steps = float(self.aggregation_weights.get(site, 1.0)), _num_steps(meta)
@@ -204,7 +219,17 @@ class FastaggAggregator(ModelAggregator):
                         raise ValueError(f"the result of {site} contains NaN or Inf")
                     return self._refuse(site, "contains NaN or Inf")
                 clipped = coef < 1
-            if not self._acc.add(params, coef, base=base, on_nonfinite=self.on_nonfinite, client_id=site):
+            if folds_in_place:  # FLARE's BLOCKWISE8 update read where it lies (fastagg.compress.Codebook8)
+                try:
+                    folded = self._acc.add(LayerwiseUpdate(tuple(params.values())), coef,
+                                           on_nonfinite=self.on_nonfinite, client_id=site)
+                except ValueError as e:
+                    if self.on_nonfinite == "raise":
+                        raise
+                    return self._refuse(site, str(e))
+            else:
+                folded = self._acc.add(params, coef, base=base, on_nonfinite=self.on_nonfinite, client_id=site)
+            if not folded:
                 return self._refuse(site, "contains NaN or Inf (or would overflow the running sum)")
             self._clipped.append(clipped)
             self._sites.add(site)
@@ -305,6 +330,48 @@ def _dp_mechanism(dp: dict | None):
         return DP_MECHANISMS[kind](**kw)
     except TypeError as e:
         raise TypeError(f"dp: {e}") from None
+
+
+BLOCKWISE8_BLOCK = 4096  # bitsandbytes' quantize_blockwise default, which FLARE's ModelQuantizer uses
+
+
+def _blockwise8_parts(params: Any, meta: dict, base: dict) -> dict | None:
+    """A result quantized by FLARE's ``ModelQuantizer("blockwise8")`` (``quantized_flag`` in its meta, no
+    ``ModelDequantizer`` on the server) as ``{name: Codebook8}`` in the model's order, each entry checked against
+    the model (shape, block count, code book); None for a result that is not quantized. Other quantizations
+    raise, saying to dequantize them with FLARE's filter."""
+    if not meta.get("quantized_flag"):
+        return None
+    algorithm = meta.get("processed_algorithm")
+    if algorithm != "blockwise8":
+        raise ValueError(f"is quantized as {algorithm!r}; fastagg folds FLARE's blockwise8 results as they are: "
+                         "add FLARE's ModelDequantizer to the server's filters for other quantizations")
+    state = meta.get("quant_state")
+    if not isinstance(params, dict) or not isinstance(state, dict):
+        raise ValueError("is quantized but carries no params dict and quant_state dict")
+    if set(params) != set(base):
+        missing, extra = sorted(set(base) - set(params)), sorted(set(params) - set(base))
+        raise ValueError(f"params differ from the model's entries (missing {missing[:3]}, extra {extra[:3]})")
+    out = {}
+    for k, ref in base.items():
+        st = state.get(k)
+        if not st:
+            raise ValueError(f"entry {k!r} was not quantized (FLARE quantizes float32/16 entries only): the result "
+                             "cannot be folded as blockwise8; dequantize it with FLARE's ModelDequantizer")
+        try:
+            codes = torch.as_tensor(np.asarray(params[k]) if not isinstance(params[k], torch.Tensor) else params[k])
+            absmax, code = (torch.as_tensor(np.asarray(st[f]) if not isinstance(st[f], torch.Tensor) else st[f])
+                            for f in ("absmax", "code"))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"entry {k!r} has a malformed quant_state ({e!r:.80})") from None
+        if tuple(codes.shape) != tuple(ref.shape):
+            raise ValueError(f"entry {k!r} has shape {tuple(codes.shape)}, the model {tuple(ref.shape)}")
+        try:
+            out[k] = from_bitsandbytes(codes.to(ref.device), absmax.to(ref.device), code.to(ref.device),
+                                       BLOCKWISE8_BLOCK)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"entry {k!r}: {e}") from None
+    return out
 
 
 def _to_tensor(v: Any, name: str, device: str) -> torch.Tensor:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 
 from .blockwise import Blockwise, check_blockwise
+from .codebook import Codebook8, LayerwiseUpdate
 from .sparse import SparseUpdate, check_sparse
 
-FORMATS = (Blockwise, SparseUpdate)
+LAYER_FORMATS = (Blockwise, SparseUpdate)  # what one layer of a LayerwiseUpdate may be
+FORMATS = LAYER_FORMATS + (LayerwiseUpdate,)
 
 
 def is_compressed(x) -> bool:
@@ -23,12 +25,21 @@ def is_compressed(x) -> bool:
 
 def check_batch(updates: list, names: list, *, numel: int, device: torch.device, where: str) -> None:
     """Formats, sizes, devices and sparse indices (in range, strictly increasing), each error naming the update."""
+    layered = [isinstance(u, LayerwiseUpdate) for u in updates]
+    if any(layered) and not all(layered):
+        raise TypeError("layerwise updates (one part per layer) and whole-vector ones cannot share a call")
     for u, name in zip(updates, names):
-        if isinstance(u, SparseUpdate):
+        if isinstance(u, LayerwiseUpdate):
+            if u.sizes() != updates[0].sizes():
+                raise ValueError(f"{name} has layers of {list(u.sizes())[:4]}... elements; the first update's are "
+                                 f"{list(updates[0].sizes())[:4]}...")
+            check_batch(list(u.parts), [f"{name} layer {k}" for k in range(len(u.parts))], numel=None,
+                        device=device, where=where)
+        elif isinstance(u, SparseUpdate):
             check_sparse(u, name)
         else:
             check_blockwise(u, name)
-        if u.numel != numel:
+        if numel is not None and u.numel != numel:
             raise ValueError(f"{name} has {u.numel} elements; {where} has {numel}")
         if u.device != torch.device(device):
             raise ValueError(f"{name} is on {u.device}; {where} is on {device}")
@@ -37,7 +48,15 @@ def check_batch(updates: list, names: list, *, numel: int, device: torch.device,
 
 
 def _finite_part(u) -> torch.Tensor:
+    if isinstance(u, LayerwiseUpdate):
+        return torch.cat([_finite_part(p).reshape(-1) for p in u.parts])
     return u.values if isinstance(u, SparseUpdate) else u.scales
+
+
+def _scales(u) -> list:
+    if isinstance(u, LayerwiseUpdate):
+        return [s for p in u.parts for s in _scales(p)]
+    return [] if isinstance(u, SparseUpdate) else [u.scales]
 
 
 def nonfinite_scales(updates: list, names: list) -> list:
@@ -45,7 +64,7 @@ def nonfinite_scales(updates: list, names: list) -> list:
     blockwise update with a scale <= 0."""
     parts = [_finite_part(u) for u in updates]
     every = torch.cat([p.reshape(-1) for p in parts])
-    positive = torch.cat([u.scales > 0 for u in updates if not isinstance(u, SparseUpdate)] +
+    positive = torch.cat([s > 0 for u in updates for s in _scales(u)] +
                          [torch.ones(0, dtype=torch.bool, device=every.device)])
     if bool(torch.isfinite(every).all()) and bool(positive.all()):  # the usual case: two checks
         return []
@@ -53,9 +72,12 @@ def nonfinite_scales(updates: list, names: list) -> list:
     for j, (u, p, name) in enumerate(zip(updates, parts, names)):
         if not bool(torch.isfinite(p).all()):
             bad.append(j)
-        elif not isinstance(u, SparseUpdate) and not bool((u.scales > 0).all()):
-            b = int((u.scales <= 0).nonzero()[0])
-            raise ValueError(f"{name}: the scale of block {b} is {float(u.scales[b])!r} (scales must be > 0)")
+        else:
+            for k, s in enumerate(_scales(u)):
+                if not bool((s > 0).all()):
+                    b = int((s <= 0).nonzero()[0])
+                    where = f" layer {k}" if isinstance(u, LayerwiseUpdate) else ""
+                    raise ValueError(f"{name}{where}: the scale of block {b} is {float(s[b])!r} (scales must be > 0)")
     return bad
 
 
@@ -63,16 +85,39 @@ def _groups(updates: list) -> list:
     """Positions of the updates grouped by (format, block), groups in order of first appearance."""
     groups: dict = {}
     for j, u in enumerate(updates):
-        key = ("sparse", type(u).__name__) if isinstance(u, SparseUpdate) else (type(u), u.block)
+        # one sweep per format, block and code book (equal books share it: compared by value)
+        key = ("sparse",) if isinstance(u, SparseUpdate) else \
+            (type(u), u.block, _book(u.code) if isinstance(u, Codebook8) else None)
         groups.setdefault(key, []).append(j)
     return list(groups.values())
+
+
+def _book(table: torch.Tensor) -> bytes:
+    return table.detach().cpu().contiguous().numpy().tobytes()
 
 
 def fold(updates: list, names: list, coef: torch.Tensor, backend, *, init: torch.Tensor | None,
          out: torch.Tensor) -> tuple:
     """``out = init + sum_i coef_i x~_i``; returns ``(sq_norms [M] float64, mean_sq 0-d float64)`` where
     ``sq_norms_i = ||x~_i||^2`` and ``mean_sq = ||out||^2``. Raises naming the updates holding an invalid code (out
-    is then garbage: callers write into a spare buffer). ``init`` must not overlap ``out`` unless it is ``out``."""
+    is then garbage: callers write into a spare buffer). ``init`` must not overlap ``out`` unless it is ``out``.
+    Layerwise updates are folded layer by layer (each layer's slice of ``init`` and ``out``)."""
+    if not isinstance(updates[0], LayerwiseUpdate):
+        return _fold_flat(updates, names, coef, backend, init=init, out=out)
+    sq = torch.zeros(len(updates), dtype=torch.float64, device=out.device)
+    msq = torch.zeros((), dtype=torch.float64, device=out.device)
+    at = 0
+    for k, n in enumerate(updates[0].sizes()):
+        s, ms = _fold_flat([u.parts[k] for u in updates], [f"{name} layer {k}" for name in names], coef, backend,
+                           init=None if init is None else init[at:at + n], out=out[at:at + n])
+        sq += s
+        msq += ms
+        at += n
+    return sq, msq
+
+
+def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init: torch.Tensor | None,
+               out: torch.Tensor) -> tuple:
     m, dev = len(updates), out.device
     sq = torch.empty(m, dtype=torch.float64, device=dev)
     msq = torch.empty((), dtype=torch.float64, device=dev)
@@ -114,7 +159,8 @@ def dense_rows(updates: list, names: list, *, numel: int, device: torch.device, 
     check_batch(updates, names, numel=numel, device=device, where="the params")
     out = torch.empty(len(updates), numel, dtype=dtype, device=device)
     for i, (u, name) in enumerate(zip(updates, names)):
-        if not isinstance(u, SparseUpdate) and u.holds_invalid_code():
-            raise ValueError(f"{name} {u.INVALID_CODES}")
+        for k, part in enumerate(u.parts if isinstance(u, LayerwiseUpdate) else (u,)):
+            if not isinstance(part, SparseUpdate) and part.holds_invalid_code():
+                raise ValueError(f"{name}{f' layer {k}' if isinstance(u, LayerwiseUpdate) else ''} {part.INVALID_CODES}")
         out[i] = u.dequantize(torch.float64)
     return out

@@ -45,7 +45,7 @@ def table(results: dict) -> list[str]:
         sent = statistics.fmean(_final(h, ALGORITHMS[0], "bytes_sent"))
         rounds = h.series(ALGORITHMS[0], "round", h.config.seeds[0])[-1]
         cells = [f"{sent / rounds / 1e3:.1f} kB", f"{base / sent:.2f}x smaller" if label != "fp32" else "1"]
-        for field, fmt in (("test_acc", ".3f"), ("train_loss", ".3f")):
+        for field, fmt in (("test_acc", ".3f"), ("train_loss", ".4f")):
             for a in ALGORITHMS:
                 v = _final(h, a, field)
                 cells.append(f"{statistics.fmean(v):{fmt}} +- {statistics.pstdev(v) if len(v) > 1 else 0.0:{fmt}}")

@@ -1,0 +1,121 @@
+"""FLARE's BLOCKWISE8 results folded where they lie: the clients' updates quantized by FLARE's own
+``ModelQuantizer("blockwise8")`` (bitsandbytes' CPU kernels; FLARE's filter calls ``.cuda()``, made a no-op here:
+this machine has no GPU), aggregated by FastaggAggregator without FLARE's ``ModelDequantizer``, against the same
+aggregator fed FLARE's dequantized results. Bad quantized results are left out naming the site."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_opt.pt.quantization.dequantizer import ModelDequantizer
+from nvflare.app_opt.pt.quantization.quantizer import ModelQuantizer
+
+from fastagg.compress import Codebook8, LayerwiseUpdate, from_bitsandbytes
+from fastagg.nvflare import FastaggAggregator
+
+SHAPES = {"conv.weight": (16, 3, 5, 5), "fc.weight": (10, 700), "fc.bias": (10,)}  # 4096-blocks cross tensors
+
+
+@pytest.fixture(autouse=True)
+def _cpu_bitsandbytes(monkeypatch):
+    """FLARE's quantization filters move every tensor to the GPU with .cuda(); bitsandbytes has CPU kernels."""
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+
+
+def _flare_quantize(params: dict) -> tuple:
+    q = ModelQuantizer("blockwise8")
+    q.log_info = lambda *a, **k: None
+    data, state, source = q.quantization({k: v.copy() for k, v in params.items()}, None)
+    meta = {"processed_algorithm": "blockwise8", "quant_state": state, "source_datatype": source,
+            "quantized_flag": True}
+    return data, meta
+
+
+def _flare_dequantize(data: dict, meta: dict) -> dict:
+    dq = ModelDequantizer()
+    dq.log_info = lambda *a, **k: None
+    return dq.dequantization(params={k: np.array(v) for k, v in data.items()}, quant_state=meta["quant_state"],
+                             quantization_type="blockwise8", source_datatype=meta["source_datatype"], fl_ctx=None)
+
+
+def _updates(m: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    return [{k: (0.01 * (i + 1) * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+            for i in range(m)]
+
+
+def _run(agg, sent, results):
+    agg.reset_stats()
+    agg.set_model(FLModel(params_type=ParamsType.FULL, params=sent, current_round=0))
+    took = [agg.accept_model(r) for r in results]
+    return took, agg.aggregate_model()
+
+
+@pytest.mark.parametrize("rule, hyper", [("fedavg", {}), ("fedexp", {"eps": 1e-3}), ("fedadam", {"lr": 0.01})])
+@pytest.mark.parametrize("kind", [ParamsType.DIFF, ParamsType.FULL])
+def test_blockwise8_results_fold_like_flares_dequantized_ones(rule, hyper, kind):
+    rng = np.random.default_rng(1)
+    sent = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    ups = _updates(4)
+    payload = ups if kind == ParamsType.DIFF else [{k: sent[k] + u[k] for k in u} for u in ups]
+    quantized = [_flare_quantize(p) for p in payload]
+    ours, theirs = FastaggAggregator(rule, hyper), FastaggAggregator(rule, hyper)
+    steps = [10, 20, 30, 40]
+    took, got = _run(ours, sent, [FLModel(params_type=kind, params=d, current_round=0,
+                                          meta={**meta, "client_name": f"site-{i}", "NUM_STEPS_CURRENT_ROUND": n})
+                                  for i, ((d, meta), n) in enumerate(zip(quantized, steps))])
+    assert took == [True] * 4
+    _, want = _run(theirs, sent, [FLModel(params_type=kind, params=_flare_dequantize(d, meta), current_round=0,
+                                          meta={"client_name": f"site-{i}", "NUM_STEPS_CURRENT_ROUND": n})
+                                  for i, ((d, meta), n) in enumerate(zip(quantized, steps))])
+    for k in SHAPES:
+        np.testing.assert_allclose(got.params[k], want.params[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        assert got.params[k].dtype == np.float32
+
+
+def test_the_diff_fold_reads_the_quantized_bytes_and_equals_bitsandbytes_dequantize():
+    from bitsandbytes.functional import dequantize_blockwise, quantize_blockwise
+
+    x = torch.randn(10_000)
+    q, st = quantize_blockwise(x)
+    u = from_bitsandbytes(q, st.absmax, st.code)
+    assert isinstance(u, Codebook8) and u.block == st.blocksize == 4096
+    np.testing.assert_allclose(u.dequantize(torch.float32).numpy(), dequantize_blockwise(q, st).numpy(), rtol=1e-6,
+                               atol=1e-7)
+    import fastagg
+
+    acc = fastagg.Accumulator(like=torch.zeros(10_000))
+    acc.add(LayerwiseUpdate((u,)), 2.0)
+    np.testing.assert_allclose(acc.weighted_sum.numpy(), 2 * dequantize_blockwise(q, st).numpy(), rtol=1e-6,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda d, m: m["quant_state"]["fc.weight"].__setitem__("absmax", np.ones(1, np.float32)), "need 2 scales"),
+    (lambda d, m: m["quant_state"]["fc.bias"].__setitem__("code", np.full(256, np.nan, np.float32)), "NaN"),
+    (lambda d, m: m["quant_state"]["conv.weight"]["absmax"].__setitem__(0, np.inf), "NaN or Inf"),
+    (lambda d, m: d.__setitem__("fc.bias", np.zeros(3, np.uint8)), "has shape"),
+    (lambda d, m: m.__setitem__("processed_algorithm", "float4"), "ModelDequantizer"),
+    (lambda d, m: m["quant_state"].__setitem__("fc.bias", {}), "was not quantized"),
+])
+def test_a_bad_quantized_result_is_left_out_naming_the_site(corrupt, match, caplog):
+    rng = np.random.default_rng(2)
+    sent = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    good, bad = (_flare_quantize(u) for u in _updates(2))
+    corrupt(*bad)
+    agg = FastaggAggregator("fedavg")
+    with caplog.at_level(logging.WARNING):
+        took, out = _run(agg, sent, [FLModel(params_type=ParamsType.DIFF, params=d, current_round=0,
+                                             meta={**m, "client_name": f"site-{i}"}) for i, (d, m) in
+                                     enumerate([good, bad])])
+    assert took == [True, False]
+    assert any("site-1" in r.message and (match in r.message or match == "NaN") for r in caplog.records), \
+        [r.message for r in caplog.records]
+    ref = FastaggAggregator("fedavg")
+    _, want = _run(ref, sent, [FLModel(params_type=ParamsType.DIFF, params=_flare_dequantize(*good), current_round=0,
+                                       meta={"client_name": "site-0"})])
+    for k in SHAPES:
+        np.testing.assert_allclose(out.params[k], want.params[k], rtol=1e-6, atol=1e-7)
