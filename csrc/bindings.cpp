@@ -199,8 +199,10 @@ std::vector<uint32_t> checked_philox(const std::vector<uint32_t>& counter, const
 
 // ---- compressed clients (quantized.h) ------------------------------------------------------------------------
 
-// Blockwise clients: int8 codes (table None) or one-byte codes read through `table` (256 float32 entries).
-void checked_blockwise_fold(py::handle codes, py::handle scales, int64_t block, py::handle table, py::handle coef,
+// Blockwise clients: int8 codes (table None) or one-byte codes read through `table` (256 float32 entries), or
+// decoded as fp8 e4m3 (e4m3 true: the table is then not read).
+void checked_blockwise_fold(py::handle codes, py::handle scales, int64_t block, py::handle table, bool e4m3,
+                            py::handle coef,
                             py::handle init, py::handle out, py::handle sq_out, py::handle bad_out,
                             py::handle msq_out) {
   const std::string pass = "blockwise_fold: ";
@@ -258,7 +260,10 @@ void checked_blockwise_fold(py::handle codes, py::handle scales, int64_t block, 
   auto run = [&](auto* typed_out) {
     using T = std::remove_pointer_t<decltype(typed_out)>;
     const T* ip = init.is_none() ? nullptr : reinterpret_cast<const T*>(in.data);
-    if (tabled)
+    if (tabled && e4m3)
+      e4m3_blockwise_fold<T>(reinterpret_cast<const uint8_t* const*>(cp.data()), sp.data(), M, d, block, cf, ip,
+                             typed_out, sqp, badp, msqp);
+    else if (tabled)
       table_blockwise_fold<T>(reinterpret_cast<const uint8_t* const*>(cp.data()), tp, sp.data(), M, d, block, cf,
                               ip, typed_out, sqp, badp, msqp);
     else
@@ -274,7 +279,7 @@ void checked_blockwise_fold(py::handle codes, py::handle scales, int64_t block, 
 // Sparse clients added into out in place. Every index is checked here (in [0, d), strictly increasing per client)
 // and every value finite, before anything is written.
 void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef, py::handle out,
-                         py::handle sq_out) {
+                         py::handle sq_out, py::handle msq_out) {
   const std::string pass = "sparse_fold: ";
   if (!py::isinstance<py::list>(indices) || !py::isinstance<py::list>(values))
     type_error(pass + "indices and values must be lists of tensors");
@@ -317,10 +322,11 @@ void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef,
   for (int64_t i = 0; i < M; ++i)
     if (!std::isfinite(cf[i])) value_error(pass + "coef[" + str(i) + "] is not finite");
   View sq = flat_view(sq_out, "sq_out", kF64, M);
+  View msq = msq_out.is_none() ? View{} : flat_view(msq_out, "msq_out", kF64, 1);
   std::vector<const View*> reads = pointers(iv);
   for (const View& v : vv) reads.push_back(&v);
   reads.push_back(&c);
-  check_overlaps({&o, &sq}, reads);
+  check_overlaps({&o, &sq, &msq}, reads);
   std::vector<const void*> ip;
   std::vector<const float*> vp;
   for (int64_t i = 0; i < M; ++i) {
@@ -329,15 +335,16 @@ void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef,
   }
   const bool wide = iv.front().kind == kI64;
   auto* sqp = reinterpret_cast<double*>(sq.data);
+  auto* msqp = msq_out.is_none() ? nullptr : reinterpret_cast<double*>(msq.data);
   py::gil_scoped_release release;
   auto run = [&](auto* typed_out) {
     using T = std::remove_pointer_t<decltype(typed_out)>;
     if (wide)
       sparse_fold<T, int64_t>(reinterpret_cast<const int64_t* const*>(ip.data()), vp.data(), ks.data(), M, cf,
-                              typed_out, sqp);
+                              typed_out, d, sqp, msqp);
     else
       sparse_fold<T, int32_t>(reinterpret_cast<const int32_t* const*>(ip.data()), vp.data(), ks.data(), M, cf,
-                              typed_out, sqp);
+                              typed_out, d, sqp, msqp);
   };
   if (o.kind == kF32)
     run(reinterpret_cast<float*>(o.data));

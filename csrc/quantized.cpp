@@ -2,6 +2,7 @@
 #include "quantized.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "segments.h"
@@ -201,6 +202,25 @@ void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales,
                      });
 }
 
+namespace {
+// An e4m3 byte's value without a table (so the loop vectorizes, no gathers): the magnitude's 7 bits shifted into a
+// float32's exponent and mantissa and rebiased (2^(e - 7) * 1.mmm), or for e = 0 the subnormal mmm * 2^-9; the
+// sign bit moved to bit 31. The two NaN codes (0x7F, 0xFF) decode as 480 here: the callers flag them apart.
+inline float e4m3_value(uint8_t b) {
+  const uint32_t mag = b & 0x7Fu;
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  uint32_t normal = (mag << 20) + (120u << 23);
+  float nf;
+  std::memcpy(&nf, &normal, 4);
+  float v = mag >= 8u ? nf : static_cast<float>(mag) * 0x1p-9f;
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  bits |= sign;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+}  // namespace
+
 template <typename T>
 void table_blockwise_fold(const uint8_t* const* codes, const float* table, const float* const* scales, int64_t M,
                           int64_t d, int64_t block, const double* coef, const T* init, T* out, double* sq_out,
@@ -223,21 +243,122 @@ void table_blockwise_fold(const uint8_t* const* codes, const float* table, const
                      });
 }
 
+// One tile of n columns, client by client: acc[t] += cs[i] * e4m3(q_i[t]); inner[i] = sum_t e4m3(q_i[t])^2 (float64);
+// bad[i] |= a NaN code. The portable loop; float32 on AVX2 below.
+template <typename T>
+void e4m3_tile(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, const T* cs, T* acc, double* inner,
+               uint8_t* bad) {
+  for (int64_t i = 0; i < M; ++i) {
+    const uint8_t* q = codes[i] + lo;
+    const T c = cs[i];
+    double s = 0.0;
+    int nan = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      const float v = e4m3_value(q[t]);
+      acc[t] += c * static_cast<T>(v);
+      s += static_cast<double>(v) * static_cast<double>(v);
+      nan |= (q[t] & 0x7F) == 0x7F;
+    }
+    inner[i] = s;
+    bad[i] |= nan != 0;
+  }
+}
+
+#ifdef __AVX2__
+// 8 codes at a time: widened to int32, the magnitude rebiased into a float32 (normal) or converted and scaled by
+// 2^-9 (subnormal), blended, the sign or-ed in; squares added in float64 (exact per element).
+template <>
+void e4m3_tile<float>(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, const float* cs, float* acc,
+                      double* inner, uint8_t* bad) {
+  const __m256i low7 = _mm256_set1_epi32(0x7F), top = _mm256_set1_epi32(0x80), seven = _mm256_set1_epi32(7);
+  const __m256i rebias = _mm256_set1_epi32(120 << 23);
+  const __m256 tiny = _mm256_set1_ps(0x1p-9f);
+  const int64_t whole = n - n % 8;
+  for (int64_t i = 0; i < M; ++i) {
+    const uint8_t* q = codes[i] + lo;
+    const __m256 c = _mm256_set1_ps(cs[i]);
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+    __m256i nan = _mm256_setzero_si256();
+    for (int64_t t = 0; t < whole; t += 8) {
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + t)));
+      const __m256i mag = _mm256_and_si256(b, low7);
+      const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), rebias));
+      const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), tiny);
+      __m256 v = _mm256_blendv_ps(sub, normal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, seven)));
+      v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, top), 24)));
+      _mm256_storeu_ps(acc + t, _mm256_fmadd_ps(c, v, _mm256_loadu_ps(acc + t)));
+      const __m256d lo4 = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi4 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+      s0 = _mm256_fmadd_pd(lo4, lo4, s0);
+      s1 = _mm256_fmadd_pd(hi4, hi4, s1);
+      nan = _mm256_or_si256(nan, _mm256_cmpeq_epi32(mag, low7));
+    }
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
+    double s = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    int flagged = !_mm256_testz_si256(nan, nan);
+    for (int64_t t = whole; t < n; ++t) {
+      const float v = e4m3_value(q[t]);
+      acc[t] += cs[i] * v;
+      s += static_cast<double>(v) * static_cast<double>(v);
+      flagged |= (q[t] & 0x7F) == 0x7F;
+    }
+    inner[i] = s;
+    bad[i] |= flagged != 0;
+  }
+}
+#endif
+
+template <typename T>
+void e4m3_blockwise_fold(const uint8_t* const* codes, const float* const* scales, int64_t M, int64_t d,
+                         int64_t block, const double* coef, const T* init, T* out, double* sq_out, uint8_t* bad_out,
+                         double* msq_out) {
+  blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1,
+                     [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
+                       e4m3_tile<T>(codes, lo, n, M, cs, acc, inner, bad);
+                     });
+}
+
 template <typename T, typename I>
 void sparse_fold(const I* const* idx, const float* const* vals, const int64_t* k, int64_t M, const double* coef,
-                 T* out, double* sq_out) {
-  for (int64_t i = 0; i < M; ++i) {
-    const I* ix = idx[i];
-    const float* v = vals[i];
-    const double c = coef[i];
+                 T* out, int64_t d, double* sq_out, double* msq_out) {
+  for (int64_t i = 0; i < M; ++i) {  // the clients' squared norms: their values alone
     double s = 0.0;
-    for (int64_t j = 0; j < k[i]; ++j) {
-      const double x = static_cast<double>(v[j]);
-      out[ix[j]] += static_cast<T>(c * x);
-      s += x * x;
-    }
+    for (int64_t j = 0; j < k[i]; ++j) s += static_cast<double>(vals[i][j]) * static_cast<double>(vals[i][j]);
     sq_out[i] = s;
   }
+  // The scatter, cut into fixed ranges of out: each range takes every client's entries that fall in it, client by
+  // client (sorted indices: a binary search finds them), so each element gets its additions in client order
+  // whatever the thread count, and no two threads write one element.
+  int64_t total = 0;
+  for (int64_t i = 0; i < M; ++i) total += k[i];
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(64, d / 4096));
+  const int64_t span = (d + ranges - 1) / std::max<int64_t>(1, ranges);
+#pragma omp parallel for schedule(static) num_threads(threads_for(total * 64))
+  for (int64_t r = 0; r < ranges; ++r) {
+    const int64_t lo = r * span, hi = std::min(d, lo + span);
+    for (int64_t i = 0; i < M; ++i) {
+      const auto below = [](I a, int64_t b) { return static_cast<int64_t>(a) < b; };
+      const I* first = std::lower_bound(idx[i], idx[i] + k[i], lo, below);
+      const I* last = std::lower_bound(first, idx[i] + k[i], hi, below);
+      const double c = coef[i];
+      const float* v = vals[i] + (first - idx[i]);
+      for (const I* p = first; p < last; ++p, ++v) out[*p] += static_cast<T>(c * static_cast<double>(*v));
+    }
+  }
+  if (msq_out == nullptr) return;
+  const int64_t chunks = (d + kChunk - 1) / kChunk;
+  std::vector<double> part(static_cast<size_t>(chunks), 0.0);
+#pragma omp parallel for schedule(static) num_threads(threads_for(d * int64_t(sizeof(T))))
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const int64_t lo = ch * kChunk, hi = std::min(d, lo + kChunk);
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = lo; j < hi; ++j) s += static_cast<double>(out[j]) * static_cast<double>(out[j]);
+    part[ch] = s;
+  }
+  double msq = 0.0;
+  for (double p : part) msq += p;
+  *msq_out = msq;
 }
 
 template void int8_blockwise_fold<float>(const int8_t* const*, const float* const*, int64_t, int64_t, int64_t,
@@ -250,13 +371,17 @@ template void table_blockwise_fold<float>(const uint8_t* const*, const float*, c
 template void table_blockwise_fold<double>(const uint8_t* const*, const float*, const float* const*, int64_t, int64_t,
                                            int64_t, const double*, const double*, double*, double*, uint8_t*,
                                            double*);
+template void e4m3_blockwise_fold<float>(const uint8_t* const*, const float* const*, int64_t, int64_t, int64_t,
+                                         const double*, const float*, float*, double*, uint8_t*, double*);
+template void e4m3_blockwise_fold<double>(const uint8_t* const*, const float* const*, int64_t, int64_t, int64_t,
+                                          const double*, const double*, double*, double*, uint8_t*, double*);
 template void sparse_fold<float, int64_t>(const int64_t* const*, const float* const*, const int64_t*, int64_t,
-                                          const double*, float*, double*);
+                                          const double*, float*, int64_t, double*, double*);
 template void sparse_fold<double, int64_t>(const int64_t* const*, const float* const*, const int64_t*, int64_t,
-                                           const double*, double*, double*);
+                                           const double*, double*, int64_t, double*, double*);
 template void sparse_fold<float, int32_t>(const int32_t* const*, const float* const*, const int64_t*, int64_t,
-                                          const double*, float*, double*);
+                                          const double*, float*, int64_t, double*, double*);
 template void sparse_fold<double, int32_t>(const int32_t* const*, const float* const*, const int64_t*, int64_t,
-                                           const double*, double*, double*);
+                                           const double*, double*, int64_t, double*, double*);
 
 }  // namespace fastagg

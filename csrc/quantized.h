@@ -30,10 +30,17 @@ void table_blockwise_fold(const uint8_t* const* codes, const float* table, const
                           int64_t d, int64_t block, const double* coef, const T* init, T* out, double* sq_out,
                           uint8_t* bad_out, double* msq_out);
 
-// Sparse clients (k_i indices, strictly increasing in [0, d), and their values), added into out in place, client
-// by client: out[idx_ij] += T(coef_i * val_ij) (the product in float64, rounded once); sq_i = sum_j val_ij^2.
+// The same for fp8 e4m3 codes, decoded arithmetically (no table); bad_i: a NaN code (0x7F, 0xFF).
+template <typename T>
+void e4m3_blockwise_fold(const uint8_t* const* codes, const float* const* scales, int64_t M, int64_t d,
+                         int64_t block, const double* coef, const T* init, T* out, double* sq_out, uint8_t* bad_out,
+                         double* msq_out);
+
+// Sparse clients (k_i indices, strictly increasing in [0, d), and their values), added into out[0 .. d) in place:
+// out[idx_ij] += T(coef_i * val_ij) (the product in float64, rounded once), each element's additions in client
+// order; sq_i = sum_j val_ij^2; msq (when msq_out is not null) = ||out||^2 after the additions, float64.
 template <typename T, typename I>
 void sparse_fold(const I* const* idx, const float* const* vals, const int64_t* k, int64_t M, const double* coef,
-                 T* out, double* sq_out);
+                 T* out, int64_t d, double* sq_out, double* msq_out);
 
 }  // namespace fastagg

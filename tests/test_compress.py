@@ -223,7 +223,7 @@ def test_the_cpu_binding_checks_what_it_is_handed():
 
     def call(codes=None, scales=None, block=64, coef_=None, init=None, out_=None):
         c.blockwise_fold([(codes if codes is not None else q).__dlpack__()],
-                         [(scales if scales is not None else s).__dlpack__()], block, None,
+                         [(scales if scales is not None else s).__dlpack__()], block, None, False,
                          (coef_ if coef_ is not None else coef).__dlpack__(),
                               None if init is None else init.__dlpack__(), (out_ if out_ is not None else out).__dlpack__(),
                               sq.__dlpack__(), bad.__dlpack__(), msq.__dlpack__())

@@ -83,15 +83,17 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
     )
 
 
-def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, coef: torch.Tensor,
-                   init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor, bad_out: torch.Tensor,
-                   msq_out: torch.Tensor) -> None:
-    compiled().blockwise_fold([_dl(c) for c in codes], [_dl(s) for s in scales], int(block), _dl(table), _dl(coef),
-                              _dl(init), _dl(out), _dl(sq_out), _dl(bad_out), _dl(msq_out))
+def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, e4m3: bool = False,
+                   coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor,
+                   bad_out: torch.Tensor, msq_out: torch.Tensor) -> None:
+    compiled().blockwise_fold([_dl(c) for c in codes], [_dl(s) for s in scales], int(block), _dl(table), bool(e4m3),
+                              _dl(coef), _dl(init), _dl(out), _dl(sq_out), _dl(bad_out), _dl(msq_out))
 
 
-def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, out: torch.Tensor, sq_out: torch.Tensor) -> None:
-    compiled().sparse_fold([_dl(i) for i in indices], [_dl(v) for v in values], _dl(coef), _dl(out), _dl(sq_out))
+def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, out: torch.Tensor, sq_out: torch.Tensor,
+                msq_out: torch.Tensor | None = None) -> None:
+    compiled().sparse_fold([_dl(i) for i in indices], [_dl(v) for v in values], _dl(coef), _dl(out), _dl(sq_out),
+                           _dl(msq_out))
 
 
 def gaussian_noise(*, out: torch.Tensor, seed: int, round: int, first: int = 0) -> None:

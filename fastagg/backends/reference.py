@@ -71,10 +71,11 @@ def gaussian_noise(*, out: torch.Tensor, seed: int, round: int, first: int = 0) 
 
 
 @torch.no_grad()
-def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, coef: torch.Tensor,
-                   init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor, bad_out: torch.Tensor,
-                   msq_out: torch.Tensor) -> None:
-    """csrc/quantized.h in float64: each client dequantized, then summed (the oracle's order of operations)."""
+def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, e4m3: bool = False,
+                   coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor,
+                   bad_out: torch.Tensor, msq_out: torch.Tensor) -> None:
+    """csrc/quantized.h in float64: each client dequantized, then summed (the oracle's order of operations). e4m3
+    codes are read through their table (``e4m3`` only says which decoder a compiled backend may use)."""
     d = out.numel()
     acc = torch.zeros(d, dtype=torch.float64, device=out.device) if init is None else init.to(torch.float64, copy=True)
     for i, (q, s) in enumerate(zip(codes, scales)):
@@ -88,14 +89,17 @@ def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor
 
 
 @torch.no_grad()
-def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, out: torch.Tensor, sq_out: torch.Tensor) -> None:
+def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, out: torch.Tensor, sq_out: torch.Tensor,
+                msq_out: torch.Tensor | None = None) -> None:
     """csrc/quantized.h in float64: ``out[idx_i] += coef_i * val_i`` client by client, rounded once to out's dtype."""
-    acc = out.to(torch.float64)
+    acc = out.to(torch.float64, copy=True)
     for i, (ix, v) in enumerate(zip(indices, values)):
         x = v.to(torch.float64)
         acc[ix.long()] += coef[i] * x
         sq_out[i] = (x * x).sum()
     out.copy_(acc)
+    if msq_out is not None:
+        msq_out.copy_((out.to(torch.float64) ** 2).sum())
 
 
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,

@@ -7,6 +7,7 @@ import torch
 
 from .blockwise import Blockwise, check_blockwise
 from .codebook import Codebook8, LayerwiseUpdate
+from .fp8 import Fp8Blockwise
 from .sparse import SparseUpdate, check_sparse
 
 LAYER_FORMATS = (Blockwise, SparseUpdate)  # what one layer of a LayerwiseUpdate may be
@@ -121,8 +122,8 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
     m, dev = len(updates), out.device
     sq = torch.empty(m, dtype=torch.float64, device=dev)
     msq = torch.empty((), dtype=torch.float64, device=dev)
-    last_sparse = False
-    for n, group in enumerate(_groups(updates)):
+    groups = _groups(updates)
+    for n, group in enumerate(groups):
         first = updates[group[0]]
         src = init if n == 0 else out
         gsq = torch.empty(len(group), dtype=torch.float64, device=dev)
@@ -133,22 +134,20 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
             elif src is not out:
                 out.copy_(src)
             itype = torch.int64 if any(updates[j].indices.dtype == torch.int64 for j in group) else torch.int32
+            last = n == len(groups) - 1
             backend.sparse_fold(indices=[updates[j].indices.to(itype) for j in group],
-                                values=[updates[j].values for j in group], coef=gcoef, out=out, sq_out=gsq)
-            last_sparse = True
+                                values=[updates[j].values for j in group], coef=gcoef, out=out, sq_out=gsq,
+                                msq_out=msq if last else None)
         else:
             bad = torch.empty(len(group), dtype=torch.bool, device=dev)
             backend.blockwise_fold(codes=[updates[j].code_bytes() for j in group],
                                    scales=[updates[j].scales for j in group], block=first.block,
-                                   table=first.table(), coef=gcoef, init=src, out=out, sq_out=gsq, bad_out=bad,
-                                   msq_out=msq)
+                                   table=first.table(), e4m3=isinstance(first, Fp8Blockwise), coef=gcoef,
+                                   init=src, out=out, sq_out=gsq, bad_out=bad, msq_out=msq)
             if bool(bad.any()):
                 who = ", ".join(names[group[j]] for j in bad.nonzero().flatten().tolist())
                 raise ValueError(f"{who} {first.INVALID_CODES}")
-            last_sparse = False
         sq[group] = gsq
-    if last_sparse:
-        msq.copy_(torch.linalg.vector_norm(out, dtype=torch.float64).square())
     return sq, msq
 
 

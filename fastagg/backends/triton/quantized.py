@@ -49,9 +49,9 @@ def _blockwise_fold_kernel(code_ptrs, scale_ptrs, table, coef, init, out, part_s
     tl.store(part_msq + pid, tl.sum(tl.where(mask, a * a, 0.0), axis=0))
 
 
-def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, coef: torch.Tensor,
-                   init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor, bad_out: torch.Tensor,
-                   msq_out: torch.Tensor) -> None:
+def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, e4m3: bool = False,
+                   coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor,
+                   bad_out: torch.Tensor, msq_out: torch.Tensor) -> None:
     d, m, dev = out.numel(), len(codes), out.device
     programs = max(1, triton.cdiv(d, _TILE))
     part_sq = torch.zeros(programs, m, dtype=torch.float64, device=dev)
@@ -81,9 +81,12 @@ def _sparse_fold_kernel(idx, vals, coef, out, k, TILE: tl.constexpr):
     tl.store(out + at, old + add, mask=mask)
 
 
-def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, out: torch.Tensor, sq_out: torch.Tensor) -> None:
+def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, out: torch.Tensor, sq_out: torch.Tensor,
+                msq_out: torch.Tensor | None = None) -> None:
     for i, (ix, v) in enumerate(zip(indices, values)):
         k = ix.numel()
         if k:
             _sparse_fold_kernel[(triton.cdiv(k, _SPARSE_TILE),)](ix, v, coef[i:i + 1], out, k, TILE=_SPARSE_TILE)
         sq_out[i] = v.to(torch.float64).square().sum()
+    if msq_out is not None:
+        msq_out.copy_(torch.linalg.vector_norm(out, dtype=torch.float64).square())
