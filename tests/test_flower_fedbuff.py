@@ -160,3 +160,37 @@ def test_bad_replies_are_left_out_and_the_model_matches_an_async_server_fed_the_
 def test_bad_loop_settings_are_refused_naming_the_setting(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FedBuff(**kwargs)
+
+
+def test_compressed_replies_fold_where_they_lie():
+    """Nodes behind fastagg's compress_mod send int8 updates; FedBuff folds them as they arrive. Against the same
+    run with the full models each compressed reply stands for (sent + the dequantized update): the same model."""
+    from flwr.app import Context
+
+    from fastagg.compress import dequantize
+    from fastagg.flower import compress_mod, read_compressed
+
+    mod = compress_mod("int8:block=4")
+    stood_for = []
+
+    def compressed(node, sent, msg):
+        ctx = Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={})
+        out = mod(msg, ctx, lambda m, c: train(node, sent, m))
+        update, _ = read_compressed(out.content["arrays"])
+        flat = dequantize(update).numpy()
+        stood_for.append({"w": (sent["w"].astype(np.float64) + flat[:12].reshape(3, 4)).astype(np.float32),
+                          "b": (sent["b"].astype(np.float64) + flat[12:]).astype(np.float32)})
+        return out
+
+    delays = {1: 1, 2: 2, 3: 3}
+    got = run(ScriptedGrid(compressed, delays), num_steps=6, staleness=Constant())
+    assert got.version == 6 and not got.left_out
+    replay = iter(stood_for)
+
+    def replayed(node, sent, msg):  # the same pull order as the compressed run: the same replies, as full models
+        arrays = ArrayRecord({k: Array(v) for k, v in next(replay).items()})
+        return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 10})}), reply_to=msg)
+
+    want = run(ScriptedGrid(replayed, delays), num_steps=6, staleness=Constant())
+    for k in START:
+        np.testing.assert_allclose(got.arrays[k].numpy(), want.arrays[k].numpy(), rtol=1e-5, atol=1e-6)

@@ -528,6 +528,33 @@ def test_fuzz_qfedavg(backend, data):
         assert bool(torch.isfinite(w).all()), "Inf/NaN written into params"
 
 
+def _check_compressed_round(us, data, d, dtype, backend):
+    """The compressed clients ``us`` with drawn weights: the Accumulator's fold and the functional round on
+    ``backend`` equal the reference backend's, or both refuse alike with every input unchanged; never Inf/NaN in
+    params."""
+    ws = [data.draw(st.sampled_from([1.0, 2.0, 0.0, 1e30]), label="weight") for _ in us]
+    params = torch.randn(d, dtype=dtype)
+
+    def call(args, backend):
+        us, params = args
+        acc = fastagg.Accumulator(torch.zeros(d, dtype=dtype), backend=backend)
+        took = acc.add_many(us, ws, on_nonfinite="skip")
+        summed = acc.weighted_sum.clone()
+        res = fastagg.fedexp_step(us, eps=1e-3, weights=ws if sum(ws) > 0 else None, params=params,
+                                  on_nonfinite="skip", backend=backend)
+        return took, summed, bool(res.finite)
+
+    got, ref, args, ref_args = _run_both(call, (us, params), backend)
+    assert bool(torch.isfinite(args[1]).all()), "Inf/NaN written into params"
+    if got is None:
+        return
+    assert got[0] == ref[0] and got[2] == ref[2]
+    if all(got[0]):
+        _close(got[1], ref[1], dtype, "mean", "sum")
+        if got[2]:
+            _close(args[1], ref_args[1], dtype, "params", "params")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @FUZZ
 @given(data=st.data())
@@ -550,27 +577,7 @@ def test_fuzz_int8_clients(backend, data):
                                                            float("inf"), 0.0, -1.0, 1.0, 1.0, 0.5]))
                                for _ in range(nblocks)], dtype=torch.float32)
         us.append(Int8Blockwise(codes, scales, block))
-    ws = [data.draw(st.sampled_from([1.0, 2.0, 0.0, 1e30]), label="weight") for _ in us]
-    params = torch.randn(d, dtype=dtype)
-
-    def call(args, backend):
-        us, params = args
-        acc = fastagg.Accumulator(torch.zeros(d, dtype=dtype), backend=backend)
-        took = acc.add_many(us, ws, on_nonfinite="skip")
-        summed = acc.weighted_sum.clone()
-        res = fastagg.fedexp_step(us, eps=1e-3, weights=ws if sum(ws) > 0 else None, params=params,
-                                  on_nonfinite="skip", backend=backend)
-        return took, summed, bool(res.finite)
-
-    got, ref, args, ref_args = _run_both(call, (us, params), backend)
-    assert bool(torch.isfinite(args[1]).all()), "Inf/NaN written into params"
-    if got is None:
-        return
-    assert got[0] == ref[0] and got[2] == ref[2]
-    if all(got[0]):
-        _close(got[1], ref[1], dtype, "mean", "sum")
-        if got[2]:
-            _close(args[1], ref_args[1], dtype, "params", "params")
+    _check_compressed_round(us, data, d, dtype, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -607,24 +614,4 @@ def test_fuzz_fp8_and_sparse_clients(backend, data):
                 idx[-1] = d
             vals = torch.randn(k, generator=g) * data.draw(st.sampled_from([1.0, 1e-30, 1e30, float("nan")]))
             us.append(SparseUpdate(idx.to(data.draw(st.sampled_from([torch.int32, torch.int64]))), vals, d))
-    ws = [data.draw(st.sampled_from([1.0, 2.0, 0.0, 1e30]), label="weight") for _ in us]
-    params = torch.randn(d, dtype=dtype)
-
-    def call(args, backend):
-        us, params = args
-        acc = fastagg.Accumulator(torch.zeros(d, dtype=dtype), backend=backend)
-        took = acc.add_many(us, ws, on_nonfinite="skip")
-        summed = acc.weighted_sum.clone()
-        res = fastagg.fedexp_step(us, eps=1e-3, weights=ws if sum(ws) > 0 else None, params=params,
-                                  on_nonfinite="skip", backend=backend)
-        return took, summed, bool(res.finite)
-
-    got, ref, args, ref_args = _run_both(call, (us, params), backend)
-    assert bool(torch.isfinite(args[1]).all()), "Inf/NaN written into params"
-    if got is None:
-        return
-    assert got[0] == ref[0] and got[2] == ref[2]
-    if all(got[0]):
-        _close(got[1], ref[1], dtype, "mean", "sum")
-        if got[2]:
-            _close(args[1], ref_args[1], dtype, "params", "params")
+    _check_compressed_round(us, data, d, dtype, backend)

@@ -29,6 +29,7 @@ from flwr.supercore import log
 
 from .. import server
 from ..asynchronous import AsyncServer, Polynomial, StaleUpdate
+from .compressed import is_compressed_record, read_compressed
 from .records import ReplyError, record_views, to_record
 
 __all__ = ["FedBuff", "AsyncResult"]
@@ -205,16 +206,28 @@ class FedBuff:
             records = reply.content.array_records
             if len(records) != 1 or len(reply.content.metric_records) != 1:
                 raise ReplyError("expected one ArrayRecord and one MetricRecord")
-            views = record_views(next(iter(records.values())), "the reply's ArrayRecord")
+            record = next(iter(records.values()))
+            metrics = next(iter(reply.content.metric_records.values()))
+            weight = metrics.get(self.weighted_by_key, 1)
+            if is_compressed_record(record):  # compress_mod's update: folded where it lies (no buffers to average)
+                update, bufs = read_compressed(record, "the reply's ArrayRecord")
+                if bufs:
+                    raise ReplyError("is compressed and carries buffers; FedBuff folds compressed replies of models "
+                                     "without buffers")
+                res = srv.submit(update, v, weight=float(weight), client_id=(node, reply.metadata.reply_to_message_id))
+                return self._counted(res, node, result, contents, reply)
+            views = record_views(record, "the reply's ArrayRecord")
             if set(views) != set(base) or any(tuple(views[k].shape) != tuple(base[k].shape) for k in base):
                 raise ReplyError("has other keys or shapes than the model sent")
             views = {k: views[k] for k in base}
-            metrics = next(iter(reply.content.metric_records.values()))
-            weight = metrics.get(self.weighted_by_key, 1)
             res = srv.submit(views, v, weight=float(weight), base=base,
                              client_id=(node, reply.metadata.reply_to_message_id))
         except (StaleUpdate, ValueError, TypeError) as e:
             return str(e)
+        return self._counted(res, node, result, contents, reply)
+
+    @staticmethod
+    def _counted(res, node: int, result: AsyncResult, contents: list, reply: Message) -> str | None:
         if not res.folded:
             return "holds NaN or Inf"
         result.updates_per_node[node] = result.updates_per_node.get(node, 0) + 1
