@@ -894,7 +894,35 @@ def section_dp() -> None:
         free()
 
 
-SECTIONS = {"copy": section_copy, "robust": section_robust, "dp": section_dp, "feed": section_feed, "pageable": section_pageable, "queue": section_queue, "round": section_round,
+def section_compress() -> None:
+    """Issue 25: compressed clients folded where they lie (int8, fp8, code-book, top-k), against the copy bandwidth
+    on the compressed bytes (target >= 0.8) and the same round on float32 clients."""
+    import fastagg
+    from fastagg.compress import Codebook8, quantize_fp8, quantize_int8, sparsify_topk
+
+    m, d = 16, size(50_000_000)
+    tag = f"M={m} d={d:.0e}"
+    floats = [torch.randn(d, device=DEV) for _ in range(m)]
+    mean = torch.empty(d, device=DEV)
+    code = torch.sort(torch.rand(256, device=DEV) * 2 - 1).values
+    kinds = {"int8 block 256": [quantize_int8(x, 256) for x in floats],
+             "fp8 block 256": [quantize_fp8(x, 256) for x in floats]}
+    kinds["code-book block 4096"] = [Codebook8(u.codes.view(torch.uint8), torch.rand(-(-d // 4096), device=DEV) + 0.5,
+                                               4096, code=code) for u in kinds["int8 block 256"]]
+    record("compress", f"{tag}: fedexp_step fp32", bench(lambda: fastagg.fedexp_step(
+        floats, eps=1e-3, backend="triton", mean_out=mean)), m * d * 4 + 4 * d)
+    for name, us in kinds.items():
+        nbytes = sum(u.nbytes for u in us) + 4 * d
+        record("compress", f"{tag}: fedexp_step {name}", bench(lambda: fastagg.fedexp_step(
+            us, eps=1e-3, backend="triton", mean_out=mean)), nbytes)
+    sparse = [sparsify_topk(x, 0.01) for x in floats]
+    record("compress", f"{tag}: fedexp_step top-1% sparse (mean written: 4d bytes)", bench(lambda: fastagg.fedexp_step(
+        sparse, eps=1e-3, backend="triton", mean_out=mean)), sum(u.nbytes for u in sparse) + 8 * d)
+    del floats, kinds, sparse, mean
+    free()
+
+
+SECTIONS = {"copy": section_copy, "compress": section_compress, "robust": section_robust, "dp": section_dp, "feed": section_feed, "pageable": section_pageable, "queue": section_queue, "round": section_round,
             "apply": section_apply, "compile": section_compile, "sweep": section_sweep, "server": section_server,
             "client": section_client, "sim": section_sim}
 
