@@ -24,18 +24,20 @@ import time
 
 import numpy as np
 import torch
-from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
-from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedAggregationHelper
-from nvflare.app_opt.pt.quantization.dequantizer import ModelDequantizer
-from nvflare.app_opt.pt.quantization.quantizer import ModelQuantizer
-
-from fastagg.nvflare import FastaggAggregator
 
 D = int(float(os.environ.get("FASTAGG_BENCH_D", "1e7")))
 M, LAYERS = 16, 10
 
 
 def main(rounds: int = 7) -> dict:
+    # (imported here: pytest collects bench/ in the main environment, which has no FLARE)
+    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+    from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedAggregationHelper
+    from nvflare.app_opt.pt.quantization.dequantizer import ModelDequantizer
+    from nvflare.app_opt.pt.quantization.quantizer import ModelQuantizer
+
+    from fastagg.nvflare import FastaggAggregator
+
     torch.Tensor.cuda = lambda self, *a, **k: self  # FLARE's filters move tensors to a GPU this machine lacks
     shapes = {f"layer{i}.weight": (D // LAYERS // 1000, 1000) for i in range(LAYERS)}
     rng = np.random.default_rng(0)
