@@ -352,6 +352,39 @@ void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef,
     run(reinterpret_cast<double*>(o.data));
 }
 
+// Rows quantized to int8 blockwise (quantized.h): x [M, d] float32/float64, codes [M * d] int8, scales
+// [M * ceil(d / block)] float32, one client id per row.
+void checked_quantize_int8_rows(py::handle x, int64_t block, bool stochastic, uint64_t seed, uint64_t round,
+                                const std::vector<uint64_t>& clients, py::handle codes_out, py::handle scales_out) {
+  const std::string pass = "quantize_int8_rows: ";
+  View xv = view_of(x, "x", kAnyFloat);
+  if (xv.kind != kF32 && xv.kind != kF64) type_error(pass + "x must be float32 or float64");
+  if (xv.shape.size() != 2) value_error(pass + "x must be 2-D [M, d]");
+  if (!xv.contiguous()) value_error(pass + "x must be contiguous");
+  const int64_t M = xv.shape[0], d = xv.shape[1];
+  if (block < 1) value_error(pass + "block must be >= 1, got " + str(block));
+  if (static_cast<int64_t>(clients.size()) != M)
+    value_error(pass + str(M) + " rows but " + str(static_cast<int64_t>(clients.size())) + " client ids");
+  if (round >= (uint64_t(1) << 32)) value_error(pass + "round must be below 2^32");
+  std::vector<uint32_t> ids;
+  for (uint64_t c : clients) {
+    if (c >= (uint64_t(1) << 32)) value_error(pass + "client ids must be below 2^32");
+    ids.push_back(static_cast<uint32_t>(c));
+  }
+  const int64_t nb = d == 0 ? 0 : (d - 1) / block + 1;
+  View cv = flat_view(codes_out, "codes_out", kI8, M * d), sv = flat_view(scales_out, "scales_out", kF32, M * nb);
+  check_overlaps({&cv, &sv}, {&xv});
+  py::gil_scoped_release release;
+  if (xv.kind == kF32)
+    quantize_int8_rows<float>(reinterpret_cast<const float*>(xv.data), M, d, block, stochastic, seed,
+                              static_cast<uint32_t>(round), ids.data(), reinterpret_cast<int8_t*>(cv.data),
+                              reinterpret_cast<float*>(sv.data));
+  else
+    quantize_int8_rows<double>(reinterpret_cast<const double*>(xv.data), M, d, block, stochastic, seed,
+                               static_cast<uint32_t>(round), ids.data(), reinterpret_cast<int8_t*>(cv.data),
+                               reinterpret_cast<float*>(sv.data));
+}
+
 // ---- robust passes ------------------------------------------------------------------------------------------
 
 void checked_coord_select(py::handle rows, py::handle base, const std::vector<int64_t>& seg_lens, int rule,
@@ -648,6 +681,7 @@ PYBIND11_MODULE(FASTAGG_MODULE, m) {
   m.def("philox4x32_10", &checked_philox);
   m.def("blockwise_fold", &checked_blockwise_fold);
   m.def("sparse_fold", &checked_sparse_fold);
+  m.def("quantize_int8_rows", &checked_quantize_int8_rows);
   m.def("coord_select", &checked_coord_select);
   m.def("gram", &checked_gram);
   m.def("momentum_apply", &checked_momentum_apply);

@@ -2,9 +2,11 @@
 #include "quantized.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "noise.h"
 #include "segments.h"
 
 #ifdef __AVX2__
@@ -399,6 +401,48 @@ void sparse_fold(const I* const* idx, const float* const* vals, const int64_t* k
   for (double p : part) msq += p;
   *msq_out = msq;
 }
+
+template <typename X>
+void quantize_int8_rows(const X* x, int64_t M, int64_t d, int64_t block, bool stochastic, uint64_t seed,
+                        uint32_t round, const uint32_t* clients, int8_t* codes, float* scales) {
+  const int64_t nb = (d + block - 1) / block;
+  const uint32_t key[2] = {static_cast<uint32_t>(seed & 0xFFFFFFFFu), static_cast<uint32_t>(seed >> 32)};
+#pragma omp parallel for schedule(static) num_threads(threads_for(M * d * int64_t(sizeof(X) + 1)))
+  for (int64_t r = 0; r < M * nb; ++r) {
+    const int64_t i = r / nb, b = r % nb;
+    const X* row = x + i * d;
+    int8_t* out = codes + i * d;
+    const int64_t lo = b * block, hi = std::min(d, lo + block);
+    double amax = 0.0;
+    for (int64_t j = lo; j < hi; ++j) amax = std::max(amax, std::fabs(static_cast<double>(row[j])));
+    const float s = amax > 0.0 ? static_cast<float>(amax / 127.0) : 1.0f;
+    scales[i * nb + b] = s;
+    const double sd = static_cast<double>(s);
+    uint32_t words[4] = {0, 0, 0, 0};
+    int64_t group = -1;
+    for (int64_t j = lo; j < hi; ++j) {
+      const double v = static_cast<double>(row[j]) / sd;
+      double q;
+      if (stochastic) {
+        if (j / 4 != group) {  // the Philox block holding u_j: counter (j / 4 low, high, round, client), key seed
+          group = j / 4;
+          const uint32_t counter[4] = {static_cast<uint32_t>(group & 0xFFFFFFFF),
+                                       static_cast<uint32_t>(static_cast<uint64_t>(group) >> 32), round, clients[i]};
+          philox4x32_10(counter, key, words);
+        }
+        q = std::floor(v + static_cast<double>(words[j % 4]) * 0x1p-32);
+      } else {
+        q = std::nearbyint(v);  // the default rounding mode: half to even
+      }
+      out[j] = static_cast<int8_t>(std::min(127.0, std::max(-127.0, q)));
+    }
+  }
+}
+
+template void quantize_int8_rows<float>(const float*, int64_t, int64_t, int64_t, bool, uint64_t, uint32_t,
+                                        const uint32_t*, int8_t*, float*);
+template void quantize_int8_rows<double>(const double*, int64_t, int64_t, int64_t, bool, uint64_t, uint32_t,
+                                         const uint32_t*, int8_t*, float*);
 
 template void int8_blockwise_fold<float>(const int8_t* const*, const float* const*, int64_t, int64_t, int64_t,
                                          const double*, const float*, float*, double*, uint8_t*, double*);

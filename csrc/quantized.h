@@ -43,4 +43,13 @@ template <typename T, typename I>
 void sparse_fold(const I* const* idx, const float* const* vals, const int64_t* k, int64_t M, const double* coef,
                  T* out, int64_t d, double* sq_out, double* msq_out);
 
+// The client side: M rows of d elements (row-major) quantized to int8 blockwise absmax (fastagg/compress/int8.py
+// states the rule: scale_b = float32(max |x| / 127) or 1 for an all-zero block; q = round half to even of x / s,
+// or with stochastic floor(x / s + u_j), u_j the (j mod 4)-th word of Philox4x32-10 with counter (j / 4 low and
+// high words, round, clients[i]) and key seed, times 2^-32), every operation in float64 as the definition's.
+// Rows and blocks are independent: the result never depends on the thread count.
+template <typename X>
+void quantize_int8_rows(const X* x, int64_t M, int64_t d, int64_t block, bool stochastic, uint64_t seed,
+                        uint32_t round, const uint32_t* clients, int8_t* codes, float* scales);
+
 }  // namespace fastagg

@@ -118,3 +118,42 @@ def test_the_compression_tradeoff_experiment_writes_its_table_and_plot(tmp_path,
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["fp32", "int8", "top-k 5% + EF"]
     assert "3.94x smaller" in rows[2]
     assert (tmp_path / "accuracy_vs_bytes.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("block", [1, 7, 64, 256, 5000])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_the_fused_int8_quantizer_writes_the_definitions_codes_bit_for_bit(dtype, block, stochastic):
+    """quantize_int8_rows on CPU rows runs the C++ kernel (csrc/quantized.h); the torch ops are the definition:
+    the same scales and codes for every row, block, rounding mode and input dtype (ties and all-zero blocks too)."""
+    from fastagg.compress import int8
+
+    g = torch.Generator().manual_seed(block)
+    x = (torch.randn(5, 1003, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, 1003, dtype=torch.float64))
+    x[1, :block] = 0.0                                   # an all-zero block
+    x[2, :8] = torch.tensor([0.5, 1.5, -2.5, 127.0, -127.0, 63.5, 0.0, -0.5], dtype=torch.float64)  # ties
+    x = x.to(dtype)
+    ids = [0, 1, 7, 2 ** 32 - 1, 12345]
+    fused = int8.quantize_int8_rows(x, block, stochastic=stochastic, seed=2 ** 63 + 5, round=9, clients=ids)
+    plain = int8._torch_rows(x, block, stochastic, 2 ** 63 + 5, 9, ids)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a.scales, b.scales) and torch.equal(a.codes, b.codes)
+
+
+def test_the_fused_quantizer_binding_checks_what_it_is_handed():
+    from fastagg.backends.cpu import compiled
+
+    c = compiled()
+    x, codes, scales = torch.zeros(2, 10), torch.zeros(20, dtype=torch.int8), torch.zeros(2, dtype=torch.float32)
+    c.quantize_int8_rows(x.__dlpack__(), 16, False, 0, 0, [0, 1], codes.__dlpack__(), scales.__dlpack__())
+    for kw, match in [(dict(clients=[0]), "2 rows but 1 client ids"), (dict(block=0), "block must be >= 1"),
+                      (dict(codes=torch.zeros(19, dtype=torch.int8)), "codes_out has 19 elements"),
+                      (dict(scales=torch.zeros(3)), "scales_out has 3 elements"),
+                      (dict(x=torch.zeros(2, 10, dtype=torch.int32)), "floating|float32"),
+                      (dict(x=torch.zeros(4, 10)[::2]), "contiguous"),
+                      (dict(clients=[0, 2 ** 32]), "below 2\\^32"),
+                      (dict(codes=x.view(torch.int8)[0, :20]), "overlaps")]:
+        a = {**dict(x=x, block=16, clients=[0, 1], codes=codes, scales=scales), **kw}
+        with pytest.raises((ValueError, TypeError), match=match):
+            c.quantize_int8_rows(a["x"].__dlpack__(), a["block"], False, 0, 0, a["clients"], a["codes"].__dlpack__(),
+                                 a["scales"].__dlpack__())

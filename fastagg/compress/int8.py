@@ -51,7 +51,8 @@ def quantize_int8(update: Any, block: int = 256, *, stochastic: bool = False, se
 def quantize_int8_rows(rows: torch.Tensor, block: int = 256, *, stochastic: bool = False, seed: int = 0,
                        round: int = 0, clients: list | None = None) -> list:
     """Each row of an ``[M, d]`` batch of updates quantized as :func:`quantize_int8` (row ``i`` keyed by
-    ``clients[i]``, default ``i``), in one vectorized pass."""
+    ``clients[i]``, default ``i``), in one pass: fused in C++ for CPU float32/float64 rows (csrc/quantized.h, the
+    same codes and scales bit for bit), torch ops elsewhere."""
     check_block(block)
     x = as_rows(rows, "the updates")
     m, d = x.shape
@@ -59,6 +60,29 @@ def quantize_int8_rows(rows: torch.Tensor, block: int = 256, *, stochastic: bool
     check_keys(seed, round, clients)
     if len(clients) != m:
         raise ValueError(f"{m} rows but {len(clients)} client ids")
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        from ..backends import cpu
+
+        if cpu.IMPORT_ERROR is None:
+            return _fused_rows(x.contiguous(), block, stochastic, seed, round, clients)
+    return _torch_rows(x, block, stochastic, seed, round, clients)
+
+
+def _fused_rows(x: torch.Tensor, block: int, stochastic: bool, seed: int, round: int, clients: list) -> list:
+    from ..backends.cpu import compiled
+
+    m, d = x.shape
+    nb = -(-d // block)
+    codes = torch.empty(m, d, dtype=torch.int8)
+    scales = torch.empty(m, nb, dtype=torch.float32)
+    compiled().quantize_int8_rows(x.__dlpack__(), block, bool(stochastic), seed, round, clients,
+                                  codes.__dlpack__(), scales.__dlpack__())
+    return [Int8Blockwise(codes[i], scales[i], block) for i in range(m)]
+
+
+def _torch_rows(x: torch.Tensor, block: int, stochastic: bool, seed: int, round: int, clients: list) -> list:
+    """The definition in torch ops (any device): float64 tiles, absmax, the float32 scale, then the codes."""
+    m, d = x.shape
     t = tiles(x, block)
     absmax = t.abs().amax(dim=2)
     scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax)).to(torch.float32)
