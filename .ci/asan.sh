@@ -34,4 +34,4 @@ LD_PRELOAD="$PRELOAD" FASTAGG_CPU_ISA=asan TRITON_INTERPRET=1 FASTAGG_FUZZ_EXAMP
   tests/test_round.py tests/test_server.py tests/test_client.py tests/test_stream.py tests/test_safety.py \
   tests/test_errors.py tests/test_fuzz.py tests/test_properties.py tests/test_stream_concurrency.py \
   tests/test_robust.py tests/test_robust_kernels.py tests/test_privacy.py tests/test_privacy_noise.py \
-  tests/test_compress.py tests/test_compress_formats.py
+  tests/test_compress.py tests/test_compress_formats.py tests/test_compress_clients.py

@@ -123,7 +123,7 @@ def test_the_compression_tradeoff_experiment_writes_its_table_and_plot(tmp_path,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("block", [1, 7, 64, 256, 5000])
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_the_fused_int8_quantizer_writes_the_definitions_codes_bit_for_bit(dtype, block, stochastic):
+def test_the_fused_cpu_int8_quantizer_writes_the_definitions_codes_bit_for_bit(dtype, block, stochastic):
     """quantize_int8_rows on CPU rows runs the C++ kernel (csrc/quantized.h); the torch ops are the definition:
     the same scales and codes for every row, block, rounding mode and input dtype (ties and all-zero blocks too)."""
     from fastagg.compress import int8
@@ -140,7 +140,7 @@ def test_the_fused_int8_quantizer_writes_the_definitions_codes_bit_for_bit(dtype
         assert torch.equal(a.scales, b.scales) and torch.equal(a.codes, b.codes)
 
 
-def test_the_fused_quantizer_binding_checks_what_it_is_handed():
+def test_the_cpu_int8_quantizer_binding_checks_what_it_is_handed():
     from fastagg.backends.cpu import compiled
 
     c = compiled()
