@@ -369,7 +369,7 @@ def _blockwise8_problem(update: LayerwiseUpdate, site: str, acc: Accumulator) ->
         if nonfinite_scales([update], ["absmax"]):
             return "contains NaN or Inf"
         for k, part in enumerate(update.parts):
-            if bool(torch.isnan(part.code).any()) and part.holds_invalid_code():
+            if part.holds_invalid_code():
                 return f"layer {k} {part.INVALID_CODES}"
     except (TypeError, ValueError) as e:
         return str(e)

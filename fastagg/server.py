@@ -753,8 +753,12 @@ class ServerOptimizer(torch.optim.Optimizer):
         if is_compressed(deltas):
             if base is not None:
                 raise TypeError("base= does not apply to compressed updates: they are the updates themselves")
-            if self.group is not None:
-                raise TypeError("group= takes float updates; compressed ones are not supported there yet")
+            if self.group is not None:  # every other rank learns at once (no rank left waiting), then this one raises
+                from .distributed import fail_step
+
+                fail_step(self.group, "clients",
+                          TypeError("group= takes float updates; compressed ones are not supported there yet"),
+                          self.device)
             if self.aggregate is not None:  # robust rules and DP read every client: dequantized rows, one each
                 deltas = dense_rows(deltas, [f"{name}[{i}]" for i in range(len(deltas))],
                                     numel=self._p.segments.numel, device=self.device, dtype=self._p.dtype)

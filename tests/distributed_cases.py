@@ -320,6 +320,22 @@ def local_failure(rank: int, world: int, group) -> dict:
     return out
 
 
+def compressed_on_one_rank(rank: int, world: int, group) -> dict:
+    """The last rank passes compressed (int8) updates, which group= does not take: it raises its TypeError, every
+    other rank learns at once (no wait for the group's timeout); params stay; the next step works."""
+    from fastagg.compress import quantize_int8
+
+    sl = share(rank, world)
+    deltas, _, weights = data(0)
+    w = params0()
+    opt = server.FedAvg(w, group=group)
+    mine = [quantize_int8(x) for x in deltas[sl]] if rank == world - 1 else deltas[sl]
+    out = {"first": _attempt(lambda: opt.step(mine, weights=weights[sl]))}
+    out["unchanged"] = bool(torch.equal(w, params0()))
+    out["second"] = _attempt(lambda: opt.step(deltas[sl], weights=weights[sl]))
+    return out
+
+
 def failure_in_pass(rank: int, world: int, group) -> dict:
     """The last rank fails inside its own stats pass, after the header exchange: every rank learns it before the
     d-vector collective (none waits for the group's timeout); the next step works."""
@@ -402,5 +418,6 @@ def gather_dtypes(rank: int, world: int, group) -> dict:
 
 CASES = {"buffer_mismatch": buffer_mismatch, "batchnorm_accumulated": batchnorm_accumulated, "sharded_batchnorm": sharded_batchnorm, "many_clients": many_clients, "batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
          "mismatch": mismatch, "dead_rank": dead_rank, "local_failure": local_failure,
+         "compressed_on_one_rank": compressed_on_one_rank,
          "failure_in_pass": failure_in_pass, "out_of_step": out_of_step, "keys_in_another_order": keys_in_another_order,
          "sharded_permuted_weights": sharded_permuted_weights, "gather_dtypes": gather_dtypes}

@@ -259,6 +259,13 @@ def test_a_rank_whose_input_is_bad_makes_every_rank_fail_that_step_at_once(world
         assert torch.equal(res["w"], ranks[0]["w"])  # the next step: the same bits on every rank
 
 
+def test_compressed_updates_on_one_rank_make_every_rank_fail_that_step_at_once(tmp_path):
+    ranks = spawn("compressed_on_one_rank", 2, tmp_path, timeout_s=60)
+    assert ranks[1]["first"]["raised"] == "TypeError" and "compressed" in ranks[1]["first"]["message"]
+    assert "timeout" not in ranks[0]["first"]["message"] and "rank 1 could not take part" in ranks[0]["first"]["message"]
+    assert all(r["unchanged"] and r["second"]["raised"] is None for r in ranks)
+
+
 def test_a_rank_that_fails_inside_its_pass_makes_every_rank_fail_at_once(tmp_path):
     ranks = spawn("failure_in_pass", 2, tmp_path, timeout_s=60)
     assert ranks[1]["first"]["raised"] == "RuntimeError" and "simulated" in ranks[1]["first"]["message"]

@@ -259,3 +259,31 @@ def test_the_wire_form_round_trips():
     for u in (quantize_int8(x, 16), quantize_fp8(x, 32), sparsify_topk(x, 0.1)):
         back, bufs = read_compressed(compressed_record(u, {"b": np.zeros(2)}))
         assert type(back) is type(u) and torch.equal(dequantize(back), dequantize(u)) and list(bufs) == ["b"]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_one_node_sending_huge_finite_values_is_left_out_and_the_others_aggregate(mixed):
+    """A compressed reply of finite values so large that the round's sums overflow: with on_nonfinite="skip" that
+    node is left out and the others make the round; with "raise" the round is refused naming it, model unchanged."""
+    from fastagg.compress import quantize_int8
+
+    for mode in ("skip", "raise"):
+        s = fa.FedAvg(min_available_nodes=1, on_nonfinite=mode)
+        arrays = _rec(_model())
+        msgs = sorted(s.configure_train(1, arrays, ConfigRecord(), Grid([1, 2, 3])),
+                      key=lambda m: m.metadata.dst_node_id)
+        replies = [_client("int8:block=8", {}, compressed_nodes=None if not mixed else {2})(m) for m in msgs]
+        rec = replies[1].content["arrays"]
+        update, bufs = read_compressed(rec)
+        huge = quantize_int8(torch.full((update.numel,), 3e38), 8)
+        replies[1] = Message(RecordDict({"arrays": compressed_record(huge, {k: np.array(v) for k, v in bufs.items()}),
+                                         "metrics": replies[1].content["metrics"]}), reply_to=msgs[1])
+        before = {k: v.clone() for k, v in s.global_model.items()}
+        if mode == "raise":
+            with pytest.raises(AggregationError, match="node 2 .*overflow"):
+                s.aggregate_train(1, replies)
+            assert all(torch.equal(before[k], v) for k, v in s.global_model.items())
+        else:
+            got, _ = s.aggregate_train(1, replies)
+            assert got is not None and all(np.isfinite(a.numpy()).all() for a in got.values())
+            assert not torch.equal(before["0.weight"], s.global_model["0.weight"])

@@ -65,7 +65,10 @@ class Blockwise:
         t = self.table()
         if t is None:
             return bool((self.codes == -128).any())
-        return bool(t.to(self.device)[self.codes.view(torch.uint8).long()].isnan().any())
+        invalid = torch.isnan(t).nonzero().flatten()  # the bytes whose value is NaN (none for most code books)
+        if invalid.numel() == 0:
+            return False
+        return bool(torch.isin(self.codes.view(torch.uint8), invalid.to(self.device, torch.uint8)).any())
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """``x~_j = s_b * v(q_j)`` as a flat ``dtype`` tensor (float64 by default: the oracle every fold is tested

@@ -32,6 +32,7 @@ import dataclasses
 import inspect
 import math
 import pprint
+import types
 import warnings
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
@@ -405,12 +406,13 @@ class _Fastagg:
             with warnings.catch_warnings():  # the buffers are averaged below, from the replies' own
                 warnings.filterwarnings("ignore", message="the global model has buffers", category=RuntimeWarning)
                 stats = opt.step(updates, weights=weights)
-        except ValueError as e:
-            raise AggregationError(f"the compressed replies cannot be aggregated ({e}); the round is refused and "
-                                   "the global model is unchanged") from e
-        if not bool(stats.finite):
-            raise AggregationError(f"the step on the compressed replies is not finite (eta={float(stats.eta)!r}); "
-                                   "the round is refused and the global model is unchanged")
+        except ValueError:  # (all compressed, folded in an Accumulator) the round's sums would overflow: nothing
+            # changed; each reply's norm lets _step find the ones too large (_overflowing) and refuse or skip them
+            norms = torch.stack([u.dequantize(torch.float64).square().sum() for u in updates])
+            return types.SimpleNamespace(finite=torch.tensor(False), robust=None, eta=torch.tensor(float("nan")),
+                                         nonfinite=torch.zeros(len(usable), dtype=torch.bool), sq_norms=norms)
+        if not bool(stats.finite):  # the model is unchanged; _step decides what the flagged round means
+            return stats
         w = np.ones(len(usable)) if weights is None else np.asarray(weights, dtype=np.float64)
         p = w / w.sum()
         for name, _ in opt._p.buffers:
