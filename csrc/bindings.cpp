@@ -276,9 +276,39 @@ void checked_blockwise_fold(py::handle codes, py::handle scales, int64_t block, 
     run(reinterpret_cast<double*>(o.data));
 }
 
-// Sparse clients added into out in place. Every index is checked here (in [0, d), strictly increasing per client)
-// and every value finite, before anything is written.
-void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef, py::handle out,
+namespace {
+// True when a client's entries are well formed: indices strictly increasing (so all lie in [0, d) when the first and
+// the last do) and values finite. Branch-free loops over the whole client (they vectorize); the entry-by-entry
+// walk that names the first bad entry runs only for a client found wanting.
+template <typename I>
+bool sparse_entries_fine(const I* at, const float* v, int64_t k, int64_t d) {
+  if (k == 0) return true;
+  int rising = 1, finite = 1;
+  for (int64_t j = 1; j < k; ++j) rising &= at[j] > at[j - 1];
+  for (int64_t j = 0; j < k; ++j) finite &= (v[j] - v[j]) == 0.0f;  // false for NaN and +-Inf
+  return rising && finite && static_cast<int64_t>(at[0]) >= 0 && static_cast<int64_t>(at[k - 1]) < d;
+}
+
+void name_bad_sparse_entry(const View& ix, const float* v, int64_t k, int64_t d, const std::string& who) {
+  int64_t prev = -1;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t at = ix.kind == kI64 ? reinterpret_cast<const int64_t*>(ix.data)[j]
+                                       : static_cast<int64_t>(reinterpret_cast<const int32_t*>(ix.data)[j]);
+    if (at < 0 || at >= d) value_error(who + "index " + str(at) + " (entry " + str(j) + ") is outside [0, " + str(d) + ")");
+    if (at <= prev)
+      value_error(who + "indices must be strictly increasing; entry " + str(j) + " is " + str(at) + " after " +
+                  str(prev));
+    if (!std::isfinite(v[j])) value_error(who + "value " + str(j) + " is not finite");
+    prev = at;
+  }
+  value_error(who + "malformed entries");  // (not reached: the walk names what the fast check found)
+}
+}  // namespace
+
+// Sparse clients folded into out: out = init + the scattered clients (init None: zeros; init may be out itself).
+// Every index is checked here (in [0, d), strictly increasing per client) and every value finite, before anything
+// is written.
+void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef, py::handle init, py::handle out,
                          py::handle sq_out, py::handle msq_out) {
   const std::string pass = "sparse_fold: ";
   if (!py::isinstance<py::list>(indices) || !py::isinstance<py::list>(values))
@@ -299,33 +329,39 @@ void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef,
     const int64_t k = ix.numel();
     ix = flat_view(il[i], "indices[" + str(i) + "]", ix.kind, k);
     if (!iv.empty() && ix.kind != iv.front().kind) type_error(pass + "the clients' indices must share one dtype");
-    View vals = flat_view(vl[i], "values[" + str(i) + "]", kF32, k);
-    const std::string who = pass + "client " + str(i) + ": ";
-    const auto* v = reinterpret_cast<const float*>(vals.data);
-    int64_t prev = -1;
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t at = ix.kind == kI64 ? reinterpret_cast<const int64_t*>(ix.data)[j]
-                                         : static_cast<int64_t>(reinterpret_cast<const int32_t*>(ix.data)[j]);
-      if (at < 0 || at >= d) value_error(who + "index " + str(at) + " (entry " + str(j) + ") is outside [0, " + str(d) + ")");
-      if (at <= prev)
-        value_error(who + "indices must be strictly increasing; entry " + str(j) + " is " + str(at) + " after " +
-                    str(prev));
-      if (!std::isfinite(v[j])) value_error(who + "value " + str(j) + " is not finite");
-      prev = at;
-    }
     iv.push_back(ix);
-    vv.push_back(vals);
+    vv.push_back(flat_view(vl[i], "values[" + str(i) + "]", kF32, k));
     ks.push_back(k);
   }
+  std::vector<uint8_t> fine(static_cast<size_t>(M), 1);
+  {
+    py::gil_scoped_release release;
+    int64_t total = 0;
+    for (int64_t k : ks) total += k;
+#pragma omp parallel for schedule(dynamic) num_threads(threads_for(total * 8))
+    for (int64_t i = 0; i < M; ++i) {
+      const auto* v = reinterpret_cast<const float*>(vv[i].data);
+      fine[i] = iv[i].kind == kI64
+                    ? sparse_entries_fine(reinterpret_cast<const int64_t*>(iv[i].data), v, ks[i], d)
+                    : sparse_entries_fine(reinterpret_cast<const int32_t*>(iv[i].data), v, ks[i], d);
+    }
+  }
+  for (int64_t i = 0; i < M; ++i)
+    if (!fine[i])
+      name_bad_sparse_entry(iv[i], reinterpret_cast<const float*>(vv[i].data), ks[i], d,
+                            pass + "client " + str(i) + ": ");
   View c = flat_view(coef, "coef", kF64, M);
   const double* cf = reinterpret_cast<const double*>(c.data);
   for (int64_t i = 0; i < M; ++i)
     if (!std::isfinite(cf[i])) value_error(pass + "coef[" + str(i) + "] is not finite");
+  View in = init.is_none() ? View{} : flat_view(init, "init", o.kind, d);
   View sq = flat_view(sq_out, "sq_out", kF64, M);
   View msq = msq_out.is_none() ? View{} : flat_view(msq_out, "msq_out", kF64, 1);
   std::vector<const View*> reads = pointers(iv);
   for (const View& v : vv) reads.push_back(&v);
   reads.push_back(&c);
+  // init may be out itself (an in-place fold); any other overlap with what is written is refused
+  if (!init.is_none() && in.data != o.data) reads.push_back(&in);
   check_overlaps({&o, &sq, &msq}, reads);
   std::vector<const void*> ip;
   std::vector<const float*> vp;
@@ -339,12 +375,13 @@ void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef,
   py::gil_scoped_release release;
   auto run = [&](auto* typed_out) {
     using T = std::remove_pointer_t<decltype(typed_out)>;
+    const T* start = init.is_none() ? nullptr : reinterpret_cast<const T*>(in.data);
     if (wide)
       sparse_fold<T, int64_t>(reinterpret_cast<const int64_t* const*>(ip.data()), vp.data(), ks.data(), M, cf,
-                              typed_out, d, sqp, msqp);
+                              start, typed_out, d, sqp, msqp);
     else
       sparse_fold<T, int32_t>(reinterpret_cast<const int32_t* const*>(ip.data()), vp.data(), ks.data(), M, cf,
-                              typed_out, d, sqp, msqp);
+                              start, typed_out, d, sqp, msqp);
   };
   if (o.kind == kF32)
     run(reinterpret_cast<float*>(o.data));

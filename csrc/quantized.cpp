@@ -22,41 +22,74 @@ namespace fastagg {
 namespace {
 constexpr int64_t kChunk = int64_t(1) << 16;  // columns per chunk (its partial sums are added in chunk order)
 constexpr int64_t kTile = 2048;               // columns kept in L1 while every client is added
+constexpr int64_t kStreamBytes = int64_t(32) << 20;  // an output this large (a server L3) bypasses the caches
 }  // namespace
 
-// One tile of n columns inside one block: acc[t] (+)= sum_i cs[i] * q_i[t]; qq[i] += sum_t q_i[t]^2; lowest[i] =
-// min(lowest[i], min_t q_i[t]). The portable loop goes client by client over the tile kept in L1.
+// One tile of n columns from lo, which may span blocks (r = the block's index in the tile, from lo / block): acc[t]
+// (+)= sum_i cs[r * ld + i] * q_i[t]; qq[r * ld + i] += the sum of q_i^2 over that block's columns; lowest[i] =
+// min(lowest[i], min_t q_i[t]). The portable loop goes block by block, client by client over the tile kept in L1.
 template <typename T>
-void fold_tile(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, const T* cs, T* acc, int64_t* qq,
-               int32_t* lowest) {
-  for (int64_t i = 0; i < M; ++i) {
-    const int8_t* q = codes[i] + lo;
-    const T c = cs[i];
-    // int32 sums: a tile holds at most kTile codes of |q| <= 128, so sum q^2 <= 2048 * 16384 < 2^31
-    int32_t sq = 0;
-    int32_t low = 0;
+void fold_tile(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
+               const T* cs, T* acc, int64_t* qq, int32_t* lowest) {
+  const int64_t b0 = lo / block;
+  for (int64_t s = lo; s < lo + n;) {
+    const int64_t r = s / block - b0, e = std::min(lo + n, (s / block + 1) * block);
+    for (int64_t i = 0; i < M; ++i) {
+      const int8_t* q = codes[i] + s;
+      const T c = cs[r * ld + i];
+      T* a = acc + (s - lo);
+      // int32 sums: a tile holds at most kTile codes of |q| <= 128, so sum q^2 <= 2048 * 16384 < 2^31
+      int32_t sq = 0;
+      int32_t low = 0;
 #pragma omp simd reduction(+ : sq) reduction(min : low)
-    for (int64_t t = 0; t < n; ++t) {
-      const int32_t v = q[t];
-      acc[t] += c * static_cast<T>(v);
-      sq += v * v;
-      low = v < low ? v : low;
+      for (int64_t t = 0; t < e - s; ++t) {
+        const int32_t v = q[t];
+        a[t] += c * static_cast<T>(v);
+        sq += v * v;
+        low = v < low ? v : low;
+      }
+      qq[r * ld + i] += sq;
+      lowest[i] = std::min(lowest[i], low);
     }
-    qq[i] += sq;
-    lowest[i] = std::min(lowest[i], low);
+    s = e;
   }
 }
 
 #ifdef __AVX2__
+namespace {
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
+}
+
+inline int32_t hmin_epi8(__m256i v) {
+  __m128i m16 = _mm_min_epi8(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 8));
+  m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 4));
+  m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 2));
+  m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 1));
+  return static_cast<int8_t>(_mm_cvtsi128_si32(m16) & 0xFF);
+}
+
+inline __m256 codes_as_floats(const int8_t* p) {  // 8 codes sign-extended straight from memory (one vpmovsxbd)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+}  // namespace
+
 // float32 on AVX2: 64 columns at a time with their sums in eight registers while every client is added (the codes
-// are read once, the sums never leave the registers); squares by vpmaddwd on int16, the minimum by vpminsb.
+// are read once from memory, the sums never leave the registers); squares of 32 codes by |q| * |q| (vpmaddubsw) and
+// pairs of those (vpmaddwd), exact for every valid code (|q| <= 127: a -128 flags the client anyway); the minimum by
+// vpminsb. A tile may span blocks when they are whole multiples of 64 columns (the sweep sees to it), so a block
+// change falls between two groups of 64: the squares are handed over per block there.
 template <>
-void fold_tile<float>(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, const float* cs, float* acc,
-                      int64_t* qq, int32_t* lowest) {
+void fold_tile<float>(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
+                      const float* cs, float* acc, int64_t* qq, int32_t* lowest) {
   constexpr int64_t kMaxM = 64;
   if (M > kMaxM) {  // (the per-client vector sums below live on the stack)
     for (int64_t i0 = 0; i0 < M; i0 += kMaxM)
-      fold_tile<float>(codes + i0, lo, n, std::min(kMaxM, M - i0), cs + i0, acc, qq + i0, lowest + i0);
+      fold_tile<float>(codes + i0, lo, n, std::min(kMaxM, M - i0), ld, block, cs + i0, acc, qq + i0, lowest + i0);
     return;
   }
   __m256i sqv[kMaxM], lowv[kMaxM];
@@ -64,53 +97,49 @@ void fold_tile<float>(const int8_t* const* codes, int64_t lo, int64_t n, int64_t
     sqv[i] = _mm256_setzero_si256();
     lowv[i] = _mm256_setzero_si256();
   }
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t b0 = lo / block;
+  int64_t r_now = 0;
+  const auto hand_over = [&](int64_t r) {
+    for (int64_t i = 0; i < M; ++i) {
+      qq[r * ld + i] += hsum_epi32(sqv[i]);
+      sqv[i] = _mm256_setzero_si256();
+    }
+  };
   // 64 columns (a cache line of each client's codes) per visit, the next lines prefetched: with M streams read
   // in turn, the hardware prefetchers alone left the loop waiting on memory
   const int64_t whole = n - n % 64;
   for (int64_t g = 0; g < whole; g += 64) {
+    const int64_t r = (lo + g) / block - b0;
+    if (r != r_now) {
+      hand_over(r_now);
+      r_now = r;
+    }
+    const float* crow = cs + r * ld;
     __m256 a[8];
     for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_ps(acc + g + 8 * k);
     for (int64_t i = 0; i < M; ++i) {
       const int8_t* src = codes[i] + lo + g;
       _mm_prefetch(reinterpret_cast<const char*>(src) + 512, _MM_HINT_T0);
+      const __m256 c = _mm256_set1_ps(crow[i]);
+      for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(c, codes_as_floats(src + 8 * k), a[k]);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
       const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-      const __m256 c = _mm256_set1_ps(cs[i]);
-      const __m128i v0 = _mm256_castsi256_si128(v), v1 = _mm256_extracti128_si256(v, 1);
-      const __m128i u0 = _mm256_castsi256_si128(u), u1 = _mm256_extracti128_si256(u, 1);
-      a[0] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)), a[0]);
-      a[1] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))), a[1]);
-      a[2] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), a[2]);
-      a[3] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))), a[3]);
-      a[4] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u0)), a[4]);
-      a[5] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(u0, 8))), a[5]);
-      a[6] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u1)), a[6]);
-      a[7] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(u1, 8))), a[7]);
-      const __m256i w0 = _mm256_cvtepi8_epi16(v0), w1 = _mm256_cvtepi8_epi16(v1);
-      const __m256i x0 = _mm256_cvtepi8_epi16(u0), x1 = _mm256_cvtepi8_epi16(u1);
-      const __m256i sq = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(w0, w0), _mm256_madd_epi16(w1, w1)),
-                                          _mm256_add_epi32(_mm256_madd_epi16(x0, x0), _mm256_madd_epi16(x1, x1)));
+      const __m256i av = _mm256_abs_epi8(v), au = _mm256_abs_epi8(u);
+      const __m256i sq = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(av, av), ones),
+                                          _mm256_madd_epi16(_mm256_maddubs_epi16(au, au), ones));
       sqv[i] = _mm256_add_epi32(sqv[i], sq);
       lowv[i] = _mm256_min_epi8(lowv[i], _mm256_min_epi8(v, u));
     }
     for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + g + 8 * k, a[k]);
   }
-  for (int64_t i = 0; i < M; ++i) {  // horizontal sum and minimum, a few shuffles each
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sqv[i]), _mm256_extracti128_si256(sqv[i], 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    __m128i m16 = _mm_min_epi8(_mm256_castsi256_si128(lowv[i]), _mm256_extracti128_si256(lowv[i], 1));
-    m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 8));
-    m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 4));
-    m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 2));
-    m16 = _mm_min_epi8(m16, _mm_srli_si128(m16, 1));
-    qq[i] += _mm_cvtsi128_si32(s4);
-    lowest[i] = std::min<int32_t>(lowest[i], static_cast<int8_t>(_mm_cvtsi128_si32(m16) & 0xFF));
-  }
-  if (whole < n) {
+  hand_over(r_now);
+  for (int64_t i = 0; i < M; ++i) lowest[i] = std::min(lowest[i], hmin_epi8(lowv[i]));
+  if (whole < n) {  // the tail lies in one block: block boundaries inside a spanning tile fall on multiples of 64
+    const int64_t r = (lo + whole) / block - b0;
     for (int64_t i = 0; i < M; ++i) {
       const int8_t* q = codes[i] + lo + whole;
-      const float c = cs[i];
+      const float c = cs[r * ld + i];
       int32_t sq = 0, low = 0;
       for (int64_t t = 0; t < n - whole; ++t) {
         const int32_t v = q[t];
@@ -118,21 +147,80 @@ void fold_tile<float>(const int8_t* const* codes, int64_t lo, int64_t n, int64_t
         sq += v * v;
         low = v < low ? v : low;
       }
-      qq[i] += sq;
+      qq[r * ld + i] += sq;
       lowest[i] = std::min(lowest[i], low);
     }
   }
 }
 #endif
 
+// out[0 .. n) = acc[0 .. n), returning sum_t acc[t]^2 in float64 over eight interleaved partial sums (one running
+// sum was a dependency chain of n adds: as slow as the fold itself at block 256).
+template <typename T>
+double store_and_square(const T* acc, T* out, int64_t n, bool /*stream*/) {
+  double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int64_t whole = n - n % 8;
+  for (int64_t t = 0; t < whole; t += 8) {
+    for (int k = 0; k < 8; ++k) {
+      out[t + k] = acc[t + k];
+      part[k] += static_cast<double>(acc[t + k]) * static_cast<double>(acc[t + k]);
+    }
+  }
+  for (int64_t t = whole; t < n; ++t) {
+    out[t] = acc[t];
+    part[t - whole] += static_cast<double>(acc[t]) * static_cast<double>(acc[t]);
+  }
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+#ifdef __AVX2__
+// float32 on AVX2, with `stream`: out written by non-temporal stores where 32-byte aligned (an output much larger
+// than the caches is not read first for ownership: a third less memory traffic for the write). The caller fences.
+template <>
+double store_and_square<float>(const float* acc, float* out, int64_t n, bool stream) {
+  __m256d p0 = _mm256_setzero_pd(), p1 = _mm256_setzero_pd(), p2 = _mm256_setzero_pd(), p3 = _mm256_setzero_pd();
+  const bool nt = stream && reinterpret_cast<uintptr_t>(out) % 32 == 0;
+  const int64_t whole = n - n % 16;
+  for (int64_t t = 0; t < whole; t += 16) {
+    const __m256 a = _mm256_loadu_ps(acc + t), b = _mm256_loadu_ps(acc + t + 8);
+    if (nt) {
+      _mm256_stream_ps(out + t, a);
+      _mm256_stream_ps(out + t + 8, b);
+    } else {
+      _mm256_storeu_ps(out + t, a);
+      _mm256_storeu_ps(out + t + 8, b);
+    }
+    const __m256d a0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a)), a1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
+    const __m256d b0 = _mm256_cvtps_pd(_mm256_castps256_ps128(b)), b1 = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
+    p0 = _mm256_fmadd_pd(a0, a0, p0);
+    p1 = _mm256_fmadd_pd(a1, a1, p1);
+    p2 = _mm256_fmadd_pd(b0, b0, p2);
+    p3 = _mm256_fmadd_pd(b1, b1, p3);
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(_mm256_add_pd(p0, p1), _mm256_add_pd(p2, p3)));
+  double s = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  for (int64_t t = whole; t < n; ++t) {
+    out[t] = acc[t];
+    s += static_cast<double>(acc[t]) * static_cast<double>(acc[t]);
+  }
+  return s;
+}
+#endif
+
 // The sweep every blockwise format shares: columns cut into fixed chunks (one per thread at a time), each chunk into
-// tiles that never cross a block boundary, so every client has one scale per tile. `tile(lo, n, cs, acc, inner,
-// bad)` adds sum_i cs[i] * v_i[lo + t] into acc[0 .. n) and, per client, the sum of v^2 over the tile into inner[i]
-// (float64) and whether it met an invalid code into bad[i].
+// tiles. `tile(lo, n, cs, acc, inner, bad)` adds sum_i cs[r * M + i] * v_i[lo + t] into acc[0 .. n) (r: the block
+// of column lo + t, counted from lo's) and, per block and client, the sum of v^2 into inner[r * M + i] (float64),
+// and whether a client met an invalid code into bad[i]. Tiles never cross a block boundary unless `span_blocks` and
+// the blocks are whole multiples of 64 columns (then a tile of kTile columns may hold many small blocks, and the
+// per-tile work is paid once per kTile columns, not once per block).
 template <typename T, typename Tile>
 void blockwise_sweep(const float* const* scales, int64_t M, int64_t d, int64_t block, const double* coef,
                      const T* init, T* out, double* sq_out, uint8_t* bad_out, double* msq_out, int64_t code_bytes,
-                     const Tile& tile) {
+                     bool span_blocks, const Tile& tile) {
+  const bool spans = span_blocks && block % 64 == 0;
+  const int64_t max_blocks = spans ? kTile / 64 + 1 : 1;
+  const bool stream = d * int64_t(sizeof(T)) >= kStreamBytes;
   const int64_t chunks = (d + kChunk - 1) / kChunk;
   std::vector<double> part_sq(static_cast<size_t>(chunks * M), 0.0), part_msq(static_cast<size_t>(chunks), 0.0);
   std::vector<uint8_t> part_bad(static_cast<size_t>(chunks * M), 0);
@@ -143,32 +231,36 @@ void blockwise_sweep(const float* const* scales, int64_t M, int64_t d, int64_t b
     uint8_t* pbad = part_bad.data() + c * M;
     double msq = 0.0;
     alignas(32) T acc[kTile];
-    std::vector<T> cs(static_cast<size_t>(M));
-    std::vector<double> inner(static_cast<size_t>(M));
+    std::vector<T> cs(static_cast<size_t>(max_blocks * M));
+    std::vector<double> inner(static_cast<size_t>(max_blocks * M));
     for (int64_t lo = c_lo; lo < c_hi;) {
-      const int64_t b = lo / block;
-      const int64_t hi = std::min({c_hi, lo + kTile, (b + 1) * block});
-      const int64_t n = hi - lo;
+      const int64_t b0 = lo / block;
+      const int64_t hi = spans ? std::min(c_hi, lo + kTile) : std::min({c_hi, lo + kTile, (b0 + 1) * block});
+      const int64_t n = hi - lo, nb = (hi - 1) / block - b0 + 1;
       if (init != nullptr) {
         for (int64_t t = 0; t < n; ++t) acc[t] = init[lo + t];
       } else {
         for (int64_t t = 0; t < n; ++t) acc[t] = T(0);
       }
-      for (int64_t i = 0; i < M; ++i) {
-        cs[i] = static_cast<T>(coef[i] * static_cast<double>(scales[i][b]));
-        inner[i] = 0.0;
+      for (int64_t r = 0; r < nb; ++r) {
+        for (int64_t i = 0; i < M; ++i) {
+          cs[r * M + i] = static_cast<T>(coef[i] * static_cast<double>(scales[i][b0 + r]));
+          inner[r * M + i] = 0.0;
+        }
       }
       tile(lo, n, cs.data(), acc, inner.data(), pbad);
-      for (int64_t i = 0; i < M; ++i) {
-        const double s = static_cast<double>(scales[i][b]);
-        psq[i] += s * s * inner[i];
+      for (int64_t r = 0; r < nb; ++r) {
+        for (int64_t i = 0; i < M; ++i) {
+          const double s = static_cast<double>(scales[i][b0 + r]);
+          psq[i] += s * s * inner[r * M + i];
+        }
       }
-      for (int64_t t = 0; t < n; ++t) {
-        out[lo + t] = acc[t];
-        msq += static_cast<double>(acc[t]) * static_cast<double>(acc[t]);
-      }
+      msq += store_and_square(acc, out + lo, n, stream);
       lo = hi;
     }
+#ifdef __AVX2__
+    if (stream) _mm_sfence();  // this thread's non-temporal stores visible before the region's barrier
+#endif
     part_msq[c] = msq;
   }
   double msq = 0.0;
@@ -190,17 +282,16 @@ template <typename T>
 void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales, int64_t M, int64_t d,
                          int64_t block, const double* coef, const T* init, T* out, double* sq_out,
                          uint8_t* bad_out, double* msq_out) {
-  blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1,
+  blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, true,
                      [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
                        thread_local std::vector<int64_t> qq;
                        thread_local std::vector<int32_t> lowest;
-                       qq.assign(static_cast<size_t>(M), 0);
+                       const int64_t nb = (lo + n - 1) / block - lo / block + 1;
+                       qq.assign(static_cast<size_t>(nb * M), 0);
                        lowest.assign(static_cast<size_t>(M), 0);
-                       fold_tile<T>(codes, lo, n, M, cs, acc, qq.data(), lowest.data());
-                       for (int64_t i = 0; i < M; ++i) {
-                         inner[i] = static_cast<double>(qq[i]);  // exact: an int64 sum below 2^53
-                         bad[i] |= lowest[i] < -127;
-                       }
+                       fold_tile<T>(codes, lo, n, M, M, block, cs, acc, qq.data(), lowest.data());
+                       for (int64_t j = 0; j < nb * M; ++j) inner[j] = static_cast<double>(qq[j]);  // exact: < 2^53
+                       for (int64_t i = 0; i < M; ++i) bad[i] |= lowest[i] < -127;
                      });
 }
 
@@ -278,7 +369,7 @@ template <typename T>
 void table_blockwise_fold(const uint8_t* const* codes, const float* table, const float* const* scales, int64_t M,
                           int64_t d, int64_t block, const double* coef, const T* init, T* out, double* sq_out,
                           uint8_t* bad_out, double* msq_out) {
-  blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1,
+  blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, false,
                      [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
                        table_tile<T>(codes, table, lo, n, M, cs, acc, inner, bad);
                      });
@@ -353,30 +444,44 @@ template <typename T>
 void e4m3_blockwise_fold(const uint8_t* const* codes, const float* const* scales, int64_t M, int64_t d,
                          int64_t block, const double* coef, const T* init, T* out, double* sq_out, uint8_t* bad_out,
                          double* msq_out) {
-  blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1,
+  blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, false,
                      [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
                        e4m3_tile<T>(codes, lo, n, M, cs, acc, inner, bad);
                      });
 }
 
+namespace {
+double sum_of_squares(const float* v, int64_t n) {  // float64, eight interleaved partial sums (no n-long add chain)
+  double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int64_t whole = n - n % 8;
+  for (int64_t j = 0; j < whole; j += 8)
+    for (int q = 0; q < 8; ++q) part[q] += static_cast<double>(v[j + q]) * static_cast<double>(v[j + q]);
+  for (int64_t j = whole; j < n; ++j) part[j - whole] += static_cast<double>(v[j]) * static_cast<double>(v[j]);
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+}  // namespace
+
 template <typename T, typename I>
 void sparse_fold(const I* const* idx, const float* const* vals, const int64_t* k, int64_t M, const double* coef,
-                 T* out, int64_t d, double* sq_out, double* msq_out) {
-  for (int64_t i = 0; i < M; ++i) {  // the clients' squared norms: their values alone
-    double s = 0.0;
-    for (int64_t j = 0; j < k[i]; ++j) s += static_cast<double>(vals[i][j]) * static_cast<double>(vals[i][j]);
-    sq_out[i] = s;
-  }
-  // The scatter, cut into fixed ranges of out: each range takes every client's entries that fall in it, client by
-  // client (sorted indices: a binary search finds them), so each element gets its additions in client order
-  // whatever the thread count, and no two threads write one element.
+                 const T* init, T* out, int64_t d, double* sq_out, double* msq_out) {
   int64_t total = 0;
   for (int64_t i = 0; i < M; ++i) total += k[i];
-  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(64, d / 4096));
-  const int64_t span = (d + ranges - 1) / std::max<int64_t>(1, ranges);
-#pragma omp parallel for schedule(static) num_threads(threads_for(total * 64))
+#pragma omp parallel for schedule(static) num_threads(threads_for(total * int64_t(sizeof(float) + sizeof(I))))
+  for (int64_t i = 0; i < M; ++i) sq_out[i] = sum_of_squares(vals[i], k[i]);
+  // out cut into fixed ranges of kChunk elements (L2-sized): each range is started (init or zeros), takes every
+  // client's entries that fall in it, client by client (sorted indices: a binary search finds them), and is squared
+  // while it is still in cache, so out is written once and each element gets its additions in client order
+  // whatever the thread count; no two threads write one element.
+  const int64_t ranges = (d + kChunk - 1) / kChunk;
+  std::vector<double> part(static_cast<size_t>(ranges), 0.0);
+#pragma omp parallel for schedule(static) num_threads(threads_for(d * int64_t(2 * sizeof(T)) + total * 16))
   for (int64_t r = 0; r < ranges; ++r) {
-    const int64_t lo = r * span, hi = std::min(d, lo + span);
+    const int64_t lo = r * kChunk, hi = std::min(d, lo + kChunk);
+    if (init == nullptr) {
+      std::fill(out + lo, out + hi, T(0));
+    } else if (init != out) {
+      std::copy(init + lo, init + hi, out + lo);
+    }
     for (int64_t i = 0; i < M; ++i) {
       const auto below = [](I a, int64_t b) { return static_cast<int64_t>(a) < b; };
       const I* first = std::lower_bound(idx[i], idx[i] + k[i], lo, below);
@@ -385,18 +490,16 @@ void sparse_fold(const I* const* idx, const float* const* vals, const int64_t* k
       const float* v = vals[i] + (first - idx[i]);
       for (const I* p = first; p < last; ++p, ++v) out[*p] += static_cast<T>(c * static_cast<double>(*v));
     }
+    if (msq_out != nullptr) {
+      double sq[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const int64_t whole = lo + (hi - lo) - (hi - lo) % 8;
+      for (int64_t j = lo; j < whole; j += 8)
+        for (int q = 0; q < 8; ++q) sq[q] += static_cast<double>(out[j + q]) * static_cast<double>(out[j + q]);
+      for (int64_t j = whole; j < hi; ++j) sq[j - whole] += static_cast<double>(out[j]) * static_cast<double>(out[j]);
+      part[r] = ((sq[0] + sq[1]) + (sq[2] + sq[3])) + ((sq[4] + sq[5]) + (sq[6] + sq[7]));
+    }
   }
   if (msq_out == nullptr) return;
-  const int64_t chunks = (d + kChunk - 1) / kChunk;
-  std::vector<double> part(static_cast<size_t>(chunks), 0.0);
-#pragma omp parallel for schedule(static) num_threads(threads_for(d * int64_t(sizeof(T))))
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    const int64_t lo = ch * kChunk, hi = std::min(d, lo + kChunk);
-    double s = 0.0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = lo; j < hi; ++j) s += static_cast<double>(out[j]) * static_cast<double>(out[j]);
-    part[ch] = s;
-  }
   double msq = 0.0;
   for (double p : part) msq += p;
   *msq_out = msq;
@@ -459,12 +562,12 @@ template void e4m3_blockwise_fold<float>(const uint8_t* const*, const float* con
 template void e4m3_blockwise_fold<double>(const uint8_t* const*, const float* const*, int64_t, int64_t, int64_t,
                                           const double*, const double*, double*, double*, uint8_t*, double*);
 template void sparse_fold<float, int64_t>(const int64_t* const*, const float* const*, const int64_t*, int64_t,
-                                          const double*, float*, int64_t, double*, double*);
+                                           const double*, const float*, float*, int64_t, double*, double*);
 template void sparse_fold<double, int64_t>(const int64_t* const*, const float* const*, const int64_t*, int64_t,
-                                           const double*, double*, int64_t, double*, double*);
+                                           const double*, const double*, double*, int64_t, double*, double*);
 template void sparse_fold<float, int32_t>(const int32_t* const*, const float* const*, const int64_t*, int64_t,
-                                          const double*, float*, int64_t, double*, double*);
+                                           const double*, const float*, float*, int64_t, double*, double*);
 template void sparse_fold<double, int32_t>(const int32_t* const*, const float* const*, const int64_t*, int64_t,
-                                           const double*, double*, int64_t, double*, double*);
+                                           const double*, const double*, double*, int64_t, double*, double*);
 
 }  // namespace fastagg

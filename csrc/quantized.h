@@ -36,12 +36,13 @@ void e4m3_blockwise_fold(const uint8_t* const* codes, const float* const* scales
                          int64_t block, const double* coef, const T* init, T* out, double* sq_out, uint8_t* bad_out,
                          double* msq_out);
 
-// Sparse clients (k_i indices, strictly increasing in [0, d), and their values), added into out[0 .. d) in place:
-// out[idx_ij] += T(coef_i * val_ij) (the product in float64, rounded once), each element's additions in client
-// order; sq_i = sum_j val_ij^2; msq (when msq_out is not null) = ||out||^2 after the additions, float64.
+// Sparse clients (k_i indices, strictly increasing in [0, d), and their values) folded into out[0 .. d):
+// out = init + sum_i scatter(idx_i, coef_i * val_i), i.e. out[idx_ij] += T(coef_i * val_ij) (the product in float64,
+// rounded once), each element's additions in client order; init null: zeros; init == out: in place.
+// sq_i = sum_j val_ij^2; msq (when msq_out is not null) = ||out||^2 after the additions, float64.
 template <typename T, typename I>
 void sparse_fold(const I* const* idx, const float* const* vals, const int64_t* k, int64_t M, const double* coef,
-                 T* out, int64_t d, double* sq_out, double* msq_out);
+                 const T* init, T* out, int64_t d, double* sq_out, double* msq_out);
 
 // The client side: M rows of d elements (row-major) quantized to int8 blockwise absmax (fastagg/compress/int8.py
 // states the rule: scale_b = float32(max |x| / 127) or 1 for an all-zero block; q = round half to even of x / s,

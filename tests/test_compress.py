@@ -102,6 +102,28 @@ def test_accumulator_folds_int8_clients_like_the_dequantized_oracle(backend, dty
                      name="norms")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("block, m", [(192, 5), (320, 70), (64, 3), (100, 4)])
+def test_cpu_tiles_spanning_blocks_across_chunks_and_client_groups(dtype, block, m):
+    """The C++ sweep lets a tile hold many blocks (block a multiple of 64): 192 and 320 put block boundaries
+    inside its 65536-column chunks and chunk boundaries inside blocks; m = 70 splits the clients into register
+    groups of 64; block 100 keeps one block per tile. Norms per client are exact (integer squares per block)."""
+    d = 2 * 65536 + 777
+    xs, us = _clients(m, d=d, block=block, seed=block)
+    ws = [0.5 + (i % 7) for i in range(m)]
+    oracle = sum(w * dequantize(u) for w, u in zip(ws, us))
+    acc = fastagg.Accumulator(like=torch.zeros(d, dtype=dtype), backend="cpu")
+    assert acc.add_many(us, ws) == [True] * m
+    assert_close(acc.weighted_sum, oracle, rtol=0, atol=_sum_atol(oracle, m, dtype), name="sum")
+    assert_close(acc.sq_norms, [float((dequantize(u) ** 2).sum()) for u in us], rtol=1e-12, atol=0, name="norms")
+    bad = Int8Blockwise(us[-1].codes.clone(), us[-1].scales, block)
+    bad.codes[d - 5] = -128  # in the last chunk's last block, the tail of a tile
+    before = _state(acc)
+    with pytest.raises(ValueError, match="-128"):
+        acc.add_many(us[:2] + [bad], client_ids=["a", "b", "c"])
+    assert _same_state(before, _state(acc))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_mixed_round_steps_fedexp_as_on_the_dequantized_updates(backend):
     xs, us = _clients(6, block=128, seed=3)

@@ -213,7 +213,8 @@ def test_the_cpu_binding_checks_sparse_indices_itself():
 
     def call(ix, vals=None):
         v = torch.ones(ix.numel()) if vals is None else vals
-        c.sparse_fold([ix.__dlpack__()], [v.__dlpack__()], coef.__dlpack__(), out.__dlpack__(), sq.__dlpack__(), None)
+        c.sparse_fold([ix.__dlpack__()], [v.__dlpack__()], coef.__dlpack__(), out.__dlpack__(), out.__dlpack__(),
+                      sq.__dlpack__(), None)
 
     call(torch.tensor([0, 3, 9]))
     assert out.tolist() == [1, 0, 0, 1, 0, 0, 0, 0, 0, 1]
@@ -231,6 +232,57 @@ def test_the_cpu_binding_checks_sparse_indices_itself():
         call(torch.tensor([1]), torch.tensor([float("inf")]))
     with pytest.raises(ValueError, match="has 2 elements; expected 1"):
         call(torch.tensor([1]), torch.ones(2))
+
+
+def test_the_cpu_binding_finds_a_bad_entry_deep_in_long_clients_and_starts_from_init():
+    """Long clients are checked by branch-free passes (in parallel over clients); a bad entry anywhere is still
+    named with its client and entry, nothing written. init: None starts from zeros, another tensor is copied, out
+    itself folds in place; an init overlapping out partly is refused."""
+    from fastagg.backends.cpu import compiled
+
+    c = compiled()
+    d, k = 300_000, 20_000
+    g = torch.Generator().manual_seed(5)
+    ixs = [torch.randperm(d, generator=g)[:k].sort().values for _ in range(3)]
+    vals = [torch.randn(k, generator=g) for _ in range(3)]
+    coef = torch.tensor([1.0, 2.0, -0.5], dtype=torch.float64)
+    sq, msq = torch.zeros(3, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+
+    def call(ix, vs, init, out):
+        c.sparse_fold([i.__dlpack__() for i in ix], [v.__dlpack__() for v in vs], coef.__dlpack__(),
+                      None if init is None else init.__dlpack__(), out.__dlpack__(), sq.__dlpack__(),
+                      msq.__dlpack__())
+
+    want = torch.zeros(d, dtype=torch.float64)
+    for i in range(3):
+        want[ixs[i]] += float(coef[i]) * vals[i].double()
+    base = torch.randn(d, generator=g)
+    for init_kind in ("none", "other", "same"):
+        out = base.clone() if init_kind == "same" else torch.full((d,), 7.0)
+        init = None if init_kind == "none" else base if init_kind == "other" else out
+        call(ixs, vals, init, out)
+        expect = want + (0.0 if init_kind == "none" else base.double())
+        assert torch.allclose(out.double(), expect, rtol=0, atol=1e-5)
+        assert sq.tolist() == pytest.approx([float((v.double() ** 2).sum()) for v in vals], rel=1e-12)
+        assert float(msq) == pytest.approx(float((out.double() ** 2).sum()), rel=1e-12)
+    out = torch.zeros(d + 1)
+    with pytest.raises(ValueError, match="overlap"):
+        call(ixs, vals, out[1:], out[:d])
+    for where, bad, match in [("rise", None, "client 1: indices must be strictly increasing; entry 12345"),
+                              ("range", None, f"client 1: index {d} \\(entry {k - 1}\\) is outside"),
+                              ("nan", float("nan"), "client 1: value 15000 is not finite"),
+                              ("-inf", float("-inf"), "client 1: value 15000 is not finite")]:
+        ix1, v1 = ixs[1].clone(), vals[1].clone()
+        if where == "rise":
+            ix1[12345] = ix1[12344]
+        elif where == "range":
+            ix1[-1] = d
+        else:
+            v1[15000] = bad
+        out = torch.full((d,), 3.0)
+        with pytest.raises(ValueError, match=match):
+            call([ixs[0], ix1, ixs[2]], [vals[0], v1, vals[2]], None, out)
+        assert bool((out == 3.0).all())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -90,10 +90,10 @@ def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor
                               _dl(coef), _dl(init), _dl(out), _dl(sq_out), _dl(bad_out), _dl(msq_out))
 
 
-def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, out: torch.Tensor, sq_out: torch.Tensor,
-                msq_out: torch.Tensor | None = None) -> None:
-    compiled().sparse_fold([_dl(i) for i in indices], [_dl(v) for v in values], _dl(coef), _dl(out), _dl(sq_out),
-                           _dl(msq_out))
+def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor,
+                sq_out: torch.Tensor, msq_out: torch.Tensor | None = None) -> None:
+    compiled().sparse_fold([_dl(i) for i in indices], [_dl(v) for v in values], _dl(coef), _dl(init), _dl(out),
+                           _dl(sq_out), _dl(msq_out))
 
 
 def gaussian_noise(*, out: torch.Tensor, seed: int, round: int, first: int = 0) -> None:

@@ -89,10 +89,12 @@ def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor
 
 
 @torch.no_grad()
-def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, out: torch.Tensor, sq_out: torch.Tensor,
-                msq_out: torch.Tensor | None = None) -> None:
-    """csrc/quantized.h in float64: ``out[idx_i] += coef_i * val_i`` client by client, rounded once to out's dtype."""
-    acc = out.to(torch.float64, copy=True)
+def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor,
+                sq_out: torch.Tensor, msq_out: torch.Tensor | None = None) -> None:
+    """csrc/quantized.h in float64: ``out = init + sum_i scatter(idx_i, coef_i * val_i)`` client by client (init
+    None: zeros), rounded once to out's dtype."""
+    d = out.numel()
+    acc = torch.zeros(d, dtype=torch.float64, device=out.device) if init is None else init.to(torch.float64, copy=True)
     for i, (ix, v) in enumerate(zip(indices, values)):
         x = v.to(torch.float64)
         acc[ix.long()] += coef[i] * x

@@ -129,14 +129,11 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
         gsq = torch.empty(len(group), dtype=torch.float64, device=dev)
         gcoef = coef[group] if len(group) < m else coef
         if isinstance(first, SparseUpdate):
-            if src is None:
-                out.zero_()
-            elif src is not out:
-                out.copy_(src)
             itype = torch.int64 if any(updates[j].indices.dtype == torch.int64 for j in group) else torch.int32
             last = n == len(groups) - 1
             backend.sparse_fold(indices=[updates[j].indices.to(itype) for j in group],
-                                values=[updates[j].values for j in group], coef=gcoef, out=out, sq_out=gsq,
+                                values=[updates[j].values for j in group], coef=gcoef, init=src, out=out,
+                                sq_out=gsq,
                                 msq_out=msq if last else None)
         else:
             bad = torch.empty(len(group), dtype=torch.bool, device=dev)
@@ -163,3 +160,4 @@ def dense_rows(updates: list, names: list, *, numel: int, device: torch.device, 
                 raise ValueError(f"{name}{f' layer {k}' if isinstance(u, LayerwiseUpdate) else ''} {part.INVALID_CODES}")
         out[i] = u.dequantize(torch.float64)
     return out
+

@@ -81,8 +81,12 @@ def _sparse_fold_kernel(idx, vals, coef, out, k, TILE: tl.constexpr):
     tl.store(out + at, old + add, mask=mask)
 
 
-def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, out: torch.Tensor, sq_out: torch.Tensor,
-                msq_out: torch.Tensor | None = None) -> None:
+def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor,
+                sq_out: torch.Tensor, msq_out: torch.Tensor | None = None) -> None:
+    if init is None:
+        out.zero_()
+    elif init.data_ptr() != out.data_ptr():
+        out.copy_(init)
     for i, (ix, v) in enumerate(zip(indices, values)):
         k = ix.numel()
         if k:
