@@ -238,9 +238,10 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     model's buffers (``model_buffers``: (name, tensor) pairs), which must be the clients' (names and shapes)."""
     import torch.distributed as dist
 
+    from .compress.fold import CompressedRows
     from .passes import client_stats
 
-    if _local(group):
+    if _local(group) and not isinstance(rows, CompressedRows):  # (compressed clients take the general path)
         return client_stats(rows, weights, backend, name=name, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
                             sync=sync, mean_dtype=mean_dtype)
     dev, m = rows.device, rows.num_clients
@@ -284,7 +285,9 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     coefs = coefs_all[first:first + m].contiguous()
     error = None
     try:  # this rank's pass; a failure here is told to the others before the d-vector collective
-        if m:
+        if m and isinstance(rows, CompressedRows):  # compressed clients: folded where they lie
+            partial, sq, bad = rows.stats(coefs, backend, mean_out=mean_out, mean_dtype=dtype)
+        elif m:
             partial, sq, bad, _ = run_stats(rows, coefs, backend, mean_out=mean_out, mean_dtype=dtype)
         else:
             partial = mean_out.zero_() if mean_out is not None else torch.zeros(rows.numel, dtype=dtype, device=dev)

@@ -18,7 +18,7 @@ from . import _buffers, rules
 from ._checks import check_number, check_on_nonfinite, normalized_weights, out_buffer
 from ._docs import share_docs
 from .backends import resolve
-from .compress.fold import check_batch, fold, is_compressed, nonfinite_scales
+from .compress.fold import CompressedRows, check_batch, fold, is_compressed, nonfinite_scales
 from .flat import Layout
 from ._aliasing import check_writes
 from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, client_stats, device_scalar,
@@ -169,12 +169,19 @@ def _round_outputs(p: ParamRows | None, mean_out, eval_out, numel: int, cdt: tor
 
 def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool,
          mean_out=None, eval_out=None, group=None):
-    if models is None and group is None and is_compressed(deltas):
+    if models is None and is_compressed(deltas):
         return _run_compressed(deltas, weights, params, on_nonfinite, backend_name, eta_rule, want_eval, mean_out,
-                               eval_out)
+                               eval_out, group)
     try:
         check_on_nonfinite(on_nonfinite)
-        rows, p, name = prepare(deltas, models, params)
+        if group is not None and models is None and params is not None and isinstance(deltas, (list, tuple)) \
+                and not deltas:  # this rank holds no client this round (say, of compressed ones): a zero share
+            from .distributed import no_clients
+
+            p, name = param_rows(params), "deltas"
+            rows = no_clients(p.segments, p.form, p.dtype, p.device)
+        else:
+            rows, p, name = prepare(deltas, models, params)
         cdt = round_dtype(rows.dtype, None if p is None else p.dtype)
         mean_buf, eval_buf = _round_outputs(p, mean_out, eval_out, rows.numel, cdt, rows.device,
                                             round_reads(rows))
@@ -199,25 +206,42 @@ def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: 
 
 
 def _run_compressed(deltas, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool,
-                    mean_out, eval_out) -> RoundResult:
+                    mean_out, eval_out, group=None) -> RoundResult:
     """The round on compressed clients (fastagg.compress): one sweep per format reads every client where it lies
     and writes the mean (``mean = sum_i p_i x~_i``, ``||x~_i||^2``, ``||mean||^2``), then the rule and the apply
     pass as for float clients. A client with a NaN/Inf scale or value makes the round non-finite
-    (raised or skipped)."""
-    check_on_nonfinite(on_nonfinite)
+    (raised or skipped). With ``group``: each rank folds its own clients, then one all_reduce (all_stats)."""
     names = [f"deltas[{i}]" for i in range(len(deltas))]
-    p = param_rows(params) if params is not None else None
-    numel = p.segments.numel if p is not None else deltas[0].numel
-    dev = p.device if p is not None else deltas[0].device
-    check_batch(deltas, names, numel=numel, device=dev, where="the params" if p is not None else "deltas[0]")
-    cdt = round_dtype(torch.float32, None if p is None else p.dtype)
-    mean_buf, eval_buf = _round_outputs(p, mean_out, eval_out, numel, cdt, dev,
-                                        [(f"{n}.{f.name}", getattr(u, f.name)) for n, u in zip(names, deltas)
-                                         for f in dataclasses.fields(u)
-                                         if isinstance(getattr(u, f.name), torch.Tensor)])
-    backend = resolve(backend_name, dev)
-    if mean_buf is None:
-        mean_buf = _buffers.empty(numel, cdt, dev)
+    try:
+        check_on_nonfinite(on_nonfinite)
+        p = param_rows(params) if params is not None else None
+        numel = p.segments.numel if p is not None else deltas[0].numel
+        dev = p.device if p is not None else deltas[0].device
+        check_batch(deltas, names, numel=numel, device=dev, where="the params" if p is not None else "deltas[0]")
+        cdt = round_dtype(torch.float32, None if p is None else p.dtype)
+        mean_buf, eval_buf = _round_outputs(p, mean_out, eval_out, numel, cdt, dev,
+                                            [(f"{n}.{f.name}", getattr(u, f.name)) for n, u in zip(names, deltas)
+                                             for f in dataclasses.fields(u)
+                                             if isinstance(getattr(u, f.name), torch.Tensor)])
+        backend = resolve(backend_name, dev)
+        if mean_buf is None:
+            mean_buf = _buffers.empty(numel, cdt, dev)
+    except Exception as e:  # noqa: BLE001 (with a group: every other rank learns at once, then this one raises)
+        if group is not None:
+            from .distributed import fail_step
+
+            fail_step(group, "clients", e)
+        raise
+    if group is not None:
+        from .distributed import all_stats
+
+        rows = CompressedRows(deltas, names, numel=numel, device=dev,
+                              form=p.form if p is not None else Layout.of(mean_buf))
+        stats = all_stats(rows, weights, backend, group=group, name="deltas", mean_out=mean_buf,
+                          sync=on_nonfinite == "raise", mean_dtype=cdt)
+        eta = eta_rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
+        return apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
+                                 backend=backend, eval_buf=eval_buf)
     m = len(deltas)
     coefs = normalized_weights(weights, m, dev, sync=on_nonfinite == "raise")
     nonfinite = torch.zeros(m, dtype=torch.bool, device=dev)

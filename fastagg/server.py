@@ -28,7 +28,7 @@ from ._aliasing import check_writes
 from ._checks import check_number, check_on_nonfinite, check_prob
 from .backends import resolve
 from .ops import round_reads
-from .compress.fold import dense_rows, is_compressed
+from .compress.fold import CompressedRows, check_batch, dense_rows, is_compressed, nonfinite_scales
 from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, client_stats, device_scalar,
                      like_params, overflow_counter, warn_unmatched_buffers, write_buffers)
 from .flat import as_tensor, split_entries
@@ -753,15 +753,11 @@ class ServerOptimizer(torch.optim.Optimizer):
         if is_compressed(deltas):
             if base is not None:
                 raise TypeError("base= does not apply to compressed updates: they are the updates themselves")
-            if self.group is not None:  # every other rank learns at once (no rank left waiting), then this one raises
-                from .distributed import fail_step
-
-                fail_step(self.group, "clients",
-                          TypeError("group= takes float updates; compressed ones are not supported there yet"),
-                          self.device)
             if self.aggregate is not None:  # robust rules and DP read every client: dequantized rows, one each
                 deltas = dense_rows(deltas, [f"{name}[{i}]" for i in range(len(deltas))],
                                     numel=self._p.segments.numel, device=self.device, dtype=self._p.dtype)
+            elif self.group is not None:  # every rank folds its own clients where they lie, then one all_reduce
+                return self._group_compressed_stats(deltas, weights, name, sign)
             else:
                 deltas, weights = self._accumulate_compressed(deltas, weights, name), None
         if self.aggregate is not None and name != "control_deltas":
@@ -809,6 +805,42 @@ class ServerOptimizer(torch.optim.Optimizer):
         return client_stats(rows, weights, self._backend, name=name, aux=aux, aux_coef=aux_coef,
                             sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
                             mean_out=self._mean_buffer(name, self._cdt, rows.numel))
+
+    def _group_compressed_stats(self, deltas: list, weights: Any, name: str, sign: float) -> RoundStats:
+        """This rank's compressed clients in a step over the ranks of ``group=``: checked, those with a NaN/Inf scale
+        or value left out (``on_nonfinite="skip"``, as the local path's Accumulator leaves them out) or raised on,
+        then folded where they lie in the group's one stats exchange (fastagg.distributed.all_stats). Any failure is
+        told to every rank first."""
+        from .distributed import all_stats, fail_step
+
+        names = [f"{name}[{i}]" for i in range(len(deltas))]
+        try:
+            if self.sharded:
+                raise TypeError("sharded=True takes a slice of every client's float update; compressed updates are "
+                                "whole vectors: use the default (each rank holds whole clients)")
+            check_batch(deltas, names, numel=self._p.segments.numel, device=self.device, where="the params")
+            bad = nonfinite_scales(deltas, names)
+            if bad and self.on_nonfinite == "raise":
+                raise ValueError(f"{', '.join(names[j] for j in bad)} {'has' if len(bad) == 1 else 'have'} a NaN or "
+                                 "Inf scale or value; nothing was updated")
+            left_out = set(bad)
+            keep = [j for j in range(len(deltas)) if j not in left_out]
+            if weights is not None:
+                w = weights.detach().cpu().tolist() if isinstance(weights, torch.Tensor) else list(weights)
+                if len(w) != len(deltas):
+                    raise ValueError(f"{len(w)} weights for {len(deltas)} {name}")
+                weights = [w[j] for j in keep]
+            rows = CompressedRows([deltas[j] for j in keep], [names[j] for j in keep],
+                                  numel=self._p.segments.numel, device=self.device, form=self._p.form)
+        except Exception as e:  # noqa: BLE001 (every other rank learns at once, then this one raises)
+            fail_step(self.group, "clients", e, self.device)
+            raise
+        aux, aux_coef = self._aux()
+        return all_stats(rows, weights, self._backend, group=self.group, name=name, aux=aux,
+                         aux_coef=sign * aux_coef, sync=self.on_nonfinite == "raise", mean_dtype=self._cdt,
+                         mean_out=self._mean_buffer(name, self._cdt, rows.numel),
+                         scratch=self._mean_buffer("norm scratch", self._cdt, rows.numel),
+                         model_buffers=self._p.buffers)
 
     def _accumulate_compressed(self, deltas: list, weights: Any, name: str) -> Accumulator:
         """Compressed clients (fastagg.compress) folded where they lie into an Accumulator of the params' size,

@@ -320,19 +320,88 @@ def local_failure(rank: int, world: int, group) -> dict:
     return out
 
 
-def compressed_on_one_rank(rank: int, world: int, group) -> dict:
-    """The last rank passes compressed (int8) updates, which group= does not take: it raises its TypeError, every
-    other rank learns at once (no wait for the group's timeout); params stay; the next step works."""
-    from fastagg.compress import quantize_int8
+def _compressed(rnd: int) -> list:
+    """Round rnd's clients compressed three ways (int8 block 64, top-30% sparse, fp8 block 128)."""
+    from fastagg.compress import quantize_fp8, quantize_int8, sparsify_topk
+
+    deltas, _, _ = data(rnd)
+    kinds = (lambda x: quantize_int8(x, 64), lambda x: sparsify_topk(x, 0.3), lambda x: quantize_fp8(x, 128))
+    return [kinds[j % 3](deltas[j]) for j in range(TOTAL)]
+
+
+COMPRESSED_OPTIMIZERS = ("FedAvg", "FedAvgM", "FedExP", "FedExPM", "FedACG", "FedAdam")
+
+
+def compressed(rank: int, world: int, group) -> dict:
+    """Compressed clients with group=: every rank folds its own where they lie, one all_reduce; the server
+    optimizers over ROUNDS rounds and the functional FedExP round, against one process holding every client. With
+    ``mixed``: rank 0 sends its clients as float32 (the dequantized updates), the others compressed. A rank with no
+    client passes an empty list."""
+    from fastagg.compress import dequantize
 
     sl = share(rank, world)
-    deltas, _, weights = data(0)
+    out = {}
+    for mixed in (False, True):
+        for name in COMPRESSED_OPTIMIZERS:
+            w = params0()
+            opt = getattr(server, name)(w, group=group, **OPTIMIZERS[name])
+            seen = []
+            for rnd in range(ROUNDS):
+                _, _, weights = data(rnd)
+                mine = _compressed(rnd)[sl]
+                if mixed and rank == 0:
+                    mine = torch.stack([dequantize(u).float() for u in mine]) if mine else mine
+                st = opt.step(mine, weights=weights[sl])
+                seen.append((w.clone(), float(st.eta), st.sq_norms.clone(), int(st.num_clients)))
+            out[name, mixed] = seen
+        w = params0()
+        _, _, weights = data(0)
+        res = fastagg.fedexp_step(_compressed(0)[sl], eps=1e-3, weights=weights[sl], params=w, group=group)
+        out["functional", mixed] = (w.clone(), float(res.eta))
+    return out
+
+
+def compressed_failures(rank: int, world: int, group) -> dict:
+    """The last rank's first client holds an invalid int8 code (-128): it raises naming that client, every other
+    rank learns at once (no wait for the group's timeout); params stay; the next step works. Then a NaN scale on
+    the last rank: raised on every rank by default, left out with on_nonfinite="skip" (the others' clients step)."""
+    from fastagg.compress import Int8Blockwise
+
+    sl = share(rank, world)
+    _, _, weights = data(0)
+    clients = _compressed(0)
+    mine = clients[sl]
     w = params0()
-    opt = server.FedAvg(w, group=group)
-    mine = [quantize_int8(x) for x in deltas[sl]] if rank == world - 1 else deltas[sl]
-    out = {"first": _attempt(lambda: opt.step(mine, weights=weights[sl]))}
+    opt = server.FedAdam(w, group=group)
+    out = {}
+    if rank == world - 1:
+        u = mine[0]
+        codes = u.codes.clone()
+        codes[5] = -128
+        bad = [Int8Blockwise(codes, u.scales, u.block)] + mine[1:]
+    else:
+        bad = mine
+    out["first"] = _attempt(lambda: opt.step(bad, weights=weights[sl]))
     out["unchanged"] = bool(torch.equal(w, params0()))
-    out["second"] = _attempt(lambda: opt.step(deltas[sl], weights=weights[sl]))
+    out["second"] = _attempt(lambda: opt.step(mine, weights=weights[sl]))
+    nan = list(mine)
+    if rank == world - 1:
+        u = nan[0]
+        scales = u.scales.clone()
+        scales[0] = float("nan")
+        nan[0] = Int8Blockwise(u.codes, scales, u.block)
+    before = w.clone()
+    out["nan_raise"] = _attempt(lambda: opt.step(nan, weights=weights[sl]))
+    out["nan_raise_unchanged"] = bool(torch.equal(w, before))
+    w2 = params0()
+    skip = server.FedAvg(w2, group=group, on_nonfinite="skip")
+    st = skip.step(nan, weights=weights[sl])
+    out["skip"] = (w2.clone(), int(st.num_clients))
+    from fastagg import distributed
+
+    part = distributed.shard(params0(), group).clone()  # sharded: every rank holds a slice of every client
+    out["sharded"] = _attempt(lambda: server.FedAvg(part, group=group, sharded=True).step(
+        [u for u in _compressed(0)], weights=weights))
     return out
 
 
@@ -418,6 +487,6 @@ def gather_dtypes(rank: int, world: int, group) -> dict:
 
 CASES = {"buffer_mismatch": buffer_mismatch, "batchnorm_accumulated": batchnorm_accumulated, "sharded_batchnorm": sharded_batchnorm, "many_clients": many_clients, "batchnorm_models": batchnorm_models, "accumulated": accumulated, "sharded": sharded, "sharded_checkpoint": sharded_checkpoint, "hung_rank": hung_rank, "sharded32": sharded32, "optimizers": optimizers, "optimizers64": optimizers64, "functional": functional, "nonfinite": nonfinite,
          "mismatch": mismatch, "dead_rank": dead_rank, "local_failure": local_failure,
-         "compressed_on_one_rank": compressed_on_one_rank,
+         "compressed": compressed, "compressed_failures": compressed_failures,
          "failure_in_pass": failure_in_pass, "out_of_step": out_of_step, "keys_in_another_order": keys_in_another_order,
          "sharded_permuted_weights": sharded_permuted_weights, "gather_dtypes": gather_dtypes}

@@ -259,11 +259,46 @@ def test_a_rank_whose_input_is_bad_makes_every_rank_fail_that_step_at_once(world
         assert torch.equal(res["w"], ranks[0]["w"])  # the next step: the same bits on every rank
 
 
-def test_compressed_updates_on_one_rank_make_every_rank_fail_that_step_at_once(tmp_path):
-    ranks = spawn("compressed_on_one_rank", 2, tmp_path, timeout_s=60)
-    assert ranks[1]["first"]["raised"] == "TypeError" and "compressed" in ranks[1]["first"]["message"]
-    assert "timeout" not in ranks[0]["first"]["message"] and "rank 1 could not take part" in ranks[0]["first"]["message"]
-    assert all(r["unchanged"] and r["second"]["raised"] is None for r in ranks)
+@pytest.mark.parametrize("world", [2, 3])
+def test_compressed_clients_with_group_equal_one_process(world, tmp_path):
+    """int8, top-k and fp8 clients spread over the ranks (3 ranks: rank 1 holds none and passes []), folded where
+    they lie on each rank: every rank's params equal one process stepping on all clients (float32 sums in another
+    order); with rank 0 sending float32 updates instead (mixed), the same to float32 rounding."""
+    from distributed_cases import COMPRESSED_OPTIMIZERS
+
+    ranks = spawn("compressed", world, tmp_path)
+    ref = CASES["compressed"](0, 1, None)
+    for mixed in (False, True):
+        for name in COMPRESSED_OPTIMIZERS:
+            for rnd in range(ROUNDS):
+                w_ref, eta_ref, sq_ref, n_ref = ref[name, False][rnd]
+                for res in ranks:
+                    w, eta, sq, n = res[name, mixed][rnd]
+                    assert n == n_ref == 8
+                    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=2e-6, msg=f"{name} {mixed} round {rnd}")
+                    assert eta == pytest.approx(eta_ref, rel=1e-5)
+                    torch.testing.assert_close(sq, sq_ref, rtol=1e-5, atol=0)
+        for res in ranks:
+            torch.testing.assert_close(res["functional", mixed][0], ref["functional", False][0], rtol=1e-5, atol=2e-6)
+            assert res["functional", mixed][1] == pytest.approx(ref["functional", False][1], rel=1e-5)
+
+
+def test_a_bad_compressed_client_on_one_rank_makes_every_rank_fail_that_step_at_once(tmp_path):
+    ranks = spawn("compressed_failures", 2, tmp_path, timeout_s=60)
+    assert ranks[1]["first"]["raised"] == "ValueError" and "-128" in ranks[1]["first"]["message"]
+    assert "deltas[0]" in ranks[1]["first"]["message"]
+    assert "timeout" not in ranks[0]["first"]["message"] and ranks[0]["first"]["raised"] is not None
+    for r in ranks:
+        assert r["unchanged"] and r["second"]["raised"] is None
+        assert r["nan_raise"]["raised"] is not None and "timeout" not in r["nan_raise"]["message"]
+        assert r["nan_raise_unchanged"]
+    assert "deltas[0]" in ranks[1]["nan_raise"]["message"]
+    # skip: the last rank's first client (client 3 of 8) is left out; the others step, the same on every rank
+    assert ranks[0]["skip"][1] == ranks[1]["skip"][1] == 7
+    assert torch.equal(ranks[0]["skip"][0], ranks[1]["skip"][0])
+    assert not torch.equal(ranks[0]["skip"][0], params0())  # the step was taken
+    for r in ranks:  # sharded optimizers take slices of float updates: refused on every rank at once
+        assert r["sharded"]["raised"] == "TypeError" and "sharded=True" in r["sharded"]["message"]
 
 
 def test_a_rank_that_fails_inside_its_pass_makes_every_rank_fail_at_once(tmp_path):

@@ -161,3 +161,39 @@ def dense_rows(updates: list, names: list, *, numel: int, device: torch.device, 
         out[i] = u.dequantize(torch.float64)
     return out
 
+
+class CompressedRows:
+    """One rank's compressed clients where :func:`fastagg.distributed.all_stats` takes float client rows: the same
+    header (``numel``, ``num_clients``, ``dtype``, ``form``: the layout of the params they update; no buffers), and
+    a local pass that folds the updates where they lie instead of reading rows. Clients with a NaN/Inf scale or
+    value are flagged non-finite (the round is then not finite on every rank: raised or skipped) and not read."""
+
+    buffers = None
+
+    def __init__(self, updates: list, names: list, *, numel: int, device: torch.device, form):
+        self.updates, self.names, self.numel, self.device, self.form = list(updates), list(names), numel, device, form
+        self.dtype = torch.float32
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.updates)
+
+    def stats(self, coefs: torch.Tensor, backend, *, mean_out: torch.Tensor | None,
+              mean_dtype: torch.dtype) -> tuple:
+        """``(mean, sq_norms, nonfinite)``: ``mean = sum_i coefs_i x~_i`` over the finite clients (into
+        ``mean_out``), ``sq_norms_i = ||x~_i||^2`` (NaN for a non-finite client)."""
+        m = len(self.updates)
+        out = mean_out if mean_out is not None else torch.empty(self.numel, dtype=mean_dtype, device=self.device)
+        bad = nonfinite_scales(self.updates, self.names)
+        flags = torch.zeros(m, dtype=torch.bool, device=self.device)
+        sq = torch.full((m,), float("nan"), dtype=torch.float64, device=self.device)
+        left_out = set(bad)
+        keep = [j for j in range(m) if j not in left_out]
+        if bad:
+            flags[bad] = True
+        if keep:
+            sq[keep], _ = fold([self.updates[j] for j in keep], [self.names[j] for j in keep],
+                               coefs.to(torch.float64)[keep].contiguous(), backend, init=None, out=out)
+        else:
+            out.zero_()
+        return out, sq, flags
