@@ -422,6 +422,28 @@ void checked_quantize_int8_rows(py::handle x, int64_t block, bool stochastic, ui
                                reinterpret_cast<float*>(sv.data));
 }
 
+// Rows quantized to fp8 e4m3 blockwise (quantized.h): x [M, d] float32/float64, codes [M * d] bytes (an int8 view),
+// scales [M * ceil(d / block)] float32.
+void checked_quantize_fp8_rows(py::handle x, int64_t block, py::handle codes_out, py::handle scales_out) {
+  const std::string pass = "quantize_fp8_rows: ";
+  View xv = view_of(x, "x", kAnyFloat);
+  if (xv.kind != kF32 && xv.kind != kF64) type_error(pass + "x must be float32 or float64");
+  if (xv.shape.size() != 2) value_error(pass + "x must be 2-D [M, d]");
+  if (!xv.contiguous()) value_error(pass + "x must be contiguous");
+  const int64_t M = xv.shape[0], d = xv.shape[1];
+  if (block < 1) value_error(pass + "block must be >= 1, got " + str(block));
+  const int64_t nb = d == 0 ? 0 : (d - 1) / block + 1;
+  View cv = flat_view(codes_out, "codes_out", kI8, M * d), sv = flat_view(scales_out, "scales_out", kF32, M * nb);
+  check_overlaps({&cv, &sv}, {&xv});
+  py::gil_scoped_release release;
+  auto* codes = reinterpret_cast<uint8_t*>(cv.data);
+  auto* scales = reinterpret_cast<float*>(sv.data);
+  if (xv.kind == kF32)
+    quantize_fp8_rows<float>(reinterpret_cast<const float*>(xv.data), M, d, block, codes, scales);
+  else
+    quantize_fp8_rows<double>(reinterpret_cast<const double*>(xv.data), M, d, block, codes, scales);
+}
+
 // ---- robust passes ------------------------------------------------------------------------------------------
 
 void checked_coord_select(py::handle rows, py::handle base, const std::vector<int64_t>& seg_lens, int rule,
@@ -719,6 +741,7 @@ PYBIND11_MODULE(FASTAGG_MODULE, m) {
   m.def("blockwise_fold", &checked_blockwise_fold);
   m.def("sparse_fold", &checked_sparse_fold);
   m.def("quantize_int8_rows", &checked_quantize_int8_rows);
+  m.def("quantize_fp8_rows", &checked_quantize_fp8_rows);
   m.def("coord_select", &checked_coord_select);
   m.def("gram", &checked_gram);
   m.def("momentum_apply", &checked_momentum_apply);

@@ -542,6 +542,60 @@ void quantize_int8_rows(const X* x, int64_t M, int64_t d, int64_t block, bool st
   }
 }
 
+namespace {
+// float32 -> e4m3 (finite, |f| <= 448), round to nearest even: c10's fp8e4m3fn_from_fp32_value. Below 2^-6 (the
+// smallest normal) the float is added to 2^(141-127) = 0.5 * 2^15, so the float adder rounds the subnormal
+// mantissa (steps of 2^-9) to nearest even; above, the mantissa keeps 3 bits (bias 127 -> 7) rounded half to even.
+inline uint8_t e4m3_code(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t code;
+  if (bits >= (1087u << 20)) {  // >= 464: not reached after the clamp to 448
+    code = 0x7F;
+  } else if (bits < (121u << 23)) {
+    constexpr uint32_t denorm = 141u << 23;
+    float a, m;
+    std::memcpy(&a, &bits, 4);
+    std::memcpy(&m, &denorm, 4);
+    const float sum = a + m;
+    uint32_t sb;
+    std::memcpy(&sb, &sum, 4);
+    code = static_cast<uint8_t>(sb - denorm);
+  } else {
+    const uint32_t odd = (bits >> 20) & 1u;
+    bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + odd;
+    code = static_cast<uint8_t>(bits >> 20);
+  }
+  return static_cast<uint8_t>(code | (sign >> 24));
+}
+}  // namespace
+
+template <typename X>
+void quantize_fp8_rows(const X* x, int64_t M, int64_t d, int64_t block, uint8_t* codes, float* scales) {
+  const int64_t nb = (d + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(threads_for(M * d * int64_t(sizeof(X) + 1)))
+  for (int64_t r = 0; r < M * nb; ++r) {
+    const int64_t i = r / nb, b = r % nb;
+    const X* row = x + i * d;
+    uint8_t* out = codes + i * d;
+    const int64_t lo = b * block, hi = std::min(d, lo + block);
+    double amax = 0.0;
+    for (int64_t j = lo; j < hi; ++j) amax = std::max(amax, std::fabs(static_cast<double>(row[j])));
+    const float s = amax > 0.0 ? static_cast<float>(amax / 448.0) : 1.0f;
+    scales[i * nb + b] = s;
+    const double sd = static_cast<double>(s);
+    for (int64_t j = lo; j < hi; ++j) {
+      const double v = std::min(448.0, std::max(-448.0, static_cast<double>(row[j]) / sd));
+      out[j] = e4m3_code(static_cast<float>(v));
+    }
+  }
+}
+
+template void quantize_fp8_rows<float>(const float*, int64_t, int64_t, int64_t, uint8_t*, float*);
+template void quantize_fp8_rows<double>(const double*, int64_t, int64_t, int64_t, uint8_t*, float*);
+
 template void quantize_int8_rows<float>(const float*, int64_t, int64_t, int64_t, bool, uint64_t, uint32_t,
                                         const uint32_t*, int8_t*, float*);
 template void quantize_int8_rows<double>(const double*, int64_t, int64_t, int64_t, bool, uint64_t, uint32_t,

@@ -53,4 +53,10 @@ template <typename X>
 void quantize_int8_rows(const X* x, int64_t M, int64_t d, int64_t block, bool stochastic, uint64_t seed,
                         uint32_t round, const uint32_t* clients, int8_t* codes, float* scales);
 
+// Rows x [M, d] quantized to fp8 e4m3 blockwise: per block, s = float32(absmax (float64) / 448) (1 for a zero block),
+// v = clamp(double(x) / double(s), +-448) rounded to float32, then to e4m3 (round to nearest even, as torch's
+// float32 -> float8_e4m3fn): the definition in fastagg/compress/fp8.py bit for bit. codes [M * d] e4m3 bytes.
+template <typename X>
+void quantize_fp8_rows(const X* x, int64_t M, int64_t d, int64_t block, uint8_t* codes, float* scales);
+
 }  // namespace fastagg

@@ -157,3 +157,61 @@ def test_the_cpu_int8_quantizer_binding_checks_what_it_is_handed():
         with pytest.raises((ValueError, TypeError), match=match):
             c.quantize_int8_rows(a["x"].__dlpack__(), a["block"], False, 0, 0, a["clients"], a["codes"].__dlpack__(),
                                  a["scales"].__dlpack__())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("block", [1, 7, 64, 256, 5000])
+def test_the_fused_cpu_fp8_quantizer_writes_the_definitions_codes_bit_for_bit(dtype, block):
+    """quantize_fp8_rows on CPU rows runs the C++ kernel; the torch ops (float32 -> float8_e4m3fn) are the
+    definition: the same scales and codes over magnitudes from 1e-6 to 1e6, all-zero blocks and every dtype."""
+    from fastagg.compress import fp8
+
+    g = torch.Generator().manual_seed(block + 1)
+    x = (torch.randn(5, 1003, generator=g, dtype=torch.float64) * torch.logspace(-6, 6, 1003, dtype=torch.float64))
+    x[1, :block] = 0.0
+    x = x.to(dtype)
+    fused = fp8.quantize_fp8_rows(x, block)
+    plain = fp8._torch_rows(x, block)
+    for a, b in zip(fused, plain):
+        assert a.codes.dtype == torch.float8_e4m3fn
+        assert torch.equal(a.scales, b.scales) and torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
+
+
+def test_the_fused_fp8_rounding_matches_torch_at_every_boundary():
+    """Scale 1 (each row's absmax is 448): every e4m3 value, the midpoints between neighbours (ties to even), one
+    float32 ulp either side of each midpoint, and the subnormal range down to 0: codes equal torch's conversion."""
+    from fastagg.compress import fp8
+
+    vals = fp8.e4m3_table().to(torch.float64)
+    finite = vals[~vals.isnan()].unique()                 # sorted, -448 .. 448
+    mids = (finite[1:] + finite[:-1]) / 2
+    m32 = mids.to(torch.float32)
+    near = torch.cat([m32, torch.nextafter(m32, torch.tensor(float("inf"))),
+                      torch.nextafter(m32, torch.tensor(float("-inf")))]).to(torch.float64)
+    tiny = torch.linspace(-2.0 ** -6, 2.0 ** -6, 4001, dtype=torch.float64)
+    probe = torch.cat([finite, near, tiny])
+    row = torch.cat([torch.tensor([448.0], dtype=torch.float64), probe])
+    got = fp8.quantize_fp8_rows(row[None], row.numel())[0]
+    want = fp8._torch_rows(row[None], row.numel())[0]
+    assert float(got.scales[0]) == 1.0
+    assert torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))
+
+
+def test_the_cpu_fp8_quantizer_binding_checks_what_it_is_handed():
+    from fastagg.backends.cpu import compiled
+
+    c = compiled()
+    x, codes, scales = torch.zeros(2, 10), torch.zeros(20, dtype=torch.int8), torch.zeros(2, dtype=torch.float32)
+    c.quantize_fp8_rows(x.__dlpack__(), 16, codes.__dlpack__(), scales.__dlpack__())
+    for kw, match in [(dict(block=0), "block must be >= 1"),
+                      (dict(codes=torch.zeros(19, dtype=torch.int8)), "codes_out has 19 elements"),
+                      (dict(scales=torch.zeros(3)), "scales_out has 3 elements"),
+                      (dict(x=torch.zeros(2, 10, dtype=torch.int32)), "floating|float32"),
+                      (dict(x=torch.zeros(4, 10)[::2]), "contiguous"),
+                      (dict(x=torch.zeros(20)), "2-D"),
+                      (dict(codes=x.view(torch.int8)[0, :20]), "overlaps")]:
+        a = {**dict(x=x, block=16, codes=codes, scales=scales), **kw}
+        before = a["codes"].clone()
+        with pytest.raises((ValueError, TypeError), match=match):
+            c.quantize_fp8_rows(a["x"].__dlpack__(), a["block"], a["codes"].__dlpack__(), a["scales"].__dlpack__())
+        assert torch.equal(a["codes"], before)
