@@ -391,7 +391,7 @@ void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef,
 
 // Rows quantized to int8 blockwise (quantized.h): x [M, d] float32/float64, codes [M * d] int8, scales
 // [M * ceil(d / block)] float32, one client id per row.
-void checked_quantize_int8_rows(py::handle x, int64_t block, bool stochastic, uint64_t seed, uint64_t round,
+int64_t checked_quantize_int8_rows(py::handle x, int64_t block, bool stochastic, uint64_t seed, uint64_t round,
                                 const std::vector<uint64_t>& clients, py::handle codes_out, py::handle scales_out) {
   const std::string pass = "quantize_int8_rows: ";
   View xv = view_of(x, "x", kAnyFloat);
@@ -413,18 +413,17 @@ void checked_quantize_int8_rows(py::handle x, int64_t block, bool stochastic, ui
   check_overlaps({&cv, &sv}, {&xv});
   py::gil_scoped_release release;
   if (xv.kind == kF32)
-    quantize_int8_rows<float>(reinterpret_cast<const float*>(xv.data), M, d, block, stochastic, seed,
+    return quantize_int8_rows<float>(reinterpret_cast<const float*>(xv.data), M, d, block, stochastic, seed,
                               static_cast<uint32_t>(round), ids.data(), reinterpret_cast<int8_t*>(cv.data),
                               reinterpret_cast<float*>(sv.data));
-  else
-    quantize_int8_rows<double>(reinterpret_cast<const double*>(xv.data), M, d, block, stochastic, seed,
+  return quantize_int8_rows<double>(reinterpret_cast<const double*>(xv.data), M, d, block, stochastic, seed,
                                static_cast<uint32_t>(round), ids.data(), reinterpret_cast<int8_t*>(cv.data),
                                reinterpret_cast<float*>(sv.data));
 }
 
 // Rows quantized to fp8 e4m3 blockwise (quantized.h): x [M, d] float32/float64, codes [M * d] bytes (an int8 view),
 // scales [M * ceil(d / block)] float32.
-void checked_quantize_fp8_rows(py::handle x, int64_t block, py::handle codes_out, py::handle scales_out) {
+int64_t checked_quantize_fp8_rows(py::handle x, int64_t block, py::handle codes_out, py::handle scales_out) {
   const std::string pass = "quantize_fp8_rows: ";
   View xv = view_of(x, "x", kAnyFloat);
   if (xv.kind != kF32 && xv.kind != kF64) type_error(pass + "x must be float32 or float64");
@@ -438,10 +437,8 @@ void checked_quantize_fp8_rows(py::handle x, int64_t block, py::handle codes_out
   py::gil_scoped_release release;
   auto* codes = reinterpret_cast<uint8_t*>(cv.data);
   auto* scales = reinterpret_cast<float*>(sv.data);
-  if (xv.kind == kF32)
-    quantize_fp8_rows<float>(reinterpret_cast<const float*>(xv.data), M, d, block, codes, scales);
-  else
-    quantize_fp8_rows<double>(reinterpret_cast<const double*>(xv.data), M, d, block, codes, scales);
+  if (xv.kind == kF32) return quantize_fp8_rows<float>(reinterpret_cast<const float*>(xv.data), M, d, block, codes, scales);
+  return quantize_fp8_rows<double>(reinterpret_cast<const double*>(xv.data), M, d, block, codes, scales);
 }
 
 // ---- robust passes ------------------------------------------------------------------------------------------

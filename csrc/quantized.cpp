@@ -505,100 +505,187 @@ void sparse_fold(const I* const* idx, const float* const* vals, const int64_t* k
   *msq_out = msq;
 }
 
+namespace {
+// max_j |p_j| over a block in float64, and whether every p_j is finite (a NaN would not raise the maximum: it is
+// counted apart). Both reductions vectorize.
 template <typename X>
-void quantize_int8_rows(const X* x, int64_t M, int64_t d, int64_t block, bool stochastic, uint64_t seed,
-                        uint32_t round, const uint32_t* clients, int8_t* codes, float* scales) {
+double block_absmax(const X* p, int64_t n, int64_t& nonfinite) {
+  double amax = 0.0;
+  int ok = 1;
+#pragma omp simd reduction(max : amax) reduction(& : ok)
+  for (int64_t j = 0; j < n; ++j) {
+    const double a = std::fabs(static_cast<double>(p[j]));
+    amax = a > amax ? a : amax;
+    ok &= (a - a) == 0.0;  // NaN for NaN and Inf
+  }
+  nonfinite += ok ? 0 : 1;
+  return amax;
+}
+}  // namespace
+
+template <typename X>
+int64_t quantize_int8_rows(const X* x, int64_t M, int64_t d, int64_t block, bool stochastic, uint64_t seed,
+                           uint32_t round, const uint32_t* clients, int8_t* codes, float* scales) {
   const int64_t nb = (d + block - 1) / block;
   const uint32_t key[2] = {static_cast<uint32_t>(seed & 0xFFFFFFFFu), static_cast<uint32_t>(seed >> 32)};
-#pragma omp parallel for schedule(static) num_threads(threads_for(M * d * int64_t(sizeof(X) + 1)))
+  int64_t nonfinite = 0;
+#pragma omp parallel for schedule(static) reduction(+ : nonfinite) \
+    num_threads(threads_for(M * d * int64_t(sizeof(X) + 1)))
   for (int64_t r = 0; r < M * nb; ++r) {
     const int64_t i = r / nb, b = r % nb;
     const X* row = x + i * d;
     int8_t* out = codes + i * d;
     const int64_t lo = b * block, hi = std::min(d, lo + block);
-    double amax = 0.0;
-    for (int64_t j = lo; j < hi; ++j) amax = std::max(amax, std::fabs(static_cast<double>(row[j])));
+    const double amax = block_absmax(row + lo, hi - lo, nonfinite);
     const float s = amax > 0.0 ? static_cast<float>(amax / 127.0) : 1.0f;
     scales[i * nb + b] = s;
     const double sd = static_cast<double>(s);
+    if (!stochastic) {
+      for (int64_t j = lo; j < hi; ++j) {  // nearbyint: the default rounding mode, half to even
+        const double q = std::nearbyint(static_cast<double>(row[j]) / sd);
+        out[j] = static_cast<int8_t>(std::min(127.0, std::max(-127.0, q)));
+      }
+      continue;
+    }
     uint32_t words[4] = {0, 0, 0, 0};
     int64_t group = -1;
     for (int64_t j = lo; j < hi; ++j) {
-      const double v = static_cast<double>(row[j]) / sd;
-      double q;
-      if (stochastic) {
-        if (j / 4 != group) {  // the Philox block holding u_j: counter (j / 4 low, high, round, client), key seed
-          group = j / 4;
-          const uint32_t counter[4] = {static_cast<uint32_t>(group & 0xFFFFFFFF),
-                                       static_cast<uint32_t>(static_cast<uint64_t>(group) >> 32), round, clients[i]};
-          philox4x32_10(counter, key, words);
-        }
-        q = std::floor(v + static_cast<double>(words[j % 4]) * 0x1p-32);
-      } else {
-        q = std::nearbyint(v);  // the default rounding mode: half to even
+      if (j / 4 != group) {  // the Philox block holding u_j: counter (j / 4 low, high, round, client), key seed
+        group = j / 4;
+        const uint32_t counter[4] = {static_cast<uint32_t>(group & 0xFFFFFFFF),
+                                     static_cast<uint32_t>(static_cast<uint64_t>(group) >> 32), round, clients[i]};
+        philox4x32_10(counter, key, words);
       }
+      const double q = std::floor(static_cast<double>(row[j]) / sd + static_cast<double>(words[j % 4]) * 0x1p-32);
       out[j] = static_cast<int8_t>(std::min(127.0, std::max(-127.0, q)));
     }
   }
+  return nonfinite;
 }
 
 namespace {
-// float32 -> e4m3 (finite, |f| <= 448), round to nearest even: c10's fp8e4m3fn_from_fp32_value. Below 2^-6 (the
-// smallest normal) the float is added to 2^(141-127) = 0.5 * 2^15, so the float adder rounds the subnormal
-// mantissa (steps of 2^-9) to nearest even; above, the mantissa keeps 3 bits (bias 127 -> 7) rounded half to even.
+// float32 -> e4m3 (finite, |f| <= 448), round to nearest even: c10's fp8e4m3fn_from_fp32_value, branch-free so
+// that a loop over it vectorizes. Below 2^-6 (the smallest normal) the float is added to 2^(141-127) = 2^14, so the
+// float adder rounds the subnormal mantissa (steps of 2^-9) to nearest even; above, the mantissa keeps 3 bits
+// (bias 127 -> 7) rounded half to even; from 464 up (not reached after the clamp to 448) the NaN code.
 inline uint8_t e4m3_code(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
   const uint32_t sign = bits & 0x80000000u;
   bits ^= sign;
-  uint8_t code;
-  if (bits >= (1087u << 20)) {  // >= 464: not reached after the clamp to 448
-    code = 0x7F;
-  } else if (bits < (121u << 23)) {
-    constexpr uint32_t denorm = 141u << 23;
-    float a, m;
-    std::memcpy(&a, &bits, 4);
-    std::memcpy(&m, &denorm, 4);
-    const float sum = a + m;
-    uint32_t sb;
-    std::memcpy(&sb, &sum, 4);
-    code = static_cast<uint8_t>(sb - denorm);
-  } else {
-    const uint32_t odd = (bits >> 20) & 1u;
-    bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + odd;
-    code = static_cast<uint8_t>(bits >> 20);
-  }
-  return static_cast<uint8_t>(code | (sign >> 24));
+  constexpr uint32_t denorm = 141u << 23;
+  float a, m;
+  std::memcpy(&a, &bits, 4);
+  std::memcpy(&m, &denorm, 4);
+  const float sum = a + m;
+  uint32_t sb;
+  std::memcpy(&sb, &sum, 4);
+  const uint32_t sub = sb - denorm;
+  const uint32_t normal = (bits + (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20;
+  uint32_t code = bits < (121u << 23) ? sub : normal;
+  code = bits >= (1087u << 20) ? 0x7Fu : code;
+  return static_cast<uint8_t>((code | (sign >> 24)) & 0xFFu);
 }
 }  // namespace
 
+// v[t] = float32(clamp(double(x[t]) / sd, +-448)) and codes[t] = e4m3_code(v[t]) for t < n: the portable loops,
+// then 8 at a time on AVX2 (float64 quotients 4 at a time; the code's integer steps in 8 lanes, packed to bytes).
 template <typename X>
-void quantize_fp8_rows(const X* x, int64_t M, int64_t d, int64_t block, uint8_t* codes, float* scales) {
+void fp8_piece(const X* x, double sd, int64_t n, float* v, uint8_t* out) {
+  for (int64_t t = 0; t < n; ++t) v[t] = static_cast<float>(std::min(448.0, std::max(-448.0, static_cast<double>(x[t]) / sd)));
+  for (int64_t t = 0; t < n; ++t) out[t] = e4m3_code(v[t]);
+}
+
+#ifdef __AVX2__
+namespace {
+inline __m128 fp8_quotients(__m256d q, __m256d lim) {  // clamp(q, +-448) to float32: the scalar min/max order
+  return _mm256_cvtpd_ps(_mm256_min_pd(lim, _mm256_max_pd(_mm256_sub_pd(_mm256_setzero_pd(), lim), q)));
+}
+
+inline __m256 fp8_quotients8(const float* x, __m256d s, __m256d lim) {
+  const __m128 lo = fp8_quotients(_mm256_div_pd(_mm256_cvtps_pd(_mm_loadu_ps(x)), s), lim);
+  const __m128 hi = fp8_quotients(_mm256_div_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + 4)), s), lim);
+  return _mm256_set_m128(hi, lo);
+}
+
+inline __m256 fp8_quotients8(const double* x, __m256d s, __m256d lim) {
+  const __m128 lo = fp8_quotients(_mm256_div_pd(_mm256_loadu_pd(x), s), lim);
+  const __m128 hi = fp8_quotients(_mm256_div_pd(_mm256_loadu_pd(x + 4), s), lim);
+  return _mm256_set_m128(hi, lo);
+}
+
+inline void e4m3_codes8(__m256 v, uint8_t* out) {  // e4m3_code in 8 lanes
+  const __m256i all = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(all, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i bits = _mm256_xor_si256(all, sign);
+  const __m256i denorm = _mm256_set1_epi32(141 << 23);
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(bits), _mm256_castsi256_ps(denorm))), denorm);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 20), _mm256_set1_epi32(1));
+  const __m256i normal = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(static_cast<int>((static_cast<uint32_t>(7 - 127) << 23) +
+                                                                                  0x7FFFFu))),
+                       odd),
+      20);
+  __m256i code = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), bits));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), _mm256_cmpgt_epi32(bits, _mm256_set1_epi32((1087 << 20) - 1)));
+  code = _mm256_and_si256(_mm256_or_si256(code, _mm256_srli_epi32(sign, 24)), _mm256_set1_epi32(0xFF));
+  const __m256i w = _mm256_packus_epi32(code, code);  // 16-bit, then bytes (every value <= 255)
+  const __m256i b = _mm256_packus_epi16(w, w);
+  const __m128i both = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), both);
+}
+}  // namespace
+
+template <>
+void fp8_piece<float>(const float* x, double sd, int64_t n, float* v, uint8_t* out) {
+  const __m256d s = _mm256_set1_pd(sd), lim = _mm256_set1_pd(448.0);
+  const int64_t whole = n - n % 8;
+  for (int64_t t = 0; t < whole; t += 8) e4m3_codes8(fp8_quotients8(x + t, s, lim), out + t);
+  (void)v;
+  for (int64_t t = whole; t < n; ++t)
+    out[t] = e4m3_code(static_cast<float>(std::min(448.0, std::max(-448.0, static_cast<double>(x[t]) / sd))));
+}
+
+template <>
+void fp8_piece<double>(const double* x, double sd, int64_t n, float* v, uint8_t* out) {
+  const __m256d s = _mm256_set1_pd(sd), lim = _mm256_set1_pd(448.0);
+  const int64_t whole = n - n % 8;
+  for (int64_t t = 0; t < whole; t += 8) e4m3_codes8(fp8_quotients8(x + t, s, lim), out + t);
+  for (int64_t t = whole; t < n; ++t)
+    out[t] = e4m3_code(static_cast<float>(std::min(448.0, std::max(-448.0, x[t] / sd))));
+  (void)v;
+}
+#endif
+
+template <typename X>
+int64_t quantize_fp8_rows(const X* x, int64_t M, int64_t d, int64_t block, uint8_t* codes, float* scales) {
   const int64_t nb = (d + block - 1) / block;
-#pragma omp parallel for schedule(static) num_threads(threads_for(M * d * int64_t(sizeof(X) + 1)))
+  constexpr int64_t kPiece = 512;  // quotients staged in float32 on the stack, then converted: two simple loops
+  int64_t nonfinite = 0;
+#pragma omp parallel for schedule(static) reduction(+ : nonfinite) \
+    num_threads(threads_for(M * d * int64_t(sizeof(X) + 1)))
   for (int64_t r = 0; r < M * nb; ++r) {
     const int64_t i = r / nb, b = r % nb;
     const X* row = x + i * d;
     uint8_t* out = codes + i * d;
     const int64_t lo = b * block, hi = std::min(d, lo + block);
-    double amax = 0.0;
-    for (int64_t j = lo; j < hi; ++j) amax = std::max(amax, std::fabs(static_cast<double>(row[j])));
+    const double amax = block_absmax(row + lo, hi - lo, nonfinite);
     const float s = amax > 0.0 ? static_cast<float>(amax / 448.0) : 1.0f;
     scales[i * nb + b] = s;
     const double sd = static_cast<double>(s);
-    for (int64_t j = lo; j < hi; ++j) {
-      const double v = std::min(448.0, std::max(-448.0, static_cast<double>(row[j]) / sd));
-      out[j] = e4m3_code(static_cast<float>(v));
-    }
+    alignas(32) float v[kPiece];
+    for (int64_t p = lo; p < hi; p += kPiece) fp8_piece<X>(row + p, sd, std::min(kPiece, hi - p), v, out + p);
   }
+  return nonfinite;
 }
 
-template void quantize_fp8_rows<float>(const float*, int64_t, int64_t, int64_t, uint8_t*, float*);
-template void quantize_fp8_rows<double>(const double*, int64_t, int64_t, int64_t, uint8_t*, float*);
+template int64_t quantize_fp8_rows<float>(const float*, int64_t, int64_t, int64_t, uint8_t*, float*);
+template int64_t quantize_fp8_rows<double>(const double*, int64_t, int64_t, int64_t, uint8_t*, float*);
 
-template void quantize_int8_rows<float>(const float*, int64_t, int64_t, int64_t, bool, uint64_t, uint32_t,
+template int64_t quantize_int8_rows<float>(const float*, int64_t, int64_t, int64_t, bool, uint64_t, uint32_t,
                                         const uint32_t*, int8_t*, float*);
-template void quantize_int8_rows<double>(const double*, int64_t, int64_t, int64_t, bool, uint64_t, uint32_t,
+template int64_t quantize_int8_rows<double>(const double*, int64_t, int64_t, int64_t, bool, uint64_t, uint32_t,
                                          const uint32_t*, int8_t*, float*);
 
 template void int8_blockwise_fold<float>(const int8_t* const*, const float* const*, int64_t, int64_t, int64_t,

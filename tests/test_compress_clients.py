@@ -215,3 +215,21 @@ def test_the_cpu_fp8_quantizer_binding_checks_what_it_is_handed():
         with pytest.raises((ValueError, TypeError), match=match):
             c.quantize_fp8_rows(a["x"].__dlpack__(), a["block"], a["codes"].__dlpack__(), a["scales"].__dlpack__())
         assert torch.equal(a["codes"], before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [0, 255, 256, 1002])
+def test_the_fused_quantizers_refuse_a_nan_or_inf_anywhere(dtype, bad, where):
+    """The fused CPU quantizers check finiteness as they read (no separate pass): a NaN or Inf in any row and
+    block (the first, a block's last, the next block's first, the short last block) raises for int8 (both
+    roundings) and fp8, as the torch path does."""
+    from fastagg.compress import fp8, int8
+
+    x = torch.randn(3, 1003, generator=torch.Generator().manual_seed(where), dtype=dtype)
+    x[2, where] = bad
+    calls = [lambda: int8.quantize_int8_rows(x, 256), lambda: int8.quantize_int8_rows(x, 256, stochastic=True),
+             lambda: fp8.quantize_fp8_rows(x, 256), lambda: quantize_int8(x[2], 64)]
+    for call in calls:
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            call()

@@ -114,9 +114,10 @@ def check_keys(seed: Any, round: Any, clients: Any) -> None:
             raise ValueError(f"client must be an integer in [0, 2^32), got {c!r}")
 
 
-def as_rows(update: Any, what: str = "the update") -> torch.Tensor:
+def as_rows(update: Any, what: str = "the update", *, finite: bool = True) -> torch.Tensor:
     """One update (a flat tensor, a list of tensors, a state_dict or a module's parameters) as a ``[1, d]`` row, or
-    an ``[M, d]`` tensor of M updates as it is; detached, finite, floating point."""
+    an ``[M, d]`` tensor of M updates as it is; detached, floating point, and checked finite unless ``finite`` is
+    False (a fused quantizer that checks as it reads)."""
     if isinstance(update, torch.Tensor) and update.dim() in (1, 2):
         x = update if update.dim() == 2 else update[None]
     else:
@@ -124,9 +125,13 @@ def as_rows(update: Any, what: str = "the update") -> torch.Tensor:
     x = x.detach()
     if not x.is_floating_point():
         raise TypeError(f"{what} must be floating point, got {x.dtype}")
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{what} holds NaN or Inf: it has no compressed form")
+    if finite and not bool(torch.isfinite(x).all()):
+        raise_nonfinite(what)
     return x
+
+
+def raise_nonfinite(what: str) -> None:
+    raise ValueError(f"{what} holds NaN or Inf: it has no compressed form")
 
 
 def tiles(rows: torch.Tensor, block: int) -> torch.Tensor:

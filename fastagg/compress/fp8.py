@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .blockwise import Blockwise, as_rows, check_block, tiles
+from .blockwise import Blockwise, as_rows, check_block, raise_nonfinite, tiles
 
 __all__ = ["Fp8Blockwise", "quantize_fp8", "quantize_fp8_rows", "E4M3_MAX"]
 
@@ -49,19 +49,20 @@ def quantize_fp8(update: Any, block: int = 256) -> Fp8Blockwise:
     form (module docstring). A NaN or Inf in the update raises."""
     if isinstance(update, torch.Tensor) and update.dim() == 2:
         raise ValueError("quantize_fp8 takes one update; quantize_fp8_rows takes an [M, d] batch")
-    return quantize_fp8_rows(as_rows(update), block)[0]
+    return quantize_fp8_rows(as_rows(update, finite=False), block)[0]
 
 
 def quantize_fp8_rows(rows: torch.Tensor, block: int = 256) -> list:
     """Each row of an ``[M, d]`` batch quantized as :func:`quantize_fp8`, in one pass: fused in C++ for CPU
     float32/float64 rows (csrc/quantized.h, the same codes and scales bit for bit), torch ops elsewhere."""
     check_block(block)
-    x = as_rows(rows, "the updates")
+    x = as_rows(rows, "the updates", finite=False)
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
         from ..backends import cpu
 
         if cpu.IMPORT_ERROR is None:
             return _fused_rows(x.contiguous(), block)
+    as_rows(x, "the updates")
     return _torch_rows(x, block)
 
 
@@ -71,7 +72,8 @@ def _fused_rows(x: torch.Tensor, block: int) -> list:
     m, d = x.shape
     codes = torch.empty(m, d, dtype=torch.int8)
     scales = torch.empty(m, -(-d // block), dtype=torch.float32)
-    compiled().quantize_fp8_rows(x.__dlpack__(), block, codes.__dlpack__(), scales.__dlpack__())
+    if compiled().quantize_fp8_rows(x.__dlpack__(), block, codes.__dlpack__(), scales.__dlpack__()):
+        raise_nonfinite("the updates")
     codes = codes.view(torch.float8_e4m3fn)
     return [Fp8Blockwise(codes[i], scales[i], block) for i in range(m)]
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from .blockwise import MAX_BLOCK, Blockwise, as_rows, check_block, check_blockwise, check_keys, tiles, uniforms
+from .blockwise import (MAX_BLOCK, Blockwise, as_rows, check_block, check_blockwise, check_keys, raise_nonfinite,
+                        tiles, uniforms)
 
 __all__ = ["Int8Blockwise", "quantize_int8", "quantize_int8_rows", "dequantize", "MAX_BLOCK"]
 
@@ -44,7 +45,7 @@ def quantize_int8(update: Any, block: int = 256, *, stochastic: bool = False, se
     [0, 2^64), [0, 2^32), [0, 2^32)). A NaN or Inf in the update raises (it has no int8 code)."""
     if isinstance(update, torch.Tensor) and update.dim() == 2:
         raise ValueError("quantize_int8 takes one update; quantize_int8_rows takes an [M, d] batch")
-    return quantize_int8_rows(as_rows(update), block, stochastic=stochastic, seed=seed, round=round,
+    return quantize_int8_rows(as_rows(update, finite=False), block, stochastic=stochastic, seed=seed, round=round,
                               clients=[client])[0]
 
 
@@ -54,7 +55,7 @@ def quantize_int8_rows(rows: torch.Tensor, block: int = 256, *, stochastic: bool
     ``clients[i]``, default ``i``), in one pass: fused in C++ for CPU float32/float64 rows (csrc/quantized.h, the
     same codes and scales bit for bit), torch ops elsewhere."""
     check_block(block)
-    x = as_rows(rows, "the updates")
+    x = as_rows(rows, "the updates", finite=False)
     m, d = x.shape
     clients = list(range(m)) if clients is None else list(clients)
     check_keys(seed, round, clients)
@@ -65,6 +66,7 @@ def quantize_int8_rows(rows: torch.Tensor, block: int = 256, *, stochastic: bool
 
         if cpu.IMPORT_ERROR is None:
             return _fused_rows(x.contiguous(), block, stochastic, seed, round, clients)
+    as_rows(x, "the updates")
     return _torch_rows(x, block, stochastic, seed, round, clients)
 
 
@@ -75,8 +77,9 @@ def _fused_rows(x: torch.Tensor, block: int, stochastic: bool, seed: int, round:
     nb = -(-d // block)
     codes = torch.empty(m, d, dtype=torch.int8)
     scales = torch.empty(m, nb, dtype=torch.float32)
-    compiled().quantize_int8_rows(x.__dlpack__(), block, bool(stochastic), seed, round, clients,
-                                  codes.__dlpack__(), scales.__dlpack__())
+    if compiled().quantize_int8_rows(x.__dlpack__(), block, bool(stochastic), seed, round, clients,
+                                     codes.__dlpack__(), scales.__dlpack__()):
+        raise_nonfinite("the updates")
     return [Int8Blockwise(codes[i], scales[i], block) for i in range(m)]
 
 
