@@ -918,7 +918,16 @@ def section_compress() -> None:
     sparse = [sparsify_topk(x, 0.01) for x in floats]
     record("compress", f"{tag}: fedexp_step top-1% sparse (mean written: 4d bytes)", bench(lambda: fastagg.fedexp_step(
         sparse, eps=1e-3, backend="triton", mean_out=mean)), sum(u.nbytes for u in sparse) + 8 * d)
-    del floats, kinds, sparse, mean
+    rows = torch.stack(floats[:4])  # the client side: rows quantized on the device (read 4 B, write 1 B + scales)
+    from fastagg.compress import int8
+
+    for stochastic in (False, True):
+        label = "stochastic" if stochastic else "round half to even"
+        record("compress", f"4 rows x {d:.0e}: quantize_int8_rows triton ({label})", bench(
+            lambda: int8.quantize_int8_rows(rows, 256, stochastic=stochastic)), rows.numel() * 5)
+        record("compress", f"4 rows x {d:.0e}: quantize_int8_rows torch ops ({label})", bench(
+            lambda: int8.quantize_int8_rows(rows, 256, stochastic=stochastic, backend="reference")), rows.numel() * 5)
+    del floats, kinds, sparse, mean, rows
     free()
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fastagg import client
+from fastagg.testing import cpu_backends
 from fastagg.compress import (dequantize, quantize_fp8, quantize_int8, quantize_int8_rows, quantize_qsgd,
                               sparsify_randk, sparsify_topk)
 from fastagg.compress.spec import Compression, parse, sent_bytes
@@ -233,3 +234,24 @@ def test_the_fused_quantizers_refuse_a_nan_or_inf_anywhere(dtype, bad, where):
     for call in calls:
         with pytest.raises(ValueError, match="NaN or Inf"):
             call()
+
+
+@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "reference"])
+@pytest.mark.parametrize("block, d", [(64, 1003), (100, 250), (4096, 5000)])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_every_backends_int8_quantizer_writes_the_definitions_codes(backend, block, d, stochastic):
+    """The C++ kernel and the Triton one (run by the interpreter here; CUDA rows on a GPU) against the torch-op
+    definition (``backend="reference"``): the same scales and codes, Philox words included (seed above 2^63,
+    client ids up to 2^32 - 1), ties to even; a NaN in any block raises."""
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(3, d, generator=g, dtype=torch.float64) * torch.logspace(-2, 2, d, dtype=torch.float64)
+    x[0, :4] = torch.tensor([0.5, 1.5, -2.5, 0.0], dtype=torch.float64) * float(x[0].abs().max()) / 127
+    x = x.to(torch.float32)
+    kw = dict(stochastic=stochastic, seed=2 ** 63 + 11, round=3, clients=[0, 7, 2 ** 32 - 1])
+    got = quantize_int8_rows(x, block, backend=backend, **kw)
+    want = quantize_int8_rows(x, block, backend="reference", **kw)
+    for a, b in zip(got, want):
+        assert torch.equal(a.scales, b.scales) and torch.equal(a.codes, b.codes)
+    x[2, d - 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_int8_rows(x, block, backend=backend, **kw)

@@ -599,3 +599,29 @@ def test_an_async_server_called_from_the_main_thread_steps_on_the_callers_stream
             srv.submit(torch.ones_like(w), 0)
     s.synchronize()
     assert srv.version == 1 and torch.equal(w, torch.ones_like(w))
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_compressed_clients_and_the_int8_quantizer_on_device(stochastic):
+    """Issue 25's kernels where they run: rows quantized to int8 on the device (Triton) equal the CPU definition's
+    codes bit for bit (Philox words included); int8 / fp8 / code-book / top-k clients folded on the device give the
+    float64 oracle's mean and norms (the oracle dequantizes first, on the CPU)."""
+    from fastagg.compress import Codebook8, dequantize, quantize_fp8, quantize_int8_rows, sparsify_topk
+
+    m, d = (16, 3_000_001) if ON_GPU else (3, 5003)
+    x = _randn(m, d, seed=25) * 0.01
+    kw = dict(stochastic=stochastic, seed=2 ** 63 + 1, round=4, clients=list(range(100, 100 + m)))
+    on_dev = quantize_int8_rows(x.to(DEVICE), 256, **kw)
+    want = quantize_int8_rows(x, 256, backend="reference", **kw)
+    for a, b in zip(on_dev, want):
+        assert torch.equal(a.codes.cpu(), b.codes) and torch.equal(a.scales.cpu(), b.scales)
+    book = torch.linspace(-1, 1, 256, device=DEVICE)
+    for name, clients in [("int8", on_dev),
+                          ("fp8", [quantize_fp8(r, 128) for r in x.to(DEVICE)]),
+                          ("code book", [Codebook8(u.codes.view(torch.uint8), u.scales, 256, book) for u in on_dev]),
+                          ("top-k", [sparsify_topk(r, 0.01) for r in x.to(DEVICE)])]:
+        res = fastagg.fedexp_step(clients, eps=1e-3, backend="triton")
+        dense = torch.stack([dequantize(u).cpu() for u in clients])
+        ref = fastagg.fedexp_step(dense, eps=1e-3, backend="reference")
+        assert_close(res.mean.cpu(), ref.mean, rtol=1e-5, atol=1e-6 * float(ref.mean.abs().max()), name=name)
+        assert_close(res.sq_norms.cpu(), ref.sq_norms, rtol=1e-9, atol=0, name=f"{name} norms")

@@ -96,6 +96,13 @@ def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, init: torch.
                            _dl(sq_out), _dl(msq_out))
 
 
+def quantize_int8_rows(*, x: torch.Tensor, block: int, stochastic: bool, seed: int, round: int, clients: list,
+                       codes_out: torch.Tensor, scales_out: torch.Tensor) -> int:
+    """csrc/quantized.h (float32 / float64 rows); returns the number of blocks holding a NaN or Inf."""
+    return compiled().quantize_int8_rows(_dl(x), int(block), bool(stochastic), int(seed), int(round), list(clients),
+                                         _dl(codes_out), _dl(scales_out))
+
+
 def gaussian_noise(*, out: torch.Tensor, seed: int, round: int, first: int = 0) -> None:
     compiled().gaussian_noise(_dl(out), int(seed), int(round), int(first))
 

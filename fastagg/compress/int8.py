@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..backends import resolve
+
 from .blockwise import (MAX_BLOCK, Blockwise, as_rows, check_block, check_blockwise, check_keys, raise_nonfinite,
                         tiles, uniforms)
 
@@ -50,10 +52,11 @@ def quantize_int8(update: Any, block: int = 256, *, stochastic: bool = False, se
 
 
 def quantize_int8_rows(rows: torch.Tensor, block: int = 256, *, stochastic: bool = False, seed: int = 0,
-                       round: int = 0, clients: list | None = None) -> list:
+                       round: int = 0, clients: list | None = None, backend: str = "auto") -> list:
     """Each row of an ``[M, d]`` batch of updates quantized as :func:`quantize_int8` (row ``i`` keyed by
-    ``clients[i]``, default ``i``), in one pass: fused in C++ for CPU float32/float64 rows (csrc/quantized.h, the
-    same codes and scales bit for bit), torch ops elsewhere."""
+    ``clients[i]``, default ``i``), in one pass: fused in C++ for CPU float32/float64 rows (csrc/quantized.h) and in
+    Triton for CUDA rows (fastagg/backends/triton/quantize.py), the same codes and scales bit for bit; the torch ops
+    of the definition elsewhere (``backend="reference"``)."""
     check_block(block)
     x = as_rows(rows, "the updates", finite=False)
     m, d = x.shape
@@ -61,26 +64,27 @@ def quantize_int8_rows(rows: torch.Tensor, block: int = 256, *, stochastic: bool
     check_keys(seed, round, clients)
     if len(clients) != m:
         raise ValueError(f"{m} rows but {len(clients)} client ids")
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
-        from ..backends import cpu
-
-        if cpu.IMPORT_ERROR is None:
-            return _fused_rows(x.contiguous(), block, stochastic, seed, round, clients)
+    kernel = getattr(_backend(backend, x.device), "quantize_int8_rows", None)
+    if kernel is not None and (x.device.type != "cpu" or x.dtype in (torch.float32, torch.float64)):
+        x = x.contiguous()
+        codes = torch.empty(m, d, dtype=torch.int8, device=x.device)
+        scales = torch.empty(m, -(-d // block), dtype=torch.float32, device=x.device)
+        if kernel(x=x, block=block, stochastic=stochastic, seed=seed, round=round, clients=clients,
+                  codes_out=codes, scales_out=scales):
+            raise_nonfinite("the updates")
+        return [Int8Blockwise(codes[i], scales[i], block) for i in range(m)]
     as_rows(x, "the updates")
     return _torch_rows(x, block, stochastic, seed, round, clients)
 
 
-def _fused_rows(x: torch.Tensor, block: int, stochastic: bool, seed: int, round: int, clients: list) -> list:
-    from ..backends.cpu import compiled
-
-    m, d = x.shape
-    nb = -(-d // block)
-    codes = torch.empty(m, d, dtype=torch.int8)
-    scales = torch.empty(m, nb, dtype=torch.float32)
-    if compiled().quantize_int8_rows(x.__dlpack__(), block, bool(stochastic), seed, round, clients,
-                                     codes.__dlpack__(), scales.__dlpack__()):
-        raise_nonfinite("the updates")
-    return [Int8Blockwise(codes[i], scales[i], block) for i in range(m)]
+def _backend(name: str, device: torch.device):
+    """The backend that quantizes on ``device``; with "auto", None (the torch ops) when its kernels cannot load."""
+    try:
+        return resolve(name, device)
+    except (ImportError, RuntimeError, ValueError):
+        if name != "auto":
+            raise
+        return None
 
 
 def _torch_rows(x: torch.Tensor, block: int, stochastic: bool, seed: int, round: int, clients: list) -> list:

@@ -1,0 +1,72 @@
+"""Client rows quantized to int8 blockwise on the GPU (the definition: fastagg/compress/int8.py, whose C++ twin is
+csrc/quantized.h): one program per (row, block) reads the block twice, first for its absmax (float64) and a count
+of NaN/Inf, then for the codes: ``q = round_half_even(x / s)`` or, stochastic, ``floor(x / s + u_j)`` with ``u_j``
+the ``(j mod 4)``-th word of Triton's Philox4x32-10 (counter ``(j // 4 low, high, round, client)``, key ``seed``:
+the same words as the C++ and reference backends, tested), times 2^-32. Every step in float64, so the codes and
+scales equal the definition's bit for bit."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.random import philox
+
+_TWO_M32 = 2.3283064365386963e-10  # 2^-32
+_ROUNDER = 6755399441055744.0  # 1.5 * 2^52: (q + it) - it rounds q half to even for |q| < 2^51
+
+
+@triton.jit
+def _quantize_int8_kernel(x, codes, scales, nonfinite, clients, d, nb, block, seed, rnd,
+                          STOCHASTIC: tl.constexpr, TILE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    i = pid // nb
+    lo = (pid % nb) * block
+    hi = tl.minimum(d, lo + block)
+    row = x + i * d
+    amax = tl.zeros([TILE], dtype=tl.float64)
+    bad = tl.zeros([TILE], dtype=tl.int32)
+    for start in range(lo, hi, TILE):
+        cols = start + tl.arange(0, TILE).to(tl.int64)
+        a = tl.abs(tl.load(row + cols, mask=cols < hi, other=0.0).to(tl.float64))
+        bad += (a - a != 0.0).to(tl.int32)  # NaN for NaN and Inf
+        amax = tl.maximum(amax, tl.where(a == a, a, 0.0))
+    top = tl.max(amax, axis=0)
+    s = tl.where(top > 0.0, (top / 127.0).to(tl.float32), 1.0)
+    tl.store(scales + pid, s)
+    tl.store(nonfinite + pid, tl.sum(bad, axis=0))
+    sd = s.to(tl.float64)
+    client = tl.load(clients + i).to(tl.uint32)
+    for start in range(lo, hi, TILE):
+        cols = start + tl.arange(0, TILE).to(tl.int64)
+        inside = cols < hi
+        q = tl.load(row + cols, mask=inside, other=0.0).to(tl.float64) / sd
+        if STOCHASTIC:
+            blk = cols >> 2
+            lane = cols & 3
+            c0 = (blk & 0xFFFFFFFF).to(tl.uint32)
+            c1 = (blk >> 32).to(tl.uint32)
+            c2 = (blk * 0 + rnd).to(tl.uint32)
+            c3 = (blk * 0).to(tl.uint32) + client
+            w0, w1, w2, w3 = philox(seed, c0, c1, c2, c3, 10)
+            w = tl.where(lane == 0, w0, tl.where(lane == 1, w1, tl.where(lane == 2, w2, w3)))
+            q = tl.floor(q + w.to(tl.float64) * _TWO_M32)
+        else:
+            q = (q + _ROUNDER) - _ROUNDER
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+        tl.store(codes + i * d + cols, q.to(tl.int8), mask=inside)
+
+
+def quantize_int8_rows(*, x: torch.Tensor, block: int, stochastic: bool, seed: int, round: int, clients: list,
+                       codes_out: torch.Tensor, scales_out: torch.Tensor) -> int:
+    """``x`` [M, d] (contiguous, any float dtype) into ``codes_out`` int8 [M, d] and ``scales_out`` float32
+    [M, ceil(d / block)]; returns the number of blocks holding a NaN or Inf (their codes are meaningless)."""
+    m, d = x.shape
+    nb = triton.cdiv(d, block)
+    if m * nb == 0:
+        return 0
+    bad = torch.zeros(m * nb, dtype=torch.int32, device=x.device)
+    ids = torch.tensor(clients, dtype=torch.int64, device=x.device)
+    tile = min(1024, triton.next_power_of_2(block))
+    _quantize_int8_kernel[(m * nb,)](x, codes_out, scales_out, bad, ids, d, nb, block, int(seed), int(round),
+                                     STOCHASTIC=bool(stochastic), TILE=tile)
+    return int(bad.sum())
