@@ -927,6 +927,12 @@ def section_compress() -> None:
             lambda: int8.quantize_int8_rows(rows, 256, stochastic=stochastic)), rows.numel() * 5)
         record("compress", f"4 rows x {d:.0e}: quantize_int8_rows torch ops ({label})", bench(
             lambda: int8.quantize_int8_rows(rows, 256, stochastic=stochastic, backend="reference")), rows.numel() * 5)
+    from fastagg.compress import fp8
+
+    record("compress", f"4 rows x {d:.0e}: quantize_fp8_rows triton", bench(
+        lambda: fp8.quantize_fp8_rows(rows, 256)), rows.numel() * 5)
+    record("compress", f"4 rows x {d:.0e}: quantize_fp8_rows torch ops", bench(
+        lambda: fp8.quantize_fp8_rows(rows, 256, backend="reference")), rows.numel() * 5)
     del floats, kinds, sparse, mean, rows
     free()
 

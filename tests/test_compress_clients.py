@@ -178,9 +178,11 @@ def test_the_fused_cpu_fp8_quantizer_writes_the_definitions_codes_bit_for_bit(dt
         assert torch.equal(a.scales, b.scales) and torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
 
 
-def test_the_fused_fp8_rounding_matches_torch_at_every_boundary():
+@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "reference"])
+def test_the_fused_fp8_rounding_matches_torch_at_every_boundary(backend):
     """Scale 1 (each row's absmax is 448): every e4m3 value, the midpoints between neighbours (ties to even), one
-    float32 ulp either side of each midpoint, and the subnormal range down to 0: codes equal torch's conversion."""
+    float32 ulp either side of each midpoint, and the subnormal range down to 0: the C++ and Triton codes equal
+    torch's conversion."""
     from fastagg.compress import fp8
 
     vals = fp8.e4m3_table().to(torch.float64)
@@ -192,7 +194,7 @@ def test_the_fused_fp8_rounding_matches_torch_at_every_boundary():
     tiny = torch.linspace(-2.0 ** -6, 2.0 ** -6, 4001, dtype=torch.float64)
     probe = torch.cat([finite, near, tiny])
     row = torch.cat([torch.tensor([448.0], dtype=torch.float64), probe])
-    got = fp8.quantize_fp8_rows(row[None], row.numel())[0]
+    got = fp8.quantize_fp8_rows(row[None], row.numel(), backend=backend)[0]
     want = fp8._torch_rows(row[None], row.numel())[0]
     assert float(got.scales[0]) == 1.0
     assert torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))
@@ -255,3 +257,28 @@ def test_every_backends_int8_quantizer_writes_the_definitions_codes(backend, blo
     x[2, d - 1] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize_int8_rows(x, block, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "reference"])
+@pytest.mark.parametrize("block, d", [(64, 1003), (4096, 5000)])
+def test_every_backends_fp8_quantizer_writes_the_definitions_codes(backend, block, d):
+    """The C++ and Triton fp8 quantizers against the torch-op definition: magnitudes over twelve decades (so every
+    e4m3 exponent, the subnormals and zero occur), every e4m3 midpoint; a NaN raises."""
+    from fastagg.compress import fp8
+
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(3, d, generator=g, dtype=torch.float64) * torch.logspace(-6, 6, d, dtype=torch.float64)
+    vals = fp8.e4m3_table().to(torch.float64)
+    finite = vals[~vals.isnan()].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    x[1, :1] = 448.0
+    x[1, 1:1 + mids.numel()] = mids
+    x = x.to(torch.float32)
+    got = fp8.quantize_fp8_rows(x, block, backend=backend)
+    want = fp8.quantize_fp8_rows(x, block, backend="reference")
+    for a, b in zip(got, want):
+        assert torch.equal(a.scales, b.scales)
+        assert torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
+    x[0, 5] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fp8.quantize_fp8_rows(x, block, backend=backend)

@@ -603,8 +603,8 @@ def test_an_async_server_called_from_the_main_thread_steps_on_the_callers_stream
 
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_compressed_clients_and_the_int8_quantizer_on_device(stochastic):
-    """Issue 25's kernels where they run: rows quantized to int8 on the device (Triton) equal the CPU definition's
-    codes bit for bit (Philox words included); int8 / fp8 / code-book / top-k clients folded on the device give the
+    """Issue 25's kernels where they run: rows quantized to int8 and fp8 on the device (Triton) equal the CPU
+    definition's codes bit for bit (Philox words included); int8 / fp8 / code-book / top-k clients folded on the device give the
     float64 oracle's mean and norms (the oracle dequantizes first, on the CPU)."""
     from fastagg.compress import Codebook8, dequantize, quantize_fp8, quantize_int8_rows, sparsify_topk
 
@@ -615,6 +615,11 @@ def test_compressed_clients_and_the_int8_quantizer_on_device(stochastic):
     want = quantize_int8_rows(x, 256, backend="reference", **kw)
     for a, b in zip(on_dev, want):
         assert torch.equal(a.codes.cpu(), b.codes) and torch.equal(a.scales.cpu(), b.scales)
+    from fastagg.compress import fp8
+
+    for a, b in zip(fp8.quantize_fp8_rows(x.to(DEVICE), 128), fp8.quantize_fp8_rows(x, 128, backend="reference")):
+        assert torch.equal(a.codes.view(torch.uint8).cpu(), b.codes.view(torch.uint8))
+        assert torch.equal(a.scales.cpu(), b.scales)
     book = torch.linspace(-1, 1, 256, device=DEVICE)
     for name, clients in [("int8", on_dev),
                           ("fp8", [quantize_fp8(r, 128) for r in x.to(DEVICE)]),

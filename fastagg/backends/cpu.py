@@ -103,6 +103,12 @@ def quantize_int8_rows(*, x: torch.Tensor, block: int, stochastic: bool, seed: i
                                          _dl(codes_out), _dl(scales_out))
 
 
+def quantize_fp8_rows(*, x: torch.Tensor, block: int, codes_out: torch.Tensor, scales_out: torch.Tensor) -> int:
+    """csrc/quantized.h (float32 / float64 rows; codes as bytes); returns the number of blocks holding a NaN or
+    Inf."""
+    return compiled().quantize_fp8_rows(_dl(x), int(block), _dl(codes_out.view(torch.int8)), _dl(scales_out))
+
+
 def gaussian_noise(*, out: torch.Tensor, seed: int, round: int, first: int = 0) -> None:
     compiled().gaussian_noise(_dl(out), int(seed), int(round), int(first))
 

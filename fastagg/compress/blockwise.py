@@ -130,6 +130,23 @@ def as_rows(update: Any, what: str = "the update", *, finite: bool = True) -> to
     return x
 
 
+def quantizer(backend: str, x: torch.Tensor, name: str):
+    """The fused quantizer ``name`` of the backend for ``x``'s device (C++ for CPU float32/float64 rows, Triton for
+    CUDA rows), or None for the torch ops of the definition (``backend="reference"``, other dtypes or devices, or
+    with "auto" a backend whose kernels cannot load)."""
+    from ..backends import resolve
+
+    try:
+        module = resolve(backend, x.device)
+    except (ImportError, RuntimeError, ValueError):
+        if backend != "auto":
+            raise
+        return None
+    if module.name == "cpu" and x.dtype not in (torch.float32, torch.float64):
+        return None
+    return getattr(module, name, None)
+
+
 def raise_nonfinite(what: str) -> None:
     raise ValueError(f"{what} holds NaN or Inf: it has no compressed form")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .blockwise import Blockwise, as_rows, check_block, raise_nonfinite, tiles
+from .blockwise import Blockwise, as_rows, check_block, quantizer, raise_nonfinite, tiles
 
 __all__ = ["Fp8Blockwise", "quantize_fp8", "quantize_fp8_rows", "E4M3_MAX"]
 
@@ -52,30 +52,24 @@ def quantize_fp8(update: Any, block: int = 256) -> Fp8Blockwise:
     return quantize_fp8_rows(as_rows(update, finite=False), block)[0]
 
 
-def quantize_fp8_rows(rows: torch.Tensor, block: int = 256) -> list:
+def quantize_fp8_rows(rows: torch.Tensor, block: int = 256, *, backend: str = "auto") -> list:
     """Each row of an ``[M, d]`` batch quantized as :func:`quantize_fp8`, in one pass: fused in C++ for CPU
-    float32/float64 rows (csrc/quantized.h, the same codes and scales bit for bit), torch ops elsewhere."""
+    float32/float64 rows (csrc/quantized.h) and in Triton for CUDA rows (fastagg/backends/triton/quantize.py), the
+    same codes and scales bit for bit; the torch ops of the definition elsewhere (``backend="reference"``)."""
     check_block(block)
     x = as_rows(rows, "the updates", finite=False)
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
-        from ..backends import cpu
-
-        if cpu.IMPORT_ERROR is None:
-            return _fused_rows(x.contiguous(), block)
+    kernel = quantizer(backend, x, "quantize_fp8_rows")
+    if kernel is not None:
+        x = x.contiguous()
+        m, d = x.shape
+        codes = torch.empty(m, d, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(m, -(-d // block), dtype=torch.float32, device=x.device)
+        if kernel(x=x, block=block, codes_out=codes, scales_out=scales):
+            raise_nonfinite("the updates")
+        codes = codes.view(torch.float8_e4m3fn)
+        return [Fp8Blockwise(codes[i], scales[i], block) for i in range(m)]
     as_rows(x, "the updates")
     return _torch_rows(x, block)
-
-
-def _fused_rows(x: torch.Tensor, block: int) -> list:
-    from ..backends.cpu import compiled
-
-    m, d = x.shape
-    codes = torch.empty(m, d, dtype=torch.int8)
-    scales = torch.empty(m, -(-d // block), dtype=torch.float32)
-    if compiled().quantize_fp8_rows(x.__dlpack__(), block, codes.__dlpack__(), scales.__dlpack__()):
-        raise_nonfinite("the updates")
-    codes = codes.view(torch.float8_e4m3fn)
-    return [Fp8Blockwise(codes[i], scales[i], block) for i in range(m)]
 
 
 def _torch_rows(x: torch.Tensor, block: int) -> list:

@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from ..backends import resolve
 
-from .blockwise import (MAX_BLOCK, Blockwise, as_rows, check_block, check_blockwise, check_keys, raise_nonfinite,
-                        tiles, uniforms)
+from .blockwise import (MAX_BLOCK, Blockwise, as_rows, check_block, check_blockwise, check_keys, quantizer,
+                        raise_nonfinite, tiles, uniforms)
 
 __all__ = ["Int8Blockwise", "quantize_int8", "quantize_int8_rows", "dequantize", "MAX_BLOCK"]
 
@@ -64,8 +63,8 @@ def quantize_int8_rows(rows: torch.Tensor, block: int = 256, *, stochastic: bool
     check_keys(seed, round, clients)
     if len(clients) != m:
         raise ValueError(f"{m} rows but {len(clients)} client ids")
-    kernel = getattr(_backend(backend, x.device), "quantize_int8_rows", None)
-    if kernel is not None and (x.device.type != "cpu" or x.dtype in (torch.float32, torch.float64)):
+    kernel = quantizer(backend, x, "quantize_int8_rows")
+    if kernel is not None:
         x = x.contiguous()
         codes = torch.empty(m, d, dtype=torch.int8, device=x.device)
         scales = torch.empty(m, -(-d // block), dtype=torch.float32, device=x.device)
@@ -75,16 +74,6 @@ def quantize_int8_rows(rows: torch.Tensor, block: int = 256, *, stochastic: bool
         return [Int8Blockwise(codes[i], scales[i], block) for i in range(m)]
     as_rows(x, "the updates")
     return _torch_rows(x, block, stochastic, seed, round, clients)
-
-
-def _backend(name: str, device: torch.device):
-    """The backend that quantizes on ``device``; with "auto", None (the torch ops) when its kernels cannot load."""
-    try:
-        return resolve(name, device)
-    except (ImportError, RuntimeError, ValueError):
-        if name != "auto":
-            raise
-        return None
 
 
 def _torch_rows(x: torch.Tensor, block: int, stochastic: bool, seed: int, round: int, clients: list) -> list:

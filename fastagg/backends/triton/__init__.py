@@ -6,7 +6,7 @@ from .adam_apply import adam_apply
 from .local_step import local_step
 from .momentum_apply import momentum_apply
 from .noise import gaussian_noise
-from .quantize import quantize_int8_rows
+from .quantize import quantize_fp8_rows, quantize_int8_rows
 from .quantized import blockwise_fold, sparse_fold
 from .robust import coord_select, gram
 from .round_stats import round_stats
@@ -14,4 +14,4 @@ from .round_stats import round_stats
 name = "triton"
 
 __all__ = ["round_stats", "coord_select", "gram", "momentum_apply", "adam_apply", "local_step", "gaussian_noise",
-           "blockwise_fold", "sparse_fold", "quantize_int8_rows", "name"]
+           "blockwise_fold", "sparse_fold", "quantize_int8_rows", "quantize_fp8_rows", "name"]
