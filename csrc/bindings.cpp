@@ -277,23 +277,67 @@ void checked_blockwise_fold(py::handle codes, py::handle scales, int64_t block, 
 }
 
 namespace {
-// True when a client's entries are well formed: indices strictly increasing (so all lie in [0, d) when the first and
-// the last do) and values finite. Branch-free loops over the whole client (they vectorize); the entry-by-entry
-// walk that names the first bad entry runs only for a client found wanting.
+// The first entry t of a client's indices with at[t] <= at[t - 1], or -1 when they strictly increase: a
+// branch-free pass (it vectorizes), then a walk only when it found one.
 template <typename I>
-bool sparse_entries_fine(const I* at, const float* v, int64_t k, int64_t d) {
-  if (k == 0) return true;
-  int rising = 1, finite = 1;
+int64_t first_not_rising(const I* at, int64_t k) {
+  int rising = 1;
   for (int64_t j = 1; j < k; ++j) rising &= at[j] > at[j - 1];
+  if (rising) return -1;
+  for (int64_t j = 1; j < k; ++j)
+    if (at[j] <= at[j - 1]) return j;
+  return -1;
+}
+
+bool all_finite(const float* v, int64_t k) {
+  int finite = 1;
   for (int64_t j = 0; j < k; ++j) finite &= (v[j] - v[j]) == 0.0f;  // false for NaN and +-Inf
-  return rising && finite && static_cast<int64_t>(at[0]) >= 0 && static_cast<int64_t>(at[k - 1]) < d;
+  return finite != 0;
+}
+
+int64_t first_not_rising(const View& ix, int64_t k) {
+  return ix.kind == kI64 ? first_not_rising(reinterpret_cast<const int64_t*>(ix.data), k)
+                         : first_not_rising(reinterpret_cast<const int32_t*>(ix.data), k);
+}
+
+int64_t index_at(const View& ix, int64_t j) {
+  return ix.kind == kI64 ? reinterpret_cast<const int64_t*>(ix.data)[j]
+                         : static_cast<int64_t>(reinterpret_cast<const int32_t*>(ix.data)[j]);
+}
+
+// True when a client's entries are well formed: indices strictly increasing (so all lie in [0, d) when the first and
+// the last do) and values finite. The entry-by-entry walk that names the first bad entry runs only for a client
+// found wanting.
+bool sparse_entries_fine(const View& ix, const float* v, int64_t k, int64_t d) {
+  if (k == 0) return true;
+  return first_not_rising(ix, k) < 0 && all_finite(v, k) && index_at(ix, 0) >= 0 && index_at(ix, k - 1) < d;
+}
+
+// Per client: views of its indices (int64 or int32, one dtype for all) and float32 values of the same length.
+void sparse_views(const std::string& pass, py::handle indices, py::handle values, std::vector<View>& iv,
+                  std::vector<View>& vv, std::vector<int64_t>& ks) {
+  if (!py::isinstance<py::list>(indices) || !py::isinstance<py::list>(values))
+    type_error(pass + "indices and values must be lists of tensors");
+  const py::list il = indices.cast<py::list>(), vl = values.cast<py::list>();
+  const int64_t M = static_cast<int64_t>(il.size());
+  if (M == 0) value_error(pass + "no clients");
+  if (static_cast<int64_t>(vl.size()) != M)
+    value_error(pass + str(M) + " index tensors but " + str(static_cast<int64_t>(vl.size())) + " value tensors");
+  for (int64_t i = 0; i < M; ++i) {
+    View ix = view_of(il[i], "indices[" + str(i) + "]", kAnyIndex);
+    const int64_t k = ix.numel();
+    ix = flat_view(il[i], "indices[" + str(i) + "]", ix.kind, k);
+    if (!iv.empty() && ix.kind != iv.front().kind) type_error(pass + "the clients' indices must share one dtype");
+    iv.push_back(ix);
+    vv.push_back(flat_view(vl[i], "values[" + str(i) + "]", kF32, k));
+    ks.push_back(k);
+  }
 }
 
 void name_bad_sparse_entry(const View& ix, const float* v, int64_t k, int64_t d, const std::string& who) {
   int64_t prev = -1;
   for (int64_t j = 0; j < k; ++j) {
-    const int64_t at = ix.kind == kI64 ? reinterpret_cast<const int64_t*>(ix.data)[j]
-                                       : static_cast<int64_t>(reinterpret_cast<const int32_t*>(ix.data)[j]);
+    const int64_t at = index_at(ix, j);
     if (at < 0 || at >= d) value_error(who + "index " + str(at) + " (entry " + str(j) + ") is outside [0, " + str(d) + ")");
     if (at <= prev)
       value_error(who + "indices must be strictly increasing; entry " + str(j) + " is " + str(at) + " after " +
@@ -305,46 +349,52 @@ void name_bad_sparse_entry(const View& ix, const float* v, int64_t k, int64_t d,
 }
 }  // namespace
 
-// Sparse clients folded into out: out = init + the scattered clients (init None: zeros; init may be out itself).
-// Every index is checked here (in [0, d), strictly increasing per client) and every value finite, before anything
-// is written.
-void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef, py::handle init, py::handle out,
-                         py::handle sq_out, py::handle msq_out) {
-  const std::string pass = "sparse_fold: ";
-  if (!py::isinstance<py::list>(indices) || !py::isinstance<py::list>(values))
-    type_error(pass + "indices and values must be lists of tensors");
-  const py::list il = indices.cast<py::list>(), vl = values.cast<py::list>();
-  const int64_t M = static_cast<int64_t>(il.size());
-  if (M == 0) value_error(pass + "no clients");
-  if (static_cast<int64_t>(vl.size()) != M)
-    value_error(pass + str(M) + " index tensors but " + str(static_cast<int64_t>(vl.size())) + " value tensors");
-  View o = view_of(out, "out", kAnyFloat);
-  if (o.kind != kF32 && o.kind != kF64) type_error(pass + "out must be float32 or float64");
-  const int64_t d = o.numel();
-  o = flat_view(out, "out", o.kind, d);
+// What Python's checks need of sparse clients, in one parallel pass: per client, the first entry whose index does
+// not exceed the one before (-1: strictly increasing) and whether every value is finite.
+py::list checked_sparse_scan(py::handle indices, py::handle values) {
   std::vector<View> iv, vv;
   std::vector<int64_t> ks;
-  for (int64_t i = 0; i < M; ++i) {
-    View ix = view_of(il[i], "indices[" + str(i) + "]", kAnyIndex);
-    const int64_t k = ix.numel();
-    ix = flat_view(il[i], "indices[" + str(i) + "]", ix.kind, k);
-    if (!iv.empty() && ix.kind != iv.front().kind) type_error(pass + "the clients' indices must share one dtype");
-    iv.push_back(ix);
-    vv.push_back(flat_view(vl[i], "values[" + str(i) + "]", kF32, k));
-    ks.push_back(k);
-  }
-  std::vector<uint8_t> fine(static_cast<size_t>(M), 1);
+  sparse_views("sparse_scan: ", indices, values, iv, vv, ks);
+  const int64_t M = static_cast<int64_t>(ks.size());
+  std::vector<int64_t> first(static_cast<size_t>(M));
+  std::vector<uint8_t> finite(static_cast<size_t>(M));
   {
     py::gil_scoped_release release;
     int64_t total = 0;
     for (int64_t k : ks) total += k;
 #pragma omp parallel for schedule(dynamic) num_threads(threads_for(total * 8))
     for (int64_t i = 0; i < M; ++i) {
-      const auto* v = reinterpret_cast<const float*>(vv[i].data);
-      fine[i] = iv[i].kind == kI64
-                    ? sparse_entries_fine(reinterpret_cast<const int64_t*>(iv[i].data), v, ks[i], d)
-                    : sparse_entries_fine(reinterpret_cast<const int32_t*>(iv[i].data), v, ks[i], d);
+      first[i] = first_not_rising(iv[i], ks[i]);
+      finite[i] = all_finite(reinterpret_cast<const float*>(vv[i].data), ks[i]);
     }
+  }
+  py::list out;
+  for (int64_t i = 0; i < M; ++i) out.append(py::make_tuple(first[i], finite[i] != 0));
+  return out;
+}
+
+// Sparse clients folded into out: out = init + the scattered clients (init None: zeros; init may be out itself).
+// Every index is checked here (in [0, d), strictly increasing per client) and every value finite, before anything
+// is written.
+void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef, py::handle init, py::handle out,
+                         py::handle sq_out, py::handle msq_out) {
+  const std::string pass = "sparse_fold: ";
+  std::vector<View> iv, vv;
+  std::vector<int64_t> ks;
+  sparse_views(pass, indices, values, iv, vv, ks);
+  const int64_t M = static_cast<int64_t>(ks.size());
+  View o = view_of(out, "out", kAnyFloat);
+  if (o.kind != kF32 && o.kind != kF64) type_error(pass + "out must be float32 or float64");
+  const int64_t d = o.numel();
+  o = flat_view(out, "out", o.kind, d);
+  std::vector<uint8_t> fine(static_cast<size_t>(M), 1);
+  {
+    py::gil_scoped_release release;
+    int64_t total = 0;
+    for (int64_t k : ks) total += k;
+#pragma omp parallel for schedule(dynamic) num_threads(threads_for(total * 8))
+    for (int64_t i = 0; i < M; ++i)
+      fine[i] = sparse_entries_fine(iv[i], reinterpret_cast<const float*>(vv[i].data), ks[i], d);
   }
   for (int64_t i = 0; i < M; ++i)
     if (!fine[i])
@@ -737,6 +787,7 @@ PYBIND11_MODULE(FASTAGG_MODULE, m) {
   m.def("philox4x32_10", &checked_philox);
   m.def("blockwise_fold", &checked_blockwise_fold);
   m.def("sparse_fold", &checked_sparse_fold);
+  m.def("sparse_scan", &checked_sparse_scan);
   m.def("quantize_int8_rows", &checked_quantize_int8_rows);
   m.def("quantize_fp8_rows", &checked_quantize_fp8_rows);
   m.def("coord_select", &checked_coord_select);

@@ -307,3 +307,41 @@ def test_every_fp8_code_decodes_as_torch_decodes_it(backend):
         with pytest.raises(ValueError, match="holds a NaN code"):
             fold([Fp8Blockwise(bad.view(torch.float8_e4m3fn), u.scales, 64)], ["u"], torch.ones(1, dtype=torch.float64),
                  resolve(backend, torch.device("cpu")), init=None, out=out)
+
+
+def test_the_c_scan_of_sparse_clients_agrees_with_the_torch_checks():
+    """compress.sparse.scan (one parallel C++ pass over CPU clients of both index dtypes) finds the same first bad
+    entry and the same non-finite values as the torch ops, so the messages naming them are the same."""
+    from fastagg.compress.sparse import SparseUpdate, scan
+
+    g = torch.Generator().manual_seed(9)
+    d = 100_000
+    cases = []
+    for dtype in (torch.int32, torch.int64):
+        ix = torch.randperm(d, generator=g)[:5000].sort().values.to(dtype)
+        v = torch.randn(5000, generator=g)
+        cases.append(SparseUpdate(ix, v, d))                                       # fine
+        cases.append(SparseUpdate(ix[:0], v[:0], d))                               # empty
+        cases.append(SparseUpdate(ix[:1], v[:1], d))                               # one entry
+        late = ix.clone()
+        late[-1] = late[-2]                                                        # duplicated at the end
+        cases.append(SparseUpdate(late, v, d))
+        early = ix.clone()
+        early[1], early[2] = ix[2], ix[1]                                          # unsorted near the start
+        cases.append(SparseUpdate(early, v, d))
+        nan = v.clone()
+        nan[4999] = float("nan")
+        cases.append(SparseUpdate(ix, nan, d))
+    found = scan(cases)
+    assert found is not None and len(found) == len(cases)
+    for u, (first, finite) in zip(cases, found):
+        assert finite == bool(torch.isfinite(u.values).all())
+        errors = []
+        for hint in (None, first):
+            try:
+                u.check_indices("deltas[0]", hint)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        assert errors[0] == errors[1]
+    assert [f for f, _ in found] == [-1, -1, -1, 4999, 2, -1] * 2

@@ -8,7 +8,7 @@ import torch
 from .blockwise import Blockwise, check_blockwise
 from .codebook import Codebook8, LayerwiseUpdate
 from .fp8 import Fp8Blockwise
-from .sparse import SparseUpdate, check_sparse
+from .sparse import SparseUpdate, check_sparse, scan
 
 LAYER_FORMATS = (Blockwise, SparseUpdate)  # what one layer of a LayerwiseUpdate may be
 FORMATS = LAYER_FORMATS + (LayerwiseUpdate,)
@@ -44,8 +44,10 @@ def check_batch(updates: list, names: list, *, numel: int, device: torch.device,
             raise ValueError(f"{name} has {u.numel} elements; {where} has {numel}")
         if u.device != torch.device(device):
             raise ValueError(f"{name} is on {u.device}; {where} is on {device}")
-        if isinstance(u, SparseUpdate):
-            u.check_indices(name)
+    sparse = [(u, name) for u, name in zip(updates, names) if isinstance(u, SparseUpdate)]
+    found = scan([u for u, _ in sparse]) if sparse else None  # one C++ pass for CPU clients
+    for k, (u, name) in enumerate(sparse):
+        u.check_indices(name, None if found is None else found[k][0])
 
 
 def _finite_part(u) -> torch.Tensor:
@@ -63,15 +65,22 @@ def _scales(u) -> list:
 def nonfinite_scales(updates: list, names: list) -> list:
     """Indices of the updates with a NaN or Inf scale (blockwise) or value (sparse); raises naming the first
     blockwise update with a scale <= 0."""
-    parts = [_finite_part(u) for u in updates]
-    every = torch.cat([p.reshape(-1) for p in parts])
+    sparse = [j for j, u in enumerate(updates) if isinstance(u, SparseUpdate)]
+    found = scan([updates[j] for j in sparse]) if sparse else None  # sparse CPU clients: one C++ pass
+    known = {j: r[1] for j, r in zip(sparse, found)} if found is not None else {}
+    parts = {j: _finite_part(u) for j, u in enumerate(updates) if j not in known}
+    dev = updates[0].device
+    every = torch.cat([p.reshape(-1) for p in parts.values()] + [torch.zeros(0, device=dev)])
     positive = torch.cat([s > 0 for u in updates for s in _scales(u)] +
-                         [torch.ones(0, dtype=torch.bool, device=every.device)])
-    if bool(torch.isfinite(every).all()) and bool(positive.all()):  # the usual case: two checks
+                         [torch.ones(0, dtype=torch.bool, device=dev)])
+    if all(known.values()) and bool(torch.isfinite(every).all()) and bool(positive.all()):  # the usual case
         return []
     bad = []
-    for j, (u, p, name) in enumerate(zip(updates, parts, names)):
-        if not bool(torch.isfinite(p).all()):
+    for j, (u, name) in enumerate(zip(updates, names)):
+        if j in known:
+            if not known[j]:
+                bad.append(j)
+        elif not bool(torch.isfinite(parts[j]).all()):
             bad.append(j)
         else:
             for k, s in enumerate(_scales(u)):

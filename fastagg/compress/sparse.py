@@ -49,15 +49,19 @@ class SparseUpdate:
     def nbytes(self) -> int:
         return self.indices.numel() * self.indices.element_size() + 4 * self.values.numel()
 
-    def check_indices(self, name: str) -> None:
-        """Raises naming ``name`` when an index is outside [0, numel) or the indices are not strictly increasing."""
+    def check_indices(self, name: str, first_not_rising: int | None = None) -> None:
+        """Raises naming ``name`` when an index is outside [0, numel) or the indices are not strictly increasing
+        (``first_not_rising``: the first entry whose index does not exceed the one before, -1 for none, when
+        :func:`scan` has found it)."""
         ix = self.indices
         if ix.numel() == 0:
             return
         lo, hi = int(ix[0]), int(ix[-1])
-        steps = ix[1:] - ix[:-1] if ix.numel() > 1 else ix[:0]
-        if steps.numel() and not bool((steps > 0).all()):
-            t = int((steps <= 0).nonzero()[0]) + 1
+        if first_not_rising is None:
+            bad = (ix[1:] <= ix[:-1]).nonzero() if ix.numel() > 1 else ix[:0]
+            first_not_rising = int(bad[0]) + 1 if bad.numel() else -1
+        if first_not_rising >= 0:
+            t = first_not_rising
             what = "duplicated" if int(ix[t]) == int(ix[t - 1]) else "unsorted"
             raise ValueError(f"{name}: indices must be strictly increasing (sorted, no duplicates); index {int(ix[t])} "
                              f"at entry {t} follows {int(ix[t - 1])} ({what})")
@@ -71,6 +75,27 @@ class SparseUpdate:
         out = torch.zeros(self.numel, dtype=torch.float64, device=self.device)
         out[self.indices.long()] = self.values.to(torch.float64)
         return out.to(dtype)
+
+
+def scan(updates: list) -> list | None:
+    """Per sparse update ``(first entry whose index does not exceed the one before or -1, every value finite)``, by
+    one parallel C++ pass over all of them (csrc/bindings.cpp ``sparse_scan``); None when they are not CPU tensors
+    or the compiled module does not load (the callers then use torch ops)."""
+    if not updates or any(u.indices.device.type != "cpu" for u in updates):
+        return None
+    from ..backends import cpu
+
+    if cpu.IMPORT_ERROR is not None:
+        return None
+    out: list = [None] * len(updates)
+    for dtype in (torch.int32, torch.int64):  # one index dtype per call
+        at = [j for j, u in enumerate(updates) if u.indices.dtype == dtype]
+        if at:
+            found = cpu.compiled().sparse_scan([updates[j].indices.__dlpack__() for j in at],
+                                               [updates[j].values.__dlpack__() for j in at])
+            for j, r in zip(at, found):
+                out[j] = r
+    return out
 
 
 def check_sparse(u: Any, name: str) -> None:
