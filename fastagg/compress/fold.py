@@ -62,6 +62,12 @@ def _scales(u) -> list:
     return [] if isinstance(u, SparseUpdate) else [u.scales]
 
 
+def _sparse_values(u) -> list:
+    if isinstance(u, LayerwiseUpdate):
+        return [v for p in u.parts for v in _sparse_values(p)]
+    return [u.values] if isinstance(u, SparseUpdate) else []
+
+
 def nonfinite_scales(updates: list, names: list) -> list:
     """Indices of the updates with a NaN or Inf scale (blockwise) or value (sparse); raises naming the first
     blockwise update with a scale <= 0."""
@@ -70,10 +76,11 @@ def nonfinite_scales(updates: list, names: list) -> list:
     known = {j: r[1] for j, r in zip(sparse, found)} if found is not None else {}
     parts = {j: _finite_part(u) for j, u in enumerate(updates) if j not in known}
     dev = updates[0].device
-    every = torch.cat([p.reshape(-1) for p in parts.values()] + [torch.zeros(0, device=dev)])
-    positive = torch.cat([s > 0 for u in updates for s in _scales(u)] +
-                         [torch.ones(0, dtype=torch.bool, device=dev)])
-    if all(known.values()) and bool(torch.isfinite(every).all()) and bool(positive.all()):  # the usual case
+    scales = torch.cat([s.reshape(-1) for u in updates for s in _scales(u)] + [torch.ones(1, device=dev)])
+    values = [v for j in parts for v in _sparse_values(updates[j])]  # (not scanned in C++)
+    lo, hi = torch.aminmax(scales)  # (a NaN makes both NaN)
+    if all(known.values()) and bool((lo > 0) & (hi < float("inf"))) and \
+            all(bool(torch.isfinite(v).all()) for v in values):  # the usual case: one reduction
         return []
     bad = []
     for j, (u, name) in enumerate(zip(updates, names)):
