@@ -375,67 +375,124 @@ void table_blockwise_fold(const uint8_t* const* codes, const float* table, const
                      });
 }
 
-// One tile of n columns, client by client: acc[t] += cs[i] * e4m3(q_i[t]); inner[i] = sum_t e4m3(q_i[t])^2 (float64);
-// bad[i] |= a NaN code. The portable loop; float32 on AVX2 below.
+// One tile of n columns from lo, which may span blocks (as fold_tile): acc[t] += cs[r * ld + i] * e4m3(q_i[t]);
+// inner[r * ld + i] += sum of e4m3(q_i)^2 over block r's columns (float64); bad[i] |= a NaN code. The portable loop
+// goes block by block, client by client; float32 on AVX2 below.
 template <typename T>
-void e4m3_tile(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, const T* cs, T* acc, double* inner,
-               uint8_t* bad) {
-  for (int64_t i = 0; i < M; ++i) {
-    const uint8_t* q = codes[i] + lo;
-    const T c = cs[i];
-    double s = 0.0;
-    int nan = 0;
-    for (int64_t t = 0; t < n; ++t) {
-      const float v = e4m3_value(q[t]);
-      acc[t] += c * static_cast<T>(v);
-      s += static_cast<double>(v) * static_cast<double>(v);
-      nan |= (q[t] & 0x7F) == 0x7F;
+void e4m3_tile(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block, const T* cs,
+               T* acc, double* inner, uint8_t* bad) {
+  const int64_t b0 = lo / block;
+  for (int64_t s = lo; s < lo + n;) {
+    const int64_t r = s / block - b0, e = std::min(lo + n, (s / block + 1) * block);
+    for (int64_t i = 0; i < M; ++i) {
+      const uint8_t* q = codes[i] + s;
+      const T c = cs[r * ld + i];
+      T* a = acc + (s - lo);
+      double sq = 0.0;
+      int nan = 0;
+      for (int64_t t = 0; t < e - s; ++t) {
+        const float v = e4m3_value(q[t]);
+        a[t] += c * static_cast<T>(v);
+        sq += static_cast<double>(v) * static_cast<double>(v);
+        nan |= (q[t] & 0x7F) == 0x7F;
+      }
+      inner[r * ld + i] += sq;
+      bad[i] |= nan != 0;
     }
-    inner[i] = s;
-    bad[i] |= nan != 0;
+    s = e;
   }
 }
 
 #ifdef __AVX2__
-// 8 codes at a time: widened to int32, the magnitude rebiased into a float32 (normal) or converted and scaled by
-// 2^-9 (subnormal), blended, the sign or-ed in; squares added in float64 (exact per element).
+namespace {
+// 8 e4m3 bytes as float32 without a table or a blend: the byte moved to the top of a lane (sign at bit 31), its
+// 7 magnitude bits shifted down into the float's exponent's low 4 bits and mantissa's top 3 (an e = 0 code becomes
+// a float32 subnormal, which is the same number there), then times 2^(127 - 7) rebiases the exponent. NaN codes
+// decode as 480 (the caller flags them).
+inline __m256 e4m3_floats(const uint8_t* p) {
+  const __m256i top = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 24);
+  const __m256i mag = _mm256_srli_epi32(_mm256_and_si256(top, _mm256_set1_epi32(0x7F000000)), 4);
+  const __m256i bits = _mm256_or_si256(mag, _mm256_and_si256(top, _mm256_set1_epi32(static_cast<int>(0x80000000u))));
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+}
+}  // namespace
+
+// float32 on AVX2, 64 columns at a time with their sums in eight registers while every client is added (as the
+// int8 fold_tile<float>); the squares of each client in float64 (exact per element), handed over per block; NaN
+// codes (0x7F, 0xFF) found 32 bytes at a time.
 template <>
-void e4m3_tile<float>(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, const float* cs, float* acc,
-                      double* inner, uint8_t* bad) {
-  const __m256i low7 = _mm256_set1_epi32(0x7F), top = _mm256_set1_epi32(0x80), seven = _mm256_set1_epi32(7);
-  const __m256i rebias = _mm256_set1_epi32(120 << 23);
-  const __m256 tiny = _mm256_set1_ps(0x1p-9f);
-  const int64_t whole = n - n % 8;
+void e4m3_tile<float>(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
+                      const float* cs, float* acc, double* inner, uint8_t* bad) {
+  constexpr int64_t kMaxM = 32;
+  if (M > kMaxM) {
+    for (int64_t i0 = 0; i0 < M; i0 += kMaxM)
+      e4m3_tile<float>(codes + i0, lo, n, std::min(kMaxM, M - i0), ld, block, cs + i0, acc, inner + i0, bad + i0);
+    return;
+  }
+  __m256d sq[kMaxM];
+  __m256i nan[kMaxM];
   for (int64_t i = 0; i < M; ++i) {
-    const uint8_t* q = codes[i] + lo;
-    const __m256 c = _mm256_set1_ps(cs[i]);
-    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
-    __m256i nan = _mm256_setzero_si256();
-    for (int64_t t = 0; t < whole; t += 8) {
-      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + t)));
-      const __m256i mag = _mm256_and_si256(b, low7);
-      const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), rebias));
-      const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), tiny);
-      __m256 v = _mm256_blendv_ps(sub, normal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, seven)));
-      v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, top), 24)));
-      _mm256_storeu_ps(acc + t, _mm256_fmadd_ps(c, v, _mm256_loadu_ps(acc + t)));
-      const __m256d lo4 = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi4 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-      s0 = _mm256_fmadd_pd(lo4, lo4, s0);
-      s1 = _mm256_fmadd_pd(hi4, hi4, s1);
-      nan = _mm256_or_si256(nan, _mm256_cmpeq_epi32(mag, low7));
+    sq[i] = _mm256_setzero_pd();
+    nan[i] = _mm256_setzero_si256();
+  }
+  const __m256i low7 = _mm256_set1_epi8(0x7F);
+  const int64_t b0 = lo / block;
+  int64_t r_now = 0;
+  const auto hand_over = [&](int64_t r) {
+    for (int64_t i = 0; i < M; ++i) {
+      alignas(32) double lanes[4];
+      _mm256_store_pd(lanes, sq[i]);
+      inner[r * ld + i] += (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+      sq[i] = _mm256_setzero_pd();
     }
-    alignas(32) double lanes[4];
-    _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
-    double s = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-    int flagged = !_mm256_testz_si256(nan, nan);
-    for (int64_t t = whole; t < n; ++t) {
-      const float v = e4m3_value(q[t]);
-      acc[t] += cs[i] * v;
-      s += static_cast<double>(v) * static_cast<double>(v);
-      flagged |= (q[t] & 0x7F) == 0x7F;
+  };
+  const int64_t whole = n - n % 64;
+  for (int64_t g = 0; g < whole; g += 64) {
+    const int64_t r = (lo + g) / block - b0;
+    if (r != r_now) {
+      hand_over(r_now);
+      r_now = r;
     }
-    inner[i] = s;
-    bad[i] |= flagged != 0;
+    const float* crow = cs + r * ld;
+    __m256 a[8];
+    for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_ps(acc + g + 8 * k);
+    for (int64_t i = 0; i < M; ++i) {
+      const uint8_t* src = codes[i] + lo + g;
+      _mm_prefetch(reinterpret_cast<const char*>(src) + 512, _MM_HINT_T0);
+      const __m256 c = _mm256_set1_ps(crow[i]);
+      __m256d s = sq[i];
+      for (int k = 0; k < 8; ++k) {
+        const __m256 v = e4m3_floats(src + 8 * k);
+        a[k] = _mm256_fmadd_ps(c, v, a[k]);
+        const __m256d v0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), v1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        s = _mm256_fmadd_pd(v0, v0, _mm256_fmadd_pd(v1, v1, s));
+      }
+      sq[i] = s;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+      nan[i] = _mm256_or_si256(nan[i], _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, low7), low7),
+                                                       _mm256_cmpeq_epi8(_mm256_and_si256(y, low7), low7)));
+    }
+    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + g + 8 * k, a[k]);
+  }
+  hand_over(r_now);
+  for (int64_t i = 0; i < M; ++i) bad[i] |= !_mm256_testz_si256(nan[i], nan[i]);
+  if (whole < n) {  // the tail lies in one block (see fold_tile<float>)
+    const int64_t r = (lo + whole) / block - b0;
+    for (int64_t i = 0; i < M; ++i) {
+      const uint8_t* q = codes[i] + lo + whole;
+      const float c = cs[r * ld + i];
+      double s = 0.0;
+      int flagged = 0;
+      for (int64_t t = 0; t < n - whole; ++t) {
+        const float v = e4m3_value(q[t]);
+        acc[whole + t] += c * v;
+        s += static_cast<double>(v) * static_cast<double>(v);
+        flagged |= (q[t] & 0x7F) == 0x7F;
+      }
+      inner[r * ld + i] += s;
+      bad[i] |= flagged != 0;
+    }
   }
 }
 #endif
@@ -444,9 +501,9 @@ template <typename T>
 void e4m3_blockwise_fold(const uint8_t* const* codes, const float* const* scales, int64_t M, int64_t d,
                          int64_t block, const double* coef, const T* init, T* out, double* sq_out, uint8_t* bad_out,
                          double* msq_out) {
-  blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, false,
+  blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, true,
                      [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
-                       e4m3_tile<T>(codes, lo, n, M, cs, acc, inner, bad);
+                       e4m3_tile<T>(codes, lo, n, M, M, block, cs, acc, inner, bad);
                      });
 }
 

@@ -122,6 +122,21 @@ def test_cpu_tiles_spanning_blocks_across_chunks_and_client_groups(dtype, block,
     with pytest.raises(ValueError, match="-128"):
         acc.add_many(us[:2] + [bad], client_ids=["a", "b", "c"])
     assert _same_state(before, _state(acc))
+    from fastagg.compress import quantize_fp8  # fp8 e4m3 tiles span blocks alike
+
+    f8 = [quantize_fp8(x, block) for x in xs]
+    oracle = sum(w * dequantize(u) for w, u in zip(ws, f8))
+    acc = fastagg.Accumulator(like=torch.zeros(d, dtype=dtype), backend="cpu")
+    assert acc.add_many(f8, ws) == [True] * m
+    assert_close(acc.weighted_sum, oracle, rtol=0, atol=_sum_atol(oracle, m, dtype), name="fp8 sum")
+    assert_close(acc.sq_norms, [float((dequantize(u) ** 2).sum()) for u in f8], rtol=1e-12, atol=0,
+                 name="fp8 norms")
+    nan = f8[-1].codes.view(torch.uint8).clone()
+    nan[d - 3] = 0xFF
+    from fastagg.compress import Fp8Blockwise
+
+    with pytest.raises(ValueError, match="NaN code"):
+        acc.add_many(f8[:1] + [Fp8Blockwise(nan.view(torch.float8_e4m3fn), f8[-1].scales, block)])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
