@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "noise.h"
@@ -365,10 +367,149 @@ void table_tile<float>(const uint8_t* const* codes, const float* table, int64_t 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__GNUC__) && defined(__x86_64__)
+#define FASTAGG_VBMI 1
+namespace {
+// AVX-512 VBMI (Ice Lake, Zen 4 and later), chosen at run time: FASTAGG_NO_AVX512=1 keeps the AVX2 gathers.
+bool vbmi_usable() {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vbmi");
+  const char* off = std::getenv("FASTAGG_NO_AVX512");
+  return cpu && !(off != nullptr && off[0] != '\0' && std::strcmp(off, "0") != 0);
+}
+
+// The 256-entry float table as four byte planes (plane b: byte b of every entry), for vpermi2b lookups.
+void table_planes(const float* table, uint8_t* planes) {
+  for (int k = 0; k < 256; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, table + k, 4);
+    for (int b = 0; b < 4; ++b) planes[b * 256 + k] = static_cast<uint8_t>(bits >> (8 * b));
+  }
+}
+
+// Each client's float64 squares (8 lanes) added into inner[i] and reset.
+__attribute__((target("avx512f,avx512bw,avx512vbmi")))
+void vbmi_hand_over(__m512d* sq, int64_t M, double* inner) {
+  for (int64_t i = 0; i < M; ++i) {
+    alignas(64) double lanes[8];
+    _mm512_store_pd(lanes, sq[i]);
+    inner[i] += ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    sq[i] = _mm512_setzero_pd();
+  }
+}
+
+// 128-bit lanes of four registers transposed: z'[j] lane l = z[l] lane j (its own inverse).
+__attribute__((target("avx512f,avx512bw,avx512vbmi")))
+inline void vbmi_transpose(__m512* z) {
+  const __m512 t0 = _mm512_shuffle_f32x4(z[0], z[1], 0x44), t1 = _mm512_shuffle_f32x4(z[0], z[1], 0xEE);
+  const __m512 t2 = _mm512_shuffle_f32x4(z[2], z[3], 0x44), t3 = _mm512_shuffle_f32x4(z[2], z[3], 0xEE);
+  z[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+  z[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+  z[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+  z[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+}
+
+// The table fold of fold_tile's shape (64 columns' sums in registers while every client is added; tiles may span
+// blocks of whole multiples of 64 columns) with lookups by byte permutes instead of gathers: for 64 codes, each byte
+// plane is two vpermi2b over its 128-entry halves blended by the code's top bit, and the four planes interleave
+// into floats in the order {0-3, 16-19, 32-35, 48-51}, {4-7, ...}, ...: the sums are held in that order (a 4 x 4
+// transpose of 128-bit lanes on the way in and out). Squares in float64 (exact per element); a NaN entry makes the
+// client's sum of squares NaN, which flags it.
+__attribute__((target("avx512f,avx512bw,avx512vbmi")))
+void table_tile_vbmi(const uint8_t* const* codes, const uint8_t* planes, const float* table, int64_t lo, int64_t n,
+                     int64_t M, int64_t ld, int64_t block, const float* cs, float* acc, double* inner, uint8_t* bad) {
+  constexpr int64_t kMaxM = 32;
+  if (M > kMaxM) {
+    for (int64_t i0 = 0; i0 < M; i0 += kMaxM)
+      table_tile_vbmi(codes + i0, planes, table, lo, n, std::min(kMaxM, M - i0), ld, block, cs + i0, acc,
+                      inner + i0, bad + i0);
+    return;
+  }
+  __m512i tab[4][4];
+  for (int b = 0; b < 4; ++b)
+    for (int j = 0; j < 4; ++j) tab[b][j] = _mm512_loadu_si512(planes + b * 256 + 64 * j);
+  __m512d sq[kMaxM];
+  for (int64_t i = 0; i < M; ++i) sq[i] = _mm512_setzero_pd();
+  const int64_t b0 = lo / block;
+  int64_t r_now = 0;
+  const int64_t whole = n - n % 64;
+  for (int64_t g = 0; g < whole; g += 64) {
+    const int64_t r = (lo + g) / block - b0;
+    if (r != r_now) {
+      vbmi_hand_over(sq, M, inner + r_now * ld);
+      r_now = r;
+    }
+    const float* crow = cs + r * ld;
+    __m512 a[4];
+    for (int j = 0; j < 4; ++j) a[j] = _mm512_loadu_ps(acc + g + 16 * j);
+    vbmi_transpose(a);
+    for (int64_t i = 0; i < M; ++i) {
+      const uint8_t* src = codes[i] + lo + g;
+      _mm_prefetch(reinterpret_cast<const char*>(src) + 512, _MM_HINT_T0);
+      const __m512i idx = _mm512_loadu_si512(src);
+      const __mmask64 top = _mm512_movepi8_mask(idx);
+      __m512i p[4];
+      for (int b = 0; b < 4; ++b)
+        p[b] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(tab[b][0], idx, tab[b][1]),
+                                      _mm512_permutex2var_epi8(tab[b][2], idx, tab[b][3]));
+      const __m512i lo01 = _mm512_unpacklo_epi8(p[0], p[1]), hi01 = _mm512_unpackhi_epi8(p[0], p[1]);
+      const __m512i lo23 = _mm512_unpacklo_epi8(p[2], p[3]), hi23 = _mm512_unpackhi_epi8(p[2], p[3]);
+      const __m512 f[4] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)),
+                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)),
+                           _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)),
+                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23))};
+      const __m512 c = _mm512_set1_ps(crow[i]);
+      __m512d s = sq[i];
+      for (int j = 0; j < 4; ++j) {
+        a[j] = _mm512_fmadd_ps(c, f[j], a[j]);
+        const __m512d v0 = _mm512_cvtps_pd(_mm512_castps512_ps256(f[j]));
+        const __m512d v1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f[j]), 1)));
+        s = _mm512_fmadd_pd(v0, v0, _mm512_fmadd_pd(v1, v1, s));
+      }
+      sq[i] = s;
+    }
+    vbmi_transpose(a);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g + 16 * j, a[j]);
+  }
+  vbmi_hand_over(sq, M, inner + r_now * ld);
+  if (whole < n) {  // the tail lies in one block (see fold_tile<float>)
+    const int64_t r = (lo + whole) / block - b0;
+    for (int64_t i = 0; i < M; ++i) {
+      const uint8_t* q = codes[i] + lo + whole;
+      const float c = cs[r * ld + i];
+      double s2 = 0.0;
+      for (int64_t t = 0; t < n - whole; ++t) {
+        const float v = table[q[t]];
+        acc[whole + t] += c * v;
+        s2 += static_cast<double>(v) * static_cast<double>(v);
+      }
+      inner[r * ld + i] += s2;
+    }
+  }
+  const int64_t nb = (lo + n - 1) / block - b0 + 1;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t r = 0; r < nb; ++r) bad[i] |= !(inner[r * ld + i] == inner[r * ld + i]);
+}
+}  // namespace
+#endif
+
 template <typename T>
 void table_blockwise_fold(const uint8_t* const* codes, const float* table, const float* const* scales, int64_t M,
                           int64_t d, int64_t block, const double* coef, const T* init, T* out, double* sq_out,
                           uint8_t* bad_out, double* msq_out) {
+#ifdef FASTAGG_VBMI
+  if constexpr (std::is_same_v<T, float>) {
+    if (vbmi_usable()) {
+      alignas(64) uint8_t planes[1024];
+      table_planes(table, planes);
+      blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, true,
+                         [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
+                           table_tile_vbmi(codes, planes, table, lo, n, M, M, block, cs, acc, inner, bad);
+                         });
+      return;
+    }
+  }
+#endif
   blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, false,
                      [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
                        table_tile<T>(codes, table, lo, n, M, cs, acc, inner, bad);

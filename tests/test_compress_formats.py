@@ -345,3 +345,41 @@ def test_the_c_scan_of_sparse_clients_agrees_with_the_torch_checks():
                 errors.append(str(e))
         assert errors[0] == errors[1]
     assert [f for f, _ in found] == [-1, -1, -1, 4999, 2, -1] * 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block, m", [(4096, 5), (64, 3), (192, 40), (100, 4)])
+@pytest.mark.parametrize("lookups", ["avx512", "gather"])
+def test_code_book_clients_fold_like_the_dequantized_oracle(backend, block, m, lookups, monkeypatch):
+    """Codebook8 clients (FLARE's BLOCKWISE8 form: uint8 codes into a 256-entry book, an absmax per block) folded
+    where they lie: on CPUs with AVX-512 VBMI the C++ fold looks codes up by byte permutes (tiles spanning blocks,
+    clients in register groups of 32: m = 40 splits them), elsewhere (or FASTAGG_NO_AVX512=1) by gathers; both
+    equal the float64 oracle, and a code whose book entry is NaN is refused naming the client."""
+    from fastagg.compress import Codebook8
+
+    if lookups == "gather":
+        monkeypatch.setenv("FASTAGG_NO_AVX512", "1")
+    g = torch.Generator().manual_seed(block + m)
+    d = 2 * 65536 + 1001 if block != 4096 else 3 * 4096 + 77
+    book = torch.sort(torch.randn(256, generator=g)).values
+    us = [Codebook8(torch.randint(0, 256, (d,), generator=g, dtype=torch.uint8),
+                    torch.rand(-(-d // block), generator=g) + 0.5, block, book) for _ in range(m)]
+    ws = [1.0 + (j % 5) for j in range(m)]
+    oracle = sum(w * dequantize(u) for w, u in zip(ws, us)) / sum(ws)
+    for dtype in (torch.float32, torch.float64):
+        acc = fastagg.Accumulator(like=torch.zeros(d, dtype=dtype), backend=backend)
+        assert acc.add_many(us, ws) == [True] * m
+        mean = acc.weighted_sum / acc.total_weight
+        assert_close(mean, oracle, rtol=0, atol=torch.finfo(dtype).eps * (m + 2) * float(oracle.abs().max()),
+                     name="mean")
+        assert_close(acc.sq_norms, [float(dequantize(u).square().sum()) for u in us], rtol=1e-12, atol=0,
+                     name="norms")
+    nan_book = book.clone()
+    nan_book[200] = float("nan")
+    codes = us[-1].codes.clone()
+    codes[d - 2] = 200
+    bad = Codebook8(codes, us[-1].scales, block, nan_book)
+    acc = fastagg.Accumulator(like=torch.zeros(d), backend=backend)
+    with pytest.raises(ValueError, match="deltas\\[1\\].*NaN"):
+        acc.add_many([us[0], bad])
+    assert acc.num_clients == 0
