@@ -46,26 +46,42 @@ def flower_numpy(layers_per_client: list, num_examples: list, eps: float):
     return mean, sq, fedexp_eta(float(p @ sq), mean_sq, eps)
 
 
+def interleaved_times(calls: dict, rounds: int, seed: int = 0, warmup: int = 0) -> dict:
+    """``calls`` (name -> zero-argument function) timed in a fresh random order every round: name -> the list of
+    ``rounds`` times in seconds (after ``warmup`` untimed rounds), so that times of one round compare calls under the
+    same load on this shared VM."""
+    import random
+    import time
+
+    times = {k: [] for k in calls}
+    order = list(calls)
+    rng = random.Random(seed)
+    for r in range(warmup + rounds):
+        rng.shuffle(order)
+        for k in order:
+            t0 = time.perf_counter()
+            calls[k]()
+            if r >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def interleaved_medians(calls: dict, rounds: int, warmup: int = 1) -> dict:
+    """name -> the median time in seconds of :func:`interleaved_times`."""
+    import statistics
+
+    return {k: statistics.median(v) for k, v in interleaved_times(calls, rounds, warmup=warmup).items()}
+
+
 def interleaved_ratios(benchmark, calls: dict, pairs: dict, rounds: int, seed: int = 0) -> dict:
     """Time ``calls`` (name -> zero-argument function) in a fresh random order every round, ``rounds`` rounds, and
     record in ``benchmark.extra_info`` each contender's median time (``NAME_ms``) and, for every ``pairs`` entry
     ``label: (a, b)``, the median over rounds of time(a) / time(b): ratios within a round are immune to this VM's
     drift between back-to-back groups. ``bench/report.py`` prints every such ratio in its summary table."""
-    import random
     import statistics
-    import time
 
     def run():
-        times = {k: [] for k in calls}
-        order = list(calls)
-        rng = random.Random(seed)
-        for _ in range(rounds):
-            rng.shuffle(order)
-            for k in order:
-                t0 = time.perf_counter()
-                calls[k]()
-                times[k].append(time.perf_counter() - t0)
-        return times
+        return interleaved_times(calls, rounds, seed)
 
     times = benchmark.pedantic(run, rounds=1, iterations=1)
     ratios = {label: statistics.median(x / y for x, y in zip(times[a], times[b])) for label, (a, b) in pairs.items()}

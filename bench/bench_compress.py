@@ -17,12 +17,10 @@ in a fresh random order every round (medians of 9 rounds).
 from __future__ import annotations
 
 import os
-import random
-import statistics
-import time
 
 import torch
 
+from baselines import interleaved_medians
 import fastagg
 from fastagg.compress import quantize_fp8, quantize_int8, sparsify_topk
 
@@ -57,16 +55,7 @@ def main(rounds: int = 9) -> dict:
              "read top-k": sparse_raw.sum,
              "fedexp top-k": lambda: fastagg.fedexp_step(sparse, eps=1e-3, backend="cpu", mean_out=mean),
              "fold top-k": lambda: fold(acc_s, sparse)}
-    times = {k: [] for k in calls}
-    for r in range(rounds + 1):
-        order = list(calls)
-        random.Random(r).shuffle(order)
-        for k in order:
-            t0 = time.perf_counter()
-            calls[k]()
-            if r:  # round 0 warms up
-                times[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(calls, rounds)
     int8_bytes = sum(u.nbytes for u in ints)
     print(f"M = {M}, d = {D}, block {BLOCK}, torch {torch.__version__}, {os.cpu_count()} cores, medians of {rounds}")
     for k, t in med.items():

@@ -18,12 +18,11 @@ dynamic 8-bit code, an absmax per 4096 elements of each tensor); the model has d
 from __future__ import annotations
 
 import os
-import random
-import statistics
-import time
 
 import numpy as np
 import torch
+
+from baselines import interleaved_medians
 
 D = int(float(os.environ.get("FASTAGG_BENCH_D", "1e7")))
 M, LAYERS = 16, 10
@@ -76,15 +75,7 @@ def main(rounds: int = 7) -> dict:
     for k in shapes:
         np.testing.assert_allclose(got.params[k], np.asarray(want[k]), rtol=1e-4, atol=1e-6)
     calls = {"flare": flare, "fastagg": fastagg_round, "read": raw.sum}
-    times = {k: [] for k in calls}
-    for r in range(rounds):
-        order = list(calls)
-        random.Random(r).shuffle(order)
-        for k in order:
-            t0 = time.perf_counter()
-            calls[k]()
-            times[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(calls, rounds, warmup=0)
     print(f"M = {M}, d = {D} in {LAYERS} tensors, blockwise8 (block 4096), torch {torch.__version__}, "
           f"{os.cpu_count()} cores, medians of {rounds}; quantized bytes {quantized_bytes / 1e6:.0f} MB")
     for k, t in med.items():

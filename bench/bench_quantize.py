@@ -11,11 +11,10 @@ GB/s are of the rows read (M * d * 4 bytes).
 from __future__ import annotations
 
 import os
-import random
-import statistics
-import time
 
 import torch
+
+from baselines import interleaved_medians
 
 from fastagg.compress import fp8, int8
 
@@ -35,16 +34,7 @@ def main(rounds: int = 7) -> dict:
         "fp8 fused": lambda: fp8.quantize_fp8_rows(x, BLOCK),
         "fp8 torch": lambda: fp8._torch_rows(x, BLOCK),
     }
-    times = {k: [] for k in calls}
-    for r in range(rounds + 1):
-        order = list(calls)
-        random.Random(r).shuffle(order)
-        for k in order:
-            t0 = time.perf_counter()
-            calls[k]()
-            if r:  # round 0 warms up
-                times[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(calls, rounds)
     print(f"M = {M}, d = {D}, block {BLOCK}, torch {torch.__version__}, {os.cpu_count()} cores, medians of {rounds}")
     for k, t in med.items():
         print(f"  {k:22s} {t * 1e3:8.2f} ms   {M * D * 4 / t / 1e9:6.2f} GB/s of rows")

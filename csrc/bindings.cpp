@@ -439,56 +439,62 @@ void checked_sparse_fold(py::handle indices, py::handle values, py::handle coef,
     run(reinterpret_cast<double*>(o.data));
 }
 
-// Rows quantized to int8 blockwise (quantized.h): x [M, d] float32/float64, codes [M * d] int8, scales
-// [M * ceil(d / block)] float32, one client id per row.
-int64_t checked_quantize_int8_rows(py::handle x, int64_t block, bool stochastic, uint64_t seed, uint64_t round,
-                                const std::vector<uint64_t>& clients, py::handle codes_out, py::handle scales_out) {
-  const std::string pass = "quantize_int8_rows: ";
+namespace {
+// What a row quantizer is handed, checked: x [M, d] float32/float64 contiguous, block >= 1, codes [M * d] bytes (an
+// int8 view), scales [M * ceil(d / block)] float32, the outputs not overlapping x or each other.
+struct QuantizeViews {
+  View x, codes, scales;
+  int64_t M, d;
+};
+
+QuantizeViews quantize_views(const std::string& pass, py::handle x, int64_t block, py::handle codes_out,
+                             py::handle scales_out) {
   View xv = view_of(x, "x", kAnyFloat);
   if (xv.kind != kF32 && xv.kind != kF64) type_error(pass + "x must be float32 or float64");
   if (xv.shape.size() != 2) value_error(pass + "x must be 2-D [M, d]");
   if (!xv.contiguous()) value_error(pass + "x must be contiguous");
   const int64_t M = xv.shape[0], d = xv.shape[1];
   if (block < 1) value_error(pass + "block must be >= 1, got " + str(block));
-  if (static_cast<int64_t>(clients.size()) != M)
-    value_error(pass + str(M) + " rows but " + str(static_cast<int64_t>(clients.size())) + " client ids");
+  const int64_t nb = d == 0 ? 0 : (d - 1) / block + 1;
+  View cv = flat_view(codes_out, "codes_out", kI8, M * d), sv = flat_view(scales_out, "scales_out", kF32, M * nb);
+  check_overlaps({&cv, &sv}, {&xv});
+  return {xv, cv, sv, M, d};
+}
+}  // namespace
+
+// Rows quantized to int8 blockwise (quantized.h), one client id per row.
+int64_t checked_quantize_int8_rows(py::handle x, int64_t block, bool stochastic, uint64_t seed, uint64_t round,
+                                   const std::vector<uint64_t>& clients, py::handle codes_out, py::handle scales_out) {
+  const std::string pass = "quantize_int8_rows: ";
+  const QuantizeViews q = quantize_views(pass, x, block, codes_out, scales_out);
+  if (static_cast<int64_t>(clients.size()) != q.M)
+    value_error(pass + str(q.M) + " rows but " + str(static_cast<int64_t>(clients.size())) + " client ids");
   if (round >= (uint64_t(1) << 32)) value_error(pass + "round must be below 2^32");
   std::vector<uint32_t> ids;
   for (uint64_t c : clients) {
     if (c >= (uint64_t(1) << 32)) value_error(pass + "client ids must be below 2^32");
     ids.push_back(static_cast<uint32_t>(c));
   }
-  const int64_t nb = d == 0 ? 0 : (d - 1) / block + 1;
-  View cv = flat_view(codes_out, "codes_out", kI8, M * d), sv = flat_view(scales_out, "scales_out", kF32, M * nb);
-  check_overlaps({&cv, &sv}, {&xv});
   py::gil_scoped_release release;
-  if (xv.kind == kF32)
-    return quantize_int8_rows<float>(reinterpret_cast<const float*>(xv.data), M, d, block, stochastic, seed,
-                              static_cast<uint32_t>(round), ids.data(), reinterpret_cast<int8_t*>(cv.data),
-                              reinterpret_cast<float*>(sv.data));
-  return quantize_int8_rows<double>(reinterpret_cast<const double*>(xv.data), M, d, block, stochastic, seed,
-                               static_cast<uint32_t>(round), ids.data(), reinterpret_cast<int8_t*>(cv.data),
-                               reinterpret_cast<float*>(sv.data));
+  auto* codes = reinterpret_cast<int8_t*>(q.codes.data);
+  auto* scales = reinterpret_cast<float*>(q.scales.data);
+  const auto r = static_cast<uint32_t>(round);
+  if (q.x.kind == kF32)
+    return quantize_int8_rows<float>(reinterpret_cast<const float*>(q.x.data), q.M, q.d, block, stochastic, seed, r,
+                                     ids.data(), codes, scales);
+  return quantize_int8_rows<double>(reinterpret_cast<const double*>(q.x.data), q.M, q.d, block, stochastic, seed, r,
+                                    ids.data(), codes, scales);
 }
 
-// Rows quantized to fp8 e4m3 blockwise (quantized.h): x [M, d] float32/float64, codes [M * d] bytes (an int8 view),
-// scales [M * ceil(d / block)] float32.
+// Rows quantized to fp8 e4m3 blockwise (quantized.h).
 int64_t checked_quantize_fp8_rows(py::handle x, int64_t block, py::handle codes_out, py::handle scales_out) {
-  const std::string pass = "quantize_fp8_rows: ";
-  View xv = view_of(x, "x", kAnyFloat);
-  if (xv.kind != kF32 && xv.kind != kF64) type_error(pass + "x must be float32 or float64");
-  if (xv.shape.size() != 2) value_error(pass + "x must be 2-D [M, d]");
-  if (!xv.contiguous()) value_error(pass + "x must be contiguous");
-  const int64_t M = xv.shape[0], d = xv.shape[1];
-  if (block < 1) value_error(pass + "block must be >= 1, got " + str(block));
-  const int64_t nb = d == 0 ? 0 : (d - 1) / block + 1;
-  View cv = flat_view(codes_out, "codes_out", kI8, M * d), sv = flat_view(scales_out, "scales_out", kF32, M * nb);
-  check_overlaps({&cv, &sv}, {&xv});
+  const QuantizeViews q = quantize_views("quantize_fp8_rows: ", x, block, codes_out, scales_out);
   py::gil_scoped_release release;
-  auto* codes = reinterpret_cast<uint8_t*>(cv.data);
-  auto* scales = reinterpret_cast<float*>(sv.data);
-  if (xv.kind == kF32) return quantize_fp8_rows<float>(reinterpret_cast<const float*>(xv.data), M, d, block, codes, scales);
-  return quantize_fp8_rows<double>(reinterpret_cast<const double*>(xv.data), M, d, block, codes, scales);
+  auto* codes = reinterpret_cast<uint8_t*>(q.codes.data);
+  auto* scales = reinterpret_cast<float*>(q.scales.data);
+  if (q.x.kind == kF32)
+    return quantize_fp8_rows<float>(reinterpret_cast<const float*>(q.x.data), q.M, q.d, block, codes, scales);
+  return quantize_fp8_rows<double>(reinterpret_cast<const double*>(q.x.data), q.M, q.d, block, codes, scales);
 }
 
 // ---- robust passes ------------------------------------------------------------------------------------------

@@ -78,13 +78,45 @@ inline int32_t hmin_epi8(__m256i v) {
 inline __m256 codes_as_floats(const int8_t* p) {  // 8 codes sign-extended straight from memory (one vpmovsxbd)
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+
+// The register-blocked tile the one-byte formats share on AVX2 (float32 sums): 64 columns at a time with their sums
+// in eight registers while every client is added (the codes read once from memory, the sums never leave the
+// registers). `visit(i, src, c, a)` adds client i's 64 codes at src, times c, into a[0 .. 8) and keeps its own
+// per-block state; `hand_over(r)` moves that state into the slots of the tile's block r. A tile may span blocks
+// when they are whole multiples of 64 columns (the sweep sees to it), so a block change falls between two groups
+// of 64, and `tail(r, whole)` adds the last n % 64 columns, which lie in one block r.
+template <typename Code, typename Visit, typename HandOver, typename Tail>
+void register_blocked_tile(const Code* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
+                           const float* cs, float* acc, const Visit& visit, const HandOver& hand_over,
+                           const Tail& tail) {
+  const int64_t b0 = lo / block;
+  int64_t r_now = 0;
+  const int64_t whole = n - n % 64;
+  for (int64_t g = 0; g < whole; g += 64) {
+    const int64_t r = (lo + g) / block - b0;
+    if (r != r_now) {
+      hand_over(r_now);
+      r_now = r;
+    }
+    const float* crow = cs + r * ld;
+    __m256 a[8];
+    for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_ps(acc + g + 8 * k);
+    for (int64_t i = 0; i < M; ++i) {
+      const Code* src = codes[i] + lo + g;
+      // the next lines prefetched: with M streams read in turn, the hardware prefetchers alone left it waiting
+      _mm_prefetch(reinterpret_cast<const char*>(src) + 512, _MM_HINT_T0);
+      visit(i, src, _mm256_set1_ps(crow[i]), a);
+    }
+    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + g + 8 * k, a[k]);
+  }
+  hand_over(r_now);
+  if (whole < n) tail((lo + whole) / block - b0, whole);
+}
 }  // namespace
 
-// float32 on AVX2: 64 columns at a time with their sums in eight registers while every client is added (the codes
-// are read once from memory, the sums never leave the registers); squares of 32 codes by |q| * |q| (vpmaddubsw) and
-// pairs of those (vpmaddwd), exact for every valid code (|q| <= 127: a -128 flags the client anyway); the minimum by
-// vpminsb. A tile may span blocks when they are whole multiples of 64 columns (the sweep sees to it), so a block
-// change falls between two groups of 64: the squares are handed over per block there.
+// float32 on AVX2, register-blocked (register_blocked_tile): squares of 32 codes by |q| * |q| (vpmaddubsw) and
+// pairs of those (vpmaddwd), exact for every valid code (|q| <= 127: a -128 flags the client anyway), handed over
+// per block; the minimum by vpminsb.
 template <>
 void fold_tile<float>(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
                       const float* cs, float* acc, int64_t* qq, int32_t* lowest) {
@@ -100,59 +132,40 @@ void fold_tile<float>(const int8_t* const* codes, int64_t lo, int64_t n, int64_t
     lowv[i] = _mm256_setzero_si256();
   }
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t b0 = lo / block;
-  int64_t r_now = 0;
-  const auto hand_over = [&](int64_t r) {
-    for (int64_t i = 0; i < M; ++i) {
-      qq[r * ld + i] += hsum_epi32(sqv[i]);
-      sqv[i] = _mm256_setzero_si256();
-    }
-  };
-  // 64 columns (a cache line of each client's codes) per visit, the next lines prefetched: with M streams read
-  // in turn, the hardware prefetchers alone left the loop waiting on memory
-  const int64_t whole = n - n % 64;
-  for (int64_t g = 0; g < whole; g += 64) {
-    const int64_t r = (lo + g) / block - b0;
-    if (r != r_now) {
-      hand_over(r_now);
-      r_now = r;
-    }
-    const float* crow = cs + r * ld;
-    __m256 a[8];
-    for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_ps(acc + g + 8 * k);
-    for (int64_t i = 0; i < M; ++i) {
-      const int8_t* src = codes[i] + lo + g;
-      _mm_prefetch(reinterpret_cast<const char*>(src) + 512, _MM_HINT_T0);
-      const __m256 c = _mm256_set1_ps(crow[i]);
-      for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(c, codes_as_floats(src + 8 * k), a[k]);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-      const __m256i av = _mm256_abs_epi8(v), au = _mm256_abs_epi8(u);
-      const __m256i sq = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(av, av), ones),
-                                          _mm256_madd_epi16(_mm256_maddubs_epi16(au, au), ones));
-      sqv[i] = _mm256_add_epi32(sqv[i], sq);
-      lowv[i] = _mm256_min_epi8(lowv[i], _mm256_min_epi8(v, u));
-    }
-    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + g + 8 * k, a[k]);
-  }
-  hand_over(r_now);
+  register_blocked_tile(
+      codes, lo, n, M, ld, block, cs, acc,
+      [&](int64_t i, const int8_t* src, __m256 c, __m256* a) {
+        for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(c, codes_as_floats(src + 8 * k), a[k]);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+        const __m256i av = _mm256_abs_epi8(v), au = _mm256_abs_epi8(u);
+        const __m256i sq = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(av, av), ones),
+                                            _mm256_madd_epi16(_mm256_maddubs_epi16(au, au), ones));
+        sqv[i] = _mm256_add_epi32(sqv[i], sq);
+        lowv[i] = _mm256_min_epi8(lowv[i], _mm256_min_epi8(v, u));
+      },
+      [&](int64_t r) {
+        for (int64_t i = 0; i < M; ++i) {
+          qq[r * ld + i] += hsum_epi32(sqv[i]);
+          sqv[i] = _mm256_setzero_si256();
+        }
+      },
+      [&](int64_t r, int64_t whole) {
+        for (int64_t i = 0; i < M; ++i) {
+          const int8_t* q = codes[i] + lo + whole;
+          const float c = cs[r * ld + i];
+          int32_t sq = 0, low = 0;
+          for (int64_t t = 0; t < n - whole; ++t) {
+            const int32_t v = q[t];
+            acc[whole + t] += c * static_cast<float>(v);
+            sq += v * v;
+            low = v < low ? v : low;
+          }
+          qq[r * ld + i] += sq;
+          lowest[i] = std::min(lowest[i], low);
+        }
+      });
   for (int64_t i = 0; i < M; ++i) lowest[i] = std::min(lowest[i], hmin_epi8(lowv[i]));
-  if (whole < n) {  // the tail lies in one block: block boundaries inside a spanning tile fall on multiples of 64
-    const int64_t r = (lo + whole) / block - b0;
-    for (int64_t i = 0; i < M; ++i) {
-      const int8_t* q = codes[i] + lo + whole;
-      const float c = cs[r * ld + i];
-      int32_t sq = 0, low = 0;
-      for (int64_t t = 0; t < n - whole; ++t) {
-        const int32_t v = q[t];
-        acc[whole + t] += c * static_cast<float>(v);
-        sq += v * v;
-        low = v < low ? v : low;
-      }
-      qq[r * ld + i] += sq;
-      lowest[i] = std::min(lowest[i], low);
-    }
-  }
 }
 #endif
 
@@ -558,9 +571,8 @@ inline __m256 e4m3_floats(const uint8_t* p) {
 }
 }  // namespace
 
-// float32 on AVX2, 64 columns at a time with their sums in eight registers while every client is added (as the
-// int8 fold_tile<float>); the squares of each client in float64 (exact per element), handed over per block; NaN
-// codes (0x7F, 0xFF) found 32 bytes at a time.
+// float32 on AVX2, register-blocked (register_blocked_tile): the squares of each client in float64 (exact per
+// element), handed over per block; NaN codes (0x7F, 0xFF) found 32 bytes at a time.
 template <>
 void e4m3_tile<float>(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
                       const float* cs, float* acc, double* inner, uint8_t* bad) {
@@ -577,64 +589,47 @@ void e4m3_tile<float>(const uint8_t* const* codes, int64_t lo, int64_t n, int64_
     nan[i] = _mm256_setzero_si256();
   }
   const __m256i low7 = _mm256_set1_epi8(0x7F);
-  const int64_t b0 = lo / block;
-  int64_t r_now = 0;
-  const auto hand_over = [&](int64_t r) {
-    for (int64_t i = 0; i < M; ++i) {
-      alignas(32) double lanes[4];
-      _mm256_store_pd(lanes, sq[i]);
-      inner[r * ld + i] += (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-      sq[i] = _mm256_setzero_pd();
-    }
-  };
-  const int64_t whole = n - n % 64;
-  for (int64_t g = 0; g < whole; g += 64) {
-    const int64_t r = (lo + g) / block - b0;
-    if (r != r_now) {
-      hand_over(r_now);
-      r_now = r;
-    }
-    const float* crow = cs + r * ld;
-    __m256 a[8];
-    for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_ps(acc + g + 8 * k);
-    for (int64_t i = 0; i < M; ++i) {
-      const uint8_t* src = codes[i] + lo + g;
-      _mm_prefetch(reinterpret_cast<const char*>(src) + 512, _MM_HINT_T0);
-      const __m256 c = _mm256_set1_ps(crow[i]);
-      __m256d s = sq[i];
-      for (int k = 0; k < 8; ++k) {
-        const __m256 v = e4m3_floats(src + 8 * k);
-        a[k] = _mm256_fmadd_ps(c, v, a[k]);
-        const __m256d v0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), v1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-        s = _mm256_fmadd_pd(v0, v0, _mm256_fmadd_pd(v1, v1, s));
-      }
-      sq[i] = s;
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-      nan[i] = _mm256_or_si256(nan[i], _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, low7), low7),
-                                                       _mm256_cmpeq_epi8(_mm256_and_si256(y, low7), low7)));
-    }
-    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + g + 8 * k, a[k]);
-  }
-  hand_over(r_now);
+  register_blocked_tile(
+      codes, lo, n, M, ld, block, cs, acc,
+      [&](int64_t i, const uint8_t* src, __m256 c, __m256* a) {
+        __m256d s = sq[i];
+        for (int k = 0; k < 8; ++k) {
+          const __m256 v = e4m3_floats(src + 8 * k);
+          a[k] = _mm256_fmadd_ps(c, v, a[k]);
+          const __m256d v0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), v1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+          s = _mm256_fmadd_pd(v0, v0, _mm256_fmadd_pd(v1, v1, s));
+        }
+        sq[i] = s;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+        nan[i] = _mm256_or_si256(nan[i], _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, low7), low7),
+                                                         _mm256_cmpeq_epi8(_mm256_and_si256(y, low7), low7)));
+      },
+      [&](int64_t r) {
+        for (int64_t i = 0; i < M; ++i) {
+          alignas(32) double lanes[4];
+          _mm256_store_pd(lanes, sq[i]);
+          inner[r * ld + i] += (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+          sq[i] = _mm256_setzero_pd();
+        }
+      },
+      [&](int64_t r, int64_t whole) {
+        for (int64_t i = 0; i < M; ++i) {
+          const uint8_t* q = codes[i] + lo + whole;
+          const float c = cs[r * ld + i];
+          double s = 0.0;
+          int flagged = 0;
+          for (int64_t t = 0; t < n - whole; ++t) {
+            const float v = e4m3_value(q[t]);
+            acc[whole + t] += c * v;
+            s += static_cast<double>(v) * static_cast<double>(v);
+            flagged |= (q[t] & 0x7F) == 0x7F;
+          }
+          inner[r * ld + i] += s;
+          bad[i] |= flagged != 0;
+        }
+      });
   for (int64_t i = 0; i < M; ++i) bad[i] |= !_mm256_testz_si256(nan[i], nan[i]);
-  if (whole < n) {  // the tail lies in one block (see fold_tile<float>)
-    const int64_t r = (lo + whole) / block - b0;
-    for (int64_t i = 0; i < M; ++i) {
-      const uint8_t* q = codes[i] + lo + whole;
-      const float c = cs[r * ld + i];
-      double s = 0.0;
-      int flagged = 0;
-      for (int64_t t = 0; t < n - whole; ++t) {
-        const float v = e4m3_value(q[t]);
-        acc[whole + t] += c * v;
-        s += static_cast<double>(v) * static_cast<double>(v);
-        flagged |= (q[t] & 0x7F) == 0x7F;
-      }
-      inner[r * ld + i] += s;
-      bad[i] |= flagged != 0;
-    }
-  }
 }
 #endif
 

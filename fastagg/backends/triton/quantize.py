@@ -18,6 +18,14 @@ _ROUNDER = 6755399441055744.0  # 1.5 * 2^52: (q + it) - it rounds q half to even
 
 
 @triton.jit
+def _program_block(d, nb, block):
+    """This program's (index, row, first column, end column): one program per (row, block), row-major."""
+    pid = tl.program_id(0).to(tl.int64)
+    lo = (pid % nb) * block
+    return pid, pid // nb, lo, tl.minimum(d, lo + block)
+
+
+@triton.jit
 def _block_scale(row, lo, hi, scales, nonfinite, pid, top_code, TILE: tl.constexpr):
     """The block's float32 scale ``absmax / top_code`` (float64 quotient; 1 for a zero block), stored, and its count
     of NaN/Inf; returns the scale in float64."""
@@ -38,10 +46,7 @@ def _block_scale(row, lo, hi, scales, nonfinite, pid, top_code, TILE: tl.constex
 @triton.jit
 def _quantize_int8_kernel(x, codes, scales, nonfinite, clients, d, nb, block, seed, rnd,
                           STOCHASTIC: tl.constexpr, TILE: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid // nb
-    lo = (pid % nb) * block
-    hi = tl.minimum(d, lo + block)
+    pid, i, lo, hi = _program_block(d, nb, block)
     row = x + i * d
     sd = _block_scale(row, lo, hi, scales, nonfinite, pid, 127.0, TILE)
     client = tl.load(clients + i).to(tl.uint32)
@@ -67,10 +72,7 @@ def _quantize_int8_kernel(x, codes, scales, nonfinite, clients, d, nb, block, se
 
 @triton.jit
 def _quantize_fp8_kernel(x, codes, scales, nonfinite, d, nb, block, TILE: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid // nb
-    lo = (pid % nb) * block
-    hi = tl.minimum(d, lo + block)
+    pid, i, lo, hi = _program_block(d, nb, block)
     row = x + i * d
     sd = _block_scale(row, lo, hi, scales, nonfinite, pid, 448.0, TILE)
     for start in range(lo, hi, TILE):
