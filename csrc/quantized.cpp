@@ -27,15 +27,25 @@ constexpr int64_t kTile = 2048;               // columns kept in L1 while every 
 constexpr int64_t kStreamBytes = int64_t(32) << 20;  // an output this large (a server L3) bypasses the caches
 }  // namespace
 
+// The portable tiles' walk over a tile of n columns from lo that may span blocks: segment(r, s, e) for each block's
+// part [s, e), r its block counted from lo's.
+template <typename Segment>
+void block_segments(int64_t lo, int64_t n, int64_t block, const Segment& segment) {
+  const int64_t b0 = lo / block;
+  for (int64_t s = lo; s < lo + n;) {
+    const int64_t e = std::min(lo + n, (s / block + 1) * block);
+    segment(s / block - b0, s, e);
+    s = e;
+  }
+}
+
 // One tile of n columns from lo, which may span blocks (r = the block's index in the tile, from lo / block): acc[t]
 // (+)= sum_i cs[r * ld + i] * q_i[t]; qq[r * ld + i] += the sum of q_i^2 over that block's columns; lowest[i] =
 // min(lowest[i], min_t q_i[t]). The portable loop goes block by block, client by client over the tile kept in L1.
 template <typename T>
 void fold_tile(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
                const T* cs, T* acc, int64_t* qq, int32_t* lowest) {
-  const int64_t b0 = lo / block;
-  for (int64_t s = lo; s < lo + n;) {
-    const int64_t r = s / block - b0, e = std::min(lo + n, (s / block + 1) * block);
+  block_segments(lo, n, block, [&](int64_t r, int64_t s, int64_t e) {
     for (int64_t i = 0; i < M; ++i) {
       const int8_t* q = codes[i] + s;
       const T c = cs[r * ld + i];
@@ -53,8 +63,7 @@ void fold_tile(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, int
       qq[r * ld + i] += sq;
       lowest[i] = std::min(lowest[i], low);
     }
-    s = e;
-  }
+  });
 }
 
 #ifdef __AVX2__
@@ -535,9 +544,7 @@ void table_blockwise_fold(const uint8_t* const* codes, const float* table, const
 template <typename T>
 void e4m3_tile(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block, const T* cs,
                T* acc, double* inner, uint8_t* bad) {
-  const int64_t b0 = lo / block;
-  for (int64_t s = lo; s < lo + n;) {
-    const int64_t r = s / block - b0, e = std::min(lo + n, (s / block + 1) * block);
+  block_segments(lo, n, block, [&](int64_t r, int64_t s, int64_t e) {
     for (int64_t i = 0; i < M; ++i) {
       const uint8_t* q = codes[i] + s;
       const T c = cs[r * ld + i];
@@ -553,8 +560,7 @@ void e4m3_tile(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, in
       inner[r * ld + i] += sq;
       bad[i] |= nan != 0;
     }
-    s = e;
-  }
+  });
 }
 
 #ifdef __AVX2__
@@ -716,29 +722,40 @@ double block_absmax(const X* p, int64_t n, int64_t& nonfinite) {
 }
 }  // namespace
 
-template <typename X>
-int64_t quantize_int8_rows(const X* x, int64_t M, int64_t d, int64_t block, bool stochastic, uint64_t seed,
-                           uint32_t round, const uint32_t* clients, int8_t* codes, float* scales) {
+// The loop both row quantizers share: per (row, block), in parallel, the block's float64 absmax (and its count of
+// NaN/Inf), the float32 scale float32(absmax / top) (1 for a zero block) stored, then write(i, row, lo, hi, sd)
+// writes the block's codes from sd = double(scale). Returns the number of blocks holding a NaN or Inf.
+template <typename X, typename Write>
+int64_t quantize_blocks(const X* x, int64_t M, int64_t d, int64_t block, double top, float* scales,
+                        const Write& write) {
   const int64_t nb = (d + block - 1) / block;
-  const uint32_t key[2] = {static_cast<uint32_t>(seed & 0xFFFFFFFFu), static_cast<uint32_t>(seed >> 32)};
   int64_t nonfinite = 0;
 #pragma omp parallel for schedule(static) reduction(+ : nonfinite) \
     num_threads(threads_for(M * d * int64_t(sizeof(X) + 1)))
   for (int64_t r = 0; r < M * nb; ++r) {
     const int64_t i = r / nb, b = r % nb;
     const X* row = x + i * d;
-    int8_t* out = codes + i * d;
     const int64_t lo = b * block, hi = std::min(d, lo + block);
     const double amax = block_absmax(row + lo, hi - lo, nonfinite);
-    const float s = amax > 0.0 ? static_cast<float>(amax / 127.0) : 1.0f;
+    const float s = amax > 0.0 ? static_cast<float>(amax / top) : 1.0f;
     scales[i * nb + b] = s;
-    const double sd = static_cast<double>(s);
+    write(i, row, lo, hi, static_cast<double>(s));
+  }
+  return nonfinite;
+}
+
+template <typename X>
+int64_t quantize_int8_rows(const X* x, int64_t M, int64_t d, int64_t block, bool stochastic, uint64_t seed,
+                           uint32_t round, const uint32_t* clients, int8_t* codes, float* scales) {
+  const uint32_t key[2] = {static_cast<uint32_t>(seed & 0xFFFFFFFFu), static_cast<uint32_t>(seed >> 32)};
+  return quantize_blocks(x, M, d, block, 127.0, scales, [&](int64_t i, const X* row, int64_t lo, int64_t hi, double sd) {
+    int8_t* out = codes + i * d;
     if (!stochastic) {
       for (int64_t j = lo; j < hi; ++j) {  // nearbyint: the default rounding mode, half to even
         const double q = std::nearbyint(static_cast<double>(row[j]) / sd);
         out[j] = static_cast<int8_t>(std::min(127.0, std::max(-127.0, q)));
       }
-      continue;
+      return;
     }
     uint32_t words[4] = {0, 0, 0, 0};
     int64_t group = -1;
@@ -752,8 +769,7 @@ int64_t quantize_int8_rows(const X* x, int64_t M, int64_t d, int64_t block, bool
       const double q = std::floor(static_cast<double>(row[j]) / sd + static_cast<double>(words[j % 4]) * 0x1p-32);
       out[j] = static_cast<int8_t>(std::min(127.0, std::max(-127.0, q)));
     }
-  }
-  return nonfinite;
+  });
 }
 
 namespace {
@@ -853,24 +869,11 @@ void fp8_piece<double>(const double* x, double sd, int64_t n, float* v, uint8_t*
 
 template <typename X>
 int64_t quantize_fp8_rows(const X* x, int64_t M, int64_t d, int64_t block, uint8_t* codes, float* scales) {
-  const int64_t nb = (d + block - 1) / block;
   constexpr int64_t kPiece = 512;  // quotients staged in float32 on the stack, then converted: two simple loops
-  int64_t nonfinite = 0;
-#pragma omp parallel for schedule(static) reduction(+ : nonfinite) \
-    num_threads(threads_for(M * d * int64_t(sizeof(X) + 1)))
-  for (int64_t r = 0; r < M * nb; ++r) {
-    const int64_t i = r / nb, b = r % nb;
-    const X* row = x + i * d;
-    uint8_t* out = codes + i * d;
-    const int64_t lo = b * block, hi = std::min(d, lo + block);
-    const double amax = block_absmax(row + lo, hi - lo, nonfinite);
-    const float s = amax > 0.0 ? static_cast<float>(amax / 448.0) : 1.0f;
-    scales[i * nb + b] = s;
-    const double sd = static_cast<double>(s);
+  return quantize_blocks(x, M, d, block, 448.0, scales, [&](int64_t i, const X* row, int64_t lo, int64_t hi, double sd) {
     alignas(32) float v[kPiece];
-    for (int64_t p = lo; p < hi; p += kPiece) fp8_piece<X>(row + p, sd, std::min(kPiece, hi - p), v, out + p);
-  }
-  return nonfinite;
+    for (int64_t p = lo; p < hi; p += kPiece) fp8_piece<X>(row + p, sd, std::min(kPiece, hi - p), v, codes + i * d + p);
+  });
 }
 
 template int64_t quantize_fp8_rows<float>(const float*, int64_t, int64_t, int64_t, uint8_t*, float*);
