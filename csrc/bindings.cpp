@@ -349,6 +349,47 @@ void name_bad_sparse_entry(const View& ix, const float* v, int64_t k, int64_t d,
 }
 }  // namespace
 
+// What Python's checks need of blockwise clients' scales (float32), in one parallel pass: per client, whether every
+// scale is finite and the first block whose scale is <= 0 (-1: none).
+py::list checked_scale_scan(py::handle scales) {
+  if (!py::isinstance<py::list>(scales)) type_error("scale_scan: scales must be a list of tensors");
+  const py::list sl = scales.cast<py::list>();
+  const int64_t M = static_cast<int64_t>(sl.size());
+  std::vector<View> sv;
+  int64_t total = 0;
+  for (int64_t i = 0; i < M; ++i) {
+    View v = view_of(sl[i], "scales[" + str(i) + "]", kF32);
+    sv.push_back(flat_view(sl[i], "scales[" + str(i) + "]", kF32, v.numel()));
+    total += v.numel();
+  }
+  std::vector<uint8_t> finite(static_cast<size_t>(M));
+  std::vector<int64_t> first(static_cast<size_t>(M));
+  {
+    py::gil_scoped_release release;
+#pragma omp parallel for schedule(dynamic) num_threads(threads_for(total * 8))
+    for (int64_t i = 0; i < M; ++i) {
+      const auto* p = reinterpret_cast<const float*>(sv[i].data);
+      const int64_t n = sv[i].numel();
+      int ok = 1, positive = 1;
+      for (int64_t b = 0; b < n; ++b) {
+        ok &= (p[b] - p[b]) == 0.0f;  // false for NaN and +-Inf
+        positive &= p[b] > 0.0f;
+      }
+      finite[i] = ok != 0;
+      first[i] = -1;
+      if (!positive)
+        for (int64_t b = 0; b < n; ++b)
+          if (p[b] <= 0.0f) {
+            first[i] = b;
+            break;
+          }
+    }
+  }
+  py::list out;
+  for (int64_t i = 0; i < M; ++i) out.append(py::make_tuple(finite[i] != 0, first[i]));
+  return out;
+}
+
 // What Python's checks need of sparse clients, in one parallel pass: per client, the first entry whose index does
 // not exceed the one before (-1: strictly increasing) and whether every value is finite.
 py::list checked_sparse_scan(py::handle indices, py::handle values) {
@@ -794,6 +835,7 @@ PYBIND11_MODULE(FASTAGG_MODULE, m) {
   m.def("blockwise_fold", &checked_blockwise_fold);
   m.def("sparse_fold", &checked_sparse_fold);
   m.def("sparse_scan", &checked_sparse_scan);
+  m.def("scale_scan", &checked_scale_scan);
   m.def("quantize_int8_rows", &checked_quantize_int8_rows);
   m.def("quantize_fp8_rows", &checked_quantize_fp8_rows);
   m.def("coord_select", &checked_coord_select);

@@ -383,3 +383,35 @@ def test_code_book_clients_fold_like_the_dequantized_oracle(backend, block, m, l
     with pytest.raises(ValueError, match="deltas\\[1\\].*NaN"):
         acc.add_many([us[0], bad])
     assert acc.num_clients == 0
+
+
+def test_the_c_scans_of_scales_and_values_agree_with_the_torch_checks(monkeypatch):
+    """The round's pre-check (compress.fold._part_status) reads CPU scales and sparse values by one C++ pass each
+    kind; without the compiled module, torch ops: the same answers for NaN, +-Inf, zero and negative scales, at the
+    first and last block, sparse NaN values, and strided scales (those take the torch path)."""
+    from fastagg.backends import cpu
+    from fastagg.compress import Int8Blockwise
+    from fastagg.compress.fold import _part_status
+
+    us = _mixed()
+    base = us[0]
+    parts = list(us)
+    for at, v in [(0, float("nan")), (-1, float("inf")), (3, float("-inf")), (0, 0.0), (-1, -2.0), (5, 0.0)]:
+        s = base.scales.clone()
+        s[at] = v
+        parts.append(Int8Blockwise(base.codes, s, base.block))
+    wide = torch.stack([base.scales, base.scales], 1)[:, 0]  # strided
+    parts.append(Int8Blockwise(base.codes, wide, base.block))
+    sp = us[3]
+    vals = sp.values.clone()
+    vals[-1] = float("nan")
+    parts.append(type(sp)(sp.indices, vals, sp.numel))
+    got = _part_status(parts)
+    monkeypatch.setattr(cpu, "IMPORT_ERROR", RuntimeError("pretend the module failed to load"))
+    want = _part_status(parts)
+    assert got == want
+    n = base.scales.numel()
+    assert [g for g in got[len(us):]] == [(False, -1), (False, -1), (False, 3), (True, 0), (True, n - 1),
+                                          (True, 5), (True, -1), (False, -1)]
+    with pytest.raises(TypeError, match="float32"):
+        cpu.compiled().scale_scan([torch.ones(3, dtype=torch.float64).__dlpack__()])

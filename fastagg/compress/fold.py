@@ -50,52 +50,47 @@ def check_batch(updates: list, names: list, *, numel: int, device: torch.device,
         u.check_indices(name, None if found is None else found[k][0])
 
 
-def _finite_part(u) -> torch.Tensor:
-    if isinstance(u, LayerwiseUpdate):
-        return torch.cat([_finite_part(p).reshape(-1) for p in u.parts])
-    return u.values if isinstance(u, SparseUpdate) else u.scales
+def _parts(u) -> tuple:
+    return u.parts if isinstance(u, LayerwiseUpdate) else (u,)
 
 
-def _scales(u) -> list:
-    if isinstance(u, LayerwiseUpdate):
-        return [s for p in u.parts for s in _scales(p)]
-    return [] if isinstance(u, SparseUpdate) else [u.scales]
+def _part_status(parts: list) -> list:
+    """Per part ``(finite, first block whose scale is <= 0 or -1)``: a sparse part's values, a blockwise part's
+    scales; one C++ pass over each kind for CPU parts (``sparse_scan``, ``scale_scan``), torch ops otherwise."""
+    out: list = [None] * len(parts)
+    sparse = [j for j, p in enumerate(parts) if isinstance(p, SparseUpdate)]
+    found = scan([parts[j] for j in sparse]) if sparse else []
+    for j, r in zip(sparse, found or []):
+        out[j] = (r[1], -1)
+    blocks = [j for j, p in enumerate(parts) if not isinstance(p, SparseUpdate)]
+    if blocks and all(parts[j].scales.device.type == "cpu" and parts[j].scales.is_contiguous() for j in blocks):
+        from ..backends import cpu
 
-
-def _sparse_values(u) -> list:
-    if isinstance(u, LayerwiseUpdate):
-        return [v for p in u.parts for v in _sparse_values(p)]
-    return [u.values] if isinstance(u, SparseUpdate) else []
+        if cpu.IMPORT_ERROR is None:
+            for j, r in zip(blocks, cpu.compiled().scale_scan([parts[j].scales.__dlpack__() for j in blocks])):
+                out[j] = r
+    for j, p in enumerate(parts):  # what no C++ pass answered
+        if out[j] is None:
+            t = p.values if isinstance(p, SparseUpdate) else p.scales
+            low = (t <= 0).nonzero() if not isinstance(p, SparseUpdate) else t[:0]
+            out[j] = (bool(torch.isfinite(t).all()), int(low[0]) if low.numel() else -1)
+    return out
 
 
 def nonfinite_scales(updates: list, names: list) -> list:
     """Indices of the updates with a NaN or Inf scale (blockwise) or value (sparse); raises naming the first
     blockwise update with a scale <= 0."""
-    sparse = [j for j, u in enumerate(updates) if isinstance(u, SparseUpdate)]
-    found = scan([updates[j] for j in sparse]) if sparse else None  # sparse CPU clients: one C++ pass
-    known = {j: r[1] for j, r in zip(sparse, found)} if found is not None else {}
-    parts = {j: _finite_part(u) for j, u in enumerate(updates) if j not in known}
-    dev = updates[0].device
-    scales = torch.cat([s.reshape(-1) for u in updates for s in _scales(u)] + [torch.ones(1, device=dev)])
-    values = [v for j in parts for v in _sparse_values(updates[j])]  # (not scanned in C++)
-    lo, hi = torch.aminmax(scales)  # (a NaN makes both NaN)
-    if all(known.values()) and bool((lo > 0) & (hi < float("inf"))) and \
-            all(bool(torch.isfinite(v).all()) for v in values):  # the usual case: one reduction
-        return []
-    bad = []
-    for j, (u, name) in enumerate(zip(updates, names)):
-        if j in known:
-            if not known[j]:
-                bad.append(j)
-        elif not bool(torch.isfinite(parts[j]).all()):
-            bad.append(j)
-        else:
-            for k, s in enumerate(_scales(u)):
-                if not bool((s > 0).all()):
-                    b = int((s <= 0).nonzero()[0])
-                    where = f" layer {k}" if isinstance(u, LayerwiseUpdate) else ""
-                    raise ValueError(f"{name}{where}: the scale of block {b} is {float(s[b])!r} (scales must be > 0)")
-    return bad
+    parts = [(j, k, p) for j, u in enumerate(updates) for k, p in enumerate(_parts(u))]
+    status = _part_status([p for _, _, p in parts])
+    finite = [True] * len(updates)
+    for (j, _, _), (ok, _) in zip(parts, status):
+        finite[j] = finite[j] and ok
+    for (j, k, p), (_, low) in zip(parts, status):
+        if finite[j] and low >= 0:
+            where = f" layer {k}" if isinstance(updates[j], LayerwiseUpdate) else ""
+            raise ValueError(f"{names[j]}{where}: the scale of block {low} is {float(p.scales[low])!r} (scales must "
+                             "be > 0)")
+    return [j for j, ok in enumerate(finite) if not ok]
 
 
 def _groups(updates: list) -> list:

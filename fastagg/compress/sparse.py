@@ -81,7 +81,8 @@ def scan(updates: list) -> list | None:
     """Per sparse update ``(first entry whose index does not exceed the one before or -1, every value finite)``, by
     one parallel C++ pass over all of them (csrc/bindings.cpp ``sparse_scan``); None when they are not CPU tensors
     or the compiled module does not load (the callers then use torch ops)."""
-    if not updates or any(u.indices.device.type != "cpu" for u in updates):
+    if not updates or any(u.indices.device.type != "cpu" or not (u.indices.is_contiguous() and
+                                                                 u.values.is_contiguous()) for u in updates):
         return None
     from ..backends import cpu
 
