@@ -12,7 +12,9 @@
 # fastagg is imported from the checkout (PYTHONPATH): the GPU checks need no C++ build, and skipping it saves
 # device time (`pip install --no-build-isolation --no-deps -e .` also works there). Everything lands in $OUT:
 # device_check.txt (the whole log), pytest.txt, gpu_bench.md / .json (the tables for bench/RESULTS.md).
-# TEST_FILTER (a pytest -k expression) reruns part of the tests after a fix.
+# TEST_FILTER (a pytest -k expression) reruns part of the tests after a fix. FASTAGG_TORCHFT_QUANT=path/to/torchft's
+# quantization.py (extracted from the torchft 0.2.0 wheel; torchft is not on the card) adds its fp8 kernels to the
+# compress section. Then Nsight Compute reads the client step's L2 hit rate (ncu_client.txt; NCU_LIMIT=0 skips it).
 set -uo pipefail
 OUT="${OUT:-/tmp/fastagg-device}"
 mkdir -p "$OUT"
@@ -34,4 +36,12 @@ TEST_LIMIT="${TEST_LIMIT:-220}" BENCH_LIMIT="${BENCH_LIMIT:-240}"  # seconds
   start=$(date +%s)
   timeout "$BENCH_LIMIT" python3 bench/gpu_bench.py --out "$OUT" --sections "$SECTIONS"
   echo "== gpu_bench: $(( $(date +%s) - start )) s"
+  # the client step's L2 hit rate and DRAM bytes per schedule (issue 26's lead for FedSPS); NCU_LIMIT=0 skips it
+  if [ "${NCU_LIMIT:-150}" -gt 0 ] && command -v ncu >/dev/null; then
+    start=$(date +%s)
+    timeout "${NCU_LIMIT:-150}" ncu --metrics \
+        lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+        -k 'regex:_grouped_kernel|_chunk_' python3 bench/ncu_client_step.py 2>&1 | tee "$OUT/ncu_client.txt"
+    echo "== ncu: $(( $(date +%s) - start )) s"
+  fi
 } 2>&1 | tee "$OUT/device_check.txt"

@@ -276,7 +276,8 @@ def section_sweep() -> None:
 # (BLOCK_M, BLOCK_D, warps); fp32's full sweep is in bench/RESULTS.md (2 x 2048 at 4 warps chosen)
 SWEEP_CONFIGS = {torch.float32: [(2, 2048, 4), (2, 4096, 4)],
                  torch.bfloat16: [(2, 2048, 4), (1, 8192, 4), (1, 4096, 4), (1, 4096, 2), (1, 8192, 2),
-                                  (1, 16384, 4), (1, 16384, 8), (2, 8192, 4), (2, 4096, 4)]}
+                                  (1, 16384, 4), (1, 16384, 8), (2, 8192, 4), (2, 4096, 4),
+                                  (1, 8192, 8), (2, 8192, 8), (4, 4096, 8), (4, 8192, 8)]}
 
 
 def _sweep(m: int, d: int, dtype: torch.dtype) -> None:
@@ -934,6 +935,54 @@ def section_compress() -> None:
     record("compress", f"4 rows x {d:.0e}: quantize_fp8_rows torch ops", bench(
         lambda: fp8.quantize_fp8_rows(rows, 256, backend="reference")), rows.numel() * 5)
     del floats, kinds, sparse, mean, rows
+    free()
+    _torchft_fp8(m, d)
+
+
+def _torchft_fp8(m: int, d: int) -> None:
+    """torchft's fused fp8 all-reduce kernels (torchft/quantization.py, BSD; not installed on the card: the file is
+    loaded from FASTAGG_TORCHFT_QUANT) on the same bytes: quantize 4 rows of d (rowwise scales over 4096-column
+    rows, its layout for a parameter) and the reduce of m ranks' fp8 copies of d (each of the m per-rank reduces
+    reads its 1/m share of every rank's copy: m * d fp8 bytes read, d written), against fastagg's fp8 quantizer and
+    fp8 fold of m clients of d (m * d fp8 bytes + scales read, the fp32 mean written)."""
+    path = os.environ.get("FASTAGG_TORCHFT_QUANT")
+    if not path or not os.path.exists(path):
+        print("[compress] torchft comparison not run: FASTAGG_TORCHFT_QUANT names no file", flush=True)
+        return
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torchft_quantization", path)
+    tq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tq)
+    import fastagg
+    from fastagg.compress import fp8, quantize_fp8
+
+    cols = min(4096, d)  # 4096 on the card; the dry run's rows are shorter
+    rows = torch.randn(4 * d // cols, cols, device=DEV)
+    record("compress", f"4 x {d:.0e} fp32: torchft fused_quantize_into_fp8 (rowwise, {cols} columns)",
+           bench(lambda: tq.fused_quantize_into_fp8([rows], 1)), rows.numel() * 5)
+    flat = rows.view(4, -1)
+    record("compress", f"4 x {d:.0e} fp32: fastagg quantize_fp8_rows (block {cols})",
+           bench(lambda: fp8.quantize_fp8_rows(flat, cols)), rows.numel() * 5)
+    del rows, flat
+    free()
+    everything = torch.randn(m * d // cols, cols, device=DEV)  # m ranks' worth of d, quantized once
+    packed = tq.fused_quantize_into_fp8([everything], m)
+
+    def reduce_all_ranks():
+        for r in range(m):
+            tq.fused_reduce_fp8([everything], packed, m, r, tq.ReduceOp.AVG)
+
+    record("compress", f"{m} ranks x {d:.0e}: torchft fused_reduce_fp8 (every rank's reduce, requantized)",
+           bench(reduce_all_ranks), m * d + d)
+    del everything, packed
+    free()
+    clients = [quantize_fp8(torch.randn(d, device=DEV), cols) for _ in range(m)]
+    mean = torch.empty(d, device=DEV)
+    record("compress", f"{m} clients x {d:.0e}: fastagg fedexp_step fp8 block {cols} (fp32 mean written)",
+           bench(lambda: fastagg.fedexp_step(clients, eps=1e-3, backend="triton", mean_out=mean)),
+           sum(u.nbytes for u in clients) + 4 * d)
+    del clients, mean
     free()
 
 
