@@ -9,8 +9,8 @@
 # 2. bench/gpu_bench.py: every kernel against a device-to-device copy timed in the same run, and against torch
 #    ("robust": the coordinate-select and Gram passes against torch.median / sort / X @ X.T; "feed": HostFeeder per client against the bare pinned host-to-device copy; "queue": k queued adds in one
 #    sweep against the copy; "sim": the vmapped convolution's alternatives and CUDA-graphed local steps).
-# fastagg is imported from the checkout (PYTHONPATH): the GPU checks need no C++ build, and skipping it saves
-# device time (`pip install --no-build-isolation --no-deps -e .` also works there). Everything lands in $OUT:
+# fastagg is imported from the checkout (PYTHONPATH), its C++ module built in place first (BUILD=0 skips it: the
+# one test that moves a model from the CPU to the card then fails with an ImportError that says so). Everything lands in $OUT:
 # device_check.txt (the whole log), pytest.txt, gpu_bench.md / .json (the tables for bench/RESULTS.md).
 # TEST_FILTER (a pytest -k expression) reruns part of the tests after a fix. FASTAGG_TORCHFT_QUANT=path/to/torchft's
 # quantization.py (extracted from the torchft 0.2.0 wheel; torchft is not on the card) adds its fp8 kernels to the
@@ -27,11 +27,22 @@ TEST_LIMIT="${TEST_LIMIT:-220}" BENCH_LIMIT="${BENCH_LIMIT:-240}"  # seconds
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader
   python3 -c "import torch, triton; print('python', __import__('sys').version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+  # the C++ module too (in place): tests that hand a model from the CPU to the card compare the C++ step with
+  # the Triton one; BUILD=0 skips it (those tests then fail with an ImportError that says so)
+  if [ "${BUILD:-1}" = 1 ]; then
+    start=$(date +%s)
+    timeout "${BUILD_LIMIT:-240}" python3 -m pip install -q --no-build-isolation --no-deps -e . \
+        > "$OUT/build.txt" 2>&1 || echo "== the C++ build failed: $OUT/build.txt"
+    echo "== C++ build: $(( $(date +%s) - start )) s"
+  fi
   start=$(date +%s)
   # correctness first; a kernel that hangs is killed with its worker (thread timeout) and reported
-  timeout "$TEST_LIMIT" python3 -m pytest -q -p no:cacheprovider tests/test_on_device.py \
+  # one torch thread per worker: the float64 references run on the host, 14 workers x 16 threads thrashed the 16
+  # cores (the first run of the robust and DP tests timed out by the dozen); -v names each test as it ends, so a
+  # run stopped by TEST_LIMIT still says what passed
+  OMP_NUM_THREADS=1 timeout "$TEST_LIMIT" python3 -m pytest -v -p no:cacheprovider tests/test_on_device.py \
       "tests/test_readme.py::test_blocks_run_elsewhere_compile_here" -n 14 --timeout 150 \
-      --timeout-method=thread -ra ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 | tee "$OUT/pytest.txt"
+      --timeout-method=thread -ra --durations=15 ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 | tee "$OUT/pytest.txt"
   echo "== pytest: $(( $(date +%s) - start )) s"
   start=$(date +%s)
   timeout "$BENCH_LIMIT" python3 bench/gpu_bench.py --out "$OUT" --sections "$SECTIONS"

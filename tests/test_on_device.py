@@ -81,7 +81,7 @@ def test_fedexp_round_on_device(dtype, m, d, form):
         assert_close(a.cpu(), b, rtol=rtol, atol=atol, name=what)
 
 
-ROBUST_SHAPES = [(16, 1_000_003), (33, 70_001), (100, 20_001), (1000, 301)] if ON_GPU else [(5, 40)]
+ROBUST_SHAPES = [(16, 300_007), (33, 70_001), (100, 20_001), (1000, 301)] if ON_GPU else [(5, 40)]
 ROBUST_DTYPES = [torch.float32, torch.bfloat16, torch.float64] if ON_GPU else [torch.float32, torch.float64]
 
 
@@ -133,7 +133,9 @@ def test_dp_noise_and_release_on_device(dtype, form):
     assert abs(float(zz.mean())) < 5 / n ** 0.5 and abs(float(zz.var()) - 1) < 5 * (2 / n) ** 0.5
     m, d = 9, (300_007 if ON_GPU else 5_003)
     x = 0.01 * _randn(m, d, seed=8, dtype=dtype)
-    c = float(x.double().norm(dim=1).median())
+    norms = x.double().norm(dim=1).sort().values
+    c = float(norms[m // 2 - 1] + norms[m // 2]) / 2  # between two clients' norms: no client sits on the bound, where
+    # the last bit of its float64 squared norm (summed in another order than the reference's) decides clipped or not
     got = privacy.release(_forms(x.to(DEVICE), form), privacy.ServerSideFixedClipping(1.0, c, m, seed=4),
                           backend="triton")
     want = privacy.release(x.double(), privacy.ServerSideFixedClipping(1.0, c, m, seed=4), backend="reference")

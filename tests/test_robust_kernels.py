@@ -135,11 +135,13 @@ def test_coord_select_and_gram_mark_nonfinite_clients_from_the_same_read(backend
 
 @pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 17, 33])
-def test_gram_equals_the_float64_oracle(backend, m):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gram_equals_the_float64_oracle(backend, m, dtype):
+    """16-bit rows take the Triton kernel's by-hand products (no float64 tl.dot from 16-bit loads)."""
     d = 70 if backend == "triton" else 1301
     g = torch.Generator().manual_seed(m)
-    x = torch.randn(m, d, generator=g)
-    base = torch.randn(d, generator=g) * 100  # full models far from zero: products of the updates, not the models
+    x = torch.randn(m, d, generator=g).to(dtype)
+    base = (torch.randn(d, generator=g) * 100).to(dtype)  # full models far from zero: products of the updates
     for layers in (False, True):
         for with_base in (False, True):
             rows = _rows(x + base if with_base else x, layers=layers, base=base if with_base else None)

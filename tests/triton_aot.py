@@ -27,7 +27,7 @@ momentum_mod = importlib.import_module("fastagg.backends.triton.momentum_apply")
 adam_mod = importlib.import_module("fastagg.backends.triton.adam_apply")
 
 TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16",
-         torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.bool: "i1"}
+         torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 
 captured = []
 
@@ -120,21 +120,72 @@ def drive_launchers():
                                     overflow_out=torch.zeros(1, dtype=torch.int32))
 
 
+    drive_later_launchers()
+
+
+def drive_later_launchers():
+    """The kernels of issues 22-25: the stats pass writing DP noise, the noise alone, the robust passes, the client
+    quantizers and the compressed folds (every dtype and option their launchers pass)."""
+    from fastagg.rows import client_rows
+
+    f64 = dict(dtype=torch.float64)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        rows = client_rows(torch.zeros(3, 10, dtype=dtype), name="deltas")
+        stats_mod.round_stats(rows=rows, weights=torch.ones(3, **f64), mean_init=None, aux=None, aux_coef=0.0,
+                              mean_out=torch.zeros(10), sq_norms_out=torch.zeros(3, **f64),
+                              nonfinite_out=torch.zeros(3, dtype=torch.bool), mean_sq_out=torch.zeros((), **f64),
+                              noise=(0.5, 2 ** 64 - 1, 2 ** 40 + 3))
+        for rule in ("median", "trimmed", "meamed"):
+            robust_mod.coord_select(rows=rows, rule=rule, first=1, count=1, out=torch.zeros(10),
+                                    sq_norms_out=torch.zeros(3, **f64), nonfinite_out=torch.zeros(3, dtype=torch.bool))
+        robust_mod.gram(rows=rows, gram_out=torch.zeros(3, 3, **f64), nonfinite_out=torch.zeros(3, dtype=torch.bool))
+        if dtype != torch.float64:
+            x = torch.zeros(3, 1000, dtype=dtype)
+            for stochastic in (False, True):
+                quantize_mod.quantize_int8_rows(x=x, block=256, stochastic=stochastic, seed=2 ** 63 + 1, round=4,
+                                                clients=[0, 1, 2], codes_out=torch.zeros(3, 1000, dtype=torch.int8),
+                                                scales_out=torch.zeros(3, 4))
+            quantize_mod.quantize_fp8_rows(x=x, block=256, codes_out=torch.zeros(3, 1000, dtype=torch.uint8),
+                                           scales_out=torch.zeros(3, 4))
+    noise_mod.gaussian_noise(out=torch.zeros(10), seed=2 ** 64 - 1, round=7, first=3)
+    for init in (None, torch.zeros(1000)):
+        codes = [torch.zeros(1000, dtype=torch.int8) for _ in range(2)]
+        scales = [torch.ones(4) for _ in range(2)]
+        for table, e4m3 in ((None, False), (None, True), (torch.zeros(256), False)):
+            quantized_mod.blockwise_fold(codes=codes, scales=scales, block=256, table=table, e4m3=e4m3,
+                                         coef=torch.ones(2, **f64), init=init, out=torch.zeros(1000),
+                                         sq_out=torch.zeros(2, **f64), bad_out=torch.zeros(2, dtype=torch.bool),
+                                         msq_out=torch.zeros((), **f64))
+        quantized_mod.sparse_fold(indices=[torch.arange(5)], values=[torch.ones(5)], coef=torch.ones(1, **f64),
+                                  init=init, out=torch.zeros(1000), sq_out=torch.zeros(1, **f64))
+
+
 local_mod = importlib.import_module("fastagg.backends.triton.local_step")
+robust_mod = importlib.import_module("fastagg.backends.triton.robust")
+noise_mod = importlib.import_module("fastagg.backends.triton.noise")
+quantize_mod = importlib.import_module("fastagg.backends.triton.quantize")
+quantized_mod = importlib.import_module("fastagg.backends.triton.quantized")
+MODULES = (stats_mod, momentum_mod, adam_mod, local_mod, robust_mod, noise_mod, quantize_mod, quantized_mod)
 
 
 def capture_launches():
-    """Replace every kernel by a Capture."""
-    for mod, name in ((stats_mod, "_round_stats_kernel"), (stats_mod, "_finalize_kernel"),
-                      (momentum_mod, "_momentum_apply_kernel"), (adam_mod, "_adam_apply_kernel"),
-                      (local_mod, "_local_step_kernel"), (local_mod, "_chunk_sq_kernel"),
-                      (local_mod, "_chunk_update_kernel"), (local_mod, "_grouped_kernel")):
-        setattr(mod, name, Capture(getattr(mod, name)))
+    """Replace every kernel (a jitted function named *_kernel in the Triton backend's modules) by a Capture."""
+    from triton.runtime.jit import JITFunction
+
+    names = []
+    for mod in MODULES:
+        for name, fn in vars(mod).items():
+            if isinstance(fn, JITFunction) and name.endswith("_kernel"):
+                setattr(mod, name, Capture(fn))
+                names.append(name)
+    return names
 
 
 def main(capabilities):
-    capture_launches()
+    kernels = capture_launches()
     drive_launchers()
+    launched = {fn.__name__ for fn, _, _ in captured}
+    assert launched == set(kernels), f"kernels no launcher drove: {sorted(set(kernels) - launched)}"
     seen = set()
     for fn, args, kwargs in captured:
         sig, const, options = signature(fn, args, kwargs)
@@ -143,8 +194,12 @@ def main(capabilities):
             continue
         seen.add(key)
         for cc in capabilities:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", cc, 32),
-                               options=options)
+            try:
+                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                                   target=GPUTarget("cuda", cc, 32), options=options)
+            except Exception:
+                print(f"FAILED: {fn.__name__} sm_{cc} {sig} {const} {options}", file=sys.stderr)
+                raise
             assert len(k.asm["cubin"]) > 0
     print(f"compiled {len(seen)} kernel variants for sm_{', sm_'.join(map(str, capabilities))} "
           f"with triton {triton.__version__}")

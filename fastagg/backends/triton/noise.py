@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 from triton.language.random import philox
 
-_TWO_M32 = 2.3283064365386963e-10  # 2^-32
-_TWO_M33 = 1.1641532182693481e-10  # 2^-33
+_TWO_M32 = tl.constexpr(2.3283064365386963e-10)  # 2^-32 (a constexpr: triton rejects plain globals in kernels)
+_TWO_M33 = tl.constexpr(1.1641532182693481e-10)  # 2^-33
 
 
 @triton.jit

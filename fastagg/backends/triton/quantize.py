@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 from triton.language.random import philox
 
-_TWO_M32 = 2.3283064365386963e-10  # 2^-32
-_ROUNDER = 6755399441055744.0  # 1.5 * 2^52: (q + it) - it rounds q half to even for |q| < 2^51
+_TWO_M32 = tl.constexpr(2.3283064365386963e-10)  # 2^-32 (a constexpr: triton rejects plain globals in kernels)
+_ROUNDER = tl.constexpr(6755399441055744.0)  # 1.5 * 2^52: (q + it) - it rounds q half to even for |q| < 2^51
 
 
 @triton.jit

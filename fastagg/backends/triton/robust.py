@@ -95,7 +95,8 @@ def coord_select(*, rows: ClientRows, rule: str, first: int, count: int, out: to
 
 @triton.jit
 def _gram_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, tile_i, tile_j, part, M, NB, PER,
-                 HAS_BASE: tl.constexpr, SINGLE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                 HAS_BASE: tl.constexpr, SINGLE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                 BY_HAND: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
     bi = tl.load(tile_i + t).to(tl.int64)
@@ -121,16 +122,23 @@ def _gram_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, til
             base = tl.load(bptr + cols, mask=cmask, other=0.0).to(tl.float64)
             a = tl.where((mi < M)[:, None] & cmask[None, :], a - base[None, :], 0.0)
             c = tl.where((mj < M)[:, None] & cmask[None, :], c - base[None, :], 0.0)
-        acc += tl.dot(a, tl.trans(c))
+        if BY_HAND:  # 16-bit rows: triton 3.7 cannot lower a float64 tl.dot fed by 16-bit loads for sm_90
+            acc += tl.sum(a[:, None, :] * c[None, :, :], axis=2)
+        else:
+            acc += tl.dot(a, tl.trans(c))
     out = part + p * M * M + mi[:, None] * M + mj[None, :]
     tl.store(out, acc, mask=(mi < M)[:, None] & (mj < M)[None, :])
 
 
-def gram_config(num_clients: int, numel: int) -> dict:
+def gram_config(num_clients: int, numel: int, element_size: int = 4) -> dict:
     """BM clients a side per tile (at least 16, tl.dot's smallest), BK columns per block, and the number of column
     ranges P (each program sums its range's blocks in order): about 264 programs per tile on the GPU (a guess to
-    be measured on the card), 4 under the interpreter."""
+    be measured on the card), 4 under the interpreter. 16-bit rows multiply by hand (BY_HAND: no tl.dot), 16
+    columns at a time (a BM x BM x 16 block of float64 products)."""
     bm = min(32, max(16, _pow2_at_least(num_clients)))
+    if element_size < 4:
+        return dict(BM=bm, BK=16, ranges=4 if interpreting() else 264, num_warps=4 if bm == 16 else 8,
+                    BY_HAND=True)
     if interpreting():
         return dict(BM=bm, BK=max(16, min(8192, _pow2_at_least(-(-numel // 8)))), ranges=4, num_warps=4)
     return dict(BM=bm, BK=64, ranges=264, num_warps=4)
@@ -138,7 +146,7 @@ def gram_config(num_clients: int, numel: int) -> dict:
 
 def gram(*, rows: ClientRows, gram_out: torch.Tensor, nonfinite_out: torch.Tensor) -> None:
     M, device = rows.num_clients, gram_out.device
-    cfg = gram_config(M, rows.numel)
+    cfg = gram_config(M, rows.numel, rows.dtype.itemsize)
     lens, _, bseg, bstart, nb, single = segment_tables(rows.segments, cfg["BK"], device)
     ranges = max(1, min(cfg["ranges"], nb))
     per = triton.cdiv(max(nb, 1), ranges)
@@ -153,7 +161,7 @@ def gram(*, rows: ClientRows, gram_out: torch.Tensor, nonfinite_out: torch.Tenso
         _gram_kernel[(ranges, len(ti))](
             row_ptrs, base_ptrs, rows.rows[0][0], bseg, bstart, lens, tiles[:len(ti)], tiles[len(ti):], part, M, nb,
             per, HAS_BASE=rows.base is not None, SINGLE=single, BM=cfg["BM"], BK=cfg["BK"],
-            num_warps=cfg["num_warps"])
+            BY_HAND=cfg.get("BY_HAND", False), num_warps=cfg["num_warps"])
     upper = part.sum(dim=0).triu()
     gram_out.view(M, M).copy_(upper + upper.triu(1).T)
     _mark_nonfinite(rows, gram_out.view(M, M).diagonal(), nonfinite_out)
