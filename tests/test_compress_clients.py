@@ -239,8 +239,8 @@ def test_the_fused_quantizers_refuse_a_nan_or_inf_anywhere(dtype, bad, where):
 
 
 @pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "reference"])
-@pytest.mark.parametrize("block, d", [(64, 1003), (100, 250), (4096, 5000)])
-@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("block, d", [(64, 1003), (64, 8292), (100, 250), (4096, 5000)])  # 8292: three
+@pytest.mark.parametrize("stochastic", [False, True])  # programs of the Triton kernel's 64 blocks a row, the last short
 def test_every_backends_int8_quantizer_writes_the_definitions_codes(backend, block, d, stochastic):
     """The C++ kernel and the Triton one (run by the interpreter here; CUDA rows on a GPU) against the torch-op
     definition (``backend="reference"``): the same scales and codes, Philox words included (seed above 2^63,
@@ -260,7 +260,7 @@ def test_every_backends_int8_quantizer_writes_the_definitions_codes(backend, blo
 
 
 @pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "reference"])
-@pytest.mark.parametrize("block, d", [(64, 1003), (4096, 5000)])
+@pytest.mark.parametrize("block, d", [(64, 1003), (64, 8292), (100, 350), (4096, 5000)])
 def test_every_backends_fp8_quantizer_writes_the_definitions_codes(backend, block, d):
     """The C++ and Triton fp8 quantizers against the torch-op definition: magnitudes over twelve decades (so every
     e4m3 exponent, the subnormals and zero occur), every e4m3 midpoint; a NaN raises."""

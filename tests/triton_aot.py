@@ -141,21 +141,26 @@ def drive_later_launchers():
         robust_mod.gram(rows=rows, gram_out=torch.zeros(3, 3, **f64), nonfinite_out=torch.zeros(3, dtype=torch.bool))
         if dtype != torch.float64:
             x = torch.zeros(3, 1000, dtype=dtype)
-            for stochastic in (False, True):
-                quantize_mod.quantize_int8_rows(x=x, block=256, stochastic=stochastic, seed=2 ** 63 + 1, round=4,
-                                                clients=[0, 1, 2], codes_out=torch.zeros(3, 1000, dtype=torch.int8),
-                                                scales_out=torch.zeros(3, 4))
-            quantize_mod.quantize_fp8_rows(x=x, block=256, codes_out=torch.zeros(3, 1000, dtype=torch.uint8),
-                                           scales_out=torch.zeros(3, 4))
+            for block in (256, 100):  # tiled (a power of two) and one block a program
+                nb = -(-1000 // block)
+                for stochastic in (False, True):
+                    quantize_mod.quantize_int8_rows(x=x, block=block, stochastic=stochastic, seed=2 ** 63 + 1,
+                                                    round=4, clients=[0, 1, 2],
+                                                    codes_out=torch.zeros(3, 1000, dtype=torch.int8),
+                                                    scales_out=torch.zeros(3, nb))
+                quantize_mod.quantize_fp8_rows(x=x, block=block, codes_out=torch.zeros(3, 1000, dtype=torch.uint8),
+                                               scales_out=torch.zeros(3, nb))
     noise_mod.gaussian_noise(out=torch.zeros(10), seed=2 ** 64 - 1, round=7, first=3)
     for init in (None, torch.zeros(1000)):
-        codes = [torch.zeros(1000, dtype=torch.int8) for _ in range(2)]
-        scales = [torch.ones(4) for _ in range(2)]
-        for table, e4m3 in ((None, False), (None, True), (torch.zeros(256), False)):
-            quantized_mod.blockwise_fold(codes=codes, scales=scales, block=256, table=table, e4m3=e4m3,
-                                         coef=torch.ones(2, **f64), init=init, out=torch.zeros(1000),
-                                         sq_out=torch.zeros(2, **f64), bad_out=torch.zeros(2, dtype=torch.bool),
-                                         msq_out=torch.zeros((), **f64))
+        # a power-of-two block (per-block scales and integer squares) and any other; aligned codes and not
+        for block, offset in ((256, 0), (100, 0), (256, 1)):
+            codes = [torch.zeros(1001, dtype=torch.int8)[offset:offset + 1000] for _ in range(2)]
+            scales = [torch.ones(10) for _ in range(2)]
+            for table, e4m3 in ((None, False), (None, True), (torch.zeros(256), False)):
+                quantized_mod.blockwise_fold(codes=codes, scales=scales, block=block, table=table, e4m3=e4m3,
+                                             coef=torch.ones(2, **f64), init=init, out=torch.zeros(1000),
+                                             sq_out=torch.zeros(2, **f64), bad_out=torch.zeros(2, dtype=torch.bool),
+                                             msq_out=torch.zeros((), **f64))
         quantized_mod.sparse_fold(indices=[torch.arange(5)], values=[torch.ones(5)], coef=torch.ones(1, **f64),
                                   init=init, out=torch.zeros(1000), sq_out=torch.zeros(1, **f64))
 

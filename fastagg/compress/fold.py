@@ -69,11 +69,39 @@ def _part_status(parts: list) -> list:
         if cpu.IMPORT_ERROR is None:
             for j, r in zip(blocks, cpu.compiled().scale_scan([parts[j].scales.__dlpack__() for j in blocks])):
                 out[j] = r
-    for j, p in enumerate(parts):  # what no C++ pass answered
+    rest: dict = {}
+    for j, p in enumerate(parts):  # what no C++ pass answered, by device
         if out[j] is None:
-            t = p.values if isinstance(p, SparseUpdate) else p.scales
-            low = (t <= 0).nonzero() if not isinstance(p, SparseUpdate) else t[:0]
-            out[j] = (bool(torch.isfinite(t).all()), int(low[0]) if low.numel() else -1)
+            rest.setdefault((p.values if isinstance(p, SparseUpdate) else p.scales).device, []).append(j)
+    for js in rest.values():
+        for j, r in zip(js, _device_status([parts[j] for j in js])):
+            out[j] = r
+    return out
+
+
+def _device_status(parts: list) -> list:
+    """``_part_status`` by torch ops, for all of ``parts`` (one device) at once: parts of one length, dtype and kind
+    stacked into a matrix and reduced along its rows, one host read for the lot (a GPU waited on two reads per
+    client before). No scatter: 16 clients' millions of scales reduced into 16 slots by atomics took 10-20 ms on an
+    H200."""
+    ts = [(p.values if isinstance(p, SparseUpdate) else p.scales).reshape(-1) for p in parts]
+    groups: dict = {}
+    for k, (p, t) in enumerate(zip(parts, ts)):
+        groups.setdefault((t.numel(), t.dtype, isinstance(p, SparseUpdate)), []).append(k)
+    order, found = [], []
+    for (n, _, sparse), ks in groups.items():
+        x = torch.stack([ts[k] for k in ks])
+        finite = torch.isfinite(x).all(1) if n else torch.ones(len(ks), dtype=torch.bool, device=x.device)
+        if sparse or n == 0:  # sparse values may be anything finite
+            first = torch.full((len(ks),), -1, dtype=torch.int64, device=x.device)
+        else:
+            low = x <= 0
+            first = torch.where(low.any(1), low.to(torch.uint8).argmax(1), -1)  # argmax: the first maximum
+        order += ks
+        found.append(torch.stack([finite.to(torch.int64), first]))
+    out: list = [None] * len(parts)
+    for k, ok, lo in zip(order, *torch.cat(found, 1).tolist()):
+        out[k] = (bool(ok), int(lo))
     return out
 
 

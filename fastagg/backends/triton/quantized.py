@@ -11,15 +11,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import address_table
+from .launch import address_table, addresses_aligned
 
-_TILE = 1024
+_TILE = 4096  # columns per program (int8 codes: 16 bytes a thread at 8 warps)
+_WARPS = 8
 _SPARSE_TILE = 1024
 
 
 @triton.jit
 def _blockwise_fold_kernel(code_ptrs, scale_ptrs, table, coef, init, out, part_sq, part_bad, part_msq, M, d, block,
-                           HAS_INIT: tl.constexpr, TABLED: tl.constexpr, TILE: tl.constexpr):
+                           HAS_INIT: tl.constexpr, TABLED: tl.constexpr, ALIGNED: tl.constexpr,
+                           BLOCK_C: tl.constexpr, TILE: tl.constexpr):
+    """BLOCK_C > 0: the block size, a power of two dividing TILE: one scale load per block and client, and int8
+    squares summed per block in int32 (exact) before one float64 product by the block's squared scale (as the C++
+    fold does); BLOCK_C == 0: any block, one scale gathered per element, float64 squares per element."""
     pid = tl.program_id(0)
     cols = pid.to(tl.int64) * TILE + tl.arange(0, TILE).to(tl.int64)
     mask = cols < d
@@ -27,22 +32,42 @@ def _blockwise_fold_kernel(code_ptrs, scale_ptrs, table, coef, init, out, part_s
         acc = tl.load(init + cols, mask=mask, other=0.0)
     else:
         acc = tl.zeros([TILE], dtype=out.dtype.element_ty)
-    blocks = cols // block
+    if BLOCK_C > 0:
+        nbt: tl.constexpr = TILE // BLOCK_C
+        sb = pid.to(tl.int64) * nbt + tl.arange(0, nbt).to(tl.int64)
+        smask = sb * BLOCK_C < d
+    else:
+        blocks = cols // block
     for i in range(M):
         if TABLED:
-            q = tl.load(tl.load(code_ptrs + i).to(tl.pointer_type(tl.uint8)) + cols, mask=mask, other=0).to(tl.int32)
-            v = tl.load(table + q, mask=mask, other=0.0).to(tl.float64)
+            cp = tl.load(code_ptrs + i).to(tl.pointer_type(tl.uint8))
+        else:
+            cp = tl.load(code_ptrs + i).to(tl.pointer_type(tl.int8))
+        if ALIGNED:  # on the pointer itself: a hint on the loaded integer does not survive the cast
+            cp = tl.multiple_of(cp, 16)
+        q = tl.load(cp + cols, mask=mask, other=0).to(tl.int32)
+        if TABLED:
+            v = tl.load(table + q, mask=mask, other=0.0)
             invalid = tl.max((v != v).to(tl.int32), axis=0)
         else:
-            q = tl.load(tl.load(code_ptrs + i).to(tl.pointer_type(tl.int8)) + cols, mask=mask, other=0).to(tl.int32)
-            v = q.to(tl.float64)
+            v = q
             invalid = (tl.min(q, axis=0) < -127).to(tl.int32)
-        s = tl.load(tl.load(scale_ptrs + i).to(tl.pointer_type(tl.float32)) + blocks, mask=mask, other=0.0)
-        s = s.to(tl.float64)
-        cs = (tl.load(coef + i) * s).to(out.dtype.element_ty)
+        sp = tl.load(scale_ptrs + i).to(tl.pointer_type(tl.float32))
+        if BLOCK_C > 0:
+            s_blk = tl.load(sp + sb, mask=smask, other=0.0)
+            s = tl.reshape(tl.broadcast_to(s_blk[:, None], [nbt, BLOCK_C]), [TILE])
+        else:
+            s = tl.load(sp + blocks, mask=mask, other=0.0)
+        cs = (tl.load(coef + i) * s.to(tl.float64)).to(out.dtype.element_ty)
         acc += cs * v.to(out.dtype.element_ty)
-        x = s * v
-        tl.store(part_sq + pid * M + i, tl.sum(x * x, axis=0))
+        if BLOCK_C > 0 and not TABLED:
+            per_block = tl.sum(tl.reshape(q * q, [nbt, BLOCK_C]), axis=1).to(tl.float64)  # masked codes are 0
+            sd = s_blk.to(tl.float64)
+            sq = tl.sum(sd * sd * per_block, axis=0)
+        else:
+            x = s.to(tl.float64) * v.to(tl.float64)
+            sq = tl.sum(x * x, axis=0)
+        tl.store(part_sq + pid * M + i, sq)
         tl.store(part_bad + pid * M + i, invalid)
     tl.store(out + cols, acc, mask=mask)
     a = acc.to(tl.float64)
@@ -59,11 +84,13 @@ def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor
     part_msq = torch.zeros(programs, dtype=torch.float64, device=dev)
     if d:
         tab = table.to(dev, torch.float32).contiguous() if table is not None else out
+        pow2 = block & (block - 1) == 0 and block <= _TILE
         _blockwise_fold_kernel[(programs,)](address_table([c.data_ptr() for c in codes], dev),
                                             address_table([s.data_ptr() for s in scales], dev), tab, coef,
                                             init if init is not None else out, out, part_sq, part_bad, part_msq, m, d,
                                             int(block), HAS_INIT=init is not None, TABLED=table is not None,
-                                            TILE=_TILE)
+                                            ALIGNED=addresses_aligned(c.data_ptr() for c in codes),
+                                            BLOCK_C=int(block) if pow2 else 0, TILE=_TILE, num_warps=_WARPS)
     sq_out.copy_(part_sq.sum(0))
     bad_out.copy_(part_bad.amax(0) > 0)
     msq_out.copy_(part_msq.sum())
