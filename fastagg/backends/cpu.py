@@ -10,6 +10,7 @@ import importlib
 import os
 
 import torch
+from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from ..rows import ClientRows, ParamRows
 
@@ -55,10 +56,14 @@ def compiled():
 
 def _dl(t: torch.Tensor | None):
     """A tensor as the DLPack capsule the binding reads its address, dtype, shape and strides from (None stays
-    None). bool tensors travel as uint8 views."""
+    None). bool tensors travel as uint8 views. ``torch.utils.dlpack.to_dlpack``, not ``Tensor.__dlpack__``: the same
+    capsule at a tenth of the cost (0.6 against 5.2 us; a compressed round of 16 clients exports ~50), with the
+    one check of ``__dlpack__`` that applies to real tensors kept."""
     if t is None:
         return None
-    return (t.view(torch.uint8) if t.dtype == torch.bool else t).__dlpack__()
+    if t.requires_grad:
+        raise RuntimeError("Can't export tensors that require gradient, use tensor.detach()")
+    return _to_dlpack(t.view(torch.uint8) if t.dtype == torch.bool else t)
 
 
 def _rows(rows: ClientRows):

@@ -67,7 +67,7 @@ def _part_status(parts: list) -> list:
         from ..backends import cpu
 
         if cpu.IMPORT_ERROR is None:
-            for j, r in zip(blocks, cpu.compiled().scale_scan([parts[j].scales.__dlpack__() for j in blocks])):
+            for j, r in zip(blocks, cpu.compiled().scale_scan([cpu._dl(parts[j].scales) for j in blocks])):
                 out[j] = r
     rest: dict = {}
     for j, p in enumerate(parts):  # what no C++ pass answered, by device

@@ -92,8 +92,8 @@ def scan(updates: list) -> list | None:
     for dtype in (torch.int32, torch.int64):  # one index dtype per call
         at = [j for j, u in enumerate(updates) if u.indices.dtype == dtype]
         if at:
-            found = cpu.compiled().sparse_scan([updates[j].indices.__dlpack__() for j in at],
-                                               [updates[j].values.__dlpack__() for j in at])
+            found = cpu.compiled().sparse_scan([cpu._dl(updates[j].indices) for j in at],
+                                               [cpu._dl(updates[j].values) for j in at])
             for j, r in zip(at, found):
                 out[j] = r
     return out
