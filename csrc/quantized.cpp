@@ -27,42 +27,41 @@ constexpr int64_t kTile = 2048;               // columns kept in L1 while every 
 constexpr int64_t kStreamBytes = int64_t(32) << 20;  // an output this large (a server L3) bypasses the caches
 }  // namespace
 
-// The portable tiles' walk over a tile of n columns from lo that may span blocks: segment(r, s, e) for each block's
-// part [s, e), r its block counted from lo's.
-template <typename Segment>
-void block_segments(int64_t lo, int64_t n, int64_t block, const Segment& segment) {
+// The portable tiles' walk over a tile of n columns from lo that may span blocks, block by block, client by client
+// over the tile kept in L1: visit(r, i, q, len, c, a) for client i's part of block r (counted from lo's block):
+// its len codes q, its coefficient c = cs[r * ld + i] and the accumulator slice a under them.
+template <typename Code, typename T, typename Visit>
+void block_segments(const Code* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
+                    const T* cs, T* acc, const Visit& visit) {
   const int64_t b0 = lo / block;
   for (int64_t s = lo; s < lo + n;) {
     const int64_t e = std::min(lo + n, (s / block + 1) * block);
-    segment(s / block - b0, s, e);
+    const int64_t r = s / block - b0;
+    for (int64_t i = 0; i < M; ++i) visit(r, i, codes[i] + s, e - s, cs[r * ld + i], acc + (s - lo));
     s = e;
   }
 }
 
 // One tile of n columns from lo, which may span blocks (r = the block's index in the tile, from lo / block): acc[t]
 // (+)= sum_i cs[r * ld + i] * q_i[t]; qq[r * ld + i] += the sum of q_i^2 over that block's columns; lowest[i] =
-// min(lowest[i], min_t q_i[t]). The portable loop goes block by block, client by client over the tile kept in L1.
+// min(lowest[i], min_t q_i[t]).
 template <typename T>
 void fold_tile(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
                const T* cs, T* acc, int64_t* qq, int32_t* lowest) {
-  block_segments(lo, n, block, [&](int64_t r, int64_t s, int64_t e) {
-    for (int64_t i = 0; i < M; ++i) {
-      const int8_t* q = codes[i] + s;
-      const T c = cs[r * ld + i];
-      T* a = acc + (s - lo);
-      // int32 sums: a tile holds at most kTile codes of |q| <= 128, so sum q^2 <= 2048 * 16384 < 2^31
-      int32_t sq = 0;
-      int32_t low = 0;
+  block_segments(codes, lo, n, M, ld, block, cs, acc,
+                 [&](int64_t r, int64_t i, const int8_t* q, int64_t len, T c, T* a) {
+    // int32 sums: a tile holds at most kTile codes of |q| <= 128, so sum q^2 <= 2048 * 16384 < 2^31
+    int32_t sq = 0;
+    int32_t low = 0;
 #pragma omp simd reduction(+ : sq) reduction(min : low)
-      for (int64_t t = 0; t < e - s; ++t) {
-        const int32_t v = q[t];
-        a[t] += c * static_cast<T>(v);
-        sq += v * v;
-        low = v < low ? v : low;
-      }
-      qq[r * ld + i] += sq;
-      lowest[i] = std::min(lowest[i], low);
+    for (int64_t t = 0; t < len; ++t) {
+      const int32_t v = q[t];
+      a[t] += c * static_cast<T>(v);
+      sq += v * v;
+      low = v < low ? v : low;
     }
+    qq[r * ld + i] += sq;
+    lowest[i] = std::min(lowest[i], low);
   });
 }
 
@@ -539,27 +538,23 @@ void table_blockwise_fold(const uint8_t* const* codes, const float* table, const
 }
 
 // One tile of n columns from lo, which may span blocks (as fold_tile): acc[t] += cs[r * ld + i] * e4m3(q_i[t]);
-// inner[r * ld + i] += sum of e4m3(q_i)^2 over block r's columns (float64); bad[i] |= a NaN code. The portable loop
-// goes block by block, client by client; float32 on AVX2 below.
+// inner[r * ld + i] += sum of e4m3(q_i)^2 over block r's columns (float64); bad[i] |= a NaN code. Portable here;
+// float32 on AVX2 below.
 template <typename T>
 void e4m3_tile(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block, const T* cs,
                T* acc, double* inner, uint8_t* bad) {
-  block_segments(lo, n, block, [&](int64_t r, int64_t s, int64_t e) {
-    for (int64_t i = 0; i < M; ++i) {
-      const uint8_t* q = codes[i] + s;
-      const T c = cs[r * ld + i];
-      T* a = acc + (s - lo);
-      double sq = 0.0;
-      int nan = 0;
-      for (int64_t t = 0; t < e - s; ++t) {
-        const float v = e4m3_value(q[t]);
-        a[t] += c * static_cast<T>(v);
-        sq += static_cast<double>(v) * static_cast<double>(v);
-        nan |= (q[t] & 0x7F) == 0x7F;
-      }
-      inner[r * ld + i] += sq;
-      bad[i] |= nan != 0;
+  block_segments(codes, lo, n, M, ld, block, cs, acc,
+                 [&](int64_t r, int64_t i, const uint8_t* q, int64_t len, T c, T* a) {
+    double sq = 0.0;
+    int nan = 0;
+    for (int64_t t = 0; t < len; ++t) {
+      const float v = e4m3_value(q[t]);
+      a[t] += c * static_cast<T>(v);
+      sq += static_cast<double>(v) * static_cast<double>(v);
+      nan |= (q[t] & 0x7F) == 0x7F;
     }
+    inner[r * ld + i] += sq;
+    bad[i] |= nan != 0;
   });
 }
 
