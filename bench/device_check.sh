@@ -14,7 +14,8 @@
 # device_check.txt (the whole log), pytest.txt, gpu_bench.md / .json (the tables for bench/RESULTS.md).
 # TEST_FILTER (a pytest -k expression) reruns part of the tests after a fix. FASTAGG_TORCHFT_QUANT=path/to/torchft's
 # quantization.py (extracted from the torchft 0.2.0 wheel; torchft is not on the card) adds its fp8 kernels to the
-# compress section. Then Nsight Compute reads the client step's L2 hit rate (ncu_client.txt; NCU_LIMIT=0 skips it).
+# compress section. Then torch.profiler's table of a compressed round (profile_int8.txt; PROFILE_LIMIT=0 skips
+# it) and Nsight Compute's L2 hit rate of the client step (ncu_client.txt; NCU_LIMIT=0 skips it).
 set -uo pipefail
 OUT="${OUT:-/tmp/fastagg-device}"
 mkdir -p "$OUT"
@@ -47,6 +48,10 @@ TEST_LIMIT="${TEST_LIMIT:-220}" BENCH_LIMIT="${BENCH_LIMIT:-240}"  # seconds
   start=$(date +%s)
   timeout "$BENCH_LIMIT" python3 bench/gpu_bench.py --out "$OUT" --sections "$SECTIONS"
   echo "== gpu_bench: $(( $(date +%s) - start )) s"
+  # where a compressed round's time goes (run 4: 0.03-0.08 of copy on its bytes, mostly outside the fold kernel)
+  if [ "${PROFILE_LIMIT:-60}" -gt 0 ]; then
+    timeout "${PROFILE_LIMIT:-60}" python3 bench/profile_compressed_round.py int8 > "$OUT/profile_int8.txt" 2>&1
+  fi
   # the client step's L2 hit rate and DRAM bytes per schedule (issue 26's lead for FedSPS); NCU_LIMIT=0 skips it
   if [ "${NCU_LIMIT:-150}" -gt 0 ] && command -v ncu >/dev/null; then
     start=$(date +%s)
