@@ -5,7 +5,8 @@ is captured instead of run, and the captured signature is compiled with ``triton
 targets down to a cubin (ptxas ships with triton). This checks that the real launch arguments type-check and
 compile on this triton version, which the interpreter cannot show.
 
-    python tests/triton_aot.py 90 80      # compute capabilities
+    python tests/triton_aot.py 90 80              # compute capabilities
+    python tests/triton_aot.py 90 --shard=1/2     # every other variant from the second (parallel processes)
 """
 from __future__ import annotations
 
@@ -186,18 +187,20 @@ def capture_launches():
     return names
 
 
-def main(capabilities):
+def main(capabilities, shard=0, shards=1):
+    """Compile every distinct launch for each capability; with ``shards`` > 1 only every shards-th variant from
+    ``shard`` (processes in parallel split the work: compiling is single-threaded)."""
     kernels = capture_launches()
     drive_launchers()
     launched = {fn.__name__ for fn, _, _ in captured}
     assert launched == set(kernels), f"kernels no launcher drove: {sorted(set(kernels) - launched)}"
-    seen = set()
+    seen = {}
     for fn, args, kwargs in captured:
         sig, const, options = signature(fn, args, kwargs)
         key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in const.items())))
-        if key in seen:
-            continue
-        seen.add(key)
+        seen.setdefault(key, (fn, sig, const, options))
+    mine = list(seen.values())[shard::shards]
+    for fn, sig, const, options in mine:
         for cc in capabilities:
             try:
                 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
@@ -206,9 +209,12 @@ def main(capabilities):
                 print(f"FAILED: {fn.__name__} sm_{cc} {sig} {const} {options}", file=sys.stderr)
                 raise
             assert len(k.asm["cubin"]) > 0
-    print(f"compiled {len(seen)} kernel variants for sm_{', sm_'.join(map(str, capabilities))} "
+    print(f"compiled {len(mine)} of {len(seen)} kernel variants for sm_{', sm_'.join(map(str, capabilities))} "
           f"with triton {triton.__version__}")
 
 
 if __name__ == "__main__":
-    main([int(c) for c in sys.argv[1:]] or [90])
+    args = [a for a in sys.argv[1:] if not a.startswith("--shard=")]
+    part = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--shard=")]  # --shard=i/n
+    shard, shards = map(int, part[0].split("/")) if part else (0, 1)
+    main([int(c) for c in args] or [90], shard, shards)
