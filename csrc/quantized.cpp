@@ -120,6 +120,24 @@ void register_blocked_tile(const Code* const* codes, int64_t lo, int64_t n, int6
   hand_over(r_now);
   if (whole < n) tail((lo + whole) / block - b0, whole);
 }
+
+// The last n < 64 columns of a register-blocked int8 tile, from lo, in one block (coefficients cs[i], squares into
+// qq[i]): shared by the AVX2 and AVX-512 tiles, so both give the same bits.
+inline void int8_tail(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, const float* cs, float* acc,
+                      int64_t* qq, int32_t* lowest) {
+  for (int64_t i = 0; i < M; ++i) {
+    const int8_t* q = codes[i] + lo;
+    int32_t sq = 0, low = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      const int32_t v = q[t];
+      acc[t] += cs[i] * static_cast<float>(v);
+      sq += v * v;
+      low = v < low ? v : low;
+    }
+    qq[i] += sq;
+    lowest[i] = std::min(lowest[i], low);
+  }
+}
 }  // namespace
 
 // float32 on AVX2, register-blocked (register_blocked_tile): squares of 32 codes by |q| * |q| (vpmaddubsw) and
@@ -158,21 +176,7 @@ void fold_tile<float>(const int8_t* const* codes, int64_t lo, int64_t n, int64_t
           sqv[i] = _mm256_setzero_si256();
         }
       },
-      [&](int64_t r, int64_t whole) {
-        for (int64_t i = 0; i < M; ++i) {
-          const int8_t* q = codes[i] + lo + whole;
-          const float c = cs[r * ld + i];
-          int32_t sq = 0, low = 0;
-          for (int64_t t = 0; t < n - whole; ++t) {
-            const int32_t v = q[t];
-            acc[whole + t] += c * static_cast<float>(v);
-            sq += v * v;
-            low = v < low ? v : low;
-          }
-          qq[r * ld + i] += sq;
-          lowest[i] = std::min(lowest[i], low);
-        }
-      });
+      [&](int64_t r, int64_t whole) { int8_tail(codes, lo + whole, n - whole, M, cs + r * ld, acc + whole, qq + r * ld, lowest); });
   for (int64_t i = 0; i < M; ++i) lowest[i] = std::min(lowest[i], hmin_epi8(lowv[i]));
 }
 #endif
@@ -301,10 +305,98 @@ void blockwise_sweep(const float* const* scales, int64_t M, int64_t d, int64_t b
   *msq_out = msq;
 }
 
+#if defined(__AVX2__) && defined(__GNUC__) && defined(__x86_64__)
+#define FASTAGG_AVX512 1
+namespace {
+// AVX-512 paths are chosen at run time where the CPU has them; FASTAGG_NO_AVX512=1 keeps the AVX2 ones.
+bool avx512_allowed() {
+  const char* off = std::getenv("FASTAGG_NO_AVX512");
+  return !(off != nullptr && off[0] != '\0' && std::strcmp(off, "0") != 0);
+}
+
+bool vnni_usable() {  // AVX-512 VNNI: Ice Lake, Sapphire Rapids, Zen 4 and later
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return cpu && avx512_allowed();
+}
+
+// Each client's int32 squares added into qq[i] and reset.
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void vnni_hand_over(__m512i* sq, int64_t M, int64_t* qq) {
+  for (int64_t i = 0; i < M; ++i) {
+    qq[i] += _mm512_reduce_add_epi32(sq[i]);
+    sq[i] = _mm512_setzero_si512();
+  }
+}
+
+// fold_tile<float> on AVX-512: the same register-blocked walk with 64 columns in four registers, a client's 64 codes
+// as four widened loads, its squares by one vpdpbusd of |q| with itself (the same products as vpmaddubsw + vpmaddwd:
+// exact for |q| <= 127; a -128 flags the client anyway). Each column gets the same float32 FMAs in the same client
+// order as on AVX2, so both give the same bits; half the instructions per code.
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void fold_tile_vnni(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
+                    const float* cs, float* acc, int64_t* qq, int32_t* lowest) {
+  constexpr int64_t kMaxM = 64;
+  if (M > kMaxM) {
+    for (int64_t i0 = 0; i0 < M; i0 += kMaxM)
+      fold_tile_vnni(codes + i0, lo, n, std::min(kMaxM, M - i0), ld, block, cs + i0, acc, qq + i0, lowest + i0);
+    return;
+  }
+  __m512i sqv[kMaxM], lowv[kMaxM];
+  for (int64_t i = 0; i < M; ++i) {
+    sqv[i] = _mm512_setzero_si512();
+    lowv[i] = _mm512_setzero_si512();
+  }
+  const int64_t b0 = lo / block;
+  int64_t r_now = 0;
+  const int64_t whole = n - n % 64;
+  for (int64_t g = 0; g < whole; g += 64) {
+    const int64_t r = (lo + g) / block - b0;
+    if (r != r_now) {
+      vnni_hand_over(sqv, M, qq + r_now * ld);
+      r_now = r;
+    }
+    const float* crow = cs + r * ld;
+    __m512 a[4];
+    for (int k = 0; k < 4; ++k) a[k] = _mm512_loadu_ps(acc + g + 16 * k);
+    for (int64_t i = 0; i < M; ++i) {
+      const int8_t* src = codes[i] + lo + g;
+      _mm_prefetch(reinterpret_cast<const char*>(src) + 512, _MM_HINT_T0);
+      const __m512 c = _mm512_set1_ps(crow[i]);
+      for (int k = 0; k < 4; ++k) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k));
+        a[k] = _mm512_fmadd_ps(c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), a[k]);
+      }
+      const __m512i v = _mm512_loadu_si512(src);
+      const __m512i av = _mm512_abs_epi8(v);
+      sqv[i] = _mm512_dpbusd_epi32(sqv[i], av, av);
+      lowv[i] = _mm512_min_epi8(lowv[i], v);
+    }
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + g + 16 * k, a[k]);
+  }
+  vnni_hand_over(sqv, M, qq + r_now * ld);
+  if (whole < n) {
+    const int64_t r = (lo + whole) / block - b0;
+    int8_tail(codes, lo + whole, n - whole, M, cs + r * ld, acc + whole, qq + r * ld, lowest);
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    const __m256i m = _mm256_min_epi8(_mm512_castsi512_si256(lowv[i]), _mm512_extracti64x4_epi64(lowv[i], 1));
+    lowest[i] = std::min(lowest[i], hmin_epi8(m));
+  }
+}
+}  // namespace
+#endif
+
 template <typename T>
 void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales, int64_t M, int64_t d,
                          int64_t block, const double* coef, const T* init, T* out, double* sq_out,
                          uint8_t* bad_out, double* msq_out) {
+  auto fold = fold_tile<T>;
+#ifdef FASTAGG_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    if (vnni_usable()) fold = fold_tile_vnni;
+  }
+#endif
   blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, true,
                      [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
                        thread_local std::vector<int64_t> qq;
@@ -312,7 +404,7 @@ void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales,
                        const int64_t nb = (lo + n - 1) / block - lo / block + 1;
                        qq.assign(static_cast<size_t>(nb * M), 0);
                        lowest.assign(static_cast<size_t>(M), 0);
-                       fold_tile<T>(codes, lo, n, M, M, block, cs, acc, qq.data(), lowest.data());
+                       fold(codes, lo, n, M, M, block, cs, acc, qq.data(), lowest.data());
                        for (int64_t j = 0; j < nb * M; ++j) inner[j] = static_cast<double>(qq[j]);  // exact: < 2^53
                        for (int64_t i = 0; i < M; ++i) bad[i] |= lowest[i] < -127;
                      });
@@ -395,8 +487,7 @@ namespace {
 bool vbmi_usable() {
   static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vbmi");
-  const char* off = std::getenv("FASTAGG_NO_AVX512");
-  return cpu && !(off != nullptr && off[0] != '\0' && std::strcmp(off, "0") != 0);
+  return cpu && avx512_allowed();
 }
 
 // The 256-entry float table as four byte planes (plane b: byte b of every entry), for vpermi2b lookups.

@@ -102,12 +102,16 @@ def test_accumulator_folds_int8_clients_like_the_dequantized_oracle(backend, dty
                      name="norms")
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("block, m", [(192, 5), (320, 70), (64, 3), (100, 4)])
-def test_cpu_tiles_spanning_blocks_across_chunks_and_client_groups(dtype, block, m):
+def test_cpu_tiles_spanning_blocks_across_chunks_and_client_groups(dtype, block, m, isa, monkeypatch):
     """The C++ sweep lets a tile hold many blocks (block a multiple of 64): 192 and 320 put block boundaries
     inside its 65536-column chunks and chunk boundaries inside blocks; m = 70 splits the clients into register
-    groups of 64; block 100 keeps one block per tile. Norms per client are exact (integer squares per block)."""
+    groups of 64; block 100 keeps one block per tile. Norms per client are exact (integer squares per block).
+    float32 int8 tiles run on AVX-512 VNNI where the CPU has it, else (or FASTAGG_NO_AVX512=1) on AVX2."""
+    if isa == "avx2":
+        monkeypatch.setenv("FASTAGG_NO_AVX512", "1")
     d = 2 * 65536 + 777
     xs, us = _clients(m, d=d, block=block, seed=block)
     ws = [0.5 + (i % 7) for i in range(m)]
@@ -116,12 +120,13 @@ def test_cpu_tiles_spanning_blocks_across_chunks_and_client_groups(dtype, block,
     assert acc.add_many(us, ws) == [True] * m
     assert_close(acc.weighted_sum, oracle, rtol=0, atol=_sum_atol(oracle, m, dtype), name="sum")
     assert_close(acc.sq_norms, [float((dequantize(u) ** 2).sum()) for u in us], rtol=1e-12, atol=0, name="norms")
-    bad = Int8Blockwise(us[-1].codes.clone(), us[-1].scales, block)
-    bad.codes[d - 5] = -128  # in the last chunk's last block, the tail of a tile
     before = _state(acc)
-    with pytest.raises(ValueError, match="-128"):
-        acc.add_many(us[:2] + [bad], client_ids=["a", "b", "c"])
-    assert _same_state(before, _state(acc))
+    for at in (70, 65536 + 200, d - 5):  # inside a register group of 64, in the second chunk, in a tile's tail
+        bad = Int8Blockwise(us[-1].codes.clone(), us[-1].scales, block)
+        bad.codes[at] = -128
+        with pytest.raises(ValueError, match="deltas\\[2\\] holds the code -128"):
+            acc.add_many(us[:2] + [bad], client_ids=["a", "b", "c"])
+        assert _same_state(before, _state(acc))
     from fastagg.compress import quantize_fp8  # fp8 e4m3 tiles span blocks alike
 
     f8 = [quantize_fp8(x, block) for x in xs]
@@ -345,6 +350,22 @@ def test_add_many_with_skip_leaves_out_only_the_nonfinite_update():
     assert acc.add_many(us, on_nonfinite="skip") == [True, False, True]
     oracle = dequantize(us[0]) + dequantize(us[2])
     assert_close(acc.weighted_sum, oracle, rtol=0, atol=_sum_atol(oracle, 2, torch.float32), name="sum")
+
+
+@pytest.mark.parametrize("block, m, d", [(256, 16, 65536 + 4099), (192, 70, 2 * 65536 + 77), (100, 3, 5003)])
+def test_the_avx512_and_avx2_int8_tiles_give_the_same_bits(block, m, d, monkeypatch):
+    """Where the CPU has AVX-512 VNNI the float32 int8 fold runs 64 columns in four zmm registers, else in eight
+    ymm ones: each column gets the same float32 FMAs in the same client order, so the round's mean, norms and
+    ||mean||^2 are bit for bit those of the AVX2 path (tails of a tile, tiles spanning blocks, 64-client groups)."""
+    _, us = _clients(m, d=d, block=block, seed=d)
+    ws = [1.0 + (i % 3) for i in range(m)]
+    got = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FASTAGG_NO_AVX512", flag)
+        r = fastagg.fedexp_step(us, eps=1e-3, weights=ws, backend="cpu")
+        got.append((r.mean_flat, r.sq_norms, r.mean_sq_norm))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
