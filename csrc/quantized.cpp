@@ -500,8 +500,8 @@ void table_planes(const float* table, uint8_t* planes) {
 }
 
 // Each client's float64 squares (8 lanes) added into inner[i] and reset.
-__attribute__((target("avx512f,avx512bw,avx512vbmi")))
-void vbmi_hand_over(__m512d* sq, int64_t M, double* inner) {
+__attribute__((target("avx512f")))
+void hand_over_pd8(__m512d* sq, int64_t M, double* inner) {
   for (int64_t i = 0; i < M; ++i) {
     alignas(64) double lanes[8];
     _mm512_store_pd(lanes, sq[i]);
@@ -548,7 +548,7 @@ void table_tile_vbmi(const uint8_t* const* codes, const uint8_t* planes, const f
   for (int64_t g = 0; g < whole; g += 64) {
     const int64_t r = (lo + g) / block - b0;
     if (r != r_now) {
-      vbmi_hand_over(sq, M, inner + r_now * ld);
+      hand_over_pd8(sq, M, inner + r_now * ld);
       r_now = r;
     }
     const float* crow = cs + r * ld;
@@ -583,7 +583,7 @@ void table_tile_vbmi(const uint8_t* const* codes, const uint8_t* planes, const f
     vbmi_transpose(a);
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g + 16 * j, a[j]);
   }
-  vbmi_hand_over(sq, M, inner + r_now * ld);
+  hand_over_pd8(sq, M, inner + r_now * ld);
   if (whole < n) {  // the tail lies in one block (see fold_tile<float>)
     const int64_t r = (lo + whole) / block - b0;
     for (int64_t i = 0; i < M; ++i) {
@@ -661,6 +661,25 @@ inline __m256 e4m3_floats(const uint8_t* p) {
   const __m256i bits = _mm256_or_si256(mag, _mm256_and_si256(top, _mm256_set1_epi32(static_cast<int>(0x80000000u))));
   return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
 }
+
+// The last n < 64 columns of a register-blocked e4m3 tile, from lo, in one block (coefficients cs[i], squares into
+// inner[i]): shared by the AVX2 and AVX-512 tiles.
+inline void e4m3_tail(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, const float* cs, float* acc,
+                      double* inner, uint8_t* bad) {
+  for (int64_t i = 0; i < M; ++i) {
+    const uint8_t* q = codes[i] + lo;
+    double s = 0.0;
+    int flagged = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      const float v = e4m3_value(q[t]);
+      acc[t] += cs[i] * v;
+      s += static_cast<double>(v) * static_cast<double>(v);
+      flagged |= (q[t] & 0x7F) == 0x7F;
+    }
+    inner[i] += s;
+    bad[i] |= flagged != 0;
+  }
+}
 }  // namespace
 
 // float32 on AVX2, register-blocked (register_blocked_tile): the squares of each client in float64 (exact per
@@ -705,33 +724,96 @@ void e4m3_tile<float>(const uint8_t* const* codes, int64_t lo, int64_t n, int64_
           sq[i] = _mm256_setzero_pd();
         }
       },
-      [&](int64_t r, int64_t whole) {
-        for (int64_t i = 0; i < M; ++i) {
-          const uint8_t* q = codes[i] + lo + whole;
-          const float c = cs[r * ld + i];
-          double s = 0.0;
-          int flagged = 0;
-          for (int64_t t = 0; t < n - whole; ++t) {
-            const float v = e4m3_value(q[t]);
-            acc[whole + t] += c * v;
-            s += static_cast<double>(v) * static_cast<double>(v);
-            flagged |= (q[t] & 0x7F) == 0x7F;
-          }
-          inner[r * ld + i] += s;
-          bad[i] |= flagged != 0;
-        }
-      });
+      [&](int64_t r, int64_t whole) { e4m3_tail(codes, lo + whole, n - whole, M, cs + r * ld, acc + whole, inner + r * ld, bad); });
   for (int64_t i = 0; i < M; ++i) bad[i] |= !_mm256_testz_si256(nan[i], nan[i]);
 }
+#endif
+
+#ifdef FASTAGG_AVX512
+namespace {
+bool avx512bw_usable() {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return cpu && avx512_allowed();
+}
+
+// e4m3_tile<float> on AVX-512: the AVX2 tile's decode (e4m3_floats) 16 codes a register, 64 columns in four
+// registers; the same float32 FMAs in the same client order (the mean's bits equal the AVX2 path's), the squares in
+// float64 over eight lanes (exact per element; summed in another order than on AVX2), NaN codes by byte compares.
+__attribute__((target("avx512f,avx512bw")))
+void e4m3_tile_avx512(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
+                      const float* cs, float* acc, double* inner, uint8_t* bad) {
+  constexpr int64_t kMaxM = 32;
+  if (M > kMaxM) {
+    for (int64_t i0 = 0; i0 < M; i0 += kMaxM)
+      e4m3_tile_avx512(codes + i0, lo, n, std::min(kMaxM, M - i0), ld, block, cs + i0, acc, inner + i0, bad + i0);
+    return;
+  }
+  __m512d sq[kMaxM];
+  __mmask64 nan[kMaxM];
+  for (int64_t i = 0; i < M; ++i) {
+    sq[i] = _mm512_setzero_pd();
+    nan[i] = 0;
+  }
+  const __m512i low7 = _mm512_set1_epi8(0x7F);
+  const __m512i mag_bits = _mm512_set1_epi32(0x7F000000), sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512 rebias = _mm512_set1_ps(0x1p120f);
+  const int64_t b0 = lo / block;
+  int64_t r_now = 0;
+  const int64_t whole = n - n % 64;
+  for (int64_t g = 0; g < whole; g += 64) {
+    const int64_t r = (lo + g) / block - b0;
+    if (r != r_now) {
+      hand_over_pd8(sq, M, inner + r_now * ld);
+      r_now = r;
+    }
+    const float* crow = cs + r * ld;
+    __m512 a[4];
+    for (int k = 0; k < 4; ++k) a[k] = _mm512_loadu_ps(acc + g + 16 * k);
+    for (int64_t i = 0; i < M; ++i) {
+      const uint8_t* src = codes[i] + lo + g;
+      _mm_prefetch(reinterpret_cast<const char*>(src) + 512, _MM_HINT_T0);
+      const __m512 c = _mm512_set1_ps(crow[i]);
+      __m512d s = sq[i];
+      for (int k = 0; k < 4; ++k) {
+        const __m512i top = _mm512_slli_epi32(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k))), 24);
+        const __m512i bits = _mm512_or_si512(_mm512_srli_epi32(_mm512_and_si512(top, mag_bits), 4),
+                                             _mm512_and_si512(top, sign_bit));
+        const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), rebias);
+        a[k] = _mm512_fmadd_ps(c, v, a[k]);
+        const __m512d v0 = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+        const __m512d v1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        s = _mm512_fmadd_pd(v0, v0, _mm512_fmadd_pd(v1, v1, s));
+      }
+      sq[i] = s;
+      const __m512i x = _mm512_loadu_si512(src);
+      nan[i] |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(x, low7), low7);
+    }
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + g + 16 * k, a[k]);
+  }
+  hand_over_pd8(sq, M, inner + r_now * ld);
+  if (whole < n) {
+    const int64_t r = (lo + whole) / block - b0;
+    e4m3_tail(codes, lo + whole, n - whole, M, cs + r * ld, acc + whole, inner + r * ld, bad);
+  }
+  for (int64_t i = 0; i < M; ++i) bad[i] |= nan[i] != 0;
+}
+}  // namespace
 #endif
 
 template <typename T>
 void e4m3_blockwise_fold(const uint8_t* const* codes, const float* const* scales, int64_t M, int64_t d,
                          int64_t block, const double* coef, const T* init, T* out, double* sq_out, uint8_t* bad_out,
                          double* msq_out) {
+  auto fold = e4m3_tile<T>;
+#ifdef FASTAGG_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    if (avx512bw_usable()) fold = e4m3_tile_avx512;
+  }
+#endif
   blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, true,
                      [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
-                       e4m3_tile<T>(codes, lo, n, M, M, block, cs, acc, inner, bad);
+                       fold(codes, lo, n, M, M, block, cs, acc, inner, bad);
                      });
 }
 

@@ -136,12 +136,13 @@ def test_cpu_tiles_spanning_blocks_across_chunks_and_client_groups(dtype, block,
     assert_close(acc.weighted_sum, oracle, rtol=0, atol=_sum_atol(oracle, m, dtype), name="fp8 sum")
     assert_close(acc.sq_norms, [float((dequantize(u) ** 2).sum()) for u in f8], rtol=1e-12, atol=0,
                  name="fp8 norms")
-    nan = f8[-1].codes.view(torch.uint8).clone()
-    nan[d - 3] = 0xFF
     from fastagg.compress import Fp8Blockwise
 
-    with pytest.raises(ValueError, match="NaN code"):
-        acc.add_many(f8[:1] + [Fp8Blockwise(nan.view(torch.float8_e4m3fn), f8[-1].scales, block)])
+    for at, code in ((70, 0x7F), (65536 + 200, 0xFF), (d - 3, 0xFF)):
+        nan = f8[-1].codes.view(torch.uint8).clone()
+        nan[at] = code
+        with pytest.raises(ValueError, match="deltas\\[1\\].*NaN code"):
+            acc.add_many(f8[:1] + [Fp8Blockwise(nan.view(torch.float8_e4m3fn), f8[-1].scales, block)])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -353,19 +354,24 @@ def test_add_many_with_skip_leaves_out_only_the_nonfinite_update():
 
 
 @pytest.mark.parametrize("block, m, d", [(256, 16, 65536 + 4099), (192, 70, 2 * 65536 + 77), (100, 3, 5003)])
-def test_the_avx512_and_avx2_int8_tiles_give_the_same_bits(block, m, d, monkeypatch):
-    """Where the CPU has AVX-512 VNNI the float32 int8 fold runs 64 columns in four zmm registers, else in eight
-    ymm ones: each column gets the same float32 FMAs in the same client order, so the round's mean, norms and
-    ||mean||^2 are bit for bit those of the AVX2 path (tails of a tile, tiles spanning blocks, 64-client groups)."""
-    _, us = _clients(m, d=d, block=block, seed=d)
+def test_the_avx512_and_avx2_one_byte_tiles_give_the_same_bits(block, m, d, monkeypatch):
+    """Where the CPU has AVX-512 the float32 int8 (VNNI) and fp8 folds run 64 columns in four zmm registers, else
+    in eight ymm ones: each column gets the same float32 FMAs in the same client order, so the round's mean is bit
+    for bit the AVX2 path's, and for int8 the norms and ||mean||^2 too (integer squares); fp8's float64 squares are
+    summed over other lanes (tails of a tile, tiles spanning blocks, client groups of 64 / 32)."""
+    from fastagg.compress import quantize_fp8
+
+    xs, us = _clients(m, d=d, block=block, seed=d)
     ws = [1.0 + (i % 3) for i in range(m)]
-    got = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv("FASTAGG_NO_AVX512", flag)
-        r = fastagg.fedexp_step(us, eps=1e-3, weights=ws, backend="cpu")
-        got.append((r.mean_flat, r.sq_norms, r.mean_sq_norm))
-    for a, b in zip(*got):
-        assert torch.equal(a, b)
+    for clients, exact_norms in ((us, True), ([quantize_fp8(x, block) for x in xs], False)):
+        got = []
+        for flag in ("0", "1"):
+            monkeypatch.setenv("FASTAGG_NO_AVX512", flag)
+            r = fastagg.fedexp_step(clients, eps=1e-3, weights=ws, backend="cpu")
+            got.append((r.mean_flat, r.sq_norms, r.mean_sq_norm))
+        assert torch.equal(got[0][0], got[1][0])
+        for a, b in zip(got[0][1:], got[1][1:]):
+            assert torch.equal(a, b) if exact_norms else torch.allclose(a, b, rtol=1e-14, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
