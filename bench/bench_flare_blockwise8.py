@@ -10,7 +10,9 @@ dynamic 8-bit code, an absmax per 4096 elements of each tensor); the model has d
 - ``flare``: what a FLARE server does with them: ``ModelDequantizer`` on every result (bitsandbytes'
   ``dequantize_blockwise`` per tensor; FLARE calls ``.cuda()`` first, a no-op here: this machine has no GPU, so
   bitsandbytes' CPU kernels run, as on a FLARE server without one), then FLARE's ``WeightedAggregationHelper``
-  (the weighted sum in torch per tensor, then the division) - the mean update;
+  (the weighted sum in torch per tensor, then the division) - the mean update - and the new global model as FLARE
+  makes it from a WEIGHT_DIFF (``FullModelShareableGenerator.shareable_to_learnable``: ``weights[k] + diff[k]``
+  per tensor), so both sides end at the new model;
 - ``fastagg``: ``FastaggAggregator("fedavg")``: ``accept_model`` of every quantized result (folded where it lies),
   then ``aggregate_model`` (the FedAvg step: the new model);
 - ``read``: one plain read of the quantized bytes (the codes viewed as float32 and summed).
@@ -62,7 +64,8 @@ def main(rounds: int = 7) -> dict:
                                                quant_state=meta["quant_state"], quantization_type="blockwise8",
                                                source_datatype=meta["source_datatype"], fl_ctx=None)
             helper.add(dense, 1.0, f"site-{i}", 0)
-        return helper.get_result()
+        mean = helper.get_result()
+        return {k: sent[k] + np.asarray(v) for k, v in mean.items()}  # as full_model_shareable_generator.py does
 
     def fastagg_round():
         agg.reset_stats()
