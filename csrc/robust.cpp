@@ -23,7 +23,7 @@
 #include <utility>  // integer_sequence
 #include <vector>
 
-#ifdef __AVX__
+#if defined(__AVX__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -79,11 +79,16 @@ struct FixedNetwork {
 template <int M>
 inline constexpr FixedNetwork<M> kNet{};
 
-// 256 bits of lanes as one GCC/Clang vector value: the compare-exchanges below then compile to vector min/max on
-// any x86-64 build (two SSE halves on the portable one); a plain loop of std::min was left scalar.
+// One vector register of lanes as a GCC/Clang vector value: the compare-exchanges below then compile to vector
+// min/max on any build (a plain loop of std::min was left scalar). 256 bits with AVX; 128 on the portable build,
+// where a 256-bit value made GCC split every operation in two and took 130 s to compile this file (now seconds).
 template <typename V>
-struct Vec256 {
+struct VecReg {
+#ifdef __AVX__
   typedef V type __attribute__((vector_size(32)));
+#else
+  typedef V type __attribute__((vector_size(16)));
+#endif
 };
 
 template <typename X>
@@ -96,6 +101,15 @@ inline void compare_exchange(X& x, X& y) {
   } else {
     x = (X)_mm256_min_pd((__m256d)a, (__m256d)b);
     y = (X)_mm256_max_pd((__m256d)a, (__m256d)b);
+  }
+#elif defined(__SSE2__)  // the portable x86-64 build: the same min/max on 128 bits (the select form below compiled
+                        // to and/andnot/or triples, and the file took 40 s longer to compile)
+  if constexpr (sizeof(a[0]) == 4) {
+    x = (X)_mm_min_ps((__m128)a, (__m128)b);
+    y = (X)_mm_max_ps((__m128)a, (__m128)b);
+  } else {
+    x = (X)_mm_min_pd((__m128d)a, (__m128d)b);
+    y = (X)_mm_max_pd((__m128d)a, (__m128d)b);
   }
 #else
   x = b < a ? b : a;
@@ -110,7 +124,7 @@ inline void run_network(X (&r)[M], std::integer_sequence<int, C...>) {
 
 template <typename V, int M>
 __attribute__((noinline)) void sort_fixed(V* tile) {  // one copy per (V, M), not one per caller
-  using X = typename Vec256<V>::type;
+  using X = typename VecReg<V>::type;
   constexpr int H = sizeof(X) / sizeof(V);
   for (int h = 0; h < kLanes; h += H) {
     X r[M];
