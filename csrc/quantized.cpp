@@ -314,73 +314,98 @@ bool avx512_allowed() {
   return !(off != nullptr && off[0] != '\0' && std::strcmp(off, "0") != 0);
 }
 
-bool vnni_usable() {  // AVX-512 VNNI: Ice Lake, Sapphire Rapids, Zen 4 and later
+// The AVX-512 tiles (int8, fp8) need F, BW and VNNI: Ice Lake, Cascade Lake, Sapphire Rapids, Zen 4 and later.
+bool avx512_tiles_usable() {
   static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vnni");
   return cpu && avx512_allowed();
 }
 
-// Each client's int32 squares added into qq[i] and reset.
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-void vnni_hand_over(__m512i* sq, int64_t M, int64_t* qq) {
-  for (int64_t i = 0; i < M; ++i) {
-    qq[i] += _mm512_reduce_add_epi32(sq[i]);
-    sq[i] = _mm512_setzero_si512();
-  }
-}
+// One target for the walk and the visitors it inlines (GCC inlines only between equal targets, and a lambda does
+// not take its enclosing function's target: the visitors are structs whose members carry it).
+#define FASTAGG_AVX512_TILE __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
-// fold_tile<float> on AVX-512: the same register-blocked walk with 64 columns in four registers, a client's 64 codes
-// as four widened loads, its squares by one vpdpbusd of |q| with itself (the same products as vpmaddubsw + vpmaddwd:
-// exact for |q| <= 127; a -128 flags the client anyway). Each column gets the same float32 FMAs in the same client
-// order as on AVX2, so both give the same bits; half the instructions per code.
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-void fold_tile_vnni(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
-                    const float* cs, float* acc, int64_t* qq, int32_t* lowest) {
-  constexpr int64_t kMaxM = 64;
-  if (M > kMaxM) {
-    for (int64_t i0 = 0; i0 < M; i0 += kMaxM)
-      fold_tile_vnni(codes + i0, lo, n, std::min(kMaxM, M - i0), ld, block, cs + i0, acc, qq + i0, lowest + i0);
-    return;
-  }
-  __m512i sqv[kMaxM], lowv[kMaxM];
-  for (int64_t i = 0; i < M; ++i) {
-    sqv[i] = _mm512_setzero_si512();
-    lowv[i] = _mm512_setzero_si512();
-  }
+// register_blocked_tile on AVX-512: 64 columns' float32 sums in four zmm registers while every client is added.
+// v.client(i, src, c, a) adds client i's 64 codes at src, times c, into a[0 .. 4); v.hand_over(r) moves its per-block
+// state into the slots of the tile's block r; v.tail(r, whole) adds the last n % 64 columns (one block r).
+template <typename Code, typename Visit>
+FASTAGG_AVX512_TILE void register_blocked_tile512(const Code* const* codes, int64_t lo, int64_t n, int64_t M,
+                                                  int64_t ld, int64_t block, const float* cs, float* acc, Visit& v) {
   const int64_t b0 = lo / block;
   int64_t r_now = 0;
   const int64_t whole = n - n % 64;
   for (int64_t g = 0; g < whole; g += 64) {
     const int64_t r = (lo + g) / block - b0;
     if (r != r_now) {
-      vnni_hand_over(sqv, M, qq + r_now * ld);
+      v.hand_over(r_now);
       r_now = r;
     }
     const float* crow = cs + r * ld;
     __m512 a[4];
     for (int k = 0; k < 4; ++k) a[k] = _mm512_loadu_ps(acc + g + 16 * k);
     for (int64_t i = 0; i < M; ++i) {
-      const int8_t* src = codes[i] + lo + g;
+      const Code* src = codes[i] + lo + g;
       _mm_prefetch(reinterpret_cast<const char*>(src) + 512, _MM_HINT_T0);
-      const __m512 c = _mm512_set1_ps(crow[i]);
-      for (int k = 0; k < 4; ++k) {
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k));
-        a[k] = _mm512_fmadd_ps(c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), a[k]);
-      }
-      const __m512i v = _mm512_loadu_si512(src);
-      const __m512i av = _mm512_abs_epi8(v);
-      sqv[i] = _mm512_dpbusd_epi32(sqv[i], av, av);
-      lowv[i] = _mm512_min_epi8(lowv[i], v);
+      v.client(i, src, _mm512_set1_ps(crow[i]), a);
     }
     for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + g + 16 * k, a[k]);
   }
-  vnni_hand_over(sqv, M, qq + r_now * ld);
-  if (whole < n) {
-    const int64_t r = (lo + whole) / block - b0;
+  v.hand_over(r_now);
+  if (whole < n) v.tail((lo + whole) / block - b0, whole);
+}
+
+// fold_tile<float> on AVX-512: a client's 64 codes as four widened loads, its squares by one vpdpbusd of |q| with
+// itself (the same products as vpmaddubsw + vpmaddwd: exact for |q| <= 127; a -128 flags the client anyway). Each
+// column gets the same float32 FMAs in the same client order as on AVX2, so both give the same bits.
+struct Int8Tile512 {
+  static constexpr int64_t kMaxM = 64;
+  const int8_t* const* codes;
+  int64_t lo, n, M, ld;
+  const float* cs;
+  float* acc;
+  int64_t* qq;
+  int32_t* lowest;
+  __m512i* sq;   // [M] per client: the squares of its codes in this block
+  __m512i* low;  // [M] per client: the minimum code so far
+
+  FASTAGG_AVX512_TILE void client(int64_t i, const int8_t* src, __m512 c, __m512* a) {
+    for (int k = 0; k < 4; ++k) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k));
+      a[k] = _mm512_fmadd_ps(c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), a[k]);
+    }
+    const __m512i v = _mm512_loadu_si512(src);
+    const __m512i av = _mm512_abs_epi8(v);
+    sq[i] = _mm512_dpbusd_epi32(sq[i], av, av);
+    low[i] = _mm512_min_epi8(low[i], v);
+  }
+  FASTAGG_AVX512_TILE void hand_over(int64_t r) {
+    for (int64_t i = 0; i < M; ++i) {
+      qq[r * ld + i] += _mm512_reduce_add_epi32(sq[i]);
+      sq[i] = _mm512_setzero_si512();
+    }
+  }
+  void tail(int64_t r, int64_t whole) {
     int8_tail(codes, lo + whole, n - whole, M, cs + r * ld, acc + whole, qq + r * ld, lowest);
   }
+};
+
+FASTAGG_AVX512_TILE void fold_tile_avx512(const int8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld,
+                                          int64_t block, const float* cs, float* acc, int64_t* qq, int32_t* lowest) {
+  constexpr int64_t kMaxM = Int8Tile512::kMaxM;
+  if (M > kMaxM) {
+    for (int64_t i0 = 0; i0 < M; i0 += kMaxM)
+      fold_tile_avx512(codes + i0, lo, n, std::min(kMaxM, M - i0), ld, block, cs + i0, acc, qq + i0, lowest + i0);
+    return;
+  }
+  __m512i sq[kMaxM], low[kMaxM];
   for (int64_t i = 0; i < M; ++i) {
-    const __m256i m = _mm256_min_epi8(_mm512_castsi512_si256(lowv[i]), _mm512_extracti64x4_epi64(lowv[i], 1));
+    sq[i] = _mm512_setzero_si512();
+    low[i] = _mm512_setzero_si512();
+  }
+  Int8Tile512 v{codes, lo, n, M, ld, cs, acc, qq, lowest, sq, low};
+  register_blocked_tile512(codes, lo, n, M, ld, block, cs, acc, v);
+  for (int64_t i = 0; i < M; ++i) {
+    const __m256i m = _mm256_min_epi8(_mm512_castsi512_si256(low[i]), _mm512_extracti64x4_epi64(low[i], 1));
     lowest[i] = std::min(lowest[i], hmin_epi8(m));
   }
 }
@@ -394,7 +419,7 @@ void int8_blockwise_fold(const int8_t* const* codes, const float* const* scales,
   auto fold = fold_tile<T>;
 #ifdef FASTAGG_AVX512
   if constexpr (std::is_same_v<T, float>) {
-    if (vnni_usable()) fold = fold_tile_vnni;
+    if (avx512_tiles_usable()) fold = fold_tile_avx512;
   }
 #endif
   blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, true,
@@ -731,18 +756,48 @@ void e4m3_tile<float>(const uint8_t* const* codes, int64_t lo, int64_t n, int64_
 
 #ifdef FASTAGG_AVX512
 namespace {
-bool avx512bw_usable() {
-  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return cpu && avx512_allowed();
-}
+// e4m3_tile<float> on AVX-512: the AVX2 tile's decode (e4m3_floats) 16 codes a register; the same float32 FMAs in
+// the same client order (the mean's bits equal the AVX2 path's), the squares in float64 over eight lanes (exact per
+// element; summed in another order than on AVX2), NaN codes by byte compares into a mask.
+struct E4m3Tile512 {
+  static constexpr int64_t kMaxM = 32;
+  const uint8_t* const* codes;
+  int64_t lo, n, M, ld;
+  const float* cs;
+  float* acc;
+  double* inner;
+  uint8_t* bad;
+  __m512d* sq;     // [M] per client: float64 squares in this block
+  __mmask64* nan;  // [M] per client: bytes seen holding a NaN code
 
-// e4m3_tile<float> on AVX-512: the AVX2 tile's decode (e4m3_floats) 16 codes a register, 64 columns in four
-// registers; the same float32 FMAs in the same client order (the mean's bits equal the AVX2 path's), the squares in
-// float64 over eight lanes (exact per element; summed in another order than on AVX2), NaN codes by byte compares.
-__attribute__((target("avx512f,avx512bw")))
-void e4m3_tile_avx512(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld, int64_t block,
-                      const float* cs, float* acc, double* inner, uint8_t* bad) {
-  constexpr int64_t kMaxM = 32;
+  FASTAGG_AVX512_TILE void client(int64_t i, const uint8_t* src, __m512 c, __m512* a) {
+    const __m512i mag_bits = _mm512_set1_epi32(0x7F000000);
+    const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+    __m512d s = sq[i];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i top = _mm512_slli_epi32(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k))), 24);
+      const __m512i bits = _mm512_or_si512(_mm512_srli_epi32(_mm512_and_si512(top, mag_bits), 4),
+                                           _mm512_and_si512(top, sign_bit));
+      const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+      a[k] = _mm512_fmadd_ps(c, v, a[k]);
+      const __m512d v0 = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+      const __m512d v1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+      s = _mm512_fmadd_pd(v0, v0, _mm512_fmadd_pd(v1, v1, s));
+    }
+    sq[i] = s;
+    const __m512i low7 = _mm512_set1_epi8(0x7F);
+    nan[i] |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(_mm512_loadu_si512(src), low7), low7);
+  }
+  FASTAGG_AVX512_TILE void hand_over(int64_t r) { hand_over_pd8(sq, M, inner + r * ld); }
+  void tail(int64_t r, int64_t whole) {
+    e4m3_tail(codes, lo + whole, n - whole, M, cs + r * ld, acc + whole, inner + r * ld, bad);
+  }
+};
+
+FASTAGG_AVX512_TILE void e4m3_tile_avx512(const uint8_t* const* codes, int64_t lo, int64_t n, int64_t M, int64_t ld,
+                                          int64_t block, const float* cs, float* acc, double* inner, uint8_t* bad) {
+  constexpr int64_t kMaxM = E4m3Tile512::kMaxM;
   if (M > kMaxM) {
     for (int64_t i0 = 0; i0 < M; i0 += kMaxM)
       e4m3_tile_avx512(codes + i0, lo, n, std::min(kMaxM, M - i0), ld, block, cs + i0, acc, inner + i0, bad + i0);
@@ -754,48 +809,8 @@ void e4m3_tile_avx512(const uint8_t* const* codes, int64_t lo, int64_t n, int64_
     sq[i] = _mm512_setzero_pd();
     nan[i] = 0;
   }
-  const __m512i low7 = _mm512_set1_epi8(0x7F);
-  const __m512i mag_bits = _mm512_set1_epi32(0x7F000000), sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-  const __m512 rebias = _mm512_set1_ps(0x1p120f);
-  const int64_t b0 = lo / block;
-  int64_t r_now = 0;
-  const int64_t whole = n - n % 64;
-  for (int64_t g = 0; g < whole; g += 64) {
-    const int64_t r = (lo + g) / block - b0;
-    if (r != r_now) {
-      hand_over_pd8(sq, M, inner + r_now * ld);
-      r_now = r;
-    }
-    const float* crow = cs + r * ld;
-    __m512 a[4];
-    for (int k = 0; k < 4; ++k) a[k] = _mm512_loadu_ps(acc + g + 16 * k);
-    for (int64_t i = 0; i < M; ++i) {
-      const uint8_t* src = codes[i] + lo + g;
-      _mm_prefetch(reinterpret_cast<const char*>(src) + 512, _MM_HINT_T0);
-      const __m512 c = _mm512_set1_ps(crow[i]);
-      __m512d s = sq[i];
-      for (int k = 0; k < 4; ++k) {
-        const __m512i top = _mm512_slli_epi32(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k))), 24);
-        const __m512i bits = _mm512_or_si512(_mm512_srli_epi32(_mm512_and_si512(top, mag_bits), 4),
-                                             _mm512_and_si512(top, sign_bit));
-        const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), rebias);
-        a[k] = _mm512_fmadd_ps(c, v, a[k]);
-        const __m512d v0 = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-        const __m512d v1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-        s = _mm512_fmadd_pd(v0, v0, _mm512_fmadd_pd(v1, v1, s));
-      }
-      sq[i] = s;
-      const __m512i x = _mm512_loadu_si512(src);
-      nan[i] |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(x, low7), low7);
-    }
-    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + g + 16 * k, a[k]);
-  }
-  hand_over_pd8(sq, M, inner + r_now * ld);
-  if (whole < n) {
-    const int64_t r = (lo + whole) / block - b0;
-    e4m3_tail(codes, lo + whole, n - whole, M, cs + r * ld, acc + whole, inner + r * ld, bad);
-  }
+  E4m3Tile512 v{codes, lo, n, M, ld, cs, acc, inner, bad, sq, nan};
+  register_blocked_tile512(codes, lo, n, M, ld, block, cs, acc, v);
   for (int64_t i = 0; i < M; ++i) bad[i] |= nan[i] != 0;
 }
 }  // namespace
@@ -808,7 +823,7 @@ void e4m3_blockwise_fold(const uint8_t* const* codes, const float* const* scales
   auto fold = e4m3_tile<T>;
 #ifdef FASTAGG_AVX512
   if constexpr (std::is_same_v<T, float>) {
-    if (avx512bw_usable()) fold = e4m3_tile_avx512;
+    if (avx512_tiles_usable()) fold = e4m3_tile_avx512;
   }
 #endif
   blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, true,
