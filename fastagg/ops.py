@@ -217,7 +217,9 @@ def _run_compressed(deltas, weights, params, on_nonfinite, backend_name, eta_rul
         p = param_rows(params) if params is not None else None
         numel = p.segments.numel if p is not None else deltas[0].numel
         dev = p.device if p is not None else deltas[0].device
-        check_batch(deltas, names, numel=numel, device=dev, where="the params" if p is not None else "deltas[0]")
+        scans: dict = {}  # the sparse clients' C++ scan, shared by the two checks below
+        check_batch(deltas, names, numel=numel, device=dev, where="the params" if p is not None else "deltas[0]",
+                    scans=scans)
         cdt = round_dtype(torch.float32, None if p is None else p.dtype)
         mean_buf, eval_buf = _round_outputs(p, mean_out, eval_out, numel, cdt, dev,
                                             [(f"{n}.{f.name}", getattr(u, f.name)) for n, u in zip(names, deltas)
@@ -245,7 +247,7 @@ def _run_compressed(deltas, weights, params, on_nonfinite, backend_name, eta_rul
     m = len(deltas)
     coefs = normalized_weights(weights, m, dev, sync=on_nonfinite == "raise")
     nonfinite = torch.zeros(m, dtype=torch.bool, device=dev)
-    bad = nonfinite_scales(deltas, names)
+    bad = nonfinite_scales(deltas, names, scans)
     if bad:  # no kernel reads a NaN scale: the round is not finite, raised or skipped below
         nonfinite[bad] = True
         mean_buf.zero_()

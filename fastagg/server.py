@@ -818,8 +818,10 @@ class ServerOptimizer(torch.optim.Optimizer):
             if self.sharded:
                 raise TypeError("sharded=True takes a slice of every client's float update; compressed updates are "
                                 "whole vectors: use the default (each rank holds whole clients)")
-            check_batch(deltas, names, numel=self._p.segments.numel, device=self.device, where="the params")
-            bad = nonfinite_scales(deltas, names)
+            scans: dict = {}
+            check_batch(deltas, names, numel=self._p.segments.numel, device=self.device, where="the params",
+                        scans=scans)
+            bad = nonfinite_scales(deltas, names, scans)
             if bad and self.on_nonfinite == "raise":
                 raise ValueError(f"{', '.join(names[j] for j in bad)} {'has' if len(bad) == 1 else 'have'} a NaN or "
                                  "Inf scale or value; nothing was updated")

@@ -345,13 +345,15 @@ class Accumulator:
         strictly increasing) raises naming it, nothing folded; one with a NaN/Inf scale or value raises too, or
         (``"skip"``) is left out (False) while the others are folded; sums that would overflow raise, or
         (``"skip"``) fold none of this call."""
-        check_batch(updates, names, numel=self._numel, device=self.device, where="the accumulator's `like`")
+        scans: dict = {}  # the sparse updates' C++ scan, shared by the two checks
+        check_batch(updates, names, numel=self._numel, device=self.device, where="the accumulator's `like`",
+                    scans=scans)
         if self._buffer_names:
             raise ValueError(f"a compressed update carries no buffers; the accumulator's `like` has "
                              f"{', '.join(self._buffer_names)} (accumulate the parameters alone)")
         folded = [True] * len(updates)
         try:
-            skipped = nonfinite_scales(updates, names)
+            skipped = nonfinite_scales(updates, names, scans)
             if skipped and on_nonfinite == "raise":
                 raise ValueError(f"{', '.join(names[j] for j in skipped)} has a NaN or Inf scale")
             for j in skipped:

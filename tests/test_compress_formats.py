@@ -389,6 +389,31 @@ def test_code_book_clients_fold_like_the_dequantized_oracle(backend, block, m, l
     assert acc.num_clients == 0
 
 
+def test_a_sparse_round_scans_its_clients_once_and_still_finds_a_nan(monkeypatch):
+    """check_batch (index order) and nonfinite_scales (finite values) share one C++ scan of the sparse clients per
+    round, in fedexp_step, a server optimizer and Accumulator.add_many; a NaN value found by it still raises naming
+    the client, or with on_nonfinite="skip" leaves it out."""
+    from fastagg.compress import fold, sparsify_topk
+    from fastagg.server import FedAvg
+
+    calls = []
+    real = fold.scan
+    monkeypatch.setattr(fold, "scan", lambda us: calls.append(len(us)) or real(us))
+    g = torch.Generator().manual_seed(5)
+    us = [sparsify_topk(torch.randn(3000, generator=g), 0.05) for _ in range(3)]
+    fastagg.fedexp_step(us, eps=1e-3, backend="cpu")
+    FedAvg([torch.zeros(3000)], backend="cpu").step(us)
+    fastagg.Accumulator(like=torch.zeros(3000), backend="cpu").add_many(us)
+    assert calls == [3, 3, 3]
+    vals = us[1].values.clone()
+    vals[7] = float("nan")
+    nan = type(us[1])(us[1].indices, vals, us[1].numel)
+    with pytest.raises(ValueError, match="deltas\\[1\\]"):
+        fastagg.fedexp_step([us[0], nan, us[2]], eps=1e-3, backend="cpu")
+    res = fastagg.fedexp_step([us[0], nan, us[2]], eps=1e-3, backend="cpu", on_nonfinite="skip")
+    assert res.nonfinite.tolist() == [False, True, False]
+
+
 def test_the_c_scans_of_scales_and_values_agree_with_the_torch_checks(monkeypatch):
     """The round's pre-check (compress.fold._part_status) reads CPU scales and sparse values by one C++ pass each
     kind; without the compiled module, torch ops: the same answers for NaN, +-Inf, zero and negative scales, at the

@@ -24,8 +24,11 @@ def is_compressed(x) -> bool:
     return True
 
 
-def check_batch(updates: list, names: list, *, numel: int, device: torch.device, where: str) -> None:
-    """Formats, sizes, devices and sparse indices (in range, strictly increasing), each error naming the update."""
+def check_batch(updates: list, names: list, *, numel: int, device: torch.device, where: str,
+                scans: dict | None = None) -> None:
+    """Formats, sizes, devices and sparse indices (in range, strictly increasing), each error naming the update.
+    ``scans``: a dict that keeps each sparse part's C++ scan by ``id`` for :func:`nonfinite_scales` of the same call
+    (one pass answers both: index order here, finite values there)."""
     layered = [isinstance(u, LayerwiseUpdate) for u in updates]
     if any(layered) and not all(layered):
         raise TypeError("layerwise updates (one part per layer) and whole-vector ones cannot share a call")
@@ -35,7 +38,7 @@ def check_batch(updates: list, names: list, *, numel: int, device: torch.device,
                 raise ValueError(f"{name} has layers of {list(u.sizes())[:4]}... elements; the first update's are "
                                  f"{list(updates[0].sizes())[:4]}...")
             check_batch(list(u.parts), [f"{name} layer {k}" for k in range(len(u.parts))], numel=None,
-                        device=device, where=where)
+                        device=device, where=where, scans=scans)
         elif isinstance(u, SparseUpdate):
             check_sparse(u, name)
         else:
@@ -46,6 +49,8 @@ def check_batch(updates: list, names: list, *, numel: int, device: torch.device,
             raise ValueError(f"{name} is on {u.device}; {where} is on {device}")
     sparse = [(u, name) for u, name in zip(updates, names) if isinstance(u, SparseUpdate)]
     found = scan([u for u, _ in sparse]) if sparse else None  # one C++ pass for CPU clients
+    if found is not None and scans is not None:
+        scans.update((id(u), r) for (u, _), r in zip(sparse, found))
     for k, (u, name) in enumerate(sparse):
         u.check_indices(name, None if found is None else found[k][0])
 
@@ -54,12 +59,17 @@ def _parts(u) -> tuple:
     return u.parts if isinstance(u, LayerwiseUpdate) else (u,)
 
 
-def _part_status(parts: list) -> list:
+def _part_status(parts: list, scans: dict | None = None) -> list:
     """Per part ``(finite, first block whose scale is <= 0 or -1)``: a sparse part's values, a blockwise part's
-    scales; one C++ pass over each kind for CPU parts (``sparse_scan``, ``scale_scan``), torch ops otherwise."""
+    scales; one C++ pass over each kind for CPU parts (``sparse_scan``, ``scale_scan``; sparse ones found in
+    ``scans`` are not scanned again), torch ops otherwise."""
     out: list = [None] * len(parts)
     sparse = [j for j, p in enumerate(parts) if isinstance(p, SparseUpdate)]
-    found = scan([parts[j] for j in sparse]) if sparse else []
+    known = scans or {}
+    if all(id(parts[j]) in known for j in sparse):
+        found = [known[id(parts[j])] for j in sparse]
+    else:
+        found = scan([parts[j] for j in sparse]) if sparse else []
     for j, r in zip(sparse, found or []):
         out[j] = (r[1], -1)
     blocks = [j for j, p in enumerate(parts) if not isinstance(p, SparseUpdate)]
@@ -105,11 +115,11 @@ def _device_status(parts: list) -> list:
     return out
 
 
-def nonfinite_scales(updates: list, names: list) -> list:
+def nonfinite_scales(updates: list, names: list, scans: dict | None = None) -> list:
     """Indices of the updates with a NaN or Inf scale (blockwise) or value (sparse); raises naming the first
-    blockwise update with a scale <= 0."""
+    blockwise update with a scale <= 0. ``scans``: what :func:`check_batch` found of the same updates."""
     parts = [(j, k, p) for j, u in enumerate(updates) for k, p in enumerate(_parts(u))]
-    status = _part_status([p for _, _, p in parts])
+    status = _part_status([p for _, _, p in parts], scans)
     finite = [True] * len(updates)
     for (j, _, _), (ok, _) in zip(parts, status):
         finite[j] = finite[j] and ok
