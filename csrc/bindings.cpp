@@ -237,15 +237,18 @@ void checked_blockwise_fold(py::handle codes, py::handle scales, int64_t block, 
   for (int64_t i = 0; i < M; ++i)
     if (!std::isfinite(cf[i])) value_error(pass + "coef[" + str(i) + "] is not finite");
   View in = init.is_none() ? View{} : flat_view(init, "init", o.kind, d);
-  View sq = flat_view(sq_out, "sq_out", kF64, M), bad = flat_view(bad_out, "bad_out", kBool, M),
-       msq = flat_view(msq_out, "msq_out", kF64, 1);
+  // sq_out None: the clients' squared norms are not wanted (skipped where the kernel can)
+  View sq = sq_out.is_none() ? View{} : flat_view(sq_out, "sq_out", kF64, M);
+  View bad = flat_view(bad_out, "bad_out", kBool, M), msq = flat_view(msq_out, "msq_out", kF64, 1);
   std::vector<const View*> reads = pointers(cv);
   for (const View& v : sv) reads.push_back(&v);
   reads.push_back(&c);
   if (tabled) reads.push_back(&tv);
   // init may be out itself (an in-place fold: each element is read before it is written)
   if (!init.is_none() && in.data != o.data) reads.push_back(&in);
-  check_overlaps({&o, &sq, &bad, &msq}, reads);
+  std::vector<const View*> writes = {&o, &bad, &msq};
+  if (!sq_out.is_none()) writes.push_back(&sq);
+  check_overlaps(writes, reads);
   std::vector<const void*> cp;
   std::vector<const float*> sp;
   for (int64_t i = 0; i < M; ++i) {
@@ -254,7 +257,7 @@ void checked_blockwise_fold(py::handle codes, py::handle scales, int64_t block, 
   }
   const float* tp = tabled ? reinterpret_cast<const float*>(tv.data) : nullptr;
   py::gil_scoped_release release;
-  auto* sqp = reinterpret_cast<double*>(sq.data);
+  auto* sqp = sq_out.is_none() ? nullptr : reinterpret_cast<double*>(sq.data);
   auto* badp = reinterpret_cast<uint8_t*>(bad.data);
   auto* msqp = reinterpret_cast<double*>(msq.data);
   auto run = [&](auto* typed_out) {

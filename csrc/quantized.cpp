@@ -276,10 +276,12 @@ void blockwise_sweep(const float* const* scales, int64_t M, int64_t d, int64_t b
         }
       }
       tile(lo, n, cs.data(), acc, inner.data(), pbad);
-      for (int64_t r = 0; r < nb; ++r) {
-        for (int64_t i = 0; i < M; ++i) {
-          const double s = static_cast<double>(scales[i][b0 + r]);
-          psq[i] += s * s * inner[r * M + i];
+      if (sq_out != nullptr) {
+        for (int64_t r = 0; r < nb; ++r) {
+          for (int64_t i = 0; i < M; ++i) {
+            const double s = static_cast<double>(scales[i][b0 + r]);
+            psq[i] += s * s * inner[r * M + i];
+          }
         }
       }
       msq += store_and_square(acc, out + lo, n, stream);
@@ -292,13 +294,13 @@ void blockwise_sweep(const float* const* scales, int64_t M, int64_t d, int64_t b
   }
   double msq = 0.0;
   for (int64_t i = 0; i < M; ++i) {
-    sq_out[i] = 0.0;
+    if (sq_out != nullptr) sq_out[i] = 0.0;
     bad_out[i] = 0;
   }
   for (int64_t c = 0; c < chunks; ++c) {
     msq += part_msq[c];
     for (int64_t i = 0; i < M; ++i) {
-      sq_out[i] += part_sq[c * M + i];
+      if (sq_out != nullptr) sq_out[i] += part_sq[c * M + i];
       bad_out[i] |= part_bad[c * M + i];
     }
   }
@@ -455,8 +457,10 @@ inline float e4m3_value(uint8_t b) {
 }  // namespace
 
 // One tile of n columns, client by client: acc[t] += cs[i] * table[q_i[t]]; inner[i] = sum_t table[q_i[t]]^2
-// (float64; NaN once a code maps to NaN: the client is flagged, out is garbage). Portable; float32 on AVX2 below.
-template <typename T>
+// (float64; NaN once a code maps to NaN: the client is flagged, out is garbage). Squares = false: the fold alone,
+// inner and bad untouched (only for a table with no NaN entry: no code can then be invalid). Portable; float32 on
+// AVX2 below.
+template <bool Squares, typename T>
 void table_tile(const uint8_t* const* codes, const float* table, int64_t lo, int64_t n, int64_t M, const T* cs,
                 T* acc, double* inner, uint8_t* bad) {
   for (int64_t i = 0; i < M; ++i) {
@@ -466,18 +470,20 @@ void table_tile(const uint8_t* const* codes, const float* table, int64_t lo, int
     for (int64_t t = 0; t < n; ++t) {
       const float v = table[q[t]];
       acc[t] += c * static_cast<T>(v);
-      s += static_cast<double>(v) * static_cast<double>(v);
+      if constexpr (Squares) s += static_cast<double>(v) * static_cast<double>(v);
     }
-    inner[i] = s;
-    bad[i] |= !(s == s);
+    if constexpr (Squares) {
+      inner[i] = s;
+      bad[i] |= !(s == s);
+    }
   }
 }
 
 #ifdef __AVX2__
 // 8 codes at a time: widened to int32 and gathered from the table (256 floats: L1-resident).
-template <>
-void table_tile<float>(const uint8_t* const* codes, const float* table, int64_t lo, int64_t n, int64_t M,
-                       const float* cs, float* acc, double* inner, uint8_t* bad) {
+template <bool Squares>
+void table_tile_avx2(const uint8_t* const* codes, const float* table, int64_t lo, int64_t n, int64_t M,
+                     const float* cs, float* acc, double* inner, uint8_t* bad) {
   const int64_t whole = n - n % 8;
   for (int64_t i = 0; i < M; ++i) {
     const uint8_t* q = codes[i] + lo;
@@ -487,9 +493,16 @@ void table_tile<float>(const uint8_t* const* codes, const float* table, int64_t 
       const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + t)));
       const __m256 v = _mm256_i32gather_ps(table, b, 4);
       _mm256_storeu_ps(acc + t, _mm256_fmadd_ps(c, v, _mm256_loadu_ps(acc + t)));
-      const __m256d lo4 = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi4 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-      s0 = _mm256_fmadd_pd(lo4, lo4, s0);
-      s1 = _mm256_fmadd_pd(hi4, hi4, s1);
+      if constexpr (Squares) {
+        const __m256d lo4 = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+        const __m256d hi4 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        s0 = _mm256_fmadd_pd(lo4, lo4, s0);
+        s1 = _mm256_fmadd_pd(hi4, hi4, s1);
+      }
+    }
+    if constexpr (!Squares) {
+      for (int64_t t = whole; t < n; ++t) acc[t] += cs[i] * table[q[t]];
+      continue;
     }
     alignas(32) double lanes[4];
     _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
@@ -552,13 +565,14 @@ inline void vbmi_transpose(__m512* z) {
 // into floats in the order {0-3, 16-19, 32-35, 48-51}, {4-7, ...}, ...: the sums are held in that order (a 4 x 4
 // transpose of 128-bit lanes on the way in and out). Squares in float64 (exact per element); a NaN entry makes the
 // client's sum of squares NaN, which flags it.
+template <bool Squares>
 __attribute__((target("avx512f,avx512bw,avx512vbmi")))
 void table_tile_vbmi(const uint8_t* const* codes, const uint8_t* planes, const float* table, int64_t lo, int64_t n,
                      int64_t M, int64_t ld, int64_t block, const float* cs, float* acc, double* inner, uint8_t* bad) {
   constexpr int64_t kMaxM = 32;
   if (M > kMaxM) {
     for (int64_t i0 = 0; i0 < M; i0 += kMaxM)
-      table_tile_vbmi(codes + i0, planes, table, lo, n, std::min(kMaxM, M - i0), ld, block, cs + i0, acc,
+      table_tile_vbmi<Squares>(codes + i0, planes, table, lo, n, std::min(kMaxM, M - i0), ld, block, cs + i0, acc,
                       inner + i0, bad + i0);
     return;
   }
@@ -572,7 +586,7 @@ void table_tile_vbmi(const uint8_t* const* codes, const uint8_t* planes, const f
   const int64_t whole = n - n % 64;
   for (int64_t g = 0; g < whole; g += 64) {
     const int64_t r = (lo + g) / block - b0;
-    if (r != r_now) {
+    if (Squares && r != r_now) {
       hand_over_pd8(sq, M, inner + r_now * ld);
       r_now = r;
     }
@@ -596,6 +610,10 @@ void table_tile_vbmi(const uint8_t* const* codes, const uint8_t* planes, const f
                            _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)),
                            _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23))};
       const __m512 c = _mm512_set1_ps(crow[i]);
+      if constexpr (!Squares) {
+        for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(c, f[j], a[j]);
+        continue;
+      }
       __m512d s = sq[i];
       for (int j = 0; j < 4; ++j) {
         a[j] = _mm512_fmadd_ps(c, f[j], a[j]);
@@ -608,7 +626,7 @@ void table_tile_vbmi(const uint8_t* const* codes, const uint8_t* planes, const f
     vbmi_transpose(a);
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g + 16 * j, a[j]);
   }
-  hand_over_pd8(sq, M, inner + r_now * ld);
+  if constexpr (Squares) hand_over_pd8(sq, M, inner + r_now * ld);
   if (whole < n) {  // the tail lies in one block (see fold_tile<float>)
     const int64_t r = (lo + whole) / block - b0;
     for (int64_t i = 0; i < M; ++i) {
@@ -620,9 +638,10 @@ void table_tile_vbmi(const uint8_t* const* codes, const uint8_t* planes, const f
         acc[whole + t] += c * v;
         s2 += static_cast<double>(v) * static_cast<double>(v);
       }
-      inner[r * ld + i] += s2;
+      if constexpr (Squares) inner[r * ld + i] += s2;
     }
   }
+  if constexpr (!Squares) return;
   const int64_t nb = (lo + n - 1) / block - b0 + 1;
   for (int64_t i = 0; i < M; ++i)
     for (int64_t r = 0; r < nb; ++r) bad[i] |= !(inner[r * ld + i] == inner[r * ld + i]);
@@ -630,10 +649,18 @@ void table_tile_vbmi(const uint8_t* const* codes, const uint8_t* planes, const f
 }  // namespace
 #endif
 
-template <typename T>
-void table_blockwise_fold(const uint8_t* const* codes, const float* table, const float* const* scales, int64_t M,
-                          int64_t d, int64_t block, const double* coef, const T* init, T* out, double* sq_out,
-                          uint8_t* bad_out, double* msq_out) {
+namespace {
+// Whether any of the 256 entries is NaN (then a code can be invalid, and only the squares' NaN finds which client).
+bool table_holds_nan(const float* table) {
+  for (int k = 0; k < 256; ++k)
+    if (table[k] != table[k]) return true;
+  return false;
+}
+
+template <bool Squares, typename T>
+void table_fold(const uint8_t* const* codes, const float* table, const float* const* scales, int64_t M, int64_t d,
+                int64_t block, const double* coef, const T* init, T* out, double* sq_out, uint8_t* bad_out,
+                double* msq_out) {
 #ifdef FASTAGG_VBMI
   if constexpr (std::is_same_v<T, float>) {
     if (vbmi_usable()) {
@@ -641,7 +668,7 @@ void table_blockwise_fold(const uint8_t* const* codes, const float* table, const
       table_planes(table, planes);
       blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, true,
                          [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
-                           table_tile_vbmi(codes, planes, table, lo, n, M, M, block, cs, acc, inner, bad);
+                           table_tile_vbmi<Squares>(codes, planes, table, lo, n, M, M, block, cs, acc, inner, bad);
                          });
       return;
     }
@@ -649,8 +676,26 @@ void table_blockwise_fold(const uint8_t* const* codes, const float* table, const
 #endif
   blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, false,
                      [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
-                       table_tile<T>(codes, table, lo, n, M, cs, acc, inner, bad);
+#ifdef __AVX2__
+                       if constexpr (std::is_same_v<T, float>) {
+                         table_tile_avx2<Squares>(codes, table, lo, n, M, cs, acc, inner, bad);
+                         return;
+                       }
+#endif
+                       table_tile<Squares, T>(codes, table, lo, n, M, cs, acc, inner, bad);
                      });
+}
+}  // namespace
+
+// sq_out null: the clients' squares are skipped where no code can be invalid (a table without NaN).
+template <typename T>
+void table_blockwise_fold(const uint8_t* const* codes, const float* table, const float* const* scales, int64_t M,
+                          int64_t d, int64_t block, const double* coef, const T* init, T* out, double* sq_out,
+                          uint8_t* bad_out, double* msq_out) {
+  if (sq_out == nullptr && !table_holds_nan(table))
+    table_fold<false, T>(codes, table, scales, M, d, block, coef, init, out, nullptr, bad_out, msq_out);
+  else
+    table_fold<true, T>(codes, table, scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out);
 }
 
 // One tile of n columns from lo, which may span blocks (as fold_tile): acc[t] += cs[r * ld + i] * e4m3(q_i[t]);

@@ -39,6 +39,7 @@ the round's eta, and each applies the step to its slice. State memory per rank i
 """
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -582,17 +583,20 @@ def accumulator_stats(acc, backend_of, *, group, aux=None, aux_coef: float = 0.0
             local = torch.empty_like(acc._sum)
             _unkeyed(total.to(dev), local, acc._form, order)
             total = local
-        scalars = torch.tensor([acc.total_weight, float(acc.weighted_sq_norm_sum)], dtype=torch.float64,
-                               device=cdev)
+        norms = acc.client_norms  # (False: NaN norms, which only a rule that reads them would see; it refuses)
+        scalars = torch.tensor([acc.total_weight, float(acc.weighted_sq_norm_sum) if norms else math.nan],
+                               dtype=torch.float64, device=cdev)
         _collective(dist.all_reduce, scalars, group=group, what="all_reduce of the weights")
         top = max(counts)
         padded = torch.zeros(top, dtype=torch.float64, device=cdev)
-        padded[:m] = acc.sq_norms.to(cdev)
+        padded[:m] = acc.sq_norms.to(cdev) if norms else math.nan
         sq_all = torch.cat([g[:c] for g, c in zip(_gather(padded, group, "norms gather"), counts)]).to(dev)
         weight, sq_sum = float(scalars[0]), scalars[1].to(dev)
         if not weight > 0:
             raise ValueError("the accumulators' total weight is 0: at least one client needs a positive weight")
-        stats = sum_stats(total.to(dev), sq_sum, weight, sum(counts), backend_of, name="accumulator", aux=aux,
+        # NaN: some rank keeps no norms (kept norms are finite, checked as folded): None on every rank alike
+        stats = sum_stats(total.to(dev), sq_sum if bool(torch.isfinite(sq_sum)) else None, weight,
+                          sum(counts), backend_of, name="accumulator", aux=aux,
                           aux_coef=aux_coef, mean_out=mean_out, mean_dtype=mean_dtype)
         stats.sq_norms = sq_all
         if like_bufs:  # BatchNorm statistics: sum_i n_i b_i added across the group (by name), then / the total weight

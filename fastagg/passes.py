@@ -11,6 +11,7 @@ optimizers:
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import warnings
 from typing import Any
@@ -80,14 +81,17 @@ def sum_stats(weighted_sum: Any, weighted_sq_norm_sum: Any, total_weight: Any, n
               mean_dtype: torch.dtype | None = None) -> RoundStats:
     """Stats from sums alone: ``mean = weighted_sum / total_weight``, ``avg_sq = weighted_sq_norm_sum / total``.
 
-    ``backend_of(device)`` resolves the backend once the sum's device is known.
+    ``backend_of(device)`` resolves the backend once the sum's device is known. ``weighted_sq_norm_sum=None``: not
+    known (an accumulator keeping no client norms): ``avg_sq`` is NaN, which only a rule that reads it would see.
     """
     if not isinstance(num_clients, numbers.Integral) or isinstance(num_clients, bool) or num_clients < 1:
         raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
     total = check_number(total_weight, "total_weight", minimum=0.0, allow_equal=False)
     rows = client_rows([weighted_sum], name=name)
     dev = rows.device
-    if isinstance(weighted_sq_norm_sum, torch.Tensor):
+    if weighted_sq_norm_sum is None:
+        sq_sum = torch.tensor(math.nan, dtype=torch.float64, device=dev)
+    elif isinstance(weighted_sq_norm_sum, torch.Tensor):
         t = weighted_sq_norm_sum
         if t.numel() != 1 or t.is_complex() or t.device.type == "meta":
             raise ValueError(f"weighted_sq_norm_sum must be a number or a real one-element tensor, got "
@@ -102,8 +106,9 @@ def sum_stats(weighted_sum: Any, weighted_sq_norm_sum: Any, total_weight: Any, n
     mean, _, bad, msq = run_stats(rows, coefs, backend_of(dev), aux=aux, aux_coef=aux_coef, mean_out=mean_out,
                                   mean_dtype=mean_dtype)
     avg_sq = sq_sum / total
-    return RoundStats(mean, None, bad | ~torch.isfinite(avg_sq) | (avg_sq < 0), msq, avg_sq, int(num_clients),
-                      rows.form, name)
+    if weighted_sq_norm_sum is not None:
+        bad = bad | ~torch.isfinite(avg_sq) | (avg_sq < 0)
+    return RoundStats(mean, None, bad, msq, avg_sq, int(num_clients), rows.form, name)
 
 
 def step_fits(step_size: torch.Tensor, mean_sq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -297,7 +297,9 @@ class ServerOptimizer(torch.optim.Optimizer):
     stepped by the rule and counted in its statistics, as Flower's strategies treat every array (integer buffers
     keep the average rule).
 
-    Subclasses define ``_hyper`` (the hyperparameters a checkpoint carries) and ``_round(stats)``.
+    Subclasses define ``_hyper`` (the hyperparameters a checkpoint carries) and ``_round(stats)``, and set
+    ``needs_client_norms`` when the rule reads the clients' norms (then an Accumulator built with
+    ``client_norms=False`` is refused).
     """
 
     group = property(lambda self: self._group.get(), doc="The torch.distributed group of the step, or None.")
@@ -464,6 +466,7 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     # -- hyperparameters and state ------------------------------------------------------------------------------
     _hyper: tuple = ()
+    needs_client_norms: bool = False  # the rule reads the clients' norms (sum_i p_i ||delta_i||^2 or each one)
     _vector_state: tuple = ()  # names of the d-vector buffers a subclass keeps (beside 'extra')
     _nonnegative_state: tuple = ()  # buffers whose every element is >= 0 (load_state_dict checks it)
     _scalar_state: tuple = ()  # names of its 0-d buffers (beside 'step')
@@ -763,6 +766,9 @@ class ServerOptimizer(torch.optim.Optimizer):
         if self.aggregate is not None and name != "control_deltas":
             return self._robust_stats(deltas, weights, name, base, sign)
         try:
+            if isinstance(deltas, Accumulator) and self.needs_client_norms and not deltas.client_norms:
+                raise ValueError(f"{type(self).__name__} reads the clients' norms; the accumulator was built with "
+                                 "client_norms=False (keep them: Accumulator(like=..., client_norms=True))")
             rows = self._rows(deltas, weights, name, base)
         except Exception as e:  # noqa: BLE001 (with a group: every other rank learns at once, then this one raises)
             if self.group is not None:
@@ -1006,6 +1012,8 @@ class FedAvgM(ServerOptimizer):
 
 class _FedExPFamily(ServerOptimizer):
     """eps schedule and the evaluation model shared by FedExP, FedExP-M and SCAFFOLD-ExP."""
+
+    needs_client_norms = True  # eta reads sum_i p_i ||delta_i||^2
 
     def _init_eps(self, eps, eps_mode, eps_decay, lr):
         self.lr = check_number(lr, "lr")
@@ -1408,6 +1416,8 @@ class QFedAvg(ServerOptimizer):
     ``eta = lr L sum_i F_i^q / sum_i h_i``. ``q = 0`` is FedAvg with equal weights. ``step(deltas, losses)``:
     each client's training loss (finite, >= 0) in the order of ``deltas``.
     """
+
+    needs_client_norms = True  # h_i reads ||d_i||^2
 
     _hyper = ("lr", "client_learning_rate", "q")
 

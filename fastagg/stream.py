@@ -50,11 +50,21 @@ class Accumulator:
         for delta_i, n_i in arriving_updates:
             acc.add(delta_i, weight=n_i)
         res = acc.fedexp_step(eps=1e-3, params=w)
+
+    ``client_norms=False`` keeps no client norms (``sq_norms`` and ``weighted_sq_norm_sum`` then raise, and so does
+    a step by a rule that reads them: FedExP and its family): for the FedAvg family (FedAvg, FedAvgM, the
+    Adam family, FedACG, SCAFFOLD), whose steps need only the sum. A compressed fold then skips the clients'
+    squares where the kernel can (a third of a BLOCKWISE8 code-book fold on the CPU).
     """
 
-    def __init__(self, like: Any, *, backend: str = "auto"):
+    def __init__(self, like: Any, *, backend: str = "auto", client_norms: bool = True):
+        if not isinstance(client_norms, bool):
+            raise TypeError(f"client_norms must be True or False, got {client_norms!r}")
+        self._client_norms = client_norms
         rows = client_rows([like], name="like")
-        self._like = rows
+        # like's description (layout, dtype, device, buffers' shapes), not its values: an accumulator must not keep
+        # a model-sized tensor alive that its owner replaced or handed away (fastagg.nvflare hands its params over)
+        self._like = dataclasses.replace(rows, rows=[[] for _ in rows.rows], matrix=None)
         self._form: Layout = rows.form
         self._numel = rows.numel
         self._dtype = rows.dtype
@@ -77,15 +87,30 @@ class Accumulator:
                                    torch.empty(rows.numel, dtype=cdt, device=rows.device), len(self._buffer_names))
 
     def reset(self) -> None:
-        """Forget every client (start a new round)."""
+        """Forget every client (start a new round). The new sum's zeros are written when it is first read: a round
+        of compressed clients writes it in its first fold without reading it, so never needs them."""
         with self._lock:
             r = self._round
             fresh = r.scratch if r.scratch is not None else torch.empty_like(r.sum)
-            fresh.zero_()
-            self._round = _Round.empty(fresh, r.sum, len(self._buffer_names))  # one assignment: old or new round
+            # one assignment: old or new round
+            self._round = dataclasses.replace(_Round.empty(fresh, r.sum, len(self._buffer_names)), unwritten=True)
+
+    @property
+    def _sum(self) -> torch.Tensor:
+        return self._written_sum()
+
+    def _written_sum(self) -> torch.Tensor:
+        """The round's sum buffer, its zeros written first if the round is new (see reset)."""
+        r = self._round
+        if r.unwritten:
+            with self._lock:
+                r = self._round
+                if r.unwritten:
+                    r.sum.zero_()
+                    self._round = r = dataclasses.replace(r, unwritten=False)
+        return r.sum
 
     # the round's state, read from the round last committed (see _Round)
-    _sum = property(lambda self: self._round.sum)
     _scratch = property(lambda self: self._round.scratch)
     _weighted_sq = property(lambda self: self._round.weighted_sq)
     _buffer_sums = property(lambda self: list(self._round.buffer_sums))
@@ -110,20 +135,36 @@ class Accumulator:
     @property
     def weighted_sum(self) -> Any:
         """``sum_i n_i delta_i`` in the form of one update (views of the internal buffer; do not modify)."""
-        total = self._round.sum
+        total = self._sum
         return self._form.unflatten(total.numpy() if self._form.numpy else total)
 
     @property
+    def client_norms(self) -> bool:
+        """Whether the clients' squared norms are kept (the constructor's ``client_norms``)."""
+        return self._client_norms
+
+    @property
     def weighted_sq_norm_sum(self) -> torch.Tensor:
+        """``sum_i n_i ||delta_i||^2``, float64 0-d (with ``client_norms=True``)."""
+        self._need_norms("weighted_sq_norm_sum")
         return self._round.weighted_sq
 
     @property
     def sq_norms(self) -> torch.Tensor:
-        """``||delta_i||^2`` of every client added so far, float64 ``(M,)``."""
-        norms = self._round.norms()
+        """``||delta_i||^2`` of every client added so far, float64 ``(M,)`` (with ``client_norms=True``)."""
+        self._need_norms("sq_norms")
+        return self._norms(self._round)
+
+    def _norms(self, r: "_Round") -> torch.Tensor:
+        norms = r.norms()
         if not norms:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
         return torch.stack(norms)
+
+    def _need_norms(self, what: str) -> None:
+        if not self._client_norms:
+            raise RuntimeError(f"{what} needs the clients' norms; this accumulator was built with client_norms=False "
+                               "(for rules that step on the sum alone: the FedAvg family)")
 
     @property
     def client_ids(self) -> list:
@@ -374,11 +415,16 @@ class Accumulator:
                 coef = torch.tensor([weights[j] * scale for j in live], dtype=torch.float64, device=self.device)
                 spare = self._spare()
                 sq, msq = fold([updates[j] for j in live], [names[j] for j in live], coef, self._backend,
-                               init=r.sum, out=spare)
-                sq_coef = torch.tensor([weights[j] * scale * scale for j in live], dtype=torch.float64,
-                                       device=self.device)
-                sq_new = r.weighted_sq + (sq_coef * sq).sum()
-                if not bool(torch.isfinite(msq) & torch.isfinite(sq_new) & (sq <= self._largest_sq).all()):
+                               init=None if r.zero else r.sum, out=spare, norms=self._client_norms)
+                if sq is None:  # not kept (client_norms=False): the sum alone must stay finite
+                    sq = torch.full((len(live),), math.nan, dtype=torch.float64, device=self.device)
+                    sq_new, fits = r.weighted_sq, torch.isfinite(msq)
+                else:
+                    sq_coef = torch.tensor([weights[j] * scale * scale for j in live], dtype=torch.float64,
+                                           device=self.device)
+                    sq_new = r.weighted_sq + (sq_coef * sq).sum()
+                    fits = torch.isfinite(msq) & torch.isfinite(sq_new) & (sq <= self._largest_sq).all()
+                if not bool(fits):
                     if on_nonfinite == "skip":
                         return [False] * len(updates)
                     raise ValueError("the update(s) would overflow the running sums")
@@ -397,12 +443,16 @@ class Accumulator:
             raise TypeError(f"merge takes an Accumulator, got {type(other).__name__}")
         if other is self:
             raise ValueError("an accumulator cannot merge itself (its clients would count twice)")
+        if self._client_norms and not other._client_norms:
+            raise ValueError("the other accumulator keeps no client norms (client_norms=False); this one does: build "
+                             "this one with client_norms=False too, or keep the norms in both")
         expect_like("the other accumulator", "this accumulator", numel=(other._numel, self._numel),
                     dtype=(other._dtype, self._dtype), device=(other.device, self.device))
         slices = self._entry_slices(other._form.signature(), "the other accumulator")
         take_buffer = self._buffer_order(list(other._buffer_names), "the other accumulator")
         first, second = sorted((self, other), key=id)  # one lock order for any two accumulators
         with first._lock, second._lock:
+            self._written_sum(), other._written_sum()
             r, o = self._round, other._round
             twice = [i for i in o.ids() if i is not None and r.has_id(i)]
             if twice:
@@ -469,13 +519,19 @@ class Accumulator:
         a restarted server resumes the round without asking the folded clients again (their ids are refused if they
         resend)."""
         with self._lock:
+            self._written_sum()
             r = self._round
             state = {"format": 3, "numel": self._numel, "dtype": str(self._dtype), "buffers": list(self._buffer_names),
                      "layout": [list(e) for e in self._form.signature()],
-                     "sum": r.sum.detach().cpu().clone(), "sq_norms": self.sq_norms.cpu().clone(),
-                     "weighted_sq": float(r.weighted_sq), "total_weight": float(r.total_weight),
-                     "client_ids": r.ids(),
+                     "sum": r.sum.detach().cpu().clone(),
+                     # (client_norms=False: zeros, and the flag, so that an accumulator keeping norms refuses them)
+                     "sq_norms": self._norms(r).cpu().clone() if self._client_norms else
+                     torch.zeros(r.n, dtype=torch.float64),
+                     "weighted_sq": float(r.weighted_sq) if self._client_norms else 0.0,
+                     "total_weight": float(r.total_weight), "client_ids": r.ids(),
                      "buffer_sums": [None if b is None else b.cpu().clone() for b in r.buffer_sums]}
+            if not self._client_norms:
+                state["client_norms"] = False
         state["crc32"] = _state_crc(state)
         return state
 
@@ -491,6 +547,11 @@ class Accumulator:
                     "buffer_sums") + (("crc32",) if fmt >= 2 else ()) + (("layout",) if fmt >= 3 else ()):
             if key not in state:
                 raise ValueError(f"the state_dict has no {key!r}")
+        if state.get("client_norms", True) is not True and state.get("client_norms") is not False:
+            raise ValueError(f"the state_dict's client_norms must be True or False, got {state['client_norms']!r}")
+        if self._client_norms and state.get("client_norms", True) is False:
+            raise ValueError("the state_dict keeps no client norms (saved with client_norms=False); this accumulator "
+                             "keeps them: load it into an Accumulator(like=..., client_norms=False)")
         if state["numel"] != self._numel or state["dtype"] != str(self._dtype):
             raise ValueError(f"the state_dict is of {state['numel']} {state['dtype']} elements; this accumulator "
                              f"holds {self._numel} {self._dtype}")
@@ -545,7 +606,7 @@ class Accumulator:
             target = r.scratch if r.scratch is not None else torch.empty_like(r.sum)
             target.copy_(_reordered(total, slices).to(self.device))
             norms = [v.to(torch.float64).to(self.device) for v in sq.unbind()]
-            fresh = _Round.empty(target, r.sum, len(self._buffer_names))
+            fresh = dataclasses.replace(_Round.empty(target, r.sum, len(self._buffer_names)), zero=False)
             self._round = fresh.extended([(norm, i, None) for norm, i in zip(norms, ids)],
                                          weighted_sq=torch.tensor(ws, dtype=torch.float64, device=self.device),
                                          buffer_sums=tuple(buffer_sums), total_weight=tw)
@@ -617,7 +678,8 @@ class Accumulator:
     def __repr__(self) -> str:
         r = self._round  # one snapshot: the count and the weight agree
         return (f"Accumulator(numel={self._numel}, dtype={self._sum.dtype}, device={self.device}, "
-                f"clients={r.n}, total_weight={r.total_weight:g}, backend={self._backend.name!r})")
+                f"clients={r.n}, total_weight={r.total_weight:g}, backend={self._backend.name!r}"
+                + ("" if self._client_norms else ", client_norms=False") + ")")
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -631,10 +693,11 @@ class Accumulator:
         with self._lock:
             self._check_ready()
             r = self._round
-            stats = sum_stats(self.weighted_sum, r.weighted_sq, r.total_weight, self.num_clients, backend_of,
-                              name="accumulator", aux=aux, aux_coef=aux_coef, mean_out=mean_out,
-                              mean_dtype=mean_dtype)
-            stats.sq_norms = self.sq_norms
+            stats = sum_stats(self.weighted_sum, r.weighted_sq if self._client_norms else None, r.total_weight,
+                              self.num_clients, backend_of, name="accumulator", aux=aux, aux_coef=aux_coef,
+                              mean_out=mean_out, mean_dtype=mean_dtype)
+            stats.sq_norms = self._norms(r) if self._client_norms else \
+                torch.full((r.n,), math.nan, dtype=torch.float64, device=self.device)
             if self._buffer_names:
                 stats.buffers = Buffers(self._buffer_names, [])
                 stats.buffer_sums = [None if s is None else s / r.total_weight for s in r.buffer_sums]
@@ -685,6 +748,7 @@ class Accumulator:
                 step is over all of them, the same on every rank (:mod:`fastagg.distributed`).
         """
         rule = ops.fedexp_rule(eps, eps_mode)
+        self._need_norms("fedexp_step")
         return self._from_sums(rule, params=params, on_nonfinite=on_nonfinite, want_eval=True, group=group)
 
     def fedavg_step(self, lr: float = 1.0, *, params=None, on_nonfinite: str = "raise",
@@ -743,11 +807,14 @@ class _Round:
     weighted_sq: torch.Tensor
     buffer_sums: tuple
     total_weight: float
+    zero: bool = False  # the sum is all zeros (a new round): a compressed fold writes it, reading nothing
+    unwritten: bool = False  # ... and its buffer does not hold them yet (Accumulator._sum writes them when read)
 
     @classmethod
     def empty(cls, zeros: torch.Tensor, scratch: torch.Tensor | None, num_buffers: int) -> "_Round":
+        """A round of no client over ``zeros`` (all zeros: the caller zeroed it)."""
         return cls(zeros, scratch, 0, _Log(), torch.zeros((), dtype=torch.float64, device=zeros.device),
-                   (None,) * num_buffers, 0.0)
+                   (None,) * num_buffers, 0.0, zero=True)
 
     def ids(self) -> list:
         return self.log.ids[:self.n]
@@ -841,7 +908,7 @@ def _state_tensor(t: Any, name: str, *, dtype: torch.dtype | None = None, shape:
 def _state_crc(state: dict) -> int:
     """CRC-32 of a round state's tensors (their bytes, in place) and of everything else in it (its repr)."""
     keys = ("format", "numel", "dtype", "buffers", "weighted_sq", "total_weight", "client_ids") + \
-        (("layout",) if state.get("format", 0) >= 3 else ())
+        (("layout",) if state.get("format", 0) >= 3 else ()) + (("client_norms",) if "client_norms" in state else ())
     crc = zlib.crc32(repr([state[k] for k in keys]).encode())
     for t in [state["sum"], state["sq_norms"], *state["buffer_sums"]]:
         if t is None:

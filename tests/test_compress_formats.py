@@ -378,15 +378,22 @@ def test_code_book_clients_fold_like_the_dequantized_oracle(backend, block, m, l
                      name="mean")
         assert_close(acc.sq_norms, [float(dequantize(u).square().sum()) for u in us], rtol=1e-12, atol=0,
                      name="norms")
+        # without the clients' norms (the FedAvg family's fold: the kernel skips the squares): the same sum
+        bare = fastagg.Accumulator(like=torch.zeros(d, dtype=dtype), backend=backend, client_norms=False)
+        assert bare.add_many(us, ws) == [True] * m
+        assert torch.equal(bare.weighted_sum, acc.weighted_sum)
+        with pytest.raises(RuntimeError, match="client_norms=False"):
+            bare.sq_norms
     nan_book = book.clone()
     nan_book[200] = float("nan")
     codes = us[-1].codes.clone()
     codes[d - 2] = 200
     bad = Codebook8(codes, us[-1].scales, block, nan_book)
-    acc = fastagg.Accumulator(like=torch.zeros(d), backend=backend)
-    with pytest.raises(ValueError, match="deltas\\[1\\].*NaN"):
-        acc.add_many([us[0], bad])
-    assert acc.num_clients == 0
+    for norms in (True, False):  # a NaN book entry is found with or without the norms (the squares flag it)
+        acc = fastagg.Accumulator(like=torch.zeros(d), backend=backend, client_norms=norms)
+        with pytest.raises(ValueError, match="deltas\\[1\\].*NaN"):
+            acc.add_many([us[0], bad])
+        assert acc.num_clients == 0
 
 
 def test_a_sparse_round_scans_its_clients_once_and_still_finds_a_nan(monkeypatch):

@@ -97,6 +97,10 @@ def test_portable_and_avx2_builds_agree_on_compressed_clients(monkeypatch, block
             acc = fastagg.Accumulator(like=torch.zeros(d), backend="cpu")
             acc.add_many(clients, [1.0 + j for j in range(6)])
             res.append((acc.weighted_sum.clone(), acc.sq_norms.clone()))
+        # the code-book fold without the clients' squares (client_norms=False): the same sum, bit for bit
+        bare = fastagg.Accumulator(like=torch.zeros(d), backend="cpu", client_norms=False)
+        bare.add_many(cb, [1.0 + j for j in range(6)])
+        assert torch.equal(bare.weighted_sum, res[2][0]), name
         out.append(([u.codes for u in i8 + i8s], [u.codes.view(torch.uint8) for u in f8],
                      [u.scales for u in i8 + f8], res))
     (c0, f0, s0, r0), (c1, f1, s1, r1) = out

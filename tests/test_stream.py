@@ -167,3 +167,131 @@ def test_a_server_optimizer_gives_the_spare_back_after_its_step(backend):
         assert len(now) == 4 and (buffers is None or now == buffers)
         buffers = now
     assert not opt._means and not opt._borrowed
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_an_accumulator_without_client_norms_steps_the_fedavg_family_alike_and_refuses_the_rest(backend):
+    """``client_norms=False`` (the FedAvg family's sums alone): dense and compressed adds fold to the same sum, bit
+    for bit, and FedAvg / FedAvgM / FedAdam step on it exactly as on an accumulator that keeps the norms; the norms,
+    FedExP (functional and optimizer) and q-FedAvg are refused by name, and nothing changes."""
+    from fastagg.compress import quantize_int8
+    from fastagg.compress.codebook import Codebook8
+
+    g = torch.Generator().manual_seed(3)
+    d = 5003
+    xs = [torch.randn(d, generator=g) * (1 + i) for i in range(4)]
+    book = torch.sort(torch.randn(256, generator=g)).values
+    cb = Codebook8(torch.randint(0, 256, (d,), generator=g, dtype=torch.uint8), torch.rand(2, generator=g) + 0.5,
+                   4096, book)
+    accs = [fastagg.Accumulator(like=torch.zeros(d), backend=backend, client_norms=n) for n in (True, False)]
+    for acc in accs:
+        acc.add(xs[0], 2.0)
+        acc.add_many([quantize_int8(xs[1], 64), cb], [1.0, 3.0])
+        acc.add_many(xs[2:], [1.0, 0.5])
+    full, bare = accs
+    assert torch.equal(bare.weighted_sum, full.weighted_sum) and bare.total_weight == full.total_weight
+    assert bare.client_norms is False and "client_norms=False" in repr(bare)
+    for name, kw in (("FedAvg", {}), ("FedAvgM", {"momentum": 0.9}), ("FedAdam", {"lr": 0.1})):
+        ws = [torch.zeros(d), torch.zeros(d)]
+        for w, acc in zip(ws, accs):
+            getattr(server, name)(w, backend=backend, **kw).step(acc)
+        assert torch.equal(ws[0], ws[1]), name
+    for what in ("sq_norms", "weighted_sq_norm_sum"):
+        with pytest.raises(RuntimeError, match="client_norms=False"):
+            getattr(bare, what)
+    with pytest.raises(RuntimeError, match="client_norms=False"):
+        bare.fedexp_step(eps=1e-3)
+    w = torch.zeros(d)
+    for opt in (server.FedExP(w, eps=1e-3, backend=backend), server.FedExPM(w, eps=1e-3, backend=backend)):
+        with pytest.raises(ValueError, match="client_norms=False"):
+            opt.step(bare)
+    assert torch.equal(w, torch.zeros(d))
+    assert torch.equal(full.fedavg_step(params=torch.zeros(d)).update, bare.fedavg_step(params=torch.zeros(d)).update)
+    with pytest.raises(TypeError, match="client_norms"):
+        fastagg.Accumulator(like=torch.zeros(d), client_norms=1)
+
+
+def test_client_norms_travel_with_state_dicts_and_merges():
+    """A state saved without norms loads into an accumulator without them (not into one that keeps them: its steps
+    would read norms that were never summed); one that keeps norms merges an accumulator without them only if it
+    keeps none itself."""
+    d = 301
+    x = torch.arange(d, dtype=torch.float32)
+    bare, full = (fastagg.Accumulator(like=torch.zeros(d), client_norms=n) for n in (False, True))
+    bare.add(x, 2.0, client_id="a")
+    full.add(x, 1.0, client_id="b")
+    state = bare.state_dict()
+    again = fastagg.Accumulator(like=torch.zeros(d), client_norms=False)
+    again.load_state_dict(state)
+    assert torch.equal(again.weighted_sum, bare.weighted_sum) and again.client_ids == ["a"]
+    keeper = fastagg.Accumulator(like=torch.zeros(d))
+    with pytest.raises(ValueError, match="client_norms=False"):
+        keeper.load_state_dict(state)
+    assert keeper.num_clients == 0
+    forged = dict(state, client_norms="no")
+    with pytest.raises(ValueError, match="client_norms"):
+        again.load_state_dict(forged)
+    flipped = dict(state)
+    del flipped["client_norms"]  # the checksum covers the flag: a state that lost it is refused
+    with pytest.raises(ValueError, match="checksum"):
+        again.load_state_dict(flipped)
+    bare_from_full = fastagg.Accumulator(like=torch.zeros(d), client_norms=False)
+    bare_from_full.load_state_dict(full.state_dict())
+    assert bare_from_full.client_ids == ["b"]
+    with pytest.raises(ValueError, match="client_norms=False"):
+        full.merge(bare)
+    assert full.client_ids == ["b"]
+    bare.merge(full)
+    assert bare.client_ids == ["a", "b"] and torch.equal(bare.weighted_sum, 3 * x)
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_a_new_round_reads_as_zeros_though_its_buffer_is_written_only_when_needed(backend):
+    """reset() leaves the new sum's zeros unwritten (a round of compressed clients writes the sum in its first fold
+    without reading it); every reader sees zeros all the same: the sum, a dense add, a merge, a state_dict, and a
+    compressed fold never picks up the old round's values left in the buffer."""
+    from fastagg.compress import dequantize, quantize_int8
+
+    g = torch.Generator().manual_seed(5)
+    d = 4099
+    x, y = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    q = quantize_int8(y, 128)
+    acc = fastagg.Accumulator(like=torch.zeros(d), backend=backend)
+    for reader in ("sum", "dense", "compressed", "state", "merge"):
+        acc.reset()
+        acc.add(x * 7, 1.0)
+        acc.add(x, 1.0)  # both buffers now hold old values
+        acc.reset()
+        if reader == "sum":
+            assert torch.equal(acc.weighted_sum, torch.zeros(d))
+        elif reader == "dense":
+            acc.add(y, 1.0)
+            assert torch.equal(acc.weighted_sum, y)
+        elif reader == "compressed":
+            acc.add(q, 2.0)
+            assert_close(acc.weighted_sum, 2 * dequantize(q), rtol=1e-6, atol=1e-6, name="sum")
+        elif reader == "state":
+            assert torch.equal(acc.state_dict()["sum"], torch.zeros(d))
+        else:
+            other = fastagg.Accumulator(like=torch.zeros(d), backend=backend)
+            other.add(y, 1.0)
+            other.reset()
+            other.add(y, 1.0, client_id="y")
+            acc.merge(other)
+            assert torch.equal(acc.weighted_sum, y)
+
+
+def test_an_accumulator_does_not_keep_its_like_alive():
+    """``like`` describes the updates (layout, dtype, device): the accumulator keeps that, not the tensor, so a model
+    handed to it as ``like`` and then dropped or replaced is freed."""
+    import gc
+    import weakref
+
+    w = {"a.weight": np.zeros((1000, 10), np.float32), "a.bias": np.zeros(10, np.float32)}  # (torch views of numpy
+    refs = [weakref.ref(t) for t in w.values()]  # arrays keep the arrays themselves alive: weakrefs can see that)
+    acc = fastagg.Accumulator(like=w)
+    del w
+    gc.collect()
+    assert all(r() is None for r in refs)
+    acc.add({"a.weight": np.ones((1000, 10), np.float32), "a.bias": np.ones(10, np.float32)})
+    assert acc.num_clients == 1 and float(acc.weighted_sum["a.bias"][0]) == 1.0

@@ -89,7 +89,7 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
 
 
 def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, e4m3: bool = False,
-                   coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor,
+                   coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor | None,
                    bad_out: torch.Tensor, msq_out: torch.Tensor) -> None:
     compiled().blockwise_fold([_dl(c) for c in codes], [_dl(s) for s in scales], int(block), _dl(table), bool(e4m3),
                               _dl(coef), _dl(init), _dl(out), _dl(sq_out), _dl(bad_out), _dl(msq_out))

@@ -72,10 +72,12 @@ def gaussian_noise(*, out: torch.Tensor, seed: int, round: int, first: int = 0) 
 
 @torch.no_grad()
 def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, e4m3: bool = False,
-                   coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor,
+                   coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor | None,
                    bad_out: torch.Tensor, msq_out: torch.Tensor) -> None:
     """csrc/quantized.h in float64: each client dequantized, then summed (the oracle's order of operations). e4m3
     codes are read through their table (``e4m3`` only says which decoder a compiled backend may use)."""
+    if sq_out is None:  # the norms are not wanted: summed into a scratch (this pass is not bound by them)
+        sq_out = torch.empty(len(codes), dtype=torch.float64, device=out.device)
     d = out.numel()
     acc = torch.zeros(d, dtype=torch.float64, device=out.device) if init is None else init.to(torch.float64, copy=True)
     for i, (q, s) in enumerate(zip(codes, scales)):

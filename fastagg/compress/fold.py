@@ -147,27 +147,29 @@ def _book(table: torch.Tensor) -> bytes:
 
 
 def fold(updates: list, names: list, coef: torch.Tensor, backend, *, init: torch.Tensor | None,
-         out: torch.Tensor) -> tuple:
+         out: torch.Tensor, norms: bool = True) -> tuple:
     """``out = init + sum_i coef_i x~_i``; returns ``(sq_norms [M] float64, mean_sq 0-d float64)`` where
     ``sq_norms_i = ||x~_i||^2`` and ``mean_sq = ||out||^2``. Raises naming the updates holding an invalid code (out
     is then garbage: callers write into a spare buffer). ``init`` must not overlap ``out`` unless it is ``out``.
-    Layerwise updates are folded layer by layer (each layer's slice of ``init`` and ``out``)."""
+    Layerwise updates are folded layer by layer (each layer's slice of ``init`` and ``out``). ``norms=False``:
+    ``sq_norms`` is None, and a backend skips the squares where it can (the FedAvg family needs no client norms)."""
     if not isinstance(updates[0], LayerwiseUpdate):
-        return _fold_flat(updates, names, coef, backend, init=init, out=out)
-    sq = torch.zeros(len(updates), dtype=torch.float64, device=out.device)
+        return _fold_flat(updates, names, coef, backend, init=init, out=out, norms=norms)
+    sq = torch.zeros(len(updates), dtype=torch.float64, device=out.device) if norms else None
     msq = torch.zeros((), dtype=torch.float64, device=out.device)
     at = 0
     for k, n in enumerate(updates[0].sizes()):
         s, ms = _fold_flat([u.parts[k] for u in updates], [f"{name} layer {k}" for name in names], coef, backend,
-                           init=None if init is None else init[at:at + n], out=out[at:at + n])
-        sq += s
+                           init=None if init is None else init[at:at + n], out=out[at:at + n], norms=norms)
+        if norms:
+            sq += s
         msq += ms
         at += n
     return sq, msq
 
 
 def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init: torch.Tensor | None,
-               out: torch.Tensor) -> tuple:
+               out: torch.Tensor, norms: bool = True) -> tuple:
     m, dev = len(updates), out.device
     sq = torch.empty(m, dtype=torch.float64, device=dev)
     msq = torch.empty((), dtype=torch.float64, device=dev)
@@ -189,12 +191,12 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
             backend.blockwise_fold(codes=[updates[j].code_bytes() for j in group],
                                    scales=[updates[j].scales for j in group], block=first.block,
                                    table=first.table(), e4m3=isinstance(first, Fp8Blockwise), coef=gcoef,
-                                   init=src, out=out, sq_out=gsq, bad_out=bad, msq_out=msq)
+                                   init=src, out=out, sq_out=gsq if norms else None, bad_out=bad, msq_out=msq)
             if bool(bad.any()):
                 who = ", ".join(names[group[j]] for j in bad.nonzero().flatten().tolist())
                 raise ValueError(f"{who} {first.INVALID_CODES}")
         sq[group] = gsq
-    return sq, msq
+    return (sq if norms else None), msq
 
 
 def dense_rows(updates: list, names: list, *, numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

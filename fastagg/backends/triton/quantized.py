@@ -75,7 +75,7 @@ def _blockwise_fold_kernel(code_ptrs, scale_ptrs, table, coef, init, out, part_s
 
 
 def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, e4m3: bool = False,
-                   coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor,
+                   coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor | None,
                    bad_out: torch.Tensor, msq_out: torch.Tensor) -> None:
     d, m, dev = out.numel(), len(codes), out.device
     programs = max(1, triton.cdiv(d, _TILE))
@@ -91,7 +91,8 @@ def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor
                                             int(block), HAS_INIT=init is not None, TABLED=table is not None,
                                             ALIGNED=addresses_aligned(c.data_ptr() for c in codes),
                                             BLOCK_C=int(block) if pow2 else 0, TILE=_TILE, num_warps=_WARPS)
-    sq_out.copy_(part_sq.sum(0))
+    if sq_out is not None:  # (None: the norms are not wanted; this pass is not bound by them)
+        sq_out.copy_(part_sq.sum(0))
     bad_out.copy_(part_bad.amax(0) > 0)
     msq_out.copy_(part_msq.sum())
 
