@@ -15,7 +15,9 @@ A round, with FLARE's ``FedAvg`` workflow (any controller that calls ``reset_sta
   base, whatever the number of clients; results can arrive on several threads at once;
 * ``aggregate_model`` takes the rule's step on the sums and returns the new global model as a ``FULL`` FLModel,
   in the form it came in (numpy arrays or torch tensors, same dtypes), plus the weighted average of the numeric
-  metrics.
+  metrics. The arrays are the params' own storage, handed over (no copy): the aggregator takes fresh storage and
+  never writes what it returned again. The FedAvg family's rounds keep no client norms (``client_norms=False``:
+  a BLOCKWISE8 fold a third lighter).
 
 Rules (``rule=``, hyper-parameters in ``hyper=``, those of the :mod:`fastagg.server` class of that name):
 ``fedavg``, ``fedavgm``, ``fedexp``, ``fedexpm``, ``fedadam``, ``fedyogi``, ``fedadagrad``, ``fedams``.
@@ -164,7 +166,8 @@ class FastaggAggregator(ModelAggregator):
                     restored, self._restored = self._restored, None  # a state that does not fit fails this once
                     opt.load_state_dict(restored)
                 # one accumulator for every round (reset each round): its sum and spare are allocated once
-                acc = Accumulator(like=params, backend=self.backend)
+                # the FedAvg family steps on the sum alone: the folds skip the clients' norms (client_norms)
+                acc = Accumulator(like=params, backend=self.backend, client_norms=type(opt).needs_client_norms)
                 self._params, self._opt, self._restored, self._round_acc = params, opt, None, acc
             else:
                 for k, v in base.items():
@@ -268,9 +271,22 @@ class FastaggAggregator(ModelAggregator):
                                  "model non-finite; the global model is unchanged")
                 if self._metric_weight > 0:
                     metrics = {k: v / self._metric_weight for k, v in self._metrics.items()}
-            out = {k: _user_form(v, self._numpy) for k, v in self._params.items()}
+            out = self._hand_over()
             self._base, self._acc = None, None
             return FLModel(params_type=ParamsType.FULL, params=out, metrics=metrics)
+
+    def _hand_over(self) -> dict:
+        """The new model in the form FLARE sent, without a copy: each parameter's storage is given away (a numpy
+        view of it; a copy from a GPU) and the parameter takes fresh storage, first written when the next round's
+        model is set. So the model handed out is never written again here, a round costs no model-sized copy, and
+        the new pages are touched when the next round begins, not while results are being aggregated."""
+        out = {}
+        for k, p in self._params.items():
+            t = p.data
+            p.data = torch.empty_like(t)
+            out[k] = t.cpu().numpy() if self._numpy else t
+        self._opt._follow()  # the optimizer's views move to the fresh storage now, not at its next step
+        return out
 
     def state_dict(self) -> dict:
         """The server optimizer's state (momentum, moments, round counter), for a checkpoint; ``{}`` before the
@@ -408,7 +424,8 @@ def _blockwise8_parts(params: Any, meta: dict, base: dict) -> dict | None:
         if tuple(codes.shape) != tuple(ref.shape):
             raise ValueError(f"entry {k!r} has shape {tuple(codes.shape)}, the model {tuple(ref.shape)}")
         try:
-            out[k] = from_bitsandbytes(codes.to(ref.device), absmax.to(ref.device), code.to(ref.device),
+            dev = ref.device
+            out[k] = from_bitsandbytes(*(t if t.device == dev else t.to(dev) for t in (codes, absmax, code)),
                                        BLOCKWISE8_BLOCK)
         except (TypeError, ValueError) as e:
             raise ValueError(f"entry {k!r}: {e}") from None
@@ -466,5 +483,3 @@ def _layout(params: dict) -> list:
     return [(k, tuple(v.shape), v.dtype) for k, v in params.items()]
 
 
-def _user_form(t: torch.Tensor, as_numpy: bool) -> Any:
-    return t.detach().cpu().numpy().copy() if as_numpy else t.detach().clone()

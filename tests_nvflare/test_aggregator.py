@@ -205,6 +205,43 @@ def test_float32_numpy_models_stay_float32_and_the_returned_arrays_are_the_calle
         np.testing.assert_array_equal(out1.params[k], kept[k])
 
 
+@pytest.mark.parametrize("as_numpy", [True, False])
+def test_the_new_model_is_handed_over_and_never_written_again(as_numpy):
+    """aggregate_model gives its parameters' storage away (no copy) and takes fresh storage: what FLARE holds from
+    a round is never written by the next rounds, whether they start from it or from another model, in numpy or
+    torch form; the rounds themselves equal a FedAvgM optimizer stepped on the same results."""
+    form = (lambda p: p) if as_numpy else (lambda p: {k: torch.from_numpy(v) for k, v in p.items()})
+    agg = FastaggAggregator(rule="fedavgm", hyper={"momentum": 0.9})
+    ref_w = {k: torch.from_numpy(v.copy()) for k, v in _model(50, np.float32).items()}
+    ref = RULES["fedavgm"](ref_w, momentum=0.9)
+    outs, kept, sent = [], [], form(_model(50, np.float32))
+    for rnd in range(4):
+        update = _model(60 + rnd, np.float32)
+        out = _round(agg, sent, [_result(form(update), "a", kind=ParamsType.DIFF)], rnd)
+        ref.step([{k: torch.from_numpy(v) for k, v in update.items()}])
+        for k in SHAPES:
+            np.testing.assert_array_equal(np.asarray(out.params[k]), ref_w[k].numpy())
+            assert isinstance(out.params[k], np.ndarray if as_numpy else torch.Tensor)
+        outs.append(out.params)
+        kept.append({k: np.asarray(v).copy() for k, v in out.params.items()})
+        # rounds 1 and 3 start from the model just returned (FLARE's flow); 2 from a copy (a persistor's reload)
+        sent = out.params if rnd != 1 else form({k: np.asarray(v).copy() for k, v in out.params.items()})
+    for params, want in zip(outs, kept):
+        for k in SHAPES:
+            np.testing.assert_array_equal(np.asarray(params[k]), want[k])
+    ptrs = [np.asarray(p[k]).__array_interface__["data"][0] for p in outs for k in SHAPES]
+    assert len(set(ptrs)) == len(ptrs)  # no two rounds' models share memory
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_the_round_keeps_client_norms_only_for_rules_that_read_them(rule):
+    """The FedAvg family steps on the sum alone: its rounds skip the clients' squared norms (a third of a
+    BLOCKWISE8 fold); FedExP's family keeps them."""
+    agg = FastaggAggregator(rule=rule, hyper={"eps": 1e-3} if "fedexp" in rule else None)
+    _round(agg, _model(70), [_result(_model(71), "a"), _result(_model(72), "b")])
+    assert agg._round_acc.client_norms == ("fedexp" in rule)
+
+
 @pytest.mark.parametrize("kw, error", [
     (dict(rule="fedsgd"), "rule must be one of"),
     (dict(rule="krum"), "needs every site's result of a round at once"),

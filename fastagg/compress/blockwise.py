@@ -65,9 +65,10 @@ class Blockwise:
         t = self.table()
         if t is None:
             return bool((self.codes == -128).any())
-        invalid = torch.isnan(t).nonzero().flatten()  # the bytes whose value is NaN (none for most code books)
-        if invalid.numel() == 0:
+        nan = torch.isnan(t)
+        if not bool(nan.any()):  # (most code books: one reduction, no index list)
             return False
+        invalid = nan.nonzero().flatten()  # the bytes whose value is NaN
         return bool(torch.isin(self.codes.view(torch.uint8), invalid.to(self.device, torch.uint8)).any())
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
