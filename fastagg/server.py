@@ -766,9 +766,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         if self.aggregate is not None and name != "control_deltas":
             return self._robust_stats(deltas, weights, name, base, sign)
         try:
-            if isinstance(deltas, Accumulator) and self.needs_client_norms and not deltas.client_norms:
-                raise ValueError(f"{type(self).__name__} reads the clients' norms; the accumulator was built with "
-                                 "client_norms=False (keep them: Accumulator(like=..., client_norms=True))")
+            if isinstance(deltas, Accumulator) and self.needs_client_norms:
+                deltas._need_norms(f"{type(self).__name__}'s step")
             rows = self._rows(deltas, weights, name, base)
         except Exception as e:  # noqa: BLE001 (with a group: every other rank learns at once, then this one raises)
             if self.group is not None:

@@ -164,7 +164,8 @@ class Accumulator:
     def _need_norms(self, what: str) -> None:
         if not self._client_norms:
             raise RuntimeError(f"{what} needs the clients' norms; this accumulator was built with client_norms=False "
-                               "(for rules that step on the sum alone: the FedAvg family)")
+                               "(for rules that step on the sum alone: the FedAvg family; keep them with "
+                               "client_norms=True)")
 
     @property
     def client_ids(self) -> list:

@@ -76,15 +76,14 @@ def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor
                    bad_out: torch.Tensor, msq_out: torch.Tensor) -> None:
     """csrc/quantized.h in float64: each client dequantized, then summed (the oracle's order of operations). e4m3
     codes are read through their table (``e4m3`` only says which decoder a compiled backend may use)."""
-    if sq_out is None:  # the norms are not wanted: summed into a scratch (this pass is not bound by them)
-        sq_out = torch.empty(len(codes), dtype=torch.float64, device=out.device)
     d = out.numel()
     acc = torch.zeros(d, dtype=torch.float64, device=out.device) if init is None else init.to(torch.float64, copy=True)
     for i, (q, s) in enumerate(zip(codes, scales)):
         v = q.to(torch.float64) if table is None else table.to(torch.float64)[q.long()]
         x = s.to(torch.float64).repeat_interleave(block)[:d] * v
         acc += coef[i] * x
-        sq_out[i] = (x * x).sum()
+        if sq_out is not None:  # (None: the norms are not wanted)
+            sq_out[i] = (x * x).sum()
         bad_out[i] = bool((q == -128).any()) if table is None else bool(v.isnan().any())
     out.copy_(acc)
     msq_out.copy_((out.to(torch.float64) ** 2).sum())

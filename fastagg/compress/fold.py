@@ -195,7 +195,8 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
             if bool(bad.any()):
                 who = ", ".join(names[group[j]] for j in bad.nonzero().flatten().tolist())
                 raise ValueError(f"{who} {first.INVALID_CODES}")
-        sq[group] = gsq
+        if norms:
+            sq[group] = gsq
     return (sq if norms else None), msq
 
 
