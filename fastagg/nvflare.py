@@ -135,8 +135,7 @@ class FastaggAggregator(ModelAggregator):
         self._base: dict | None = None     # the model sent this round (the clients' starting point)
         self._round: Any = None
         self._sites: set = set()
-        self._metrics: dict = {}
-        self._metric_weight = 0.0
+        self._metrics: dict = {}  # metric name -> [sum of weight * value, sum of weight] over the results reporting it
         self._pending: list = []  # BLOCKWISE8 results checked and waiting to be folded together (PENDING_MAX)
 
     # -- FLARE events: the model sent this round -------------------------------------------------------------
@@ -175,14 +174,14 @@ class FastaggAggregator(ModelAggregator):
                 self._round_acc.reset()
             self._base, self._round = base, model.current_round
             self._acc = self._round_acc
-            self._sites, self._metrics, self._metric_weight = set(), {}, 0.0
+            self._sites, self._metrics = set(), {}
             self._clipped, self._pending = [], []
 
     # -- ModelAggregator ---------------------------------------------------------------------------------------
     def reset_stats(self):
         with self._lock:
             self._base, self._acc, self._pending = None, None, []
-            self._sites, self._metrics, self._metric_weight = set(), {}, 0.0
+            self._sites, self._metrics = set(), {}
 
     def accept_model(self, model: FLModel) -> bool:
         """Fold one client's result into the round (see the module docstring). Returns whether it was folded."""
@@ -242,8 +241,9 @@ class FastaggAggregator(ModelAggregator):
             self._sites.add(site)
             for k, v in (model.metrics or {}).items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._metrics[k] = self._metrics.get(k, 0.0) + weight * float(v)
-            self._metric_weight += weight
+                    acc = self._metrics.setdefault(k, [0.0, 0.0])  # (a site that does not report k does not
+                    acc[0] += weight * float(v)                       # count toward k's average: FLARE's helper)
+                    acc[1] += weight
             return True
 
     def aggregate_model(self) -> FLModel:
@@ -269,8 +269,7 @@ class FastaggAggregator(ModelAggregator):
                 else:
                     self.warning(f"fastagg {self.rule}: the step over {acc.num_clients} clients would make the "
                                  "model non-finite; the global model is unchanged")
-                if self._metric_weight > 0:
-                    metrics = {k: v / self._metric_weight for k, v in self._metrics.items()}
+                metrics = {k: total / w for k, (total, w) in self._metrics.items() if w > 0} or None
             out = self._hand_over()
             self._base, self._acc = None, None
             return FLModel(params_type=ParamsType.FULL, params=out, metrics=metrics)

@@ -421,3 +421,15 @@ def test_dp_a_nan_site_is_left_out_and_the_release_stays_finite(caplog):
     assert "site-2" in caplog.text
     good = [u for i, u in enumerate(updates) if i != 2]
     np.testing.assert_allclose(_flat(out.params) - _flat(sent), _clipped_mean(good, 0.7), atol=1e-6)
+
+
+def test_a_metric_is_averaged_over_the_sites_that_report_it():
+    """As FLARE's WeightedAggregationHelper (a weight per key): a site that does not report a metric, or reports
+    it as a string, a bool or NaN, does not pull that metric's average toward zero."""
+    agg = FastaggAggregator(rule="fedavg")
+    out = _round(agg, _model(80), [_result(_model(81), "a", steps=2, metrics={"acc": 0.9, "loss": 1.0}),
+                                   _result(_model(82), "b", steps=1, metrics={"acc": "high", "loss": 4.0}),
+                                   _result(_model(83), "c", steps=1, metrics={"acc": float("nan")}),
+                                   _result(_model(84), "d", steps=1)])
+    assert out.metrics == pytest.approx({"acc": 0.9, "loss": (2 * 1.0 + 4.0) / 3})
+    assert _round(agg, _model(80), [_result(_model(81), "a")]).metrics is None
