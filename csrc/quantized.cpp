@@ -537,6 +537,20 @@ void table_planes(const float* table, uint8_t* planes) {
   }
 }
 
+// Whether the book is sign-symmetric about code 127: table[c] and table[254 - c] differ in the sign bit alone
+// (c < 127). bitsandbytes' dynamic map is (its codes 0..126 negative, 127 zero, 128..254 their negations, 255 is
+// 1.0); so is any book built as sign * magnitude. Such a book is one 128-entry half plus a sign, and the lookup
+// needs half the permutes.
+bool table_sign_symmetric(const float* table) {
+  for (int c = 0; c < 127; ++c) {
+    uint32_t a, b;
+    std::memcpy(&a, table + c, 4);
+    std::memcpy(&b, table + 254 - c, 4);
+    if ((a ^ b) != 0x80000000u) return false;
+  }
+  return true;
+}
+
 // Each client's float64 squares (8 lanes) added into inner[i] and reset.
 __attribute__((target("avx512f")))
 void hand_over_pd8(__m512d* sq, int64_t M, double* inner) {
@@ -563,22 +577,27 @@ inline void vbmi_transpose(__m512* z) {
 // blocks of whole multiples of 64 columns) with lookups by byte permutes instead of gathers: for 64 codes, each byte
 // plane is two vpermi2b over its 128-entry halves blended by the code's top bit, and the four planes interleave
 // into floats in the order {0-3, 16-19, 32-35, 48-51}, {4-7, ...}, ...: the sums are held in that order (a 4 x 4
-// transpose of 128-bit lanes on the way in and out). Squares in float64 (exact per element); a NaN entry makes the
-// client's sum of squares NaN, which flags it.
-template <bool Squares>
+// transpose of 128-bit lanes on the way in and out). Symmetric (a book passing table_sign_symmetric): one vpermi2b
+// per plane over entries 0..127, at c for c < 128 and at 254 - c (mod 128) above, the code's top bit xor-ed into
+// the sign, and code 255 given its own entry by a masked move. Squares in float64 (exact per element); a NaN entry
+// makes the client's sum of squares NaN, which flags it.
+template <bool Squares, bool Symmetric>
 __attribute__((target("avx512f,avx512bw,avx512vbmi")))
 void table_tile_vbmi(const uint8_t* const* codes, const uint8_t* planes, const float* table, int64_t lo, int64_t n,
                      int64_t M, int64_t ld, int64_t block, const float* cs, float* acc, double* inner, uint8_t* bad) {
   constexpr int64_t kMaxM = 32;
   if (M > kMaxM) {
     for (int64_t i0 = 0; i0 < M; i0 += kMaxM)
-      table_tile_vbmi<Squares>(codes + i0, planes, table, lo, n, std::min(kMaxM, M - i0), ld, block, cs + i0, acc,
-                      inner + i0, bad + i0);
+      table_tile_vbmi<Squares, Symmetric>(codes + i0, planes, table, lo, n, std::min(kMaxM, M - i0), ld, block,
+                                          cs + i0, acc, inner + i0, bad + i0);
     return;
   }
   __m512i tab[4][4];
   for (int b = 0; b < 4; ++b)
-    for (int j = 0; j < 4; ++j) tab[b][j] = _mm512_loadu_si512(planes + b * 256 + 64 * j);
+    for (int j = 0; j < (Symmetric ? 2 : 4); ++j) tab[b][j] = _mm512_loadu_si512(planes + b * 256 + 64 * j);
+  __m512i last[4];  // code 255's bytes, plane by plane (Symmetric)
+  for (int b = 0; b < 4; ++b) last[b] = _mm512_set1_epi8(static_cast<char>(planes[b * 256 + 255]));
+  const __m512i k254 = _mm512_set1_epi8(static_cast<char>(254)), sign = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512d sq[kMaxM];
   for (int64_t i = 0; i < M; ++i) sq[i] = _mm512_setzero_pd();
   const int64_t b0 = lo / block;
@@ -600,9 +619,17 @@ void table_tile_vbmi(const uint8_t* const* codes, const uint8_t* planes, const f
       const __m512i idx = _mm512_loadu_si512(src);
       const __mmask64 top = _mm512_movepi8_mask(idx);
       __m512i p[4];
-      for (int b = 0; b < 4; ++b)
-        p[b] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(tab[b][0], idx, tab[b][1]),
-                                      _mm512_permutex2var_epi8(tab[b][2], idx, tab[b][3]));
+      if constexpr (Symmetric) {
+        const __m512i half = _mm512_mask_sub_epi8(idx, top, k254, idx);
+        for (int b = 0; b < 4; ++b) p[b] = _mm512_permutex2var_epi8(tab[b][0], half, tab[b][1]);
+        p[3] = _mm512_ternarylogic_epi32(p[3], idx, sign, 0x78);  // p3 ^ (idx & 0x80)
+        const __mmask64 ff = _mm512_cmpeq_epi8_mask(idx, _mm512_set1_epi8(-1));
+        for (int b = 0; b < 4; ++b) p[b] = _mm512_mask_mov_epi8(p[b], ff, last[b]);
+      } else {
+        for (int b = 0; b < 4; ++b)
+          p[b] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(tab[b][0], idx, tab[b][1]),
+                                        _mm512_permutex2var_epi8(tab[b][2], idx, tab[b][3]));
+      }
       const __m512i lo01 = _mm512_unpacklo_epi8(p[0], p[1]), hi01 = _mm512_unpackhi_epi8(p[0], p[1]);
       const __m512i lo23 = _mm512_unpacklo_epi8(p[2], p[3]), hi23 = _mm512_unpackhi_epi8(p[2], p[3]);
       const __m512 f[4] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)),
@@ -666,9 +693,15 @@ void table_fold(const uint8_t* const* codes, const float* table, const float* co
     if (vbmi_usable()) {
       alignas(64) uint8_t planes[1024];
       table_planes(table, planes);
+      const bool symmetric = table_sign_symmetric(table);
       blockwise_sweep<T>(scales, M, d, block, coef, init, out, sq_out, bad_out, msq_out, 1, true,
                          [&](int64_t lo, int64_t n, const T* cs, T* acc, double* inner, uint8_t* bad) {
-                           table_tile_vbmi<Squares>(codes, planes, table, lo, n, M, M, block, cs, acc, inner, bad);
+                           if (symmetric)
+                             table_tile_vbmi<Squares, true>(codes, planes, table, lo, n, M, M, block, cs, acc, inner,
+                                                            bad);
+                           else
+                             table_tile_vbmi<Squares, false>(codes, planes, table, lo, n, M, M, block, cs, acc,
+                                                             inner, bad);
                          });
       return;
     }

@@ -396,6 +396,80 @@ def test_code_book_clients_fold_like_the_dequantized_oracle(backend, block, m, l
         assert acc.num_clients == 0
 
 
+def _dynamic_map() -> torch.Tensor:
+    """bitsandbytes' signed dynamic map (``create_dynamic_map(signed=True)``, the book FLARE's BLOCKWISE8 sends): 127
+    negative means of linspace(0.1, 1) per decade, their negations, 0 and 1.0, sorted. tests_nvflare checks it
+    against bitsandbytes' own."""
+    data = []
+    for i in range(7):
+        edges = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        means = (edges[:-1] + edges[1:]) / 2.0
+        data += ((10 ** (-6 + i)) * means).tolist() + ((-(10 ** (-6 + i))) * means).tolist()  # (float32 products)
+    return torch.sort(torch.tensor(data + [0.0, 1.0])).values
+
+
+def _symmetric_book(g, last: float) -> torch.Tensor:
+    half = torch.sort(torch.rand(127, generator=g) * 3 + 0.01).values
+    return torch.cat([-half.flip(0), torch.zeros(1), half, torch.tensor([last])])
+
+
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX"), reason="x86 lookup paths")
+@pytest.mark.parametrize("block, m", [(4096, 16), (64, 35), (100, 3)])
+def test_sign_symmetric_code_books_fold_like_the_oracle_on_both_lookup_paths(block, m, monkeypatch):
+    """A book whose codes c and 254 - c differ in the sign bit alone (bitsandbytes' dynamic map, which FLARE sends;
+    any sign * magnitude book) is looked up by one byte permute per plane instead of two (the VBMI tile's symmetric
+    form; code 255 by its own entry): the sums equal the gather path's bit for bit and the float64 oracle; a book
+    one bit away from symmetric takes the general form and folds as exactly; a NaN entry a code points at (255, or
+    a symmetric NaN pair) still names its client."""
+    from fastagg.compress import Codebook8
+
+    g = torch.Generator().manual_seed(block + m)
+    d = 2 * 65536 + 1001
+    near = _dynamic_map()
+    near[40] = torch.nextafter(near[40], torch.tensor(0.0))
+    books = {"dynamic map": _dynamic_map(), "symmetric, 255 = -7": _symmetric_book(g, -7.0),
+             "one bit off": near}
+    for name, book in books.items():
+        codes = [torch.randint(0, 256, (d,), generator=g, dtype=torch.uint8) for _ in range(m)]
+        codes[0][:300] = 255  # (the entry no half of the book holds)
+        codes[1][:300] = 127
+        us = [Codebook8(c, torch.rand(-(-d // block), generator=g) + 0.5, block, book) for c in codes]
+        ws = [1.0 + (j % 5) for j in range(m)]
+        oracle = sum(w * dequantize(u) for w, u in zip(ws, us)) / sum(ws)
+        sums = {}
+        for lookups in ("avx512", "gather"):
+            monkeypatch.setenv("FASTAGG_NO_AVX512", "1" if lookups == "gather" else "0")
+            for norms in (True, False):
+                acc = fastagg.Accumulator(like=torch.zeros(d), backend="cpu", client_norms=norms)
+                assert acc.add_many(us, ws) == [True] * m
+                sums[lookups, norms] = acc.weighted_sum.clone()
+                if norms:
+                    assert_close(acc.sq_norms, [float(dequantize(u).square().sum()) for u in us], rtol=1e-12,
+                                 atol=0, name=f"{name} norms")
+        first = sums["avx512", True]
+        assert all(torch.equal(s, first) for s in sums.values()), name
+        assert_close(first / sum(ws), oracle, rtol=0, atol=torch.finfo(torch.float32).eps * (m + 2) *
+                     float(oracle.abs().max()), name=name)
+    nan_book = _symmetric_book(g, float("nan"))
+    nan_book[10], nan_book[244] = float("nan"), -float("nan")
+    assert (nan_book[10].view(torch.int32) ^ nan_book[244].view(torch.int32)) & 0x7FFFFFFF == 0
+    clean = torch.randint(11, 244, (d,), generator=g, dtype=torch.uint8)
+    for bad_code in (255, 10, 244):
+        dirty = clean.clone()
+        dirty[d // 2] = bad_code
+        us = [Codebook8(clean, torch.ones(-(-d // block)), block, nan_book),
+              Codebook8(dirty, torch.ones(-(-d // block)), block, nan_book)]
+        for lookups in ("avx512", "gather"):
+            monkeypatch.setenv("FASTAGG_NO_AVX512", "1" if lookups == "gather" else "0")
+            for norms in (True, False):
+                acc = fastagg.Accumulator(like=torch.zeros(d), backend="cpu", client_norms=norms)
+                with pytest.raises(ValueError, match="deltas\\[1\\].*NaN"):
+                    acc.add_many(us)
+                assert acc.num_clients == 0
+                acc.add_many(us[:1])
+                assert torch.equal(acc.weighted_sum, dequantize(us[0], torch.float32))
+
+
 def test_a_sparse_round_scans_its_clients_once_and_still_finds_a_nan(monkeypatch):
     """check_batch (index order) and nonfinite_scales (finite values) share one C++ scan of the sparse clients per
     round, in fedexp_step, a server optimizer and Accumulator.add_many; a NaN value found by it still raises naming

@@ -93,6 +93,26 @@ def test_the_diff_fold_reads_the_quantized_bytes_and_equals_bitsandbytes_dequant
                                atol=1e-6)
 
 
+def test_bitsandbytes_book_is_the_sign_symmetric_map_the_fast_lookup_reads():
+    """The book FLARE's results carry (bitsandbytes' signed dynamic map) is the one tests/test_compress_formats.py
+    builds, and it is sign-symmetric about code 127 (codes c and 254 - c differ in the sign bit alone), so the C++
+    fold looks it up by one byte permute per plane (csrc/quantized.cpp, table_sign_symmetric)."""
+    import importlib.util
+    import pathlib
+
+    from bitsandbytes.functional import quantize_blockwise
+
+    path = pathlib.Path(__file__).parents[1] / "tests" / "test_compress_formats.py"
+    spec = importlib.util.spec_from_file_location("formats", path)
+    formats = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(formats)
+    _, st = quantize_blockwise(torch.randn(5000))
+    book = st.code.float()
+    assert torch.equal(book, formats._dynamic_map())
+    bits = book.view(torch.int32)
+    assert all(int(bits[c]) ^ int(bits[254 - c]) == -2 ** 31 for c in range(127))
+
+
 @pytest.mark.parametrize("corrupt, match", [
     (lambda d, m: m["quant_state"]["fc.weight"].__setitem__("absmax", np.ones(1, np.float32)), "need 2 scales"),
     (lambda d, m: m["quant_state"]["fc.bias"].__setitem__("code", np.full(256, np.nan, np.float32)), "NaN"),
