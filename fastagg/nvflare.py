@@ -71,7 +71,7 @@ except ImportError as e:  # pragma: no cover - exercised in a process without nv
     raise ImportError("fastagg.nvflare needs NVIDIA FLARE: pip install 'fastagg[nvflare]'") from e
 
 from . import client, privacy, server
-from .compress.codebook import LayerwiseUpdate, from_bitsandbytes
+from .compress.codebook import Codebook8, LayerwiseUpdate
 from .stream import Accumulator
 
 RULES = {"fedavg": server.FedAvg, "fedavgm": server.FedAvgM, "fedexp": server.FedExP, "fedexpm": server.FedExPM,
@@ -126,6 +126,7 @@ class FastaggAggregator(ModelAggregator):
         self.dp = None if dp is None else dict(dp)
         self._clipped: list = []  # dp: whether each folded result was clipped
         self._lock = threading.RLock()
+        self._books = _Books()  # BLOCKWISE8 code books, converted and checked once
         self._opt: server.ServerOptimizer | None = None
         self._restored: dict | None = None  # a state_dict loaded before the first round
         self._params: dict | None = None   # the optimizer's params: torch tensors, the model's names and dtypes
@@ -195,7 +196,8 @@ class FastaggAggregator(ModelAggregator):
             if site in self._sites:
                 return self._refuse(site, "already sent a result this round")
             try:
-                parts = _blockwise8_parts(model.params, meta, self._base)
+                parts = _blockwise8_parts(model.params, meta, self._base, self._books)
+                parts, nan_books = parts if parts is not None else (None, None)
                 folds_in_place = parts is not None and model.params_type == ParamsType.DIFF and \
                     self._mechanism is None and not self._acc._buffer_names
                 if parts is not None and not folds_in_place:  # FULL, buffers or dp: one dequantized copy
@@ -224,7 +226,7 @@ class FastaggAggregator(ModelAggregator):
                 clipped = coef < 1
             if folds_in_place:  # FLARE's BLOCKWISE8 update read where it lies (fastagg.compress.Codebook8)
                 update = LayerwiseUpdate(tuple(params.values()))
-                problem = _blockwise8_problem(update, site, self._acc)
+                problem = _blockwise8_problem(update, nan_books)
                 if problem is not None:
                     if self.on_nonfinite == "raise":
                         raise ValueError(f"the result of {site} {problem}")
@@ -374,28 +376,64 @@ BLOCKWISE8_BLOCK = 4096  # bitsandbytes' quantize_blockwise default, which FLARE
 PENDING_MAX = 16
 
 
-def _blockwise8_problem(update: LayerwiseUpdate, site: str, acc: Accumulator) -> str | None:
-    """Why a BLOCKWISE8 result cannot be folded (checked when accepted, before it waits): its layout against the
-    accumulator's, a NaN/Inf or non-positive absmax, a code book with NaN entries some code points at."""
-    from .compress.fold import check_batch, nonfinite_scales
+def _blockwise8_problem(update: LayerwiseUpdate, nan_books: list) -> str | None:
+    """Why a BLOCKWISE8 result cannot be folded (checked when accepted, before it waits): a NaN/Inf or non-positive
+    absmax, a code book with NaN entries some code points at (``nan_books``: per part, whether its book holds NaN).
+    Its layout was checked as it was built (:func:`_blockwise8_parts`: every entry's shape against the model's)."""
+    from .compress.fold import nonfinite_scales
 
     try:
-        check_batch([update], [f"the result of {site}"], numel=acc.numel, device=acc.device, where="the model")
         if nonfinite_scales([update], ["absmax"]):
             return "contains NaN or Inf"
-        for k, part in enumerate(update.parts):
-            if part.holds_invalid_code():
+        for k, (part, nan) in enumerate(zip(update.parts, nan_books)):
+            if nan and part.holds_invalid_code():
                 return f"layer {k} {part.INVALID_CODES}"
     except (TypeError, ValueError) as e:
         return str(e)
     return None
 
 
-def _blockwise8_parts(params: Any, meta: dict, base: dict) -> dict | None:
+class _Books:
+    """The distinct code books of BLOCKWISE8 results, each one tensor (a private copy) on the model's device with
+    whether it holds NaN: FLARE sends a copy of bitsandbytes' map per tensor and site (160 per round of 16 sites and
+    10 tensors), converted and checked once here instead of per copy. At most ``MAX`` kept; others are used as
+    sent."""
+
+    MAX = 64
+
+    def __init__(self):
+        self._known: dict = {}
+
+    def get(self, code: Any, device: torch.device) -> tuple:
+        """``(book tensor, holds NaN)`` for a ``code`` entry of a quant_state."""
+        key = None
+        if isinstance(code, np.ndarray) and code.dtype == np.float32 and code.shape == (256,):
+            key = (str(device), code.tobytes())
+            hit = self._known.get(key)
+            if hit is not None:
+                return hit
+        # (np.array copies: a book kept here is ours, whatever the sender does with its array later)
+        t = code.detach() if isinstance(code, torch.Tensor) else torch.as_tensor(np.array(code))
+        t = t.to(device).contiguous()
+        hit = (t, bool(torch.isnan(t).any()) if t.is_floating_point() else False)
+        if key is not None and len(self._known) < self.MAX:
+            self._known[key] = hit
+        return hit
+
+
+def _flat(x: Any) -> torch.Tensor:
+    """A quant_state array or a tensor as a flat contiguous tensor, without a copy where it already is one."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().reshape(-1)
+    a = np.asarray(x)
+    return torch.from_numpy(np.ascontiguousarray(a).reshape(-1))
+
+
+def _blockwise8_parts(params: Any, meta: dict, base: dict, books: _Books) -> tuple | None:
     """A result quantized by FLARE's ``ModelQuantizer("blockwise8")`` (``quantized_flag`` in its meta, no
-    ``ModelDequantizer`` on the server) as ``{name: Codebook8}`` in the model's order, each entry checked against
-    the model (shape, block count, code book); None for a result that is not quantized. Other quantizations
-    raise, saying to dequantize them with FLARE's filter."""
+    ``ModelDequantizer`` on the server) as ``({name: Codebook8}, [book holds NaN, ...])`` in the model's order, each
+    entry checked against the model (shape, block count, code book); None for a result that is not quantized. Other
+    quantizations raise, saying to dequantize them with FLARE's filter."""
     if not meta.get("quantized_flag"):
         return None
     algorithm = meta.get("processed_algorithm")
@@ -408,27 +446,27 @@ def _blockwise8_parts(params: Any, meta: dict, base: dict) -> dict | None:
     if set(params) != set(base):
         missing, extra = sorted(set(base) - set(params)), sorted(set(params) - set(base))
         raise ValueError(f"params differ from the model's entries (missing {missing[:3]}, extra {extra[:3]})")
-    out = {}
+    out, nan_books = {}, []
     for k, ref in base.items():
         st = state.get(k)
         if not st:
             raise ValueError(f"entry {k!r} was not quantized (FLARE quantizes float32/16 entries only): the result "
                              "cannot be folded as blockwise8; dequantize it with FLARE's ModelDequantizer")
+        shape = tuple(params[k].shape) if isinstance(params[k], torch.Tensor) else np.shape(params[k])
+        if shape != tuple(ref.shape):
+            raise ValueError(f"entry {k!r} has shape {shape}, the model {tuple(ref.shape)}")
+        dev = ref.device
         try:
-            codes = torch.as_tensor(np.asarray(params[k]) if not isinstance(params[k], torch.Tensor) else params[k])
-            absmax, code = (torch.as_tensor(np.asarray(st[f]) if not isinstance(st[f], torch.Tensor) else st[f])
-                            for f in ("absmax", "code"))
-        except (KeyError, TypeError) as e:
+            codes, absmax = (t if t.device == dev else t.to(dev) for t in (_flat(params[k]), _flat(st["absmax"])))
+            book, nan = books.get(st["code"], dev)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"entry {k!r} has a malformed quant_state ({e!r:.80})") from None
-        if tuple(codes.shape) != tuple(ref.shape):
-            raise ValueError(f"entry {k!r} has shape {tuple(codes.shape)}, the model {tuple(ref.shape)}")
         try:
-            dev = ref.device
-            out[k] = from_bitsandbytes(*(t if t.device == dev else t.to(dev) for t in (codes, absmax, code)),
-                                       BLOCKWISE8_BLOCK)
+            out[k] = Codebook8(codes, absmax, BLOCKWISE8_BLOCK, code=book)
         except (TypeError, ValueError) as e:
             raise ValueError(f"entry {k!r}: {e}") from None
-    return out
+        nan_books.append(nan)
+    return out, nan_books
 
 
 def _to_tensor(v: Any, name: str, device: str) -> torch.Tensor:

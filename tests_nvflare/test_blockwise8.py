@@ -113,9 +113,52 @@ def test_bitsandbytes_book_is_the_sign_symmetric_map_the_fast_lookup_reads():
     assert all(int(bits[c]) ^ int(bits[254 - c]) == -2 ** 31 for c in range(127))
 
 
+def test_code_books_are_converted_once_and_each_result_read_through_its_own():
+    """FLARE sends a copy of the book per tensor and site: equal books become one tensor, converted and checked for
+    NaN once (kept across rounds); a site with another book (halved here) or with a NaN entry that none of its codes
+    points at is folded through its own, as FLARE's dequantizer reads it; a kept book is a copy, so the sender
+    changing its array after the result was accepted changes nothing."""
+    rng = np.random.default_rng(3)
+    sent = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    quantized = [_flare_quantize(u) for u in _updates(3, seed=3)]
+    for st in quantized[1][1]["quant_state"].values():
+        st["code"] = st["code"] * np.float32(0.5)
+    bias = quantized[2]
+    unused = sorted(set(range(256)) - set(np.asarray(bias[0]["fc.bias"]).tolist()))
+    bias[1]["quant_state"]["fc.bias"]["code"] = bias[1]["quant_state"]["fc.bias"]["code"].copy()
+    bias[1]["quant_state"]["fc.bias"]["code"][unused[0]] = np.nan
+    want = []
+    for d, m in quantized:  # each result dequantized through its own book (fastagg's float64 oracle)
+        parts = {k: from_bitsandbytes(d[k], m["quant_state"][k]["absmax"], m["quant_state"][k]["code"])
+                 for k in SHAPES}
+        want.append({k: np.nan_to_num(p.dequantize(torch.float64).numpy()).reshape(SHAPES[k]).astype(np.float32)
+                     for k, p in parts.items()})
+    ref = FastaggAggregator("fedavg")
+    _, expected = _run(ref, sent, [FLModel(params_type=ParamsType.DIFF, params=w, current_round=0,
+                                           meta={"client_name": f"site-{i}"}) for i, w in enumerate(want)])
+    agg = FastaggAggregator("fedavg")
+    for _ in range(2):
+        agg.reset_stats()
+        agg.set_model(FLModel(params_type=ParamsType.FULL, params=sent, current_round=0))
+        took = [agg.accept_model(FLModel(params_type=ParamsType.DIFF, params=d, current_round=0,
+                                         meta={**m, "client_name": f"site-{i}"})) for i, (d, m) in enumerate(quantized)]
+        assert took == [True] * 3
+        saved = quantized[0][1]["quant_state"]["conv.weight"]["code"].copy()
+        quantized[0][1]["quant_state"]["conv.weight"]["code"] *= 2  # after it was accepted
+        got = agg.aggregate_model()
+        quantized[0][1]["quant_state"]["conv.weight"]["code"][:] = saved
+        for k in SHAPES:
+            np.testing.assert_allclose(got.params[k], expected.params[k], rtol=1e-6, atol=1e-6, err_msg=k)
+    assert len(agg._books._known) == 3  # bitsandbytes' map, the halved one, the one with a NaN entry
+
+
 @pytest.mark.parametrize("corrupt, match", [
     (lambda d, m: m["quant_state"]["fc.weight"].__setitem__("absmax", np.ones(1, np.float32)), "need 2 scales"),
     (lambda d, m: m["quant_state"]["fc.bias"].__setitem__("code", np.full(256, np.nan, np.float32)), "NaN"),
+    (lambda d, m: m["quant_state"]["fc.bias"].__setitem__("code", np.zeros(256)), "float32"),
+    (lambda d, m: m["quant_state"]["fc.bias"].__setitem__("code", np.zeros(255, np.float32)), "256"),
+    (lambda d, m: m["quant_state"]["fc.bias"].__setitem__("code", ["x"] * 256), "malformed"),
+    (lambda d, m: m["quant_state"]["fc.bias"].__setitem__("absmax", np.ones(1, ">f4")), "byte order"),
     (lambda d, m: m["quant_state"]["conv.weight"]["absmax"].__setitem__(0, np.inf), "NaN or Inf"),
     (lambda d, m: d.__setitem__("fc.bias", np.zeros(3, np.uint8)), "has shape"),
     (lambda d, m: m.__setitem__("processed_algorithm", "float4"), "ModelDequantizer"),
