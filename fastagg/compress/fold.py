@@ -134,10 +134,15 @@ def nonfinite_scales(updates: list, names: list, scans: dict | None = None) -> l
 def _groups(updates: list) -> list:
     """Positions of the updates grouped by (format, block), groups in order of first appearance."""
     groups: dict = {}
+    books: dict = {}  # id -> bytes of the books seen in this call (clients often share one book tensor)
     for j, u in enumerate(updates):
         # one sweep per format, block and code book (equal books share it: compared by value)
-        key = ("sparse",) if isinstance(u, SparseUpdate) else \
-            (type(u), u.block, _book(u.code) if isinstance(u, Codebook8) else None)
+        book = None
+        if isinstance(u, Codebook8):
+            book = books.get(id(u.code))
+            if book is None:
+                book = books[id(u.code)] = _book(u.code)
+        key = ("sparse",) if isinstance(u, SparseUpdate) else (type(u), u.block, book)
         groups.setdefault(key, []).append(j)
     return list(groups.values())
 
