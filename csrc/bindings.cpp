@@ -624,19 +624,20 @@ Params params_of(py::handle list, const std::string& name, int want) {
 }
 
 // The extra output (eval model / broadcast point): the params' dtype and segment lengths.
-Params extra_of(py::handle list, const Params& p) {
-  Params e = params_of(list, "extra_out", p.kind);
-  if (e.lens != p.lens) value_error("extra_out's segments differ from the params'");
+Params like_params_of(py::handle list, const Params& p, const std::string& name) {
+  Params e = params_of(list, name, p.kind);
+  if (e.lens != p.lens) value_error(name + "'s segments differ from the params'");
   return e;
 }
 
 void checked_momentum_apply(py::handle params, py::handle extra, py::handle mean, py::handle buf, py::handle lr,
                     py::handle extra_coef, py::handle extra_coef_skip, py::handle finite, double momentum,
-                    bool nesterov, py::handle overflow) {
+                    bool nesterov, py::handle overflow, py::handle start) {
   Params p = params_of(params, "params", kAnyFloat);
   const int C = compute_kind(p.kind);
-  Params e;
-  if (!extra.is_none()) e = extra_of(extra, p);
+  Params e, st;
+  if (!extra.is_none()) e = like_params_of(extra, p, "extra_out");
+  if (!start.is_none()) st = like_params_of(start, p, "start");
   View m = flat_view(mean, "mean", C, p.numel);
   View b = buf.is_none() ? View{} : flat_view(buf, "momentum buffer", C, p.numel);
   View lr_v = flat_view(lr, "lr", kF64, 1);
@@ -648,7 +649,9 @@ void checked_momentum_apply(py::handle params, py::handle extra, py::handle mean
   for (const View& v : e.views) writes.push_back(&v);
   writes.push_back(&b);
   writes.push_back(&over);
-  check_overlaps(writes, {&m, &lr_v, &coef, &coef_skip, &fin});
+  std::vector<const View*> reads{&m, &lr_v, &coef, &coef_skip, &fin};
+  for (const View& v : st.views) reads.push_back(&v);
+  check_overlaps(writes, reads);
 
   MomentumArgs a{};
   a.num_segments = static_cast<int64_t>(p.views.size());
@@ -656,6 +659,7 @@ void checked_momentum_apply(py::handle params, py::handle extra, py::handle mean
   a.compute_dtype = C;
   a.param_ptrs = p.ptrs.data();
   a.extra_ptrs = e.views.empty() ? nullptr : e.ptrs.data();
+  a.start_ptrs = start.is_none() ? nullptr : st.ptrs.data();
   a.seg_len = p.lens.data();
   a.seg_off = p.offs.data();
   a.mean = m.data;

@@ -33,6 +33,8 @@ struct MomentumArgs {
   int compute_dtype;          // of mean and buf: kFloat32 or kFloat64
   const uint64_t* param_ptrs; // [L]
   const uint64_t* extra_ptrs; // [L] (params' dtype) or nullptr
+  const uint64_t* start_ptrs; // [L] (params' dtype) or nullptr: w's old values are read here, not from w (which
+                              // is then only written: w ends as if it had held start before the pass)
   const int64_t* seg_len;
   const int64_t* seg_off;     // offsets into the flat mean and buf
   const void* mean;

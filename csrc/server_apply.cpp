@@ -43,6 +43,7 @@ inline void count_overflow(int32_t* counter, lane_int_t<C> kept, const P* w, con
 //   u = momentum * buf + mean (u = mean without buf);  step = nesterov ? mean + momentum * u : u
 //   w <- w + lr * step;  buf <- u;  extra = w_new + extra_coef * u
 // Not finite: w and buf unchanged; extra = w + extra_coef_skip * buf, or untouched without extra_coef_skip.
+// With start_ptrs, "w" on the right is start's (read there), and an unchanged w is start's copied.
 template <typename P, typename C, bool HasBuf, bool HasExtra, bool Nesterov, bool Finite>
 void momentum_impl(const MomentumArgs& a) {
   const C lr = Finite ? static_cast<C>(*a.lr) : C(0);
@@ -52,13 +53,14 @@ void momentum_impl(const MomentumArgs& a) {
   const int64_t bytes = 2 * sizeof(P) + sizeof(C) + (HasBuf ? 2 * sizeof(C) : 0) + (HasExtra ? sizeof(P) : 0);
   parallel_blocks(a.num_segments, a.seg_len, a.seg_off, kApplyBlock, bytes, [&](const Block& blk, int64_t col0) {
     P* w = as_ptr<P>(a.param_ptrs[blk.seg]) + blk.start;
+    const P* w_old = a.start_ptrs ? as_ptr<P>(a.start_ptrs[blk.seg]) + blk.start : w;
     P* ex = HasExtra ? as_ptr<P>(a.extra_ptrs[blk.seg]) + blk.start : nullptr;
     const C* m = static_cast<const C*>(a.mean) + col0;
     C* buf = HasBuf ? static_cast<C*>(a.buf) + col0 : nullptr;
     lane_int_t<C> kept = 0;
 #pragma GCC ivdep
     for (int64_t j = 0; j < blk.len; ++j) {
-      const C w0 = load<C>(w + j);
+      const C w0 = load<C>(w_old + j);
       if constexpr (Finite) {
         const C b0 = HasBuf ? buf[j] : C(0);
         const C u = HasBuf ? mu * b0 + m[j] : m[j];
@@ -79,7 +81,8 @@ void momentum_impl(const MomentumArgs& a) {
         }
       }
     }
-    count_overflow<P, C>(a.overflow, kept, w, buf, nullptr, nullptr, blk.len);
+    if (!Finite && w_old != w) std::copy(w_old, w_old + blk.len, w);
+    count_overflow<P, C>(a.overflow, kept, w_old, buf, nullptr, nullptr, blk.len);
   });
 }
 
@@ -138,8 +141,9 @@ template <typename F> void dispatch_param_and_compute(int param_dtype, int compu
 
 void momentum_apply(const MomentumArgs& a) {
   const bool finite = *a.finite;
-  const bool has_extra = a.extra_ptrs != nullptr;
-  if (!finite && (!has_extra || a.extra_coef_skip == nullptr)) return;
+  // not finite: extra is written only with extra_coef_skip (else left as it is)
+  const bool has_extra = a.extra_ptrs != nullptr && (finite || a.extra_coef_skip != nullptr);
+  if (!finite && !has_extra && a.start_ptrs == nullptr) return;
   dispatch_param_and_compute(a.param_dtype, a.compute_dtype, [&](auto ptag, auto ctag) {
     using P = decltype(ptag);
     using C = decltype(ctag);

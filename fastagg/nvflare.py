@@ -8,7 +8,11 @@ A round, with FLARE's ``FedAvg`` workflow (any controller that calls ``reset_sta
 ``aggregate_model`` works the same way):
 
 * the model FLARE sends (its ``BEFORE_TRAIN_TASK`` event, the first of the round) becomes the round's base and
-  the server optimizer's params (copied into tensors the aggregator owns, in the model's dtypes);
+  the starting point of the server optimizer's params (tensors the aggregator owns, in the model's dtypes). It is
+  read where it lies, not copied: the momentum family's step reads it where it writes the new params (one pass),
+  the other rules copy it in when the round is aggregated. So the arrays sent must not be changed in place during
+  the round (FLARE replaces its global model, never writes into it), as the quantized results held until they are
+  folded;
 * ``accept_model`` folds one result: a ``FULL`` result's update ``params - base`` is formed inside the kernel (never
   stored), a ``DIFF`` result is the update. The weight is ``aggregation_weights[site]`` (default 1) times the
   result's ``NUM_STEPS_CURRENT_ROUND`` (default 1), as FLARE's own FedAvg weighs. Memory: the running sum and the
@@ -169,9 +173,7 @@ class FastaggAggregator(ModelAggregator):
                 # the FedAvg family steps on the sum alone: the folds skip the clients' norms (client_norms)
                 acc = Accumulator(like=params, backend=self.backend, client_norms=type(opt).needs_client_norms)
                 self._params, self._opt, self._restored, self._round_acc = params, opt, None, acc
-            else:
-                for k, v in base.items():
-                    self._params[k].copy_(v)
+            else:  # the params are set from base by the step itself (ServerOptimizer._step_from): no copy here
                 self._round_acc.reset()
             self._base, self._round = base, model.current_round
             self._acc = self._round_acc
@@ -257,15 +259,18 @@ class FastaggAggregator(ModelAggregator):
             acc, metrics = self._acc, None
             if acc.num_clients == 0 or acc.total_weight == 0:
                 self.warning("fastagg: no client result was folded this round; the global model is unchanged")
+                with torch.no_grad():
+                    for k, v in self._base.items():
+                        self._params[k].copy_(v)
             else:
                 if self._mechanism is not None:  # the private release (noise in the kernel), stepped on as one update
                     res = privacy.mechanisms.release_from_sum(acc.weighted_sum, self._clipped, self._mechanism,
                                                               self._opt._backend)
                     self.info(f"fastagg dp: {acc.num_clients} results, {sum(self._clipped)} clipped to "
                               f"{res.clipping_norm:.4g}, noise std {res.noise_std:.4g}")
-                    stats = self._opt.step([self._opt.layout.unflatten(res.estimate)])
-                else:
-                    stats = self._opt.step(acc)  # "skip": a step that would put Inf/NaN in the model keeps it
+                    stats = self._opt._step_from(self._base, [self._opt.layout.unflatten(res.estimate)])
+                else:  # "skip": a step that would put Inf/NaN in the model keeps it
+                    stats = self._opt._step_from(self._base, acc)  # (params = base + step, one pass)
                 if bool(stats.finite):
                     self.info(f"fastagg {self.rule}: {acc.num_clients} clients, step size {float(stats.eta):.4g}")
                 else:
@@ -278,9 +283,9 @@ class FastaggAggregator(ModelAggregator):
 
     def _hand_over(self) -> dict:
         """The new model in the form FLARE sent, without a copy: each parameter's storage is given away (a numpy
-        view of it; a copy from a GPU) and the parameter takes fresh storage, first written when the next round's
-        model is set. So the model handed out is never written again here, a round costs no model-sized copy, and
-        the new pages are touched when the next round begins, not while results are being aggregated."""
+        view of it; a copy from a GPU) and the parameter takes fresh storage, first written by the next round's
+        step (which reads that round's model where it writes them). So the model handed out is never written
+        again here and a round costs no model-sized copy."""
         out = {}
         for k, p in self._params.items():
             t = p.data

@@ -304,6 +304,10 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     group = property(lambda self: self._group.get(), doc="The torch.distributed group of the step, or None.")
 
+    # True where the rule writes the params by one _momentum call and reads no param value before it: its apply
+    # pass can read them from a start model (_step_from)
+    _apply_reads_start = False
+
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         for name in cls._hyper:
@@ -355,6 +359,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         self._extra: ParamRows | None = None  # eval model or broadcast point, in params' dtype
         self._means: dict = {}  # reused mean buffers by dtype: a fresh 40 MB one costs ~17 ms of page faults
         self._borrowed: list = []  # (accumulator, spare) lent as a step's mean, given back when the step ends
+        self._start: list | None = None  # _step_from's start model (flat parts), until the apply pass reads it
         self._checked_hyper: dict | None = None  # the group's values as last checked
         self._bound = self._binding()
 
@@ -485,7 +490,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         """The eval/broadcast buffer, a copy of the params until the first step writes it."""
         if "extra" not in self._flat:
             flat = torch.empty(self._p.segments.numel, dtype=self._p.dtype, device=self.device)
-            for dst, src in zip(self._p.segments.slice(flat), self._p.parts):
+            for dst, src in zip(self._p.segments.slice(flat), self._start or self._p.parts):
                 dst.copy_(src)
             self._flat["extra"] = flat
         if self._extra is None or self._extra.parts[0].data_ptr() != self._flat["extra"].data_ptr():
@@ -928,6 +933,37 @@ class ServerOptimizer(torch.optim.Optimizer):
         check_overflow(self._overflow, self.on_nonfinite, "params or the optimizer's state")
         return self.last_stats
 
+    def _step_from(self, start: Any, *args, **kw) -> StepStats:
+        """``step(*args, **kw)`` as if the params had first been set to ``start`` (a model of the params' form,
+        layout, dtype and device), without that copy where the rule allows it: the momentum family's apply pass
+        reads ``start`` where it writes the params (one pass; their old values are never read), so an aggregator
+        whose params take fresh storage every round sets them by the step itself (fastagg.nvflare). Other rules,
+        the model's buffers, and a step that ends before its apply (a raise) copy ``start`` in."""
+        with torch.no_grad():
+            self._follow()
+            s = param_rows(start, buffers_count=self.buffers == "optimizer")
+            if (s.segments.lens != self._p.segments.lens or s.dtype != self._p.dtype or s.device != self.device
+                    or [n for n, _ in s.buffers] != [n for n, _ in self._p.buffers]):
+                raise ValueError(f"start must be a model like the params ({list(self._p.segments.lens)[:4]}... "
+                                 f"elements of {self._p.dtype} on {self.device}); got {list(s.segments.lens)[:4]}... "
+                                 f"of {s.dtype} on {s.device}")
+            check_writes(self._written(), [(f"start entry {k}", t) for k, t in enumerate(s.parts)])
+            for (_, dst), (_, src) in zip(self._p.buffers, s.buffers):
+                dst.copy_(src)
+            if not self._apply_reads_start:
+                for dst, src in zip(self._p.parts, s.parts):
+                    dst.copy_(src)
+                return self.step(*args, **kw)
+            self._start = s.parts
+        try:
+            return self.step(*args, **kw)
+        finally:
+            left, self._start = self._start, None
+            if left is not None:  # no apply pass ran: the params are start's
+                with torch.no_grad():
+                    for dst, src in zip(self._p.parts, left):
+                        dst.copy_(src)
+
     def _return_borrowed(self) -> None:
         """Give the accumulators back the spare buffers the step used as its mean (the step is over): a server
         that steps on the same accumulator round after round then allocates no model-sized buffer again."""
@@ -951,10 +987,12 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     def _momentum(self, stats: RoundStats, lr: torch.Tensor, *, finite: torch.Tensor, buf: str | None = None,
                   momentum: float = 0.0, nesterov: bool = False, extra_coef=None, extra_coef_skip=None) -> None:
+        extra = None if extra_coef is None else self._extra_out()
+        start, self._start = self._start, None
         self._backend.momentum_apply(
             params=self._p, mean=stats.mean, lr=lr, finite=finite, buf=None if buf is None else self._buffer(buf),
-            momentum=momentum, nesterov=nesterov, extra_out=None if extra_coef is None else self._extra_out(),
-            extra_coef=extra_coef, extra_coef_skip=extra_coef_skip, overflow_out=self._overflow)
+            momentum=momentum, nesterov=nesterov, extra_out=extra, extra_coef=extra_coef,
+            extra_coef_skip=extra_coef_skip, overflow_out=self._overflow, **({} if start is None else {"start": start}))
 
     def _check_finite(self, stats: RoundStats, step_size: torch.Tensor) -> torch.Tensor:
         """The round's finite flag (raises in "raise" mode), the step size checked against the params' dtype."""
@@ -967,6 +1005,8 @@ class ServerOptimizer(torch.optim.Optimizer):
 
 class FedAvg(ServerOptimizer):
     """FedAvg's server step ``w <- w + lr * mean`` (lr = 1: plain model averaging; Flower's FedAvg)."""
+
+    _apply_reads_start = True
 
     _hyper = ("lr",)
 
@@ -992,6 +1032,7 @@ class FedAvgM(ServerOptimizer):
 
     _hyper = ("lr", "momentum", "nesterov")
     _vector_state = ("momentum_buffer",)
+    _apply_reads_start = True
 
     def __init__(self, params, lr: float = 1.0, momentum: float = 0.0, nesterov: bool = False, **kw):
         super().__init__(params, **kw)
@@ -1013,6 +1054,7 @@ class _FedExPFamily(ServerOptimizer):
     """eps schedule and the evaluation model shared by FedExP, FedExP-M and SCAFFOLD-ExP."""
 
     needs_client_norms = True  # eta reads sum_i p_i ||delta_i||^2
+    _apply_reads_start = True
 
     def _init_eps(self, eps, eps_mode, eps_decay, lr):
         self.lr = check_number(lr, "lr")
@@ -1202,6 +1244,7 @@ class Scaffold(_ControlVariate, ServerOptimizer):
 
     _hyper = ("num_clients", "lr")
     _vector_state = ("control",)
+    _apply_reads_start = True
 
     def __init__(self, params, num_clients: int, lr: float = 1.0, **kw):
         super().__init__(params, **kw)
@@ -1261,6 +1304,7 @@ class FedACG(ServerOptimizer):
 
     _hyper = ("lam", "lr")
     _vector_state = ("momentum",)
+    _apply_reads_start = True
 
     def __init__(self, params, lam: float = 0.85, lr: float = 1.0, **kw):
         super().__init__(params, **kw)
@@ -1417,6 +1461,7 @@ class QFedAvg(ServerOptimizer):
     """
 
     needs_client_norms = True  # h_i reads ||d_i||^2
+    _apply_reads_start = True
 
     _hyper = ("lr", "client_learning_rate", "q")
 

@@ -278,3 +278,94 @@ def test_step_base_is_checked(backend):
         opt.step(acc, base=glob)
     for k, v in opt._p.original.items():
         assert torch.equal(v, before[k])
+
+
+# -- a step from a start model (the momentum family's apply reads it; fastagg.nvflare's aggregator) -------------
+START_CASES = {k: CASES[k] for k in ("FedAvg", "FedAvgM-nesterov", "FedExP", "FedExPM", "FedACG", "FedAdam")}
+
+
+def _start_model(seed, dtype, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": (scale * torch.randn(300, generator=g)).to(dtype),
+            "b.bias": (scale * torch.randn(77, generator=g)).to(dtype)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(START_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_from_a_start_model_is_copying_it_in_then_stepping(backend, case, dtype):
+    """``_step_from(start, deltas)`` on params holding NaN garbage (never read: the momentum family's apply reads
+    ``start`` where it writes them; other rules copy it in) ends exactly as copying ``start`` into the params and
+    stepping: params, state, eval model and stats, bit for bit, over rounds that are finite, skipped (a NaN
+    client), with elements that would overflow (kept at start's value, counted), raised (params then hold start),
+    and from an Accumulator."""
+    name, hyper = START_CASES[case]
+    cls = getattr(server, name)
+    ref_p, own_p = _start_model(0, dtype), _start_model(0, dtype)
+    ref = cls(ref_p, backend=backend, on_nonfinite="skip", **hyper)
+    own = cls(own_p, backend=backend, on_nonfinite="skip", **hyper)
+    g = torch.Generator().manual_seed(1)
+    huge = torch.finfo(dtype).max
+
+    def deltas(m=3):
+        return [{k: (0.1 * torch.randn(v.shape, generator=g)).to(dtype) for k, v in ref_p.items()} for _ in range(m)]
+
+    for t in range(5):
+        start = _start_model(10 + t, dtype)
+        ds = deltas()
+        if t in (0, 2):  # a NaN client: the round is skipped (in round 0, before the eval buffer exists)
+            ds[1]["b.bias"][5] = float("nan")
+        if t == 3:  # elements that would overflow keep start's value and are counted
+            start["a.weight"][:4] = huge
+            for d in ds:
+                d["a.weight"][:4] = huge / 2
+        if t == 4:
+            acc_ref, acc_own = (fastagg.Accumulator(like=ref_p, client_norms=cls.needs_client_norms)
+                                for _ in range(2))
+            acc_ref.add_many(ds), acc_own.add_many(ds)
+            args_ref, args_own = (acc_ref,), (acc_own,)
+        else:
+            args_ref, args_own = (ds,), (ds,)
+        with torch.no_grad():
+            for k in ref_p:
+                ref_p[k].copy_(start[k])
+                own_p[k].fill_(float("nan"))
+        before = {k: v.clone() for k, v in start.items()}
+        a = ref.step(*args_ref)
+        b = own._step_from(start, *args_own)
+        assert all(torch.equal(start[k], before[k]) for k in start)  # start is only read
+        for k in ref_p:
+            assert torch.equal(own_p[k], ref_p[k]), (t, k)
+        assert bool(a.finite) == bool(b.finite) and (t not in (0, 2) or not bool(a.finite))
+        assert torch.equal(a.eta, b.eta) and int(a.overflowed) == int(b.overflowed)
+        assert (int(a.overflowed) > 0) == (t == 3)
+        sa, sb = ref.state_dict(), own.state_dict()
+        for k, v in sa["state"].items():
+            for n, x in v.items():
+                assert torch.equal(x, sb["state"][k][n]), (t, k, n)
+        if hasattr(ref, "eval_params"):
+            ea, eb = ref.eval_params(), own.eval_params()
+            for k in ea:
+                assert torch.equal(torch.as_tensor(ea[k]), torch.as_tensor(eb[k])), (t, k)
+    raising = cls(own_p, backend=backend, on_nonfinite="raise", **hyper)
+    bad = deltas()
+    bad[0]["a.weight"][0] = float("inf")
+    with torch.no_grad():
+        for v in own_p.values():
+            v.fill_(float("nan"))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        raising._step_from(start, bad)
+    assert all(torch.equal(own_p[k], start[k]) for k in start)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_start_model_that_does_not_fit_or_overlaps_what_the_step_writes_is_refused(backend):
+    params = _start_model(0, torch.float32)
+    opt = server.FedAvg(params, backend=backend)
+    ds = [{k: torch.zeros_like(v) for k, v in params.items()}]
+    with pytest.raises(ValueError, match="start must be a model like the params"):
+        opt._step_from({"a.weight": torch.zeros(300), "b.bias": torch.zeros(78)}, ds)
+    with pytest.raises(ValueError, match="start must be a model like the params"):
+        opt._step_from({k: v.double() for k, v in params.items()}, ds)
+    with pytest.raises(ValueError, match="overlaps"):
+        opt._step_from({"a.weight": params["a.weight"], "b.bias": torch.zeros(77)}, ds)

@@ -207,7 +207,7 @@ def gram(*, rows: ClientRows, gram_out: torch.Tensor, nonfinite_out: torch.Tenso
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
                    buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,
                    extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None,
-                   overflow_out: torch.Tensor) -> None:
+                   overflow_out: torch.Tensor, start: list | None = None) -> None:
     """The momentum family's apply pass::
 
         u = momentum * buf + mean        (u = mean without buf)
@@ -215,12 +215,15 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
         w <- w + lr * step;  buf <- u;  extra = w_new + extra_coef * u
     Not finite: w and buf unchanged; extra = w + extra_coef_skip * buf (w without buf), or left untouched when
     extra_coef_skip is None. An element whose new w, buf or extra would not be finite in its storage dtype keeps
-    every old value and is counted in ``overflow_out``.
+    every old value and is counted in ``overflow_out``. ``start`` (segments like the params'): w's old values are
+    read there and the params only written, as if they had held ``start`` before the pass.
     """
     cdt = mean.dtype
     ok = bool(finite)
     for s, (off, n) in enumerate(zip(params.segments.offs, params.segments.lens)):
         w = params.parts[s]
+        if start is not None:
+            w.copy_(start[s])
         b = None if buf is None else buf[off : off + n]
         if not ok:
             if extra_out is not None and extra_coef_skip is not None:
