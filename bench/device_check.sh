@@ -22,7 +22,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # the sections most likely to hang or fail last (the grouped client schedule spins on counters); one section's
 # failure is recorded and the others run (gpu_bench.py), and the tables are written after every section
-SECTIONS="${1:-copy,round,robust,dp,queue,feed,pageable,server,sim,client}"
+SECTIONS="${1:-copy,round,compress,robust,dp,queue,feed,pageable,server,sim,client}"
 TEST_LIMIT="${TEST_LIMIT:-220}" BENCH_LIMIT="${BENCH_LIMIT:-240}"  # seconds
 {
   date -u
