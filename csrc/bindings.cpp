@@ -135,11 +135,19 @@ void checked_round_stats(py::handle rows, py::handle base, const std::vector<int
   const RowsArg r = rows_of(rows, base, seg_lens, "round_stats");
   const int64_t L = static_cast<int64_t>(seg_lens.size()), M = r.M, d = r.d;
   View w = flat_view(weights, "weights", kF64, M);
-  View mean = view_of(mean_out, "mean_out", kAnyFloat);
-  if (mean.kind != kF32 && mean.kind != kF64) type_error("mean_out must be float32 or float64");
-  mean = flat_view(mean_out, "mean_out", mean.kind, d);
-  View init = mean_init.is_none() ? View{} : flat_view(mean_init, "mean_init", mean.kind, d);
-  View ax = aux.is_none() ? View{} : flat_view(aux, "aux", mean.kind, d);
+  // mean_out None: the mean is not written (only ||mean||^2 and the clients' stats), in the rows' compute type
+  View mean;
+  int C = compute_kind(r.T);
+  if (!mean_out.is_none()) {
+    mean = view_of(mean_out, "mean_out", kAnyFloat);
+    if (mean.kind != kF32 && mean.kind != kF64) type_error("mean_out must be float32 or float64");
+    C = mean.kind;
+    mean = flat_view(mean_out, "mean_out", C, d);
+  } else if (noise_sigma > 0) {
+    value_error("round_stats: noise needs a mean_out to be written into");
+  }
+  View init = mean_init.is_none() ? View{} : flat_view(mean_init, "mean_init", C, d);
+  View ax = aux.is_none() ? View{} : flat_view(aux, "aux", C, d);
   View sq = flat_view(sq_norms_out, "sq_norms_out", kF64, M);
   View bad = flat_view(nonfinite_out, "nonfinite_out", kBool, M);
   View msq = flat_view(mean_sq_out, "mean_sq_out", kF64, 1);
@@ -151,7 +159,7 @@ void checked_round_stats(py::handle rows, py::handle base, const std::vector<int
   a.num_clients = M;
   a.num_segments = L;
   a.dtype = r.T;
-  a.compute_dtype = mean.kind;
+  a.compute_dtype = C;
   a.row_ptrs = r.ptrs.data();
   a.base_ptrs = r.base_ptrs.empty() ? nullptr : r.base_ptrs.data();
   a.seg_len = seg_lens.data();
@@ -632,7 +640,7 @@ Params like_params_of(py::handle list, const Params& p, const std::string& name)
 
 void checked_momentum_apply(py::handle params, py::handle extra, py::handle mean, py::handle buf, py::handle lr,
                     py::handle extra_coef, py::handle extra_coef_skip, py::handle finite, double momentum,
-                    bool nesterov, py::handle overflow, py::handle start) {
+                    bool nesterov, py::handle overflow, py::handle start, py::handle mean_scale) {
   Params p = params_of(params, "params", kAnyFloat);
   const int C = compute_kind(p.kind);
   Params e, st;
@@ -645,11 +653,12 @@ void checked_momentum_apply(py::handle params, py::handle extra, py::handle mean
   View coef_skip = extra_coef_skip.is_none() ? View{} : flat_view(extra_coef_skip, "extra_coef_skip", kF64, 1);
   View fin = flat_view(finite, "finite", kBool, 1);
   View over = flat_view(overflow, "overflow_out", kI32, 1);
+  View scale = mean_scale.is_none() ? View{} : flat_view(mean_scale, "mean_scale", kF64, 1);
   std::vector<const View*> writes = pointers(p.views);
   for (const View& v : e.views) writes.push_back(&v);
   writes.push_back(&b);
   writes.push_back(&over);
-  std::vector<const View*> reads{&m, &lr_v, &coef, &coef_skip, &fin};
+  std::vector<const View*> reads{&m, &lr_v, &coef, &coef_skip, &fin, &scale};
   for (const View& v : st.views) reads.push_back(&v);
   check_overlaps(writes, reads);
 
@@ -663,6 +672,7 @@ void checked_momentum_apply(py::handle params, py::handle extra, py::handle mean
   a.seg_len = p.lens.data();
   a.seg_off = p.offs.data();
   a.mean = m.data;
+  a.mean_scale = reinterpret_cast<const double*>(scale.data);
   a.buf = b.data;
   a.lr = reinterpret_cast<const double*>(lr_v.data);
   a.extra_coef = reinterpret_cast<const double*>(coef.data);

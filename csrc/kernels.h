@@ -18,7 +18,7 @@ struct StatsArgs {
   const void* mean_init;      // [d] in the compute type, or nullptr: mean_out = mean_init + sum_i ...
   const void* aux;            // [d] in the compute type, or nullptr: mean_sq = ||mean + aux_coef * aux||^2
   double aux_coef;
-  void* mean_out;             // [d] in the compute type
+  void* mean_out;             // [d] in the compute type, or nullptr: the mean is not written
   double* sq_norms_out;       // [M]
   uint8_t* nonfinite_out;     // [M]
   double* mean_sq_out;        // [1]
@@ -38,6 +38,8 @@ struct MomentumArgs {
   const int64_t* seg_len;
   const int64_t* seg_off;     // offsets into the flat mean and buf
   const void* mean;
+  const double* mean_scale;   // nullptr, or the mean is 0 + mean_scale * mean[j] in the compute type (an
+                              // Accumulator's sum read as round_stats would write its one-row mean)
   void* buf;                  // momentum buffer or nullptr
   const double* lr;           // device scalars
   const double* extra_coef;

@@ -157,7 +157,7 @@ void round_stats_impl(const StatsArgs& a) {
       const int64_t n = blk.len;
       const int64_t col0 = a.seg_off[blk.seg] + blk.start;
       C* acc = acc_buf.data();
-      C* mean = static_cast<C*>(a.mean_out) + col0;
+      C* mean = a.mean_out ? static_cast<C*>(a.mean_out) + col0 : acc;  // no mean_out: the block's mean in acc
       const C* start = a.mean_init ? static_cast<const C*>(a.mean_init) + col0 : nullptr;
       if (M == 0) {
         if (start) std::copy_n(start, n, mean);  // (the binding refuses a mean_out that overlaps mean_init)

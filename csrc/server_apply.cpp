@@ -44,9 +44,10 @@ inline void count_overflow(int32_t* counter, lane_int_t<C> kept, const P* w, con
 //   w <- w + lr * step;  buf <- u;  extra = w_new + extra_coef * u
 // Not finite: w and buf unchanged; extra = w + extra_coef_skip * buf, or untouched without extra_coef_skip.
 // With start_ptrs, "w" on the right is start's (read there), and an unchanged w is start's copied.
-template <typename P, typename C, bool HasBuf, bool HasExtra, bool Nesterov, bool Finite>
+template <typename P, typename C, bool HasBuf, bool HasExtra, bool Nesterov, bool Finite, bool Scaled>
 void momentum_impl(const MomentumArgs& a) {
   const C lr = Finite ? static_cast<C>(*a.lr) : C(0);
+  const C scale = Scaled ? static_cast<C>(*a.mean_scale) : C(1);
   const C coef = HasExtra ? static_cast<C>(Finite ? *a.extra_coef : *a.extra_coef_skip) : C(0);
   const C mu = static_cast<C>(a.momentum);
   // bytes per column: params and mean, the buffer and the extra output when present (read and written)
@@ -62,9 +63,10 @@ void momentum_impl(const MomentumArgs& a) {
     for (int64_t j = 0; j < blk.len; ++j) {
       const C w0 = load<C>(w_old + j);
       if constexpr (Finite) {
+        const C mj = Scaled ? C(0) + scale * m[j] : m[j];
         const C b0 = HasBuf ? buf[j] : C(0);
-        const C u = HasBuf ? mu * b0 + m[j] : m[j];
-        const C step = Nesterov ? m[j] + mu * u : u;
+        const C u = HasBuf ? mu * b0 + mj : mj;
+        const C step = Nesterov ? mj + mu * u : u;
         const C wn = w0 + lr * step;
         const C en = HasExtra ? wn + coef * u : C(0);
         const bool good = stays_finite<P>(wn) & finite_c(u) & (!HasExtra | stays_finite<P>(en));
@@ -149,11 +151,18 @@ void momentum_apply(const MomentumArgs& a) {
     using C = decltype(ctag);
     const bool has_buf = a.buf != nullptr;
     // Finite x buf x extra x nesterov, each a compile-time branch of the inner loop.
-    auto go = [&](auto fin, auto buf, auto ext, auto nes) {
-      momentum_impl<P, C, decltype(buf)::value, decltype(ext)::value, decltype(nes)::value, decltype(fin)::value>(a);
-    };
     using T = std::true_type;
     using F = std::false_type;
+    auto go = [&](auto fin, auto buf, auto ext, auto nes) {
+      constexpr bool Fin = decltype(fin)::value, Buf = decltype(buf)::value, Ext = decltype(ext)::value,
+                     Nes = decltype(nes)::value;
+      if constexpr (Fin) {  // (a round that is not finite reads no mean)
+        if (a.mean_scale) momentum_impl<P, C, Buf, Ext, Nes, true, true>(a);
+        else momentum_impl<P, C, Buf, Ext, Nes, true, false>(a);
+      } else {
+        momentum_impl<P, C, Buf, Ext, Nes, false, false>(a);
+      }
+    };
     auto with_nes = [&](auto fin, auto buf, auto ext) {
       if (a.nesterov) go(fin, buf, ext, T{});
       else go(fin, buf, ext, F{});

@@ -28,7 +28,7 @@ from .rows import Buffers, ClientRows, ParamRows, client_rows, compute_dtype
 class RoundStats:
     """What the stats pass gives (tensors on the clients' device; scalars 0-d float64)."""
 
-    mean: torch.Tensor            # [d], compute dtype
+    mean: torch.Tensor | None     # [d], compute dtype; None: not written (mean = mean_scale * mean_sum, below)
     sq_norms: torch.Tensor | None  # [M] float64 (None from sums alone)
     nonfinite: torch.Tensor       # [M] bool ([1] from sums: the sum itself)
     mean_sq: torch.Tensor         # ||mean||^2, or ||mean + aux_coef * aux||^2 when aux was given
@@ -39,6 +39,8 @@ class RoundStats:
     coefs: torch.Tensor | None = None   # [M] float64 p_i (None from sums alone)
     buffers: Buffers | None = None      # the clients' buffers, averaged apart (buffer_updates)
     buffer_sums: list | None = None     # from an Accumulator: sum_i p_i buffer_i per buffer (same order as names)
+    mean_sum: torch.Tensor | None = None    # with mean None: the sum the mean is 0 + mean_scale * mean_sum of
+    mean_scale: torch.Tensor | None = None  # 0-d float64 (an apply pass reads the sum scaled: momentum_apply)
 
 
 def round_dtype(rows_dtype: torch.dtype, params_dtype: torch.dtype | None = None) -> torch.dtype:
@@ -49,12 +51,14 @@ def round_dtype(rows_dtype: torch.dtype, params_dtype: torch.dtype | None = None
 
 
 def run_stats(rows: ClientRows, coefs: torch.Tensor, backend, *, mean_init=None, aux=None, aux_coef: float = 0.0,
-              mean_out: torch.Tensor | None = None, mean_dtype: torch.dtype | None = None, noise: tuple | None = None):
+              mean_out: torch.Tensor | None = None, mean_dtype: torch.dtype | None = None, noise: tuple | None = None,
+              keep_mean: bool = True):
     """One stats pass: ``(mean, sq_norms, nonfinite, mean_sq)`` with ``mean = init + sum_i coefs_i x_i``
     (``noise = (sigma, seed, round)``: plus ``sigma`` times fastagg.privacy's Gaussian noise, added as the mean is
-    written; ``mean_sq`` is then the noised mean's)."""
+    written; ``mean_sq`` is then the noised mean's). ``keep_mean=False``: the mean is not written (None), in the
+    rows' compute dtype."""
     dev = rows.device
-    if mean_out is None:
+    if mean_out is None and keep_mean:
         mean_out = _buffers.empty(rows.numel, mean_dtype or compute_dtype(rows.dtype), dev)
     sq = torch.empty(rows.num_clients, dtype=torch.float64, device=dev)
     bad = torch.empty(rows.num_clients, dtype=torch.bool, device=dev)
@@ -78,11 +82,13 @@ def client_stats(rows: ClientRows, weights: Any, backend, *, name: str, aux=None
 
 def sum_stats(weighted_sum: Any, weighted_sq_norm_sum: Any, total_weight: Any, num_clients: Any, backend_of, *,
               name: str = "weighted_sum", aux=None, aux_coef: float = 0.0, mean_out=None,
-              mean_dtype: torch.dtype | None = None) -> RoundStats:
+              mean_dtype: torch.dtype | None = None, keep_mean: bool = True) -> RoundStats:
     """Stats from sums alone: ``mean = weighted_sum / total_weight``, ``avg_sq = weighted_sq_norm_sum / total``.
 
     ``backend_of(device)`` resolves the backend once the sum's device is known. ``weighted_sq_norm_sum=None``: not
     known (an accumulator keeping no client norms): ``avg_sq`` is NaN, which only a rule that reads it would see.
+    ``keep_mean=False``: the mean is not written (``mean`` None, ``mean_scale = 1 / total_weight``; the caller sets
+    ``mean_sum``), for an apply pass that reads the sum scaled.
     """
     if not isinstance(num_clients, numbers.Integral) or isinstance(num_clients, bool) or num_clients < 1:
         raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
@@ -104,11 +110,14 @@ def sum_stats(weighted_sum: Any, weighted_sq_norm_sum: Any, total_weight: Any, n
                               device=dev)
     coefs = torch.full((1,), 1.0 / total, dtype=torch.float64, device=dev)
     mean, _, bad, msq = run_stats(rows, coefs, backend_of(dev), aux=aux, aux_coef=aux_coef, mean_out=mean_out,
-                                  mean_dtype=mean_dtype)
+                                  mean_dtype=mean_dtype, keep_mean=keep_mean)
     avg_sq = sq_sum / total
     if weighted_sq_norm_sum is not None:
         bad = bad | ~torch.isfinite(avg_sq) | (avg_sq < 0)
-    return RoundStats(mean, None, bad, msq, avg_sq, int(num_clients), rows.form, name)
+    stats = RoundStats(mean, None, bad, msq, avg_sq, int(num_clients), rows.form, name)
+    if not keep_mean:
+        stats.mean_scale = coefs.reshape(())
+    return stats
 
 
 def step_fits(step_size: torch.Tensor, mean_sq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -307,6 +308,9 @@ class ServerOptimizer(torch.optim.Optimizer):
     # True where the rule writes the params by one _momentum call and reads no param value before it: its apply
     # pass can read them from a start model (_step_from)
     _apply_reads_start = False
+    # True where the rule reads the round's mean only in that _momentum call (and its scalars from the stats):
+    # stepping on an Accumulator, the stats pass then writes no mean and the apply reads the sum scaled
+    _apply_reads_sum = False
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -791,6 +795,8 @@ class ServerOptimizer(torch.optim.Optimizer):
 
                 return accumulator_stats(deltas, lambda device: self._backend, group=self.group, aux=aux,
                                          aux_coef=aux_coef, mean_out=self._mean_buffer(name, self._cdt, deltas.numel))
+            if self._apply_reads_sum and aux is None and deltas.compute_dtype == self._cdt:
+                return deltas.round_stats(lambda device: self._backend, keep_mean=False)
             with deltas._lock:  # the accumulator's spare sum becomes the mean, lent for the step (no model-sized
                 spare = deltas._take_spare(self._cdt) if not self._means else None  # buffer kept here)
                 if spare is not None:
@@ -919,12 +925,15 @@ class ServerOptimizer(torch.optim.Optimizer):
                 deltas = [self._gradients()]
             if base is not None and isinstance(deltas, Accumulator):
                 raise TypeError("base= does not apply to an Accumulator: pass base to its add()")
+            # an Accumulator's lock is held for the whole step: the apply may read its sum (_apply_reads_sum)
+            held = deltas._lock if isinstance(deltas, Accumulator) else contextlib.nullcontext()
             try:
-                stats = self._stats(deltas, weights, base=base, negate=negate)
-                updates = buffer_updates(self._p, stats, models=base is not None)  # checked before any write
-                self._overflow = overflow_counter(stats.mean)
-                eta, finite = self._round(stats)
-                self._finish(stats, finite, updates)
+                with held:
+                    stats = self._stats(deltas, weights, base=base, negate=negate)
+                    updates = buffer_updates(self._p, stats, models=base is not None)  # checked before any write
+                    self._overflow = overflow_counter(stats.mean_sq)
+                    eta, finite = self._round(stats)
+                    self._finish(stats, finite, updates)
             finally:
                 self._return_borrowed()
         self.last_stats = StepStats(eta, stats.mean_sq, stats.avg_sq, stats.sq_norms, finite, _per_client(stats),
@@ -989,10 +998,13 @@ class ServerOptimizer(torch.optim.Optimizer):
                   momentum: float = 0.0, nesterov: bool = False, extra_coef=None, extra_coef_skip=None) -> None:
         extra = None if extra_coef is None else self._extra_out()
         start, self._start = self._start, None
+        kw = {} if start is None else {"start": start}
+        if stats.mean is None:  # (_apply_reads_sum) the sum, scaled as the stats pass would have written the mean
+            kw["mean_scale"] = stats.mean_scale
         self._backend.momentum_apply(
-            params=self._p, mean=stats.mean, lr=lr, finite=finite, buf=None if buf is None else self._buffer(buf),
-            momentum=momentum, nesterov=nesterov, extra_out=extra, extra_coef=extra_coef,
-            extra_coef_skip=extra_coef_skip, overflow_out=self._overflow, **({} if start is None else {"start": start}))
+            params=self._p, mean=stats.mean if stats.mean is not None else stats.mean_sum, lr=lr, finite=finite,
+            buf=None if buf is None else self._buffer(buf), momentum=momentum, nesterov=nesterov, extra_out=extra,
+            extra_coef=extra_coef, extra_coef_skip=extra_coef_skip, overflow_out=self._overflow, **kw)
 
     def _check_finite(self, stats: RoundStats, step_size: torch.Tensor) -> torch.Tensor:
         """The round's finite flag (raises in "raise" mode), the step size checked against the params' dtype."""
@@ -1006,16 +1018,15 @@ class ServerOptimizer(torch.optim.Optimizer):
 class FedAvg(ServerOptimizer):
     """FedAvg's server step ``w <- w + lr * mean`` (lr = 1: plain model averaging; Flower's FedAvg)."""
 
-    _apply_reads_start = True
-
     _hyper = ("lr",)
+    _apply_reads_start = _apply_reads_sum = True
 
     def __init__(self, params, lr: float = 1.0, **kw):
         super().__init__(params, **kw)
         self.lr = check_number(lr, "lr")
 
     def _round(self, stats):
-        eta = device_scalar(self.lr, stats.mean)
+        eta = device_scalar(self.lr, stats.mean_sq)
         finite = self._check_finite(stats, eta)
         self._momentum(stats, eta, finite=finite)
         return eta, finite
@@ -1032,7 +1043,7 @@ class FedAvgM(ServerOptimizer):
 
     _hyper = ("lr", "momentum", "nesterov")
     _vector_state = ("momentum_buffer",)
-    _apply_reads_start = True
+    _apply_reads_start = _apply_reads_sum = True
 
     def __init__(self, params, lr: float = 1.0, momentum: float = 0.0, nesterov: bool = False, **kw):
         super().__init__(params, **kw)
@@ -1043,7 +1054,7 @@ class FedAvgM(ServerOptimizer):
             raise ValueError("nesterov=True needs momentum > 0")
 
     def _round(self, stats):
-        eta = device_scalar(self.lr, stats.mean)
+        eta = device_scalar(self.lr, stats.mean_sq)
         finite = self._check_finite(stats, eta)
         buf = "momentum_buffer" if self.momentum > 0 else None
         self._momentum(stats, eta, finite=finite, buf=buf, momentum=self.momentum, nesterov=self.nesterov)

@@ -687,16 +687,19 @@ class Accumulator:
         return self._sum.dtype
 
     def round_stats(self, backend_of, *, aux=None, aux_coef: float = 0.0, mean_out=None,
-                    mean_dtype: torch.dtype | None = None) -> RoundStats:
+                    mean_dtype: torch.dtype | None = None, keep_mean: bool = True) -> RoundStats:
         """The stats pass over the accumulated sums (``mean = weighted_sum / total_weight``), with every added
         client's squared norm and the buffers' weighted averages. Used by the steps below and by the server
-        optimizers."""
+        optimizers. ``keep_mean=False``: the mean is not written; ``stats.mean_sum`` is the flat sum (valid until
+        the accumulator changes) and ``stats.mean_scale`` 1 / total_weight."""
         with self._lock:
             self._check_ready()
             r = self._round
             stats = sum_stats(self.weighted_sum, r.weighted_sq if self._client_norms else None, r.total_weight,
                               self.num_clients, backend_of, name="accumulator", aux=aux, aux_coef=aux_coef,
-                              mean_out=mean_out, mean_dtype=mean_dtype)
+                              mean_out=mean_out, mean_dtype=mean_dtype, keep_mean=keep_mean)
+            if not keep_mean:
+                stats.mean_sum = self._written_sum()
             stats.sq_norms = self._norms(r) if self._client_norms else \
                 torch.full((r.n,), math.nan, dtype=torch.float64, device=self.device)
             if self._buffer_names:

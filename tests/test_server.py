@@ -369,3 +369,94 @@ def test_a_start_model_that_does_not_fit_or_overlaps_what_the_step_writes_is_ref
         opt._step_from({k: v.double() for k, v in params.items()}, ds)
     with pytest.raises(ValueError, match="overlaps"):
         opt._step_from({"a.weight": params["a.weight"], "b.bias": torch.zeros(77)}, ds)
+
+
+class _StatsSpy:
+    """A backend that records what each round_stats call was asked to write."""
+
+    def __init__(self, inner):
+        self._inner, self.mean_outs = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def round_stats(self, **kw):
+        self.mean_outs.append(kw["mean_out"])
+        return self._inner.round_stats(**kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["FedAvg", "FedAvgM-nesterov"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_an_accumulator_step_reads_the_sum_scaled_instead_of_a_written_mean(backend, case, dtype):
+    """FedAvg and FedAvgM stepping on an Accumulator: the stats pass writes no mean (mean_out=None) and the apply
+    reads the sum scaled by 1 / total_weight, as the stats pass would have written it: params, momentum and stats
+    bit for bit those of the step that writes the mean, over finite, skipped and overflowing rounds, from a start
+    model too."""
+    name, hyper = CASES[case]
+    cls = getattr(server, name)
+    pa, pb = _start_model(0, dtype), _start_model(0, dtype)
+    eager = cls(pa, backend=backend, on_nonfinite="skip", **hyper)
+    eager._apply_reads_sum = False
+    lazy = cls(pb, backend=backend, on_nonfinite="skip", **hyper)
+    spy = lazy._backend = _StatsSpy(lazy._backend)
+    g = torch.Generator().manual_seed(2)
+    huge = torch.finfo(dtype).max
+    accs = [fastagg.Accumulator(like=pa, client_norms=False, backend=backend) for _ in range(2)]
+    for t in range(4):
+        ds = [{k: (0.1 * torch.randn(v.shape, generator=g, dtype=torch.float64)).to(dtype) for k, v in pa.items()}
+              for _ in range(3)]
+        if t == 1:
+            ds[2]["a.weight"][3] = float("nan")
+        if t == 2:
+            for p in (pa, pb):
+                p["a.weight"][:2] = huge
+            ds[0]["a.weight"][:2] = huge / 4
+        for acc in accs:
+            acc.reset()
+            acc.add_many(ds, [1.0, 2.0, 3.0], on_nonfinite="skip")
+        if t == 3:
+            start = _start_model(7, dtype)
+            a, b = eager._step_from(start, accs[0]), lazy._step_from(start, accs[1])
+        else:
+            a, b = eager.step(accs[0]), lazy.step(accs[1])
+        assert spy.mean_outs[-1] is None
+        for k in pa:
+            assert torch.equal(pa[k], pb[k]), (t, k)
+        assert bool(a.finite) == bool(b.finite) and torch.equal(a.mean_sq_norm, b.mean_sq_norm)
+        # (float64: an update that could overflow a param has a squared norm past float64, and is left out)
+        assert int(a.overflowed) == int(b.overflowed) and (int(a.overflowed) > 0) == (t == 2 and dtype != torch.float64)
+        for k, v in eager.state_dict()["state"].items():
+            for n, x in v.items():
+                assert torch.equal(x, lazy.state_dict()["state"][k][n]), (t, k, n)
+        assert torch.equal(accs[0].weighted_sum["a.weight"], accs[1].weighted_sum["a.weight"])  # sums unchanged
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_round_stats_without_a_mean_out_gives_the_same_statistics(backend):
+    """round_stats(mean_out=None): the mean is not kept; the clients' norms, flags and ||mean||^2 are those of the
+    pass that writes it (per-layer rows, an init, an Inf client, every dtype); noise needs a mean_out."""
+    from fastagg.backends import resolve
+    from fastagg.rows import client_rows
+
+    b = resolve(backend, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    for dtype, m in ((torch.float32, 1), (torch.float32, 5), (torch.bfloat16, 3), (torch.float64, 2)):
+        x = torch.randn(m, 1000, generator=g).to(dtype)
+        x[m - 1, 7] = float("inf")
+        rows = client_rows([[r[:300], r[300:]] for r in x], name="deltas")
+        cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        init, w = torch.randn(1000, generator=g).to(cdt), torch.rand(m, generator=g, dtype=torch.float64)
+        outs = []
+        for mean_out in (torch.empty(1000, dtype=cdt), None):
+            sq, bad, msq = (torch.empty(m, dtype=torch.float64), torch.empty(m, dtype=torch.bool),
+                            torch.empty((), dtype=torch.float64))
+            b.round_stats(rows=rows, weights=w, mean_init=init, aux=None, aux_coef=0.0, mean_out=mean_out,
+                          sq_norms_out=sq, nonfinite_out=bad, mean_sq_out=msq)
+            outs.append((sq, bad, msq))
+        (sq0, bad0, msq0), (sq1, bad1, msq1) = outs
+        assert torch.equal(sq0.nan_to_num(), sq1.nan_to_num()) and torch.equal(bad0, bad1) and bool(bad0[-1])
+        assert torch.equal(msq0.nan_to_num(), msq1.nan_to_num())
+    with pytest.raises(ValueError, match="noise needs a mean_out"):
+        b.round_stats(rows=rows, weights=w, mean_init=None, aux=None, aux_coef=0.0, mean_out=None,
+                      sq_norms_out=sq, nonfinite_out=bad, mean_sq_out=msq, noise=(1.0, 0, 0))

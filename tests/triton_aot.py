@@ -95,11 +95,12 @@ def drive_launchers():
                     for nesterov in (False, True):
                         for skip in (None, one):
                             for start in (None, like_params(p, torch.zeros(10, dtype=dtype)).parts):
-                                momentum_mod.momentum_apply(params=p, mean=mean, lr=one, finite=finite, buf=buf,
-                                                            momentum=0.9, nesterov=nesterov, extra_out=extra,
-                                                            extra_coef=one, extra_coef_skip=skip,
-                                                            overflow_out=torch.zeros(1, dtype=torch.int32),
-                                                            start=start)
+                                for scale in (None, one):
+                                    momentum_mod.momentum_apply(params=p, mean=mean, lr=one, finite=finite, buf=buf,
+                                                                momentum=0.9, nesterov=nesterov, extra_out=extra,
+                                                                extra_coef=one, extra_coef_skip=skip,
+                                                                overflow_out=torch.zeros(1, dtype=torch.int32),
+                                                                start=start, mean_scale=scale)
             for d, schedule in ((10, "row"), (40_000, "row"), (40_000, "chunks"), (40_000, "grouped")):
                 block = min(4096, triton.next_power_of_2(d))
                 local_mod.local_config = lambda m, n, s=schedule, b=block: dict(

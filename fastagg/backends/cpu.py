@@ -78,7 +78,7 @@ def _segments(parts) -> list:
 
 
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
-                aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
+                aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor | None, sq_norms_out: torch.Tensor,
                 nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor, noise=None) -> None:
     sigma, seed, rnd = (0.0, 0, 0) if noise is None else noise
     compiled().round_stats(
@@ -140,12 +140,14 @@ def gram(*, rows: ClientRows, gram_out: torch.Tensor, nonfinite_out: torch.Tenso
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
                    buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,
                    extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None,
-                   overflow_out: torch.Tensor, start: list | None = None) -> None:
+                   overflow_out: torch.Tensor, start: list | None = None,
+                   mean_scale: torch.Tensor | None = None) -> None:
     compiled().momentum_apply(
         _segments(params.parts), None if extra_out is None else _segments(extra_out.parts), _dl(mean), _dl(buf),
         _dl(lr.reshape(1)), _dl(None if extra_coef is None else extra_coef.reshape(1)),
         _dl(None if extra_coef_skip is None else extra_coef_skip.reshape(1)), _dl(finite.reshape(1)),
         float(momentum), bool(nesterov), _dl(overflow_out), None if start is None else _segments(start),
+        _dl(None if mean_scale is None else mean_scale.reshape(1)),
     )
 
 

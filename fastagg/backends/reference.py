@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import ClientRows, ParamRows
+from ..rows import ClientRows, ParamRows, compute_dtype
 from ..rowtable import per_row_tensor
 
 name = "reference"
@@ -106,7 +106,7 @@ def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, init: torch.
 
 
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
-                aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor, sq_norms_out: torch.Tensor,
+                aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor | None, sq_norms_out: torch.Tensor,
                 nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor, noise=None) -> None:
     """One read of the client rows (converted to the mean's dtype on load)::
 
@@ -115,7 +115,13 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
         sq_norms[i]  = ||x_i - base||^2                   (squares and sums in float64)
         nonfinite[i] = x_i - base holds NaN or Inf
         mean_sq      = ||mean + aux_coef * aux||^2        (float64; aux optional: FedExP-M's ||mean + beta v||^2)
+    ``mean_out`` None: the mean is not kept (computed in the rows' compute dtype for ``mean_sq``).
     """
+    if mean_out is None:
+        if noise is not None and noise[0] > 0:
+            raise ValueError("round_stats: noise needs a mean_out to be written into")
+        cdt = mean_init.dtype if mean_init is not None else compute_dtype(rows.dtype)
+        mean_out = torch.empty(rows.numel, dtype=cdt, device=sq_norms_out.device)
     cdt = mean_out.dtype
     sq = torch.zeros(rows.num_clients, dtype=torch.float64, device=mean_out.device)
     bad = torch.zeros(rows.num_clients, dtype=torch.bool, device=mean_out.device)
@@ -207,7 +213,8 @@ def gram(*, rows: ClientRows, gram_out: torch.Tensor, nonfinite_out: torch.Tenso
 def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, finite: torch.Tensor,
                    buf: torch.Tensor | None, momentum: float, nesterov: bool, extra_out: ParamRows | None,
                    extra_coef: torch.Tensor | None, extra_coef_skip: torch.Tensor | None,
-                   overflow_out: torch.Tensor, start: list | None = None) -> None:
+                   overflow_out: torch.Tensor, start: list | None = None,
+                   mean_scale: torch.Tensor | None = None) -> None:
     """The momentum family's apply pass::
 
         u = momentum * buf + mean        (u = mean without buf)
@@ -216,7 +223,9 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
     Not finite: w and buf unchanged; extra = w + extra_coef_skip * buf (w without buf), or left untouched when
     extra_coef_skip is None. An element whose new w, buf or extra would not be finite in its storage dtype keeps
     every old value and is counted in ``overflow_out``. ``start`` (segments like the params'): w's old values are
-    read there and the params only written, as if they had held ``start`` before the pass.
+    read there and the params only written, as if they had held ``start`` before the pass. ``mean_scale`` (0-d
+    float64): ``mean`` is a sum, and the mean ``0 + mean_scale * sum`` in its dtype (what the stats pass writes for
+    one row of weight ``mean_scale``).
     """
     cdt = mean.dtype
     ok = bool(finite)
@@ -234,6 +243,8 @@ def momentum_apply(*, params: ParamRows, mean: torch.Tensor, lr: torch.Tensor, f
                 extra_out.parts[s].copy_(torch.where(e_ok, e, w.to(cdt)))
             continue
         m = mean[off : off + n]
+        if mean_scale is not None:  # (0 + scale * sum: the one-row stats pass's mean, bit for bit)
+            m = mean_scale.to(cdt) * m + 0.0
         u = m if b is None else momentum * b + m
         step = m + momentum * u if nesterov else u
         w_new = w.to(cdt) + lr.to(cdt) * step
