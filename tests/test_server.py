@@ -460,3 +460,42 @@ def test_round_stats_without_a_mean_out_gives_the_same_statistics(backend):
     with pytest.raises(ValueError, match="noise needs a mean_out"):
         b.round_stats(rows=rows, weights=w, mean_init=None, aux=None, aux_coef=0.0, mean_out=None,
                       sq_norms_out=sq, nonfinite_out=bad, mean_sq_out=msq, noise=(1.0, 0, 0))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_adds_that_arrive_during_a_step_on_the_accumulator_wait_for_it(backend):
+    """The sum-reading apply reads the accumulator's buffer after the stats pass: adds from another thread while
+    the step runs (two of them: the second would fold into the buffer the first swapped out) wait for the step's
+    lock, so the step is the one of the clients folded before it, and the adds land afterwards."""
+    import threading
+
+    params = _start_model(0, torch.float32)
+    expect = {k: v.clone() for k, v in params.items()}
+    g = torch.Generator().manual_seed(5)
+    ds = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(4)]
+    acc = fastagg.Accumulator(like=params, client_norms=False, backend=backend)
+    acc.add_many(ds[:2])
+    ref = server.FedAvg(expect, backend=backend)
+    ref._apply_reads_sum = False
+    ref.step(acc)
+    opt = server.FedAvg(params, backend=backend)
+    inner = opt._backend
+    threads = []
+
+    class Racing:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def momentum_apply(self, **kw):
+            for d in ds[2:]:
+                threads.append(threading.Thread(target=acc.add, args=(d,)))
+                threads[-1].start()
+                threads[-1].join(0.3)  # (they wait for the step's lock)
+            return inner.momentum_apply(**kw)
+
+    opt._backend = Racing()
+    opt.step(acc)
+    for t in threads:
+        t.join(10)
+    assert all(torch.equal(params[k], expect[k]) for k in params)
+    assert acc.num_clients == 4
