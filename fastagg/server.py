@@ -952,9 +952,11 @@ class ServerOptimizer(torch.optim.Optimizer):
             self._follow()
             s = param_rows(start, buffers_count=self.buffers == "optimizer")
             if (s.segments.lens != self._p.segments.lens or s.dtype != self._p.dtype or s.device != self.device
-                    or [n for n, _ in s.buffers] != [n for n, _ in self._p.buffers]):
-                raise ValueError(f"start must be a model like the params ({list(self._p.segments.lens)[:4]}... "
-                                 f"elements of {self._p.dtype} on {self.device}); got {list(s.segments.lens)[:4]}... "
+                    or [n for n, _ in s.buffers] != [n for n, _ in self._p.buffers]
+                    or (s.form.kind == self.layout.kind == "dict" and s.form.names != self.layout.names)):
+                raise ValueError(f"start must be a model like the params (entries {list(self.layout.names)[:4]}... "
+                                 f"of {list(self._p.segments.lens)[:4]}... elements of {self._p.dtype} on "
+                                 f"{self.device}); got {list(s.form.names)[:4]}... of {list(s.segments.lens)[:4]}... "
                                  f"of {s.dtype} on {s.device}")
             check_writes(self._written(), [(f"start entry {k}", t) for k, t in enumerate(s.parts)])
             for (_, dst), (_, src) in zip(self._p.buffers, s.buffers):

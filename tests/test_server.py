@@ -369,6 +369,10 @@ def test_a_start_model_that_does_not_fit_or_overlaps_what_the_step_writes_is_ref
         opt._step_from({k: v.double() for k, v in params.items()}, ds)
     with pytest.raises(ValueError, match="overlaps"):
         opt._step_from({"a.weight": params["a.weight"], "b.bias": torch.zeros(77)}, ds)
+    square = {"x": torch.zeros(5), "y": torch.ones(5)}
+    sq_opt = server.FedAvg(square, backend=backend)
+    with pytest.raises(ValueError, match="start must be a model like the params"):  # the entries by name, not order
+        sq_opt._step_from({"y": torch.ones(5), "x": torch.zeros(5)}, [{k: torch.zeros(5) for k in square}])
 
 
 class _StatsSpy:
