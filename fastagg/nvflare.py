@@ -75,7 +75,7 @@ except ImportError as e:  # pragma: no cover - exercised in a process without nv
     raise ImportError("fastagg.nvflare needs NVIDIA FLARE: pip install 'fastagg[nvflare]'") from e
 
 from . import client, privacy, server
-from .compress.codebook import Codebook8, LayerwiseUpdate
+from .compress.codebook import Codebook8, LayerwiseUpdate, flat_tensor
 from .stream import Accumulator
 
 RULES = {"fedavg": server.FedAvg, "fedavgm": server.FedAvgM, "fedexp": server.FedExP, "fedexpm": server.FedExPM,
@@ -259,9 +259,7 @@ class FastaggAggregator(ModelAggregator):
             acc, metrics = self._acc, None
             if acc.num_clients == 0 or acc.total_weight == 0:
                 self.warning("fastagg: no client result was folded this round; the global model is unchanged")
-                with torch.no_grad():
-                    for k, v in self._base.items():
-                        self._params[k].copy_(v)
+                self._opt._assign(self._base)
             else:
                 if self._mechanism is not None:  # the private release (noise in the kernel), stepped on as one update
                     res = privacy.mechanisms.release_from_sum(acc.weighted_sum, self._clipped, self._mechanism,
@@ -426,14 +424,6 @@ class _Books:
         return hit
 
 
-def _flat(x: Any) -> torch.Tensor:
-    """A quant_state array or a tensor as a flat contiguous tensor, without a copy where it already is one."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().reshape(-1)
-    a = np.asarray(x)
-    return torch.from_numpy(np.ascontiguousarray(a).reshape(-1))
-
-
 def _blockwise8_parts(params: Any, meta: dict, base: dict, books: _Books) -> tuple | None:
     """A result quantized by FLARE's ``ModelQuantizer("blockwise8")`` (``quantized_flag`` in its meta, no
     ``ModelDequantizer`` on the server) as ``({name: Codebook8}, [book holds NaN, ...])`` in the model's order, each
@@ -462,7 +452,8 @@ def _blockwise8_parts(params: Any, meta: dict, base: dict, books: _Books) -> tup
             raise ValueError(f"entry {k!r} has shape {shape}, the model {tuple(ref.shape)}")
         dev = ref.device
         try:
-            codes, absmax = (t if t.device == dev else t.to(dev) for t in (_flat(params[k]), _flat(st["absmax"])))
+            codes, absmax = (t if t.device == dev else t.to(dev)
+                             for t in (flat_tensor(params[k]), flat_tensor(st["absmax"])))
             book, nan = books.get(st["code"], dev)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"entry {k!r} has a malformed quant_state ({e!r:.80})") from None

@@ -26,6 +26,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def unkept_mean(rows: "ClientRows", mean_init: torch.Tensor | None, noise) -> torch.Tensor:
+    """The scratch a stats pass asked for no mean (``mean_out=None``) writes its mean into, on a backend without a
+    store-free pass (the C++ one keeps each block in a per-thread scratch instead): the init's dtype, else the
+    rows' compute dtype. Noise is refused: it exists to be written into the mean."""
+    if noise is not None and noise[0] > 0:
+        raise ValueError("round_stats: noise needs a mean_out to be written into")
+    dtype = mean_init.dtype if mean_init is not None else compute_dtype(rows.dtype)
+    return torch.empty(rows.numel, dtype=dtype, device=rows.device)
+
+
 @dataclasses.dataclass(frozen=True)
 class Segments:
     """Lengths and offsets of the segments of a flat vector of ``numel`` elements."""

@@ -943,37 +943,51 @@ class ServerOptimizer(torch.optim.Optimizer):
         return self.last_stats
 
     def _step_from(self, start: Any, *args, **kw) -> StepStats:
-        """``step(*args, **kw)`` as if the params had first been set to ``start`` (a model of the params' form,
-        layout, dtype and device), without that copy where the rule allows it: the momentum family's apply pass
-        reads ``start`` where it writes the params (one pass; their old values are never read), so an aggregator
-        whose params take fresh storage every round sets them by the step itself (fastagg.nvflare). Other rules,
-        the model's buffers, and a step that ends before its apply (a raise) copy ``start`` in."""
+        """``step(*args, **kw)`` as if the params had first been set to ``start`` (:meth:`_assign`), without that
+        copy where the rule allows it: the momentum family's apply pass reads ``start`` where it writes the params
+        (one pass; their old values are never read), so an aggregator whose params take fresh storage every round
+        sets them by the step itself (fastagg.nvflare). Other rules, and a step that ends before its apply (a
+        raise), copy ``start`` in."""
         with torch.no_grad():
             self._follow()
-            s = param_rows(start, buffers_count=self.buffers == "optimizer")
-            if (s.segments.lens != self._p.segments.lens or s.dtype != self._p.dtype or s.device != self.device
-                    or [n for n, _ in s.buffers] != [n for n, _ in self._p.buffers]
-                    or (s.form.kind == self.layout.kind == "dict" and s.form.names != self.layout.names)):
-                raise ValueError(f"start must be a model like the params (entries {list(self.layout.names)[:4]}... "
-                                 f"of {list(self._p.segments.lens)[:4]}... elements of {self._p.dtype} on "
-                                 f"{self.device}); got {list(s.form.names)[:4]}... of {list(s.segments.lens)[:4]}... "
-                                 f"of {s.dtype} on {s.device}")
-            check_writes(self._written(), [(f"start entry {k}", t) for k, t in enumerate(s.parts)])
-            for (_, dst), (_, src) in zip(self._p.buffers, s.buffers):
-                dst.copy_(src)
+            parts = self._start_parts(start)
             if not self._apply_reads_start:
-                for dst, src in zip(self._p.parts, s.parts):
-                    dst.copy_(src)
+                self._copy_in(parts)
                 return self.step(*args, **kw)
-            self._start = s.parts
+            self._start = parts
         try:
             return self.step(*args, **kw)
         finally:
             left, self._start = self._start, None
             if left is not None:  # no apply pass ran: the params are start's
-                with torch.no_grad():
-                    for dst, src in zip(self._p.parts, left):
-                        dst.copy_(src)
+                self._copy_in(left)
+
+    def _assign(self, start: Any) -> None:
+        """Set the params (and the model's buffers) to ``start``, a model of their form, layout, dtype and device."""
+        with torch.no_grad():
+            self._follow()
+            self._copy_in(self._start_parts(start))
+
+    def _start_parts(self, start: Any) -> list:
+        """``start``'s flat parameter parts, checked against the params (entries by name, sizes, dtype, device; no
+        overlap with anything a step writes); its buffers are copied into the model's now."""
+        s = param_rows(start, buffers_count=self.buffers == "optimizer")
+        if (s.segments.lens != self._p.segments.lens or s.dtype != self._p.dtype or s.device != self.device
+                or [n for n, _ in s.buffers] != [n for n, _ in self._p.buffers]
+                or (s.form.kind == self.layout.kind == "dict" and s.form.names != self.layout.names)):
+            raise ValueError(f"start must be a model like the params (entries {list(self.layout.names)[:4]}... "
+                             f"of {list(self._p.segments.lens)[:4]}... elements of {self._p.dtype} on "
+                             f"{self.device}); got {list(s.form.names)[:4]}... of {list(s.segments.lens)[:4]}... "
+                             f"of {s.dtype} on {s.device}")
+        check_writes(self._written(), [(f"start entry {k}", t) for k, t in enumerate(s.parts)])
+        for (_, dst), (_, src) in zip(self._p.buffers, s.buffers):
+            dst.copy_(src)
+        return s.parts
+
+    def _copy_in(self, parts: list) -> None:
+        with torch.no_grad():
+            for dst, src in zip(self._p.parts, parts):
+                dst.copy_(src)
 
     def _return_borrowed(self) -> None:
         """Give the accumulators back the spare buffers the step used as its mean (the step is over): a server

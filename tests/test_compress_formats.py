@@ -413,12 +413,11 @@ def _symmetric_book(g, last: float) -> torch.Tensor:
     return torch.cat([-half.flip(0), torch.zeros(1), half, torch.tensor([last])])
 
 
-@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX"), reason="x86 lookup paths")
 @pytest.mark.parametrize("block, m", [(4096, 16), (64, 35), (100, 3)])
 def test_sign_symmetric_code_books_fold_like_the_oracle_on_both_lookup_paths(block, m, monkeypatch):
     """A book whose codes c and 254 - c differ in the sign bit alone (bitsandbytes' dynamic map, which FLARE sends;
     any sign * magnitude book) is looked up by one byte permute per plane instead of two (the VBMI tile's symmetric
-    form; code 255 by its own entry): the sums equal the gather path's bit for bit and the float64 oracle; a book
+    form; code 255 by its own entry; on a CPU without VBMI or AVX2 both settings run the loop that exists there): the sums equal the gather path's bit for bit and the float64 oracle; a book
     one bit away from symmetric takes the general form and folds as exactly; a NaN entry a code points at (255, or
     a symmetric NaN pair) still names its client."""
     from fastagg.compress import Codebook8

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import ClientRows, ParamRows, compute_dtype
+from ..rows import ClientRows, ParamRows, unkept_mean
 from ..rowtable import per_row_tensor
 
 name = "reference"
@@ -117,11 +117,8 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
         mean_sq      = ||mean + aux_coef * aux||^2        (float64; aux optional: FedExP-M's ||mean + beta v||^2)
     ``mean_out`` None: the mean is not kept (computed in the rows' compute dtype for ``mean_sq``).
     """
-    if mean_out is None:
-        if noise is not None and noise[0] > 0:
-            raise ValueError("round_stats: noise needs a mean_out to be written into")
-        cdt = mean_init.dtype if mean_init is not None else compute_dtype(rows.dtype)
-        mean_out = torch.empty(rows.numel, dtype=cdt, device=sq_norms_out.device)
+    if mean_out is None:  # (a scratch: no store-free variant of this pass yet)
+        mean_out = unkept_mean(rows, mean_init, noise)
     cdt = mean_out.dtype
     sq = torch.zeros(rows.num_clients, dtype=torch.float64, device=mean_out.device)
     bad = torch.zeros(rows.num_clients, dtype=torch.bool, device=mean_out.device)

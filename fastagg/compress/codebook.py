@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
 from .blockwise import Blockwise
@@ -93,8 +94,15 @@ class LayerwiseUpdate:
         return torch.cat([p.dequantize(dtype) for p in self.parts])
 
 
+def flat_tensor(x: Any) -> torch.Tensor:
+    """A numpy array (or array-like) or a tensor as a flat contiguous tensor, without a copy where it already is
+    one (numpy memory shared)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().reshape(-1)
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(x)).reshape(-1))
+
+
 def from_bitsandbytes(codes: Any, absmax: Any, code: Any, block: int = 4096) -> Codebook8:
     """A :class:`Codebook8` of bitsandbytes' ``quantize_blockwise`` output (numpy arrays or tensors, any shape for
     the codes: flattened as the tensor is)."""
-    t = [torch.as_tensor(x) for x in (codes, absmax, code)]
-    return Codebook8(t[0].reshape(-1).contiguous(), t[1].reshape(-1).contiguous(), block, code=t[2].contiguous())
+    return Codebook8(flat_tensor(codes), flat_tensor(absmax), block, code=flat_tensor(code))

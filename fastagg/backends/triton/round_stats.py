@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...rows import ClientRows, compute_dtype
+from ...rows import ClientRows, unkept_mean
 from .noise import normal_at
 from .launch import (address_table, addresses_aligned, block_columns, finalize_config, off_mult,
                      rows_aligned, scalar_table, segment_tables, stats_config, table_address)
@@ -170,11 +170,8 @@ def _row_table(rows: ClientRows, device: torch.device) -> tuple[torch.Tensor, bo
 def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Tensor | None,
                 aux: torch.Tensor | None, aux_coef: float, mean_out: torch.Tensor | None, sq_norms_out: torch.Tensor,
                 nonfinite_out: torch.Tensor, mean_sq_out: torch.Tensor, noise=None) -> None:
-    if mean_out is None:  # the mean not kept: written to a scratch here (the kernel has no store-free variant yet)
-        if noise is not None and noise[0] > 0:
-            raise ValueError("round_stats: noise needs a mean_out to be written into")
-        cdt = mean_init.dtype if mean_init is not None else compute_dtype(rows.dtype)
-        mean_out = torch.empty(rows.numel, dtype=cdt, device=sq_norms_out.device)
+    if mean_out is None:  # (a scratch: no store-free variant of this pass yet)
+        mean_out = unkept_mean(rows, mean_init, noise)
     device = mean_out.device
     sigma, seed, rnd = (0.0, 0, 0) if noise is None else noise
     M = rows.num_clients
