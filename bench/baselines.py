@@ -46,10 +46,31 @@ def flower_numpy(layers_per_client: list, num_examples: list, eps: float):
     return mean, sq, fedexp_eta(float(p @ sq), mean_sq, eps)
 
 
-def interleaved_times(calls: dict, rounds: int, seed: int = 0, warmup: int = 0) -> dict:
+def last_level_cache_bytes(default: int = 256 << 20) -> int:
+    """The largest CPU cache Linux reports (sysfs; ``default`` where it reports none)."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = open(path).read().strip().upper()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=default)
+
+
+def cache_evictor():
+    """A zero-argument function that writes a buffer of twice the last-level cache (at most 1 GiB), so that the call
+    timed after it reads its inputs from memory: the VM this project measures on reports a 300 MiB L3, in which a
+    160 MB input read a moment earlier partly stays and flatters whatever reads it next."""
+    buf = torch.empty(min(2 * last_level_cache_bytes(), 1 << 30), dtype=torch.uint8)
+    return lambda: buf.fill_(1)
+
+
+def interleaved_times(calls: dict, rounds: int, seed: int = 0, warmup: int = 0, before=None) -> dict:
     """``calls`` (name -> zero-argument function) timed in a fresh random order every round: name -> the list of
     ``rounds`` times in seconds (after ``warmup`` untimed rounds), so that times of one round compare calls under the
-    same load on this shared VM."""
+    same load on this shared VM. ``before``: a zero-argument function run untimed before every call (say,
+    :func:`cache_evictor`'s)."""
     import random
     import time
 
@@ -59,6 +80,8 @@ def interleaved_times(calls: dict, rounds: int, seed: int = 0, warmup: int = 0) 
     for r in range(warmup + rounds):
         rng.shuffle(order)
         for k in order:
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             calls[k]()
             if r >= warmup:
@@ -66,11 +89,11 @@ def interleaved_times(calls: dict, rounds: int, seed: int = 0, warmup: int = 0) 
     return times
 
 
-def interleaved_medians(calls: dict, rounds: int, warmup: int = 1) -> dict:
+def interleaved_medians(calls: dict, rounds: int, warmup: int = 1, before=None) -> dict:
     """name -> the median time in seconds of :func:`interleaved_times`."""
     import statistics
 
-    return {k: statistics.median(v) for k, v in interleaved_times(calls, rounds, warmup=warmup).items()}
+    return {k: statistics.median(v) for k, v in interleaved_times(calls, rounds, warmup=warmup, before=before).items()}
 
 
 def interleaved_ratios(benchmark, calls: dict, pairs: dict, rounds: int, seed: int = 0) -> dict:
