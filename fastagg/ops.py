@@ -18,7 +18,7 @@ from . import _buffers, rules
 from ._checks import check_number, check_on_nonfinite, normalized_weights, out_buffer
 from ._docs import share_docs
 from .backends import resolve
-from .compress.fold import CompressedRows, check_batch, fold, is_compressed, nonfinite_scales
+from .compress.fold import CompressedRows, check_batch, fold, is_compressed, nonfinite_scales, numel_of, tensors_of
 from .flat import Layout
 from ._aliasing import check_writes
 from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, client_stats, device_scalar,
@@ -215,16 +215,14 @@ def _run_compressed(deltas, weights, params, on_nonfinite, backend_name, eta_rul
     try:
         check_on_nonfinite(on_nonfinite)
         p = param_rows(params) if params is not None else None
-        numel = p.segments.numel if p is not None else deltas[0].numel
+        numel = p.segments.numel if p is not None else numel_of(deltas[0])
         dev = p.device if p is not None else deltas[0].device
         scans: dict = {}  # the sparse clients' C++ scan, shared by the two checks below
         check_batch(deltas, names, numel=numel, device=dev, where="the params" if p is not None else "deltas[0]",
                     scans=scans)
         cdt = round_dtype(torch.float32, None if p is None else p.dtype)
-        mean_buf, eval_buf = _round_outputs(p, mean_out, eval_out, numel, cdt, dev,
-                                            [(f"{n}.{f.name}", getattr(u, f.name)) for n, u in zip(names, deltas)
-                                             for f in dataclasses.fields(u)
-                                             if isinstance(getattr(u, f.name), torch.Tensor)])
+        reads = [(n + field, t) for n, u in zip(names, deltas) for field, t in tensors_of(u)]
+        mean_buf, eval_buf = _round_outputs(p, mean_out, eval_out, numel, cdt, dev, reads)
         backend = resolve(backend_name, dev)
         if mean_buf is None:
             mean_buf = _buffers.empty(numel, cdt, dev)

@@ -762,7 +762,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         return stats
 
     def _signed_stats(self, deltas: Any, weights: Any, name: str, base: Any, sign: float) -> RoundStats:
-        if is_compressed(deltas):
+        if is_compressed(deltas, name):
             if base is not None:
                 raise TypeError("base= does not apply to compressed updates: they are the updates themselves")
             if self.aggregate is not None:  # robust rules and DP read every client: dequantized rows, one each
@@ -869,7 +869,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         ws = [1.0] * len(deltas) if weights is None else weights
         folded = acc.add_many(deltas, ws, on_nonfinite=self.on_nonfinite)
         if not any(folded):
-            raise ValueError(f"every one of the {len(deltas)} {name} has a NaN or Inf scale; nothing was updated")
+            raise ValueError(f"every one of the {len(deltas)} {name} has a NaN or Inf scale or value; nothing was "
+                             "updated")
         return acc
 
     def _robust_stats(self, deltas: Any, weights: Any, name: str, base: Any, sign: float) -> RoundStats:

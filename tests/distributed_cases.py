@@ -335,13 +335,13 @@ COMPRESSED_OPTIMIZERS = ("FedAvg", "FedAvgM", "FedExP", "FedExPM", "FedACG", "Fe
 def compressed(rank: int, world: int, group) -> dict:
     """Compressed clients with group=: every rank folds its own where they lie, one all_reduce; the server
     optimizers over ROUNDS rounds and the functional FedExP round, against one process holding every client. With
-    ``mixed``: rank 0 sends its clients as float32 (the dequantized updates), the others compressed. A rank with no
-    client passes an empty list."""
+    ``mixed``: rank 0 sends its clients as float32 (the dequantized updates), the others compressed; ``"list"``: rank
+    0's first client float32 beside its compressed ones in one list. A rank with no client passes an empty list."""
     from fastagg.compress import dequantize
 
     sl = share(rank, world)
     out = {}
-    for mixed in (False, True):
+    for mixed in (False, True, "list"):
         for name in COMPRESSED_OPTIMIZERS:
             w = params0()
             opt = getattr(server, name)(w, group=group, **OPTIMIZERS[name])
@@ -349,14 +349,19 @@ def compressed(rank: int, world: int, group) -> dict:
             for rnd in range(ROUNDS):
                 _, _, weights = data(rnd)
                 mine = _compressed(rnd)[sl]
-                if mixed and rank == 0:
+                if mixed is True and rank == 0:
                     mine = torch.stack([dequantize(u).float() for u in mine]) if mine else mine
+                elif mixed == "list" and rank == 0 and mine:
+                    mine = [dequantize(mine[0]).float()] + mine[1:]
                 st = opt.step(mine, weights=weights[sl])
                 seen.append((w.clone(), float(st.eta), st.sq_norms.clone(), int(st.num_clients)))
             out[name, mixed] = seen
         w = params0()
         _, _, weights = data(0)
-        res = fastagg.fedexp_step(_compressed(0)[sl], eps=1e-3, weights=weights[sl], params=w, group=group)
+        mine = _compressed(0)[sl]
+        if mixed == "list" and rank == 0 and mine:
+            mine = [dequantize(mine[0]).float()] + mine[1:]
+        res = fastagg.fedexp_step(mine, eps=1e-3, weights=weights[sl], params=w, group=group)
         out["functional", mixed] = (w.clone(), float(res.eta))
     return out
 

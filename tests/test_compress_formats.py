@@ -156,6 +156,145 @@ def test_a_round_may_mix_float_and_compressed_clients_in_an_accumulator():
     assert acc.num_clients == 7
 
 
+def _with_floats(d=D, seed=0):
+    """The mixed formats with float clients among them: float32, bfloat16 and float64 (three float groups, so one
+    float pass starts from a sum other passes wrote)."""
+    xs = _xs(3, d, seed + 1)
+    us = _mixed(d, seed)
+    return [xs[0], us[0], us[1], xs[1].bfloat16(), us[2], us[3], xs[2].double(), us[4], us[5]]
+
+
+def _dense(u) -> torch.Tensor:
+    return u.double() if isinstance(u, torch.Tensor) else dequantize(u)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("init", ["none", "other", "out"])
+def test_float_clients_fold_beside_compressed_ones_like_the_oracle(backend, dtype, init):
+    """A mixed round in one list: float tensors (any float dtype, converted on load) beside int8, fp8, QSGD and
+    sparse clients, folded by the stats pass of float rows and the formats' sweeps into one sum, per-client norms
+    and ||sum||^2 as the float64 oracle's; starting from nothing, from another tensor, or from out itself."""
+    from fastagg.backends import resolve
+
+    be = resolve(backend, torch.device("cpu"))
+    us = _with_floats()
+    m = len(us)
+    coef = torch.linspace(0.05, 0.3, m, dtype=torch.float64)
+    start = torch.randn(D, generator=torch.Generator().manual_seed(9), dtype=dtype)
+    out = start.clone() if init == "out" else torch.empty(D, dtype=dtype)
+    sq, msq = fold(us, [f"u{j}" for j in range(m)], coef, be, init={"none": None, "other": start, "out": out}[init],
+                   out=out)
+    want = sum(coef[j] * _dense(us[j]) for j in range(m)) + (0 if init == "none" else start.double())
+    assert_close(out, want, rtol=0, atol=torch.finfo(dtype).eps * (m + 2) * float(want.abs().max()), name="sum")
+    want_sq = torch.stack([_dense(u).square().sum() for u in us])
+    assert_close(sq, want_sq, rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0, name="sq")
+    assert_close(msq, out.double().square().sum(), rtol=1e-12, atol=0, name="mean sq")
+
+
+def test_float_parts_of_layerwise_rounds_are_sliced_per_layer():
+    from fastagg.backends import resolve
+    from fastagg.compress import LayerwiseUpdate
+
+    sizes = (1000, 2001)
+    xs = _xs(3)
+    lw = [LayerwiseUpdate((quantize_int8(x[:sizes[0]], 64), sparsify_topk(x[sizes[0]:], 0.1))) for x in xs[:2]]
+    us = [xs[2], lw[0], lw[1]]  # a float client first: the layers are the first layerwise update's
+    coef = torch.tensor([0.5, 0.2, 0.3], dtype=torch.float64)
+    out = torch.empty(D)
+    sq, msq = fold(us, ["a", "b", "c"], coef, resolve("cpu", torch.device("cpu")), init=None, out=out)
+    dense = [u.double() if isinstance(u, torch.Tensor) else torch.cat([dequantize(p) for p in u.parts]) for u in us]
+    want = sum(c * x for c, x in zip(coef, dense))
+    assert_close(out, want, rtol=0, atol=1e-6 * float(want.abs().max()), name="sum")
+    assert_close(sq[0], xs[2].double().square().sum(), rtol=1e-6, atol=0, name="the float client's norm")
+    w = torch.zeros(D)
+    fastagg.fedexp_step(us, eps=1e-3, weights=[5.0, 2.0, 3.0], params=w)
+    ref = torch.zeros(D, dtype=torch.float64)
+    fastagg.fedexp_step(dense, eps=1e-3, weights=[5.0, 2.0, 3.0], params=ref, backend="reference")
+    assert_close(w, ref, rtol=1e-5, atol=1e-6, name="params")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_entry_point_takes_float_clients_beside_compressed_ones(backend):
+    """The functional round, the server optimizers (an internal Accumulator), the Accumulator's add_many and the
+    robust rules (dequantized rows) on one list of float and compressed clients: as on the float64 updates."""
+    us = _with_floats()
+    dense = [_dense(u) for u in us]
+    ws = [float(j + 1) for j in range(len(us))]
+    w, ref = torch.randn(D), None
+    ref = w.double().clone()
+    got = fastagg.fedexp_step(us, eps=1e-3, weights=ws, params=w, backend=backend)
+    want = fastagg.fedexp_step(dense, eps=1e-3, weights=ws, params=ref, backend="reference")
+    assert_close(got.eta, want.eta, rtol=1e-5, atol=0, name="eta")
+    assert_close(got.sq_norms, want.sq_norms, rtol=1e-5, atol=0, name="sq_norms")
+    assert_close(w, ref, rtol=1e-5, atol=1e-5, name="params")
+    a, b = torch.zeros(D), torch.zeros(D, dtype=torch.float64)
+    oa, ob = server.FedAdam([a], lr=0.1, backend=backend), server.FedAdam([b], lr=0.1, backend="reference")
+    for _ in range(2):
+        oa.step(us, weights=ws)
+        ob.step([x.clone() for x in dense], weights=ws)
+    assert_close(a, b, rtol=1e-4, atol=1e-6, name="FedAdam params")
+    acc = fastagg.Accumulator(like=torch.zeros(D), backend=backend)
+    assert acc.add_many(us, ws) == [True] * len(us)
+    want_sum = sum(wt * x for wt, x in zip(ws, dense))
+    assert_close(acc.weighted_sum, want_sum, rtol=0, atol=1e-5 * float(want_sum.abs().max()), name="sum")
+    assert_close(acc.weighted_sq_norm_sum, sum(wt * float(x @ x) for wt, x in zip(ws, dense)), rtol=1e-5, atol=0,
+                 name="sq sum")
+    r1, r2 = torch.zeros(D), torch.zeros(D)
+    server.FedAvg([r1], aggregate=Median(), backend=backend).step(us)
+    server.FedAvg([r2], aggregate=Median(), backend=backend).step(torch.stack([x.float() for x in dense]))
+    assert torch.equal(r1, r2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_float_client_beside_compressed_ones_is_raised_or_left_out(backend):
+    us = _with_floats()
+    us[3] = us[3].clone()
+    us[3][17] = float("nan")
+    w = torch.ones(D)
+    with pytest.raises(ValueError, match="deltas\\[3\\]"):
+        fastagg.fedexp_step(us, eps=1e-3, params=w, backend=backend)
+    assert torch.equal(w, torch.ones(D))
+    res = fastagg.fedexp_step(us, eps=1e-3, params=w, backend=backend, on_nonfinite="skip")
+    assert not bool(res.finite) and res.nonfinite.tolist() == [j == 3 for j in range(len(us))]
+    assert torch.equal(w, torch.ones(D))
+    acc = fastagg.Accumulator(like=torch.zeros(D), backend=backend)
+    with pytest.raises(ValueError, match="deltas\\[3\\] has a NaN or Inf scale or value"):
+        acc.add_many(us)
+    assert acc.num_clients == 0 and not bool(acc.weighted_sum.any())
+    assert acc.add_many(us, on_nonfinite="skip") == [j != 3 for j in range(len(us))]
+    keep = [u for j, u in enumerate(us) if j != 3]
+    want = sum(_dense(u) for u in keep)
+    assert_close(acc.weighted_sum, want, rtol=0, atol=1e-5 * float(want.abs().max()), name="sum without it")
+
+
+@pytest.mark.parametrize("item, error, match", [
+    ({"w": torch.zeros(D)}, TypeError, "deltas\\[1\\] is a dict: beside compressed updates"),
+    (torch.zeros(D).numpy(), TypeError, "deltas\\[1\\] is a ndarray"),
+    (torch.zeros(D, dtype=torch.int32), TypeError, "deltas\\[1\\] is a torch.int32 tensor"),
+    (torch.zeros(D + 1), ValueError, f"deltas\\[1\\] has {D + 1} elements"),
+    (torch.zeros(2 * D)[::2], ValueError, "deltas\\[1\\] is not contiguous"),
+    (torch.zeros(D, device="meta"), ValueError, "deltas\\[1\\] is on meta"),
+])
+def test_a_float_client_that_does_not_fit_is_refused_naming_it_and_nothing_changes(item, error, match):
+    us = _mixed()
+    batch = [us[0], item, us[1]]
+    w = torch.ones(D)
+    with pytest.raises(error, match=match):
+        fastagg.fedexp_step(batch, eps=1e-3, params=w)
+    assert torch.equal(w, torch.ones(D))
+    acc = fastagg.Accumulator(like=torch.zeros(D))
+    acc.add(us[2])
+    before = _state(acc)
+    with pytest.raises(error, match=match):
+        acc.add_many(batch)
+    after = _state(acc)
+    assert torch.equal(after[0], before[0]) and after[1:] == before[1:]
+    mean = torch.zeros(D)
+    with pytest.raises(ValueError, match="mean_out overlaps deltas\\[1\\]"):
+        fastagg.fedexp_step([us[0], mean], eps=1e-3, mean_out=mean)
+
+
 # -- bad input --------------------------------------------------------------------------------------------------
 def _fp8_with_nan_code(u):
     codes = u.codes.view(torch.uint8).clone()

@@ -263,12 +263,13 @@ def test_a_rank_whose_input_is_bad_makes_every_rank_fail_that_step_at_once(world
 def test_compressed_clients_with_group_equal_one_process(world, tmp_path):
     """int8, top-k and fp8 clients spread over the ranks (3 ranks: rank 1 holds none and passes []), folded where
     they lie on each rank: every rank's params equal one process stepping on all clients (float32 sums in another
-    order); with rank 0 sending float32 updates instead (mixed), the same to float32 rounding."""
+    order); with rank 0 sending float32 updates instead (mixed), or one float32 update beside its compressed ones in
+    one list, the same to float32 rounding."""
     from distributed_cases import COMPRESSED_OPTIMIZERS
 
     ranks = spawn("compressed", world, tmp_path)
     ref = CASES["compressed"](0, 1, None)
-    for mixed in (False, True):
+    for mixed in (False, True, "list"):
         for name in COMPRESSED_OPTIMIZERS:
             for rnd in range(ROUNDS):
                 w_ref, eta_ref, sq_ref, n_ref = ref[name, False][rnd]

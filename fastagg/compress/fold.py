@@ -1,7 +1,10 @@
 """One fold of compressed clients, shared by the Accumulator, the functional round and the server optimizers (above
 the backends): the checks every backend relies on, then the backends' ``blockwise_fold`` and ``sparse_fold``
-(csrc/quantized.h), one sweep per group of clients of one format and block, in the order the groups first appear."""
+(csrc/quantized.h), one sweep per group of clients of one format and block, in the order the groups first appear
+(float tensors beside them, a mixed round: the stats pass of float rows, first)."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -14,37 +17,68 @@ LAYER_FORMATS = (Blockwise, SparseUpdate)  # what one layer of a LayerwiseUpdate
 FORMATS = LAYER_FORMATS + (LayerwiseUpdate,)
 
 
-def is_compressed(x) -> bool:
-    """True for a non-empty list or tuple of compressed updates (refused when only some are)."""
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def is_compressed(x, name: str = "deltas") -> bool:
+    """True for a non-empty list or tuple holding compressed updates. The others may be float tensors of the same
+    flat size (a mixed round: clients that sent float32 / bf16 beside those that sent int8, folded in the same call);
+    any other kind beside compressed updates is refused."""
     if not isinstance(x, (list, tuple)) or not x or not any(isinstance(u, FORMATS) for u in x):
         return False
-    if not all(isinstance(u, FORMATS) for u in x):
-        raise TypeError("clients of one kind per call: compressed and float updates cannot be mixed in one list "
-                        "(an Accumulator takes both, in separate adds)")
+    for i, u in enumerate(x):
+        if not isinstance(u, (FORMATS, torch.Tensor)):
+            raise TypeError(f"{name}[{i}] is a {type(u).__name__}: beside compressed updates a list takes float "
+                            "tensors of the model's flat size (other forms -- per-layer lists, dicts, numpy arrays, "
+                            "modules -- go into an Accumulator in an add of their own)")
     return True
+
+
+def numel_of(u) -> int:
+    """Elements of a compressed update or a float tensor."""
+    return u.numel() if isinstance(u, torch.Tensor) else u.numel
+
+
+def tensors_of(u) -> list:
+    """``(field, tensor)`` of every tensor an update holds (a float tensor: itself), for the aliasing checks."""
+    if isinstance(u, torch.Tensor):
+        return [("", u)]
+    return [(f".{f.name}", getattr(u, f.name)) for f in dataclasses.fields(u)
+            if isinstance(getattr(u, f.name), torch.Tensor)]
+
+
+def _check_float(u: torch.Tensor, name: str) -> None:
+    if u.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} is a {u.dtype} tensor; a float update is float32, float64, bfloat16 or float16")
+    if not u.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (shape {tuple(u.shape)}, strides {u.stride()}); fastagg reads "
+                         "it in place and never copies: pass .contiguous()")
 
 
 def check_batch(updates: list, names: list, *, numel: int, device: torch.device, where: str,
                 scans: dict | None = None) -> None:
     """Formats, sizes, devices and sparse indices (in range, strictly increasing), each error naming the update.
     ``scans``: a dict that keeps each sparse part's C++ scan by ``id`` for :func:`nonfinite_scales` of the same call
-    (one pass answers both: index order here, finite values there)."""
-    layered = [isinstance(u, LayerwiseUpdate) for u in updates]
-    if any(layered) and not all(layered):
+    (one pass answers both: index order here, finite values there). Float tensors (a mixed round): contiguous, of a
+    float dtype (converted on load into the sums' dtype, as the codes are)."""
+    layered = [u for u in updates if isinstance(u, LayerwiseUpdate)]
+    if layered and any(isinstance(u, FORMATS) and not isinstance(u, LayerwiseUpdate) for u in updates):
         raise TypeError("layerwise updates (one part per layer) and whole-vector ones cannot share a call")
     for u, name in zip(updates, names):
-        if isinstance(u, LayerwiseUpdate):
-            if u.sizes() != updates[0].sizes():
-                raise ValueError(f"{name} has layers of {list(u.sizes())[:4]}... elements; the first update's are "
-                                 f"{list(updates[0].sizes())[:4]}...")
+        if isinstance(u, torch.Tensor):
+            _check_float(u, name)
+        elif isinstance(u, LayerwiseUpdate):
+            if u.sizes() != layered[0].sizes():
+                raise ValueError(f"{name} has layers of {list(u.sizes())[:4]}... elements; the first layerwise "
+                                 f"update's are {list(layered[0].sizes())[:4]}...")
             check_batch(list(u.parts), [f"{name} layer {k}" for k in range(len(u.parts))], numel=None,
                         device=device, where=where, scans=scans)
         elif isinstance(u, SparseUpdate):
             check_sparse(u, name)
         else:
             check_blockwise(u, name)
-        if numel is not None and u.numel != numel:
-            raise ValueError(f"{name} has {u.numel} elements; {where} has {numel}")
+        if numel is not None and numel_of(u) != numel:
+            raise ValueError(f"{name} has {numel_of(u)} elements; {where} has {numel}")
         if u.device != torch.device(device):
             raise ValueError(f"{name} is on {u.device}; {where} is on {device}")
     sparse = [(u, name) for u, name in zip(updates, names) if isinstance(u, SparseUpdate)]
@@ -59,11 +93,20 @@ def _parts(u) -> tuple:
     return u.parts if isinstance(u, LayerwiseUpdate) else (u,)
 
 
+def _layer(u, k: int, at: int, n: int):
+    """Layer ``k`` (elements ``at .. at + n``) of a layerwise update or a float tensor."""
+    return u.parts[k] if isinstance(u, LayerwiseUpdate) else u.detach().reshape(-1)[at:at + n]
+
+
 def _part_status(parts: list, scans: dict | None = None) -> list:
     """Per part ``(finite, first block whose scale is <= 0 or -1)``: a sparse part's values, a blockwise part's
-    scales; one C++ pass over each kind for CPU parts (``sparse_scan``, ``scale_scan``; sparse ones found in
-    ``scans`` are not scanned again), torch ops otherwise."""
+    scales, a float tensor's values; one C++ pass over each compressed kind for CPU parts (``sparse_scan``,
+    ``scale_scan``; sparse ones found in ``scans`` are not scanned again), torch ops otherwise."""
     out: list = [None] * len(parts)
+    floats = [j for j, p in enumerate(parts) if isinstance(p, torch.Tensor)]
+    if floats:  # one more read of each float update; one host read for them all
+        for j, ok in zip(floats, torch.stack([torch.isfinite(parts[j]).all() for j in floats]).tolist()):
+            out[j] = (bool(ok), -1)
     sparse = [j for j, p in enumerate(parts) if isinstance(p, SparseUpdate)]
     known = scans or {}
     if all(id(parts[j]) in known for j in sparse):
@@ -72,7 +115,7 @@ def _part_status(parts: list, scans: dict | None = None) -> list:
         found = scan([parts[j] for j in sparse]) if sparse else []
     for j, r in zip(sparse, found or []):
         out[j] = (r[1], -1)
-    blocks = [j for j, p in enumerate(parts) if not isinstance(p, SparseUpdate)]
+    blocks = [j for j, p in enumerate(parts) if isinstance(p, Blockwise)]
     if blocks and all(parts[j].scales.device.type == "cpu" and parts[j].scales.is_contiguous() for j in blocks):
         from ..backends import cpu
 
@@ -132,7 +175,8 @@ def nonfinite_scales(updates: list, names: list, scans: dict | None = None) -> l
 
 
 def _groups(updates: list) -> list:
-    """Positions of the updates grouped by (format, block), groups in order of first appearance."""
+    """Positions of the updates grouped by (format, block; float clients by dtype), float groups first, the others
+    in order of first appearance."""
     groups: dict = {}
     books: dict = {}  # id -> bytes of the books seen in this call (clients often share one book tensor)
     for j, u in enumerate(updates):
@@ -142,9 +186,13 @@ def _groups(updates: list) -> list:
             book = books.get(id(u.code))
             if book is None:
                 book = books[id(u.code)] = _book(u.code)
-        key = ("sparse",) if isinstance(u, SparseUpdate) else (type(u), u.block, book)
+        if isinstance(u, torch.Tensor):
+            key = ("float", u.dtype)
+        else:
+            key = ("sparse",) if isinstance(u, SparseUpdate) else (type(u), u.block, book)
         groups.setdefault(key, []).append(j)
-    return list(groups.values())
+    # float clients first: their stats pass starts from init, which must not be its output
+    return sorted(groups.values(), key=lambda g: not isinstance(updates[g[0]], torch.Tensor))
 
 
 def _book(table: torch.Tensor) -> bytes:
@@ -158,13 +206,15 @@ def fold(updates: list, names: list, coef: torch.Tensor, backend, *, init: torch
     is then garbage: callers write into a spare buffer). ``init`` must not overlap ``out`` unless it is ``out``.
     Layerwise updates are folded layer by layer (each layer's slice of ``init`` and ``out``). ``norms=False``:
     ``sq_norms`` is None, and a backend skips the squares where it can (the FedAvg family needs no client norms)."""
-    if not isinstance(updates[0], LayerwiseUpdate):
+    layered = next((u for u in updates if isinstance(u, LayerwiseUpdate)), None)
+    if layered is None:
         return _fold_flat(updates, names, coef, backend, init=init, out=out, norms=norms)
     sq = torch.zeros(len(updates), dtype=torch.float64, device=out.device) if norms else None
     msq = torch.zeros((), dtype=torch.float64, device=out.device)
     at = 0
-    for k, n in enumerate(updates[0].sizes()):
-        s, ms = _fold_flat([u.parts[k] for u in updates], [f"{name} layer {k}" for name in names], coef, backend,
+    for k, n in enumerate(layered.sizes()):
+        s, ms = _fold_flat([_layer(u, k, at, n) for u in updates], [f"{name} layer {k}" for name in names], coef,
+                           backend,
                            init=None if init is None else init[at:at + n], out=out[at:at + n], norms=norms)
         if norms:
             sq += s
@@ -184,7 +234,17 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
         src = init if n == 0 else out
         gsq = torch.empty(len(group), dtype=torch.float64, device=dev)
         gcoef = coef[group] if len(group) < m else coef
-        if isinstance(first, SparseUpdate):
+        if isinstance(first, torch.Tensor):  # float clients of a mixed round: the stats pass of float rows
+            from ..passes import run_stats
+            from ..rows import client_rows
+
+            rows = client_rows([updates[j].detach().reshape(-1) for j in group], name="deltas")
+            if src is not None and src.data_ptr() == out.data_ptr():  # the pass reads its start apart from out
+                src = src.clone()
+            _, fsq, _, fmsq = run_stats(rows, gcoef, backend, mean_init=src, mean_out=out)
+            gsq.copy_(fsq)
+            msq.copy_(fmsq)
+        elif isinstance(first, SparseUpdate):
             itype = torch.int64 if any(updates[j].indices.dtype == torch.int64 for j in group) else torch.int32
             last = n == len(groups) - 1
             backend.sparse_fold(indices=[updates[j].indices.to(itype) for j in group],
@@ -212,6 +272,9 @@ def dense_rows(updates: list, names: list, *, numel: int, device: torch.device, 
     check_batch(updates, names, numel=numel, device=device, where="the params")
     out = torch.empty(len(updates), numel, dtype=dtype, device=device)
     for i, (u, name) in enumerate(zip(updates, names)):
+        if isinstance(u, torch.Tensor):
+            out[i] = u.detach().reshape(-1)
+            continue
         for k, part in enumerate(u.parts if isinstance(u, LayerwiseUpdate) else (u,)):
             if not isinstance(part, SparseUpdate) and part.holds_invalid_code():
                 raise ValueError(f"{name}{f' layer {k}' if isinstance(u, LayerwiseUpdate) else ''} {part.INVALID_CODES}")
