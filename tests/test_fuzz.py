@@ -584,9 +584,10 @@ def test_fuzz_int8_clients(backend, data):
 @FUZZ
 @given(data=st.data())
 def test_fuzz_fp8_and_sparse_clients(backend, data):
-    """fp8 blockwise clients (random bytes: the two NaN codes now and then) and sparse clients (indices sorted, or
-    duplicated, unsorted, out of range; values tiny, huge, NaN) mixed in one list: the Accumulator's fold and the
-    functional round equal the reference backend's, or both refuse alike with every input unchanged."""
+    """fp8 blockwise clients (random bytes: the two NaN codes now and then), sparse clients (indices sorted, or
+    duplicated, unsorted, out of range; values tiny, huge, NaN) and float clients (float32 / bfloat16 / float64;
+    values tiny, huge, NaN, Inf) mixed in one list: the Accumulator's fold and the functional round equal the
+    reference backend's, or both refuse alike with every input unchanged."""
     from fastagg.compress import Fp8Blockwise, SparseUpdate
 
     d = data.draw(st.integers(1, 300), label="d")
@@ -594,7 +595,12 @@ def test_fuzz_fp8_and_sparse_clients(backend, data):
     us = []
     for _ in range(data.draw(st.integers(1, 4), label="M")):
         g = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
-        if data.draw(st.booleans(), label="fp8"):
+        kind = data.draw(st.sampled_from(["fp8", "sparse", "float"]), label="kind")
+        if kind == "float":
+            x = torch.randn(d, generator=g) * data.draw(st.sampled_from([1.0, 1e-30, 1e30, float("nan"),
+                                                                          float("inf")]), label="float scale")
+            us.append(x.to(data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))))
+        elif kind == "fp8":
             block = data.draw(st.sampled_from([1, 7, 64, 1000]), label="block")
             codes = torch.randint(0, 256, (d,), generator=g, dtype=torch.int32).to(torch.uint8)
             if data.draw(st.sampled_from([False, False, True]), label="finite codes only"):
