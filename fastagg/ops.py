@@ -18,7 +18,8 @@ from . import _buffers, rules
 from ._checks import check_number, check_on_nonfinite, normalized_weights, out_buffer
 from ._docs import share_docs
 from .backends import resolve
-from .compress.fold import CompressedRows, check_batch, fold, is_compressed, nonfinite_scales, numel_of, tensors_of
+from .compress.fold import (CompressedRows, check_batch, compressed_list, fold, nonfinite_scales, numel_of,
+                           tensors_of)
 from .flat import Layout
 from ._aliasing import check_writes
 from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, client_stats, device_scalar,
@@ -169,8 +170,9 @@ def _round_outputs(p: ParamRows | None, mean_out, eval_out, numel: int, cdt: tor
 
 def _run(deltas, models, weights, params, on_nonfinite, backend_name, eta_rule: Callable, want_eval: bool,
          mean_out=None, eval_out=None, group=None):
-    if models is None and is_compressed(deltas):
-        return _run_compressed(deltas, weights, params, on_nonfinite, backend_name, eta_rule, want_eval, mean_out,
+    updates = compressed_list(deltas) if models is None else None
+    if updates is not None:
+        return _run_compressed(updates, weights, params, on_nonfinite, backend_name, eta_rule, want_eval, mean_out,
                                eval_out, group)
     try:
         check_on_nonfinite(on_nonfinite)

@@ -29,7 +29,7 @@ from ._aliasing import check_writes
 from ._checks import check_number, check_on_nonfinite, check_prob
 from .backends import resolve
 from .ops import round_reads
-from .compress.fold import CompressedRows, check_batch, dense_rows, is_compressed, nonfinite_scales
+from .compress.fold import CompressedRows, check_batch, compressed_list, dense_rows, nonfinite_scales
 from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, client_stats, device_scalar,
                      like_params, overflow_counter, warn_unmatched_buffers, write_buffers)
 from .flat import as_tensor, split_entries
@@ -762,7 +762,9 @@ class ServerOptimizer(torch.optim.Optimizer):
         return stats
 
     def _signed_stats(self, deltas: Any, weights: Any, name: str, base: Any, sign: float) -> RoundStats:
-        if is_compressed(deltas, name):
+        updates = compressed_list(deltas, name)
+        if updates is not None:
+            deltas = updates
             if base is not None:
                 raise TypeError("base= does not apply to compressed updates: they are the updates themselves")
             if self.aggregate is not None:  # robust rules and DP read every client: dequantized rows, one each

@@ -21,7 +21,7 @@ from ._checks import check_number, check_on_nonfinite, expect_like
 from ._docs import share_docs
 from .backends import resolve
 from .combining import FlatCombiner
-from .compress.fold import check_batch, fold, is_compressed, nonfinite_scales
+from .compress.fold import check_batch, compressed_list, fold, nonfinite_scales
 from .compress.fold import FORMATS as COMPRESSED
 from .flat import Layout
 from .ops import round_reads
@@ -234,8 +234,9 @@ class Accumulator:
         """Fold several clients in one sweep: ``sum += sum_j w_j delta_j`` reads the running sum and writes it once
         for all of them (``add`` per client reads and writes it once per client: k clients cost k + 2 d-vectors of
         traffic here against 3k). ``deltas``: the clients' updates as a list (or an ``[k, d]`` tensor); a list
-        may hold compressed updates (:mod:`fastagg.compress`), beside float tensors of the flat size (a mixed
-        round, folded in one call; any float dtype, converted on load into the sums' dtype as the codes are);
+        may hold compressed updates (:mod:`fastagg.compress`), beside float tensors or numpy arrays of the flat
+        size (a mixed round, folded in one call; any float dtype, converted on load into the sums' dtype as the
+        codes are);
         ``weights``: k numbers (default 1 each); ``client_ids``: k ids or None; ``base``: as in :meth:`add` (the
         deltas are then full models, their updates formed in the kernel). A client with NaN/Inf raises (the
         accumulator unchanged) or, with ``on_nonfinite="skip"``, is left out while the others are folded. Returns
@@ -254,10 +255,11 @@ class Accumulator:
         named = [i for i in ids if i is not None]
         if len(set(named)) != len(named):
             raise ValueError("add_many got the same client id twice")
-        if is_compressed(items):  # float tensors beside them are folded in the same call (a mixed round)
+        updates = compressed_list(items)  # float tensors beside them are folded in the same call (a mixed round)
+        if updates is not None:
             if base is not None:
                 raise TypeError("base= does not apply to compressed updates: they are the updates themselves")
-            return self._add_compressed(items, ws, ids, on_nonfinite, 1.0, names=[f"deltas[{j}]" for j in range(k)])
+            return self._add_compressed(updates, ws, ids, on_nonfinite, 1.0, names=[f"deltas[{j}]" for j in range(k)])
         what = "deltas" if base is None else "models"
         rows = client_rows(items, name=what, like=self._like, like_name="the accumulator's `like`")
         expect_like(what, "the accumulator's `like`", numel=(rows.numel, self._numel),

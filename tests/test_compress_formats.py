@@ -4,6 +4,7 @@ every entry point (functional round, Accumulator, server optimizers, robust rule
 the client with nothing changed."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -217,9 +218,12 @@ def test_float_parts_of_layerwise_rounds_are_sliced_per_layer():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_entry_point_takes_float_clients_beside_compressed_ones(backend):
     """The functional round, the server optimizers (an internal Accumulator), the Accumulator's add_many and the
-    robust rules (dequantized rows) on one list of float and compressed clients: as on the float64 updates."""
+    robust rules (dequantized rows) on one list of float (a read-only numpy array among them) and compressed clients:
+    as on the float64 updates."""
     us = _with_floats()
     dense = [_dense(u) for u in us]
+    # the float32 client as a read-only numpy array (as Flower's replies arrive): viewed, not copied
+    us[0] = np.frombuffer(us[0].numpy().tobytes(), dtype=np.float32)
     ws = [float(j + 1) for j in range(len(us))]
     w, ref = torch.randn(D), None
     ref = w.double().clone()
@@ -270,7 +274,8 @@ def test_a_nan_float_client_beside_compressed_ones_is_raised_or_left_out(backend
 
 @pytest.mark.parametrize("item, error, match", [
     ({"w": torch.zeros(D)}, TypeError, "deltas\\[1\\] is a dict: beside compressed updates"),
-    (torch.zeros(D).numpy(), TypeError, "deltas\\[1\\] is a ndarray"),
+    (torch.zeros(D, dtype=torch.int16).numpy(), TypeError, "deltas\\[1\\] is a torch.int16 tensor"),
+    (np.array([object()] * D), TypeError, "deltas\\[1\\] is a numpy array of object"),
     (torch.zeros(D, dtype=torch.int32), TypeError, "deltas\\[1\\] is a torch.int32 tensor"),
     (torch.zeros(D + 1), ValueError, f"deltas\\[1\\] has {D + 1} elements"),
     (torch.zeros(2 * D)[::2], ValueError, "deltas\\[1\\] is not contiguous"),

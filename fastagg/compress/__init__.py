@@ -10,9 +10,9 @@ Formats (each module states its layout, scale rule, rounding and what is exact):
   bitsandbytes' blockwise form, NVIDIA FLARE's ``BLOCKWISE8``; :class:`LayerwiseUpdate`: one part per layer.
 
 Every :mod:`fastagg.server` optimizer, :func:`fastagg.fedexp_step` / :func:`fastagg.fedavg_step`, the
-:class:`fastagg.Accumulator` and the asynchronous server take them (a list may mix formats, and float tensors of
-the model's flat size: clients that sent float32 or bf16 in the same round); the robust rules and DP mechanisms
-read them dequantized, one row each. Batched quantizers for M clients at once (``*_rows``) and
+:class:`fastagg.Accumulator` and the asynchronous server take them (a list may mix formats, and float tensors or
+numpy arrays of the model's flat size: clients that sent float32 or bf16 in the same round); the robust rules and
+DP mechanisms read them dequantized, one row each. Batched quantizers for M clients at once (``*_rows``) and
 :func:`fastagg.client.compress_updates` (with error feedback) serve the clients; :func:`parse` reads a spec such
 as ``"int8:block=256"``.
 """

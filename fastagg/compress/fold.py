@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
+
+from ..flat import as_tensor
 
 from .blockwise import Blockwise, check_blockwise
 from .codebook import Codebook8, LayerwiseUpdate
@@ -20,18 +23,27 @@ FORMATS = LAYER_FORMATS + (LayerwiseUpdate,)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def is_compressed(x, name: str = "deltas") -> bool:
-    """True for a non-empty list or tuple holding compressed updates. The others may be float tensors of the same
-    flat size (a mixed round: clients that sent float32 / bf16 beside those that sent int8, folded in the same call);
-    any other kind beside compressed updates is refused."""
+def compressed_list(x, name: str = "deltas") -> list | None:
+    """``x`` as a list of updates when it is a non-empty list or tuple holding compressed updates, else None. The
+    others may be float tensors or numpy arrays of the model's flat size (a mixed round: clients that sent float32 /
+    bf16 beside those that sent int8, folded in the same call; numpy arrays are viewed as tensors, not copied); any
+    other kind beside compressed updates is refused naming it."""
     if not isinstance(x, (list, tuple)) or not x or not any(isinstance(u, FORMATS) for u in x):
-        return False
+        return None
+    out = []
     for i, u in enumerate(x):
-        if not isinstance(u, (FORMATS, torch.Tensor)):
+        if isinstance(u, np.ndarray):
+            try:
+                u = as_tensor(u)
+            except TypeError:
+                raise TypeError(f"{name}[{i}] is a numpy array of {u.dtype}; a float update is float32, float64 "
+                                "or float16") from None
+        elif not isinstance(u, (FORMATS, torch.Tensor)):
             raise TypeError(f"{name}[{i}] is a {type(u).__name__}: beside compressed updates a list takes float "
-                            "tensors of the model's flat size (other forms -- per-layer lists, dicts, numpy arrays, "
-                            "modules -- go into an Accumulator in an add of their own)")
-    return True
+                            "tensors or numpy arrays of the model's flat size (other forms -- per-layer lists, "
+                            "dicts, modules -- go into an Accumulator in an add of their own)")
+        out.append(u)
+    return out
 
 
 def numel_of(u) -> int:
