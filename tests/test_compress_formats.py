@@ -277,9 +277,9 @@ def test_a_nan_float_client_beside_compressed_ones_is_raised_or_left_out(backend
 
 @pytest.mark.parametrize("item, error, match", [
     ({"w": torch.zeros(D)}, TypeError, "deltas\\[1\\] is a dict: beside compressed updates"),
-    (torch.zeros(D, dtype=torch.int16).numpy(), TypeError, "deltas\\[1\\] is a torch.int16 tensor"),
+    (torch.zeros(D, dtype=torch.int16).numpy(), TypeError, "deltas\\[1\\] has dtype torch.int16"),
     (np.array([object()] * D), TypeError, "deltas\\[1\\] is a numpy array of object"),
-    (torch.zeros(D, dtype=torch.int32), TypeError, "deltas\\[1\\] is a torch.int32 tensor"),
+    (torch.zeros(D, dtype=torch.int32), TypeError, "deltas\\[1\\] has dtype torch.int32"),
     (torch.zeros(D + 1), ValueError, f"deltas\\[1\\] has {D + 1} elements"),
     (torch.zeros(2 * D)[::2], ValueError, "deltas\\[1\\] is not contiguous"),
     (torch.zeros(D, device="meta"), ValueError, "deltas\\[1\\] is on meta"),

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..flat import as_tensor
+from ..rows import _check_dtype, _flat_view
 
 from .blockwise import Blockwise, check_blockwise
 from .codebook import Codebook8, LayerwiseUpdate
@@ -18,9 +19,6 @@ from .sparse import SparseUpdate, check_sparse, scan
 
 LAYER_FORMATS = (Blockwise, SparseUpdate)  # what one layer of a LayerwiseUpdate may be
 FORMATS = LAYER_FORMATS + (LayerwiseUpdate,)
-
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def compressed_list(x, name: str = "deltas") -> list | None:
@@ -59,14 +57,6 @@ def tensors_of(u) -> list:
             if isinstance(getattr(u, f.name), torch.Tensor)]
 
 
-def _check_float(u: torch.Tensor, name: str) -> None:
-    if u.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} is a {u.dtype} tensor; a float update is float32, float64, bfloat16 or float16")
-    if not u.is_contiguous():
-        raise ValueError(f"{name} is not contiguous (shape {tuple(u.shape)}, strides {u.stride()}); fastagg reads "
-                         "it in place and never copies: pass .contiguous()")
-
-
 def check_batch(updates: list, names: list, *, numel: int, device: torch.device, where: str,
                 scans: dict | None = None) -> None:
     """Formats, sizes, devices and sparse indices (in range, strictly increasing), each error naming the update.
@@ -77,8 +67,9 @@ def check_batch(updates: list, names: list, *, numel: int, device: torch.device,
     if layered and any(isinstance(u, FORMATS) and not isinstance(u, LayerwiseUpdate) for u in updates):
         raise TypeError("layerwise updates (one part per layer) and whole-vector ones cannot share a call")
     for u, name in zip(updates, names):
-        if isinstance(u, torch.Tensor):
-            _check_float(u, name)
+        if isinstance(u, torch.Tensor):  # the checks of float client rows
+            _check_dtype(u, name)
+            _flat_view(u, name)
         elif isinstance(u, LayerwiseUpdate):
             if u.sizes() != layered[0].sizes():
                 raise ValueError(f"{name} has layers of {list(u.sizes())[:4]}... elements; the first layerwise "
@@ -107,7 +98,7 @@ def _parts(u) -> tuple:
 
 def _layer(u, k: int, at: int, n: int):
     """Layer ``k`` (elements ``at .. at + n``) of a layerwise update or a float tensor."""
-    return u.parts[k] if isinstance(u, LayerwiseUpdate) else u.detach().reshape(-1)[at:at + n]
+    return u.parts[k] if isinstance(u, LayerwiseUpdate) else _flat_view(u, "")[at:at + n]
 
 
 def _part_status(parts: list, scans: dict | None = None) -> list:
@@ -250,7 +241,7 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
             from ..passes import run_stats
             from ..rows import client_rows
 
-            rows = client_rows([updates[j].detach().reshape(-1) for j in group], name="deltas")
+            rows = client_rows([_flat_view(updates[j], names[j]) for j in group], name="deltas")
             if src is not None and src.data_ptr() == out.data_ptr():  # the pass reads its start apart from out
                 src = src.clone()
             _, fsq, _, fmsq = run_stats(rows, gcoef, backend, mean_init=src, mean_out=out)
@@ -285,7 +276,7 @@ def dense_rows(updates: list, names: list, *, numel: int, device: torch.device, 
     out = torch.empty(len(updates), numel, dtype=dtype, device=device)
     for i, (u, name) in enumerate(zip(updates, names)):
         if isinstance(u, torch.Tensor):
-            out[i] = u.detach().reshape(-1)
+            out[i] = _flat_view(u, name)
             continue
         for k, part in enumerate(u.parts if isinstance(u, LayerwiseUpdate) else (u,)):
             if not isinstance(part, SparseUpdate) and part.holds_invalid_code():
