@@ -51,7 +51,7 @@ round with a warning (``on_nonfinite="skip"``, the default: a server must surviv
 (``"raise"``); keys, shapes or dtypes other than the model's, a result from another round, or a site that already
 sent one this round are left out with a warning naming the site. A round without any folded result, or whose
 step would make the model non-finite (a step size of 1e39 with float32 params), keeps the model. Needs NVIDIA FLARE
-(``pip install 'fastagg[nvflare]'``, tested with nvflare 2.9.0); ``import fastagg`` never imports it.
+(fastagg's ``[nvflare]`` extra: ``pip install '.[nvflare]'`` from a checkout; tested with nvflare 2.9.0); ``import fastagg`` never imports it.
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ try:
     from nvflare.app_common.app_event_type import AppEventType
     from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 except ImportError as e:  # pragma: no cover - exercised in a process without nvflare (tests/test_nvflare.py)
-    raise ImportError("fastagg.nvflare needs NVIDIA FLARE: pip install 'fastagg[nvflare]'") from e
+    from ._optional import install_hint
+    raise ImportError(f"fastagg.nvflare needs NVIDIA FLARE: {install_hint('nvflare')}") from e
 
 from . import client, privacy, server
 from .compress.codebook import Codebook8, LayerwiseUpdate, flat_tensor

@@ -430,7 +430,8 @@ def test_replies_are_read_in_place_and_the_server_holds_no_update():
 def test_import_fastagg_does_not_import_flower_and_fastagg_flower_says_what_to_install():
     from fastagg.testing import import_without
 
-    assert "pip install 'fastagg[flower]'" in import_without("flwr", "fastagg.flower")
+    said = import_without("flwr", "fastagg.flower")
+    assert "pip install '.[flower]'" in said and "pip install 'flwr" in said and "fastagg[" not in said, said
 
 
 # -- bad replies ----------------------------------------------------------------------------------------------------

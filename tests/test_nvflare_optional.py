@@ -5,4 +5,5 @@ from fastagg.testing import import_without
 
 
 def test_import_fastagg_does_not_import_nvflare_and_fastagg_nvflare_says_what_to_install():
-    assert "pip install 'fastagg[nvflare]'" in import_without("nvflare", "fastagg.nvflare")
+    said = import_without("nvflare", "fastagg.nvflare")
+    assert "pip install '.[nvflare]'" in said and "pip install 'nvflare" in said and "fastagg[" not in said, said

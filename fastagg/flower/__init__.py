@@ -15,12 +15,13 @@ clipping mods, fused around fastagg strategies (:mod:`fastagg.flower.privacy`); 
 (:mod:`fastagg.flower.compressed`). What a round
 does, what a bad reply gets and how buffers are treated: :mod:`fastagg.flower.strategies`.
 
-Needs Flower (``pip install 'fastagg[flower]'``; tested with flwr 1.42); ``import fastagg`` never imports it.
+Needs Flower (fastagg's ``[flower]`` extra: ``pip install '.[flower]'`` from a checkout; tested with flwr 1.42); ``import fastagg`` never imports it.
 """
 try:
     import flwr  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised in a process without flwr (tests/test_flower_strategies.py)
-    raise ImportError("fastagg.flower needs Flower: pip install 'fastagg[flower]'") from e
+    from .._optional import install_hint
+    raise ImportError(f"fastagg.flower needs Flower: {install_hint('flower')}") from e
 
 from .compressed import compress_mod, compressed_record, read_compressed
 from .privacy import (DifferentialPrivacyClientSideAdaptiveClipping, DifferentialPrivacyClientSideFixedClipping,

@@ -8,7 +8,7 @@ adaptive clipping and an accountant.
 * the noise (:mod:`.noise`): fastagg's counter-based generator (Philox4x32-10, keyed by seed, round and
   coordinate; not cryptographically secure, see ``noise_source=``) and :func:`gaussian_noise` to materialize it;
 * the accounting (:mod:`.accountant`): :class:`PrivacyAccountant` over Google's ``dp-accounting``
-  (``pip install 'fastagg[dp]'``).
+  (fastagg's ``[dp]`` extra: ``pip install '.[dp]'`` from a checkout).
 """
 from __future__ import annotations
 
