@@ -9,6 +9,14 @@ interrupted one sees everything the interrupted one did. Calls from other thread
 directly. The helper never waits on anything the caller holds: the caller waits on a lock the helper releases.
 The call runs under the caller's torch grad mode and, once CUDA is initialized, its current device and stream
 (thread-local in torch, so a helper thread would otherwise launch on device 0's default stream).
+
+Exit: when the interrupted main thread ends the program (an uncaught ``KeyboardInterrupt``, SIGTERM's handler
+calling ``sys.exit``), the helper finishes the call it is running and then stops, and the interpreter waits for it
+(the helper is not a daemon thread; a ``threading`` exit hook, run before non-daemon threads are joined, tells it to
+stop). A daemon helper would still be inside a kernel that released the GIL when the interpreter finalizes; taking
+the GIL back then ends the thread with ``pthread_exit``, whose forced unwinding through pybind11's
+``gil_scoped_release`` destructor (noexcept) calls ``std::terminate``: "terminate called without an active
+exception" and SIGABRT instead of the Python exception.
 """
 from __future__ import annotations
 
@@ -21,27 +29,44 @@ import threading
 
 _tasks: queue.SimpleQueue | None = None
 _start_lock = threading.Lock()
+_STOP = None  # put on the queue at exit: the helper returns after the calls before it
 
 
 def _serve(tasks: queue.SimpleQueue) -> None:
-    while True:
-        fn, args, kwargs, context, box, done = tasks.get()
+    while (task := tasks.get()) is not _STOP:
+        fn, args, kwargs, context, box, done = task
         try:
             with context():
                 box.append((True, fn(*args, **kwargs)))
         except BaseException as e:  # handed to the caller, who raises it
             box.append((False, e))
         finally:
-            del fn, args, kwargs, context  # hold nothing of the call while waiting for the next
+            del fn, args, kwargs, context, task  # hold nothing of the call while waiting for the next
             done.release()
 
 
-def _helper() -> queue.SimpleQueue:
+def _stop_at_exit(tasks: queue.SimpleQueue) -> None:
+    """The exit hook: the helper stops after the calls already queued; later calls run directly (``_helper``)."""
+    global _tasks
+    with _start_lock:
+        if _tasks is tasks:
+            _tasks = None
+    tasks.put(_STOP)
+
+
+def _helper() -> queue.SimpleQueue | None:
+    """The helper's queue, the helper started on first use; None once the interpreter is exiting."""
     global _tasks
     with _start_lock:
         if _tasks is None:
             tasks = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(tasks,), name="fastagg-uninterruptible", daemon=True).start()
+            # Not a daemon: at exit the interpreter joins it after the exit hook below has queued _STOP, so no call
+            # is still in a kernel when the interpreter finalizes (module docstring, "Exit").
+            try:
+                threading._register_atexit(_stop_at_exit, tasks)
+            except RuntimeError:  # called while the interpreter exits (an atexit handler): no helper any more
+                return None
+            threading.Thread(target=_serve, args=(tasks,), name="fastagg-uninterruptible", daemon=False).start()
             _tasks = tasks
         return _tasks
 
@@ -77,12 +102,12 @@ def _callers_context():
 def run_to_completion(fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, finished even if a signal interrupts the calling (main) thread; returns its result
     or raises its exception."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or (tasks := _helper()) is None:
         return fn(*args, **kwargs)
     done = threading.Lock()
     done.acquire()
     box: list = []
-    _helper().put((fn, args, kwargs, _callers_context(), box, done))
+    tasks.put((fn, args, kwargs, _callers_context(), box, done))
     done.acquire()  # a signal raises here; the helper finishes the call all the same
     ok, value = box[0]
     if ok:

@@ -228,3 +228,55 @@ def test_a_signal_anywhere_in_a_submit_leaves_a_consistent_server():
     for _ in range(3 - srv.pending % 3):
         srv.submit(torch.ones(2000, dtype=torch.float64), srv.version)
     assert srv.version == v + 1 and torch.equal(w, torch.full_like(w, float(v + 1)))
+
+
+_EXIT_SCRIPT = r'''
+import atexit, os, signal, sys, threading
+import torch
+from fastagg import server
+from fastagg.asynchronous import AsyncServer, Constant
+
+if sys.argv[1] == "term":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
+d = 2_000_000
+w = torch.zeros(d)
+srv = AsyncServer(server.FedAvg(w), buffer_size=3, staleness=Constant())
+done = [0]
+
+
+def check():  # runs after the interpreter joined its threads: the interrupted submit has finished by then
+    ok = all(b.folded == b.acc.num_clients and b.reserved == 0 for b in srv._buffers)
+    ok = ok and srv.version * 3 + srv.pending in (done[0], done[0] + 1)  # + the submit the signal interrupted
+    ok = ok and bool(torch.equal(w, torch.full_like(w, float(srv.version))))
+    print("CONSISTENT" if ok else f"INCONSISTENT {srv.version} {srv.pending} {done[0]}", flush=True)
+
+
+atexit.register(check)
+u = torch.ones(d)
+srv.submit(u, 0)
+done[0] += 1
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT if sys.argv[1] == "int" else signal.SIGTERM)).start()
+while True:
+    srv.submit(u, srv.version)
+    done[0] += 1
+'''
+
+
+@pytest.mark.parametrize("how", ["int", "term"])
+def test_ctrl_c_or_sigterm_during_submits_ends_in_the_python_exception(tmp_path, how):
+    """A Ctrl-C (SIGINT) or a SIGTERM handler calling sys.exit while the main thread submits: the process ends with
+    the Python exception (KeyboardInterrupt: killed by SIGINT, as CPython does; SystemExit(3): status 3), not
+    "terminate called without an active exception" and SIGABRT (a daemon helper thread was still inside a C++
+    kernel when the interpreter finalized), and the server's state is consistent at exit."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    p = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=120)
+    assert "terminate called" not in p.stderr, p.stderr[-2000:]
+    if how == "int":
+        assert p.returncode in (-2, 130) and "KeyboardInterrupt" in p.stderr, (p.returncode, p.stderr[-2000:])
+    else:
+        assert p.returncode == 3, (p.returncode, p.stderr[-2000:])
+    assert p.stdout.strip().splitlines()[-1] == "CONSISTENT", (p.stdout, p.stderr[-2000:])
