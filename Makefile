@@ -1,21 +1,28 @@
 # The two quickstart commands (README): `make run` runs the main job (the simulator re-running the FedExP paper's
 # linear regression), `make test` the whole test suite. `make demo` times one aggregation round per backend.
-# Each creates .venv on first use and installs what it needs: the CPU build of torch 2.13.0 first (a bare
-# `torch` would pull the multi-GB CUDA build), then fastagg itself (editable: compiles fastagg._C).
+# Each creates .venv on first use and installs what it needs: the CPU build of torch 2.13.0 first, then fastagg
+# itself (editable: compiles fastagg._C).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH ?= torch==2.13.0
+# torch's CPU build. On Linux x86-64 the public index's `torch==2.13.0` is the CUDA build with 18 nvidia-* / cuda-*
+# packages (.ci/torch_index.sh checks both facts against the public index); the CPU build is `2.13.0+cpu`, served by
+# PyTorch's CPU index (TORCH_INDEX) or by a local wheel store pip is configured to read. Without either the install
+# fails: it never falls back to the CUDA build. On a GPU machine or macOS: make TORCH=torch==2.13.0 TORCH_INDEX=
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PIP = $(TORCH) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 TRITON ?= triton==3.7.1
 
-.PHONY: run demo test test-large test-asan test-nvflare test-package bench flower-example clean
+.PHONY: run demo test test-large test-asan test-nvflare test-package bench flower-example clean print-torch
 
 # pip's progress stays on: the first install takes ~6 minutes here (torch, Flower with ray, the C++ build).
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	@echo "== creating $(VENV) and installing $(TORCH) $(TRITON), then fastagg with its test and simulator extras"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install $(TORCH) $(TRITON)
+	$(PY) -m pip install $(TORCH_PIP)
+	$(PY) -m pip install $(TRITON)
 	@echo "== fastagg (editable: compiles fastagg._C and fastagg._C_avx2, about 2 minutes)"
 	$(PY) -m pip install -e '.[test,sim]'
 	touch $@
@@ -46,9 +53,14 @@ test-asan: $(VENV)/.installed
 # The package as users install it: sdist -> wheel built from the sdist alone -> a fresh venv -> one fused step
 # imported from another directory (.ci/package.sh). CI runs it.
 test-package: $(VENV)/.installed
-	PY=$(PY) bash .ci/package.sh
+	PY=$(PY) TORCH='$(TORCH)' TORCH_INDEX='$(TORCH_INDEX)' bash .ci/package.sh
 
-# fastagg.nvflare in an environment of its own (NVIDIA FLARE pins protobuf 7, Flower < 7): the aggregator driven
+# What `make` asks pip for torch (.ci/torch_index.sh resolves it against the public index alone)
+print-torch:
+	@echo '$(TORCH_PIP)'
+
+# fastagg.nvflare in an environment of its own, for the install form (nvflare 2.9.0 and flwr 1.42 resolve together
+# with no conflict: protobuf 6.33 satisfies both; pip's dry run of nvflare into .venv changes no package): the aggregator driven
 # directly and inside `nvflare simulator` (tests_nvflare/). fastagg is installed as a package, not editable: FLARE's
 # job export copies a component's non-site-packages sources into the job, which would shadow an editable checkout.
 # FASTAGG_WHEEL=path installs that wheel (CI: the one test-package built from the sdist) instead of building again.
@@ -57,7 +69,8 @@ NVPY := $(NVFLARE_VENV)/bin/python
 $(NVFLARE_VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(shell find fastagg -name '*.py')
 	test -x $(NVPY) || $(PYTHON) -m venv $(NVFLARE_VENV)
 	$(NVPY) -m pip install --upgrade pip
-	$(NVPY) -m pip install $(TORCH) 'nvflare==2.9.0' pytest
+	$(NVPY) -m pip install $(TORCH_PIP)
+	$(NVPY) -m pip install 'nvflare==2.9.0' pytest
 	# FLARE's quantization filters import bitsandbytes (tests_nvflare/test_blockwise8.py runs them on the CPU);
 	# --no-deps: its requirements (torch, numpy, packaging) are already here, and pip must not swap the torch build
 	$(NVPY) -m pip install --no-deps 'bitsandbytes==0.50.2'

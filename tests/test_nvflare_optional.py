@@ -1,6 +1,6 @@
 """fastagg.nvflare is optional: ``import fastagg`` never imports NVIDIA FLARE, and without it ``import
 fastagg.nvflare`` says what to install. (The aggregator itself is tested in FLARE's own environment:
-tests_nvflare/, ``make test-nvflare``; FLARE and Flower pin different protobufs.)"""
+tests_nvflare/, ``make test-nvflare``, with fastagg installed from its wheel.)"""
 from fastagg.testing import import_without
 
 

@@ -1,7 +1,9 @@
 """fastagg.nvflare.FastaggAggregator driven as FLARE's FedAvg workflow drives it (reset_stats, the model sent,
 accept_model per result, aggregate_model), against float64 formulas and fastagg's own server optimizers.
 
-Runs in the FLARE environment (`make test-nvflare`), not in the main one: FLARE and Flower pin different protobufs.
+Runs in the FLARE environment (`make test-nvflare`): fastagg installed there from the wheel CI built, not editable
+(FLARE's job export copies a component's non-site-packages sources into the job). NVIDIA FLARE 2.9.0 and Flower 1.42
+install together without a conflict; the environment is separate for the install form, not for a pin.
 """
 from __future__ import annotations
 
