@@ -28,6 +28,7 @@ no buffer is dropped; the next call from the main thread sees all it did (:mod:`
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -119,6 +120,7 @@ class _Buffer:
         self.acc = acc
         self.reserved = 0
         self.folded = 0
+        self.stepping = False  # its step is running: no new slot in it (it stays queued until the step succeeds)
 
 
 def _version(v: Any) -> int:
@@ -172,6 +174,8 @@ class AsyncServer:
         self.version = 0
         self._like = optimizer.broadcast()
         self._lock = threading.Lock()       # the version, the buffers' slots and counts, the ids
+        self._quiet = threading.Condition(self._lock)  # state_dict waits on it for the folds under way to end
+        self._pausing = False               # state_dict is waiting: submits take no new slot until it has its copy
         self._step_lock = threading.Lock()  # one step at a time; fetch reads the model under it
         self._buffers: list[_Buffer] = [self._new_buffer()]
         self._ids: dict[int, set] = {}      # version trained from -> client ids folded (or folding)
@@ -205,6 +209,7 @@ class AsyncServer:
         v = _version(version)
         w = check_number(weight, "weight")
         with self._lock:
+            self._quiet.wait_for(lambda: not self._pausing)
             if v > self.version:
                 raise StaleUpdate(f"version {v} is from the future: the server is at version {self.version}")
             s = self.version - v
@@ -219,7 +224,8 @@ class AsyncServer:
                 if client_id in seen:
                     raise ValueError(f"client {client_id!r} was already folded from version {v}")
                 seen.add(client_id)
-            buf = next((b for b in self._buffers if b.reserved + b.folded < self.buffer_size), None)
+            buf = next((b for b in self._buffers if not b.stepping and b.reserved + b.folded < self.buffer_size),
+                       None)
             if buf is None:
                 buf = self._new_buffer()
                 self._buffers.append(buf)
@@ -232,8 +238,10 @@ class AsyncServer:
                 buf.reserved -= 1
                 if folded:
                     buf.folded += 1
-                elif client_id is not None:
+                elif client_id is not None and v in self._ids:  # (a step may have forgotten v meanwhile)
                     self._ids[v].discard(client_id)
+                if self._pausing:
+                    self._quiet.notify_all()
         stepped = self._step_full_buffers() if folded else []
         return SubmitResult(folded, s, factor, stepped)
 
@@ -248,17 +256,29 @@ class AsyncServer:
     def _step_head(self, *, minimum: int) -> int | None:
         """Step on the head buffer if it holds at least ``minimum`` folded updates and none still folding; returns
         the version that step produced (read under the lock: another thread may step right after), or None. The
-        step lock is taken before the head is chosen, so buffers step in the order they filled, one at a time."""
+        step lock is taken before the head is chosen, so buffers step in the order they filled, one at a time.
+
+        The head leaves the queue only once its step succeeded: a step that raises (the optimizer refused, a
+        hyperparameter set to an invalid value) leaves the buffer, its updates, its clients' ids and the version as
+        they were, and the next submit or :meth:`flush` steps it again. (The submit that completed the buffer then
+        raises the optimizer's error although its update is folded: retried with the same client id it is refused
+        as already folded, so nothing is counted twice.)"""
         with self._step_lock:
             with self._lock:
                 head = self._buffers[0]
                 if head.folded < max(minimum, 1) or head.reserved:
                     return None
+                head.stepping = True  # a partial head (flush) takes no new update while it steps
+            try:
+                self.optimizer.step(head.acc)
+            except BaseException:
+                with self._lock:
+                    head.stepping = False
+                raise
+            with self._lock:
                 self._buffers.pop(0)
                 if not self._buffers:
                     self._buffers.append(self._new_buffer())
-            self.optimizer.step(head.acc)
-            with self._lock:
                 self.version += 1
                 self._forget_ids()
                 return self.version
@@ -288,32 +308,76 @@ class AsyncServer:
     @uninterruptible
     def state_dict(self) -> dict:
         """The version, the optimizer's state and every buffer's sums (updates folded but not yet stepped), the ids
-        folded per version: a restarted server continues as if it had not stopped. Taken between steps; submits
-        still folding are not in it (their clients get no acknowledgement before their fold is in a buffer)."""
-        with self._step_lock, self._lock:
+        folded per version: a restarted server continues as if it had not stopped. A consistent copy while other
+        threads submit: taken between steps, after the folds under way have ended (new submits wait the while), so
+        every buffer's count, sums and the ids agree. (A submit that has not returned is acknowledged to no one, so
+        a copy that holds it -- or a later one that does not, if it was refused -- loses nothing.)"""
+        with self._quiesced():
             return {"version": self.version, "optimizer": self.optimizer.state_dict(),
                     "buffers": [{"acc": b.acc.state_dict(), "folded": b.folded} for b in self._buffers],
                     "ids": {k: sorted(v, key=repr) for k, v in self._ids.items()},
                     "buffer_size": self.buffer_size}
 
+    @contextlib.contextmanager
+    def _quiesced(self):
+        """Holding both locks, with no fold under way and new submits waiting (between steps)."""
+        with self._step_lock, self._lock:
+            self._pausing = True
+            try:
+                self._quiet.wait_for(lambda: not any(b.reserved for b in self._buffers))
+                yield
+            finally:
+                self._pausing = False
+                self._quiet.notify_all()
+
     @uninterruptible
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (checked before anything changes)."""
+        """Restore :meth:`state_dict`. Atomic: the version, every buffer and the ids are checked first, then the
+        optimizer's state (which its own ``load_state_dict`` checks before it changes anything), and only then is
+        anything of this server assigned; a bad state raises ``ValueError`` / ``TypeError`` naming what is wrong
+        and leaves the server as it was."""
         if not isinstance(state, dict) or not {"version", "optimizer", "buffers", "ids"} <= set(state):
             raise ValueError("not an AsyncServer state_dict (needs version, optimizer, buffers, ids)")
         version = _version(state["version"])
+        if not isinstance(state["buffers"], (list, tuple)):
+            raise ValueError(f"the state's buffers must be a list, got {type(state['buffers']).__name__}")
         buffers = []
         for i, b in enumerate(state["buffers"]):
+            if not isinstance(b, dict) or not {"acc", "folded"} <= set(b):
+                raise ValueError(f"buffer {i} of the state must be a dict with 'acc' and 'folded'")
             buf = self._new_buffer()
-            buf.acc.load_state_dict(b["acc"])
+            try:
+                buf.acc.load_state_dict(b["acc"])
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"buffer {i} of the state: {e}") from e
             folded = b["folded"]
-            if not isinstance(folded, int) or not 0 <= folded <= self.buffer_size or folded != buf.acc.num_clients:
+            if (not isinstance(folded, int) or isinstance(folded, bool) or not 0 <= folded <= self.buffer_size
+                    or folded != buf.acc.num_clients):
                 raise ValueError(f"buffer {i} of the state holds {buf.acc.num_clients} updates but says {folded!r} "
                                  f"(buffer_size {self.buffer_size})")
             buf.folded = folded
             buffers.append(buf)
-        with self._step_lock, self._lock:
-            self.optimizer.load_state_dict(state["optimizer"])
+        if not isinstance(state["ids"], dict):
+            raise ValueError(f"the state's ids must be a dict (version -> client ids), got "
+                             f"{type(state['ids']).__name__}")
+        ids = {}
+        for k, v in state["ids"].items():
+            try:
+                key = _version(k)
+            except StaleUpdate:
+                raise ValueError(f"the state's ids are keyed by version; {k!r} is not one") from None
+            if key > version:
+                raise ValueError(f"the state's ids list version {key}, after the state's version {version}")
+            if not isinstance(v, (list, tuple, set)):
+                raise ValueError(f"the state's ids of version {key} must be a list, got {type(v).__name__}")
+            try:
+                ids[key] = set(v)
+            except TypeError:
+                raise TypeError(f"the state's ids of version {key} hold an unhashable client id") from None
+            if len(ids[key]) != len(v):
+                raise ValueError(f"the state's ids of version {key} list a client twice")
+        with self._quiesced():  # (a fold under way would land in a buffer that is replaced)
+            self.optimizer.load_state_dict(state["optimizer"])  # checked before it changes anything; last to fail
             self.version = version
             self._buffers = buffers or [self._new_buffer()]
-            self._ids = {int(k): set(v) for k, v in state["ids"].items()}
+            self._ids = ids

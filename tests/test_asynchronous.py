@@ -280,3 +280,107 @@ def test_ctrl_c_or_sigterm_during_submits_ends_in_the_python_exception(tmp_path,
     else:
         assert p.returncode == 3, (p.returncode, p.stderr[-2000:])
     assert p.stdout.strip().splitlines()[-1] == "CONSISTENT", (p.stdout, p.stderr[-2000:])
+
+
+def test_a_failed_step_keeps_the_buffer_its_ids_and_the_version():
+    """The optimizer refuses a step (a hyperparameter set to an invalid value by hand): the buffer, its updates and
+    their clients' ids stay, the version and the model do not move, a retry of a folded client is refused as already
+    folded (not counted twice), and once the value is fixed the next submit steps on every update, each once."""
+    w = torch.zeros(6, dtype=torch.float64)
+    opt = server.FedAvg(w, lr=1.0)
+    srv = AsyncServer(opt, buffer_size=2, staleness=Constant())
+    srv.submit(torch.full((6,), 1.0, dtype=torch.float64), 0, client_id="a")
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr"):
+        srv.submit(torch.full((6,), 3.0, dtype=torch.float64), 0, client_id="b")  # completes the buffer: steps
+    assert srv.version == 0 and srv.pending == 2 and torch.equal(w, torch.zeros_like(w))
+    assert srv.state_dict()["ids"] == {0: ["a", "b"]}
+    with pytest.raises(ValueError, match="already folded"):
+        srv.submit(torch.full((6,), 3.0, dtype=torch.float64), 0, client_id="b")
+    with pytest.raises(ValueError, match="lr"):
+        srv.flush()
+    assert srv.version == 0 and srv.pending == 2
+    opt.param_groups[0]["lr"] = 1.0
+    r = srv.submit(torch.full((6,), 5.0, dtype=torch.float64), 0, client_id="c")  # goes to the next buffer
+    assert r.stepped == [1] and srv.version == 1 and srv.pending == 1
+    torch.testing.assert_close(w, torch.full_like(w, 2.0), rtol=0, atol=1e-12)  # mean of a and b, once
+    assert srv.flush() and srv.version == 2
+    torch.testing.assert_close(w, torch.full_like(w, 7.0), rtol=0, atol=1e-12)  # + c
+
+
+def test_state_dict_while_threads_submit_is_a_consistent_copy():
+    """Three threads submit all-ones updates (FedAvg, lr 1, constant staleness: the model is the version) while the
+    main thread takes state_dicts: every copy loads into a fresh server, its buffers' counts are their sums, the
+    ids it lists are exactly its updates (version * K + pending)."""
+    d, k = 200_000, 4
+    w = torch.zeros(d, dtype=torch.float64)
+    srv = AsyncServer(server.FedAvg(w), buffer_size=k, staleness=Constant())
+    stop, errors = threading.Event(), []
+
+    def worker(t):
+        try:
+            j = 0
+            while not stop.is_set():
+                srv.submit(torch.ones(d, dtype=torch.float64), srv.version, client_id=(t, j))
+                j += 1
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+    for t in ts:
+        t.start()
+    states = []
+    try:
+        for _ in range(15):
+            states.append(srv.state_dict())
+    finally:
+        stop.set()
+        for t in ts:
+            t.join()
+    assert not errors
+    assert len({s["version"] for s in states} | {sum(b["folded"] for b in s["buffers"]) for s in states}) > 1
+    for state in states:
+        w2 = torch.zeros(d, dtype=torch.float64)
+        copy = AsyncServer(server.FedAvg(w2), buffer_size=k, staleness=Constant())
+        copy.load_state_dict(state)
+        assert copy.version == state["version"]
+        for b in copy._buffers:
+            assert b.folded == b.acc.num_clients
+            assert float(b.acc.total_weight) == b.folded
+        assert sum(len(ids) for ids in state["ids"].values()) == k * copy.version + copy.pending
+
+
+def test_load_state_dict_is_all_or_nothing():
+    """A state that is bad anywhere (its ids, a buffer, its optimizer part) is refused with an error naming the
+    part, and the server (optimizer state, version, buffers, ids, model) is exactly as it was."""
+    import copy as copymod
+
+    def server_at(n):
+        w = torch.zeros(16)
+        srv = AsyncServer(server.FedAdam(w, lr=0.1), buffer_size=2, staleness=Constant())
+        for i in range(n):
+            srv.submit(torch.full((16,), float(i + 1)), srv.version, client_id=f"c{i}")
+        return srv, w
+
+    good = server_at(5)[0].state_dict()  # version 2, one update pending
+    srv, w = server_at(3)
+    before, w_before = srv.state_dict(), w.clone()
+    bad_ids = copymod.deepcopy(good)
+    bad_ids["ids"] = {"x": ["c0"]}
+    bad_buffer = copymod.deepcopy(good)
+    bad_buffer["buffers"][0]["folded"] = 2
+    bad_optimizer = copymod.deepcopy(good)
+    bad_optimizer["optimizer"] = {"nonsense": 1}
+    for bad, err in ((bad_ids, "ids"), (bad_buffer, "buffer 0"), (bad_optimizer, "state_dict")):
+        with pytest.raises(ValueError) as refused:
+            srv.load_state_dict(bad)
+        after = srv.state_dict()
+        assert after["version"] == before["version"] and after["ids"] == before["ids"]
+        assert [b["folded"] for b in after["buffers"]] == [b["folded"] for b in before["buffers"]]
+        mine, theirs = before["optimizer"]["state"][0], after["optimizer"]["state"][0]
+        assert set(mine) == set(theirs) and len(mine) >= 2  # the step counter and Adam's moments
+        assert all(torch.equal(mine[key], theirs[key]) for key in mine)
+        assert torch.equal(w, w_before)
+        assert err in str(refused.value), (err, refused.value)
+    srv.load_state_dict(good)
+    assert srv.version == 2 and srv.pending == 1
