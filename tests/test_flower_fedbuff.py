@@ -194,3 +194,46 @@ def test_compressed_replies_fold_where_they_lie():
     want = run(ScriptedGrid(replayed, delays), num_steps=6, staleness=Constant())
     for k in START:
         np.testing.assert_allclose(got.arrays[k].numpy(), want.arrays[k].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_reply_without_its_weight_or_with_a_metric_of_another_kind_is_left_out_naming_the_node(caplog):
+    """Node 4 replies without the weight key, node 5 with its loss a list where the others send a number, node 6
+    with a negative weight: each reply is left out (nothing of it folded) with a reason naming the node, in the
+    result and in the log, and the run goes on with the others to its last step, each step's train metrics
+    aggregated from the good replies (Flower's aggregation raised on the mixed ones and ended start())."""
+    import logging
+
+    def client(node, sent, msg):
+        reply = train(node, sent, msg)
+        metrics = {"num-examples": 10, "loss": 0.5 * node}
+        if node == 4:
+            del metrics["num-examples"]
+        elif node == 5:
+            metrics["loss"] = [1.0, 2.0]
+        elif node == 6:
+            metrics["num-examples"] = -3
+        return Message(RecordDict({"arrays": reply.content["arrays"], "metrics": MetricRecord(metrics)}),
+                       reply_to=msg)
+
+    grid = ScriptedGrid(client, delay={1: 1, 2: 2, 3: 1, 4: 1, 5: 2, 6: 1})
+    with caplog.at_level(logging.WARNING):
+        result = run(grid, num_steps=6, staleness=Constant())
+    assert result.version == 6
+    reasons = {node: why for node, why in result.left_out}
+    assert set(reasons) == {4, 5, 6}
+    assert "'num-examples'" in reasons[4] and "'loss'" in reasons[5] and "'num-examples'" in reasons[6]
+    assert {n for n, c in result.updates_per_node.items() if c} == {1, 2, 3}
+    assert sum(result.updates_per_node.values()) == 12  # 6 steps of 2: only good replies
+    for node in (4, 5, 6):
+        assert any(f"node {node} " in r.getMessage() for r in caplog.records), node
+    for version, metrics in result.train_metrics.items():
+        assert 0.5 <= metrics["loss"] <= 1.5, (version, metrics)  # the mean of nodes 1-3's losses only
+
+
+def test_a_train_metrics_aggregation_that_raises_costs_only_the_metrics():
+    def broken(contents, key):
+        raise RuntimeError("the user's aggregation broke")
+
+    result = run(ScriptedGrid(train, delay={1: 1, 2: 2}), num_steps=3, train_metrics_aggr_fn=broken)
+    assert result.version == 3 and not result.left_out and sum(result.updates_per_node.values()) == 6
+    assert set(result.train_metrics) == {1, 2, 3} and all(len(m) == 0 for m in result.train_metrics.values())

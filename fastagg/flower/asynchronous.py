@@ -10,8 +10,12 @@ for ``min_available_nodes`` to connect; a node that connects later is sent the n
 ``node_poll_interval`` seconds (up to ``concurrency`` nodes train at once). ClientApps are Flower's usual ones: they train
 from the arrays they receive and reply with their arrays and a MetricRecord (``weighted_by_key``: the weight).
 
-A reply that is a Flower error, holds NaN/Inf, has other keys or shapes, or is staler than ``max_staleness`` is
-left out and logged (the node is sent the newest model again). Each message's reply is folded at most once.
+A reply that is a Flower error, holds NaN/Inf, has other keys or shapes, lacks the ``weighted_by_key`` metric or
+carries it as anything but a finite number >= 0, has a metric of another kind (a number, or a list of one length)
+than the replies folded before it had for the same key (Flower's metric aggregation would raise on them), or is
+staler than ``max_staleness`` is left out and logged with the node's id (the node is sent the newest model again;
+the run goes on with the others). Each message's reply is folded at most once. A ``train_metrics_aggr_fn`` that
+still raises loses only that step's train metrics (logged), not the run.
 """
 from __future__ import annotations
 
@@ -22,15 +26,17 @@ from logging import INFO, WARNING
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
 from .. import server
+from .._checks import check_number
 from ..asynchronous import AsyncServer, Polynomial, StaleUpdate
 from .compressed import is_compressed_record, read_compressed
 from .records import ReplyError, record_views, to_record
+from .strategies import _metric_kind
 
 __all__ = ["FedBuff", "AsyncResult"]
 
@@ -116,6 +122,7 @@ class FedBuff:
         in_flight: dict[str, tuple] = {}  # message id -> (node, version)
         result = AsyncResult(initial_arrays, 0, {}, {}, [], [])
         contents: list = []  # the replies folded since the last step (their train metrics)
+        kinds: dict = {}  # metric key -> its kind in the replies folded so far (a number, or a list of one length)
         config = dict(train_config or {})
 
         def send(node: int) -> None:
@@ -161,7 +168,7 @@ class FedBuff:
                 if srv.version >= num_steps:
                     break  # the run is over: the rest of this pull is not folded (no step would take it)
                 node, v = in_flight.pop(reply.metadata.reply_to_message_id)
-                why = self._fold(srv, reply, v, sent[v][1], node, result, contents)
+                why = self._fold(srv, reply, v, sent[v][1], node, result, contents, kinds)
                 release(v)
                 if why is not None:
                     result.left_out.append((node, why))
@@ -171,7 +178,7 @@ class FedBuff:
                     for old in [k for k, e in sent.items() if e[2] == 0 and k != srv.version]:
                         del sent[old]  # a base no message in flight needs any more
                     if contents:
-                        result.train_metrics[srv.version] = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+                        result.train_metrics[srv.version] = self._metrics(contents, srv.version)
                     contents = []
                     log(INFO, "fastagg FedBuff: version %d (%d updates folded so far)", srv.version,
                         sum(result.updates_per_node.values()))
@@ -197,9 +204,32 @@ class FedBuff:
             time.sleep(min(0.1, deadline - now))
         return nodes
 
+    def _metrics(self, contents: list, version: int):
+        """The step's aggregated train metrics; a ``train_metrics_aggr_fn`` that raises costs only these."""
+        try:
+            return self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        except Exception as e:  # noqa: BLE001 (whatever the user's aggregation raises; the step is taken)
+            log(WARNING, "fastagg FedBuff: the train metrics of version %d could not be aggregated: %r", version, e)
+            return MetricRecord()
+
+    def _weight(self, metrics: MetricRecord) -> float:
+        """The reply's weight (its ``weighted_by_key`` metric); ReplyError when missing or not a number >= 0."""
+        if self.weighted_by_key not in metrics:
+            raise ReplyError(f"has no {self.weighted_by_key!r} metric (its weight)")
+        weight = metrics[self.weighted_by_key]
+        try:  # (an int too large for a float, 10**400, is refused like any other bad weight)
+            weight = check_number(weight, self.weighted_by_key) if isinstance(weight, (int, float)) else None
+        except (TypeError, ValueError):
+            weight = None
+        if weight is None:
+            raise ReplyError(f"has {self.weighted_by_key!r} = {metrics[self.weighted_by_key]!r:.60}; expected a "
+                             "finite number >= 0")
+        return float(weight)
+
     def _fold(self, srv: AsyncServer, reply: Message, v: int, base: dict, node: int, result: AsyncResult,
-              contents: list) -> str | None:
-        """Fold one reply; returns why it was left out, or None."""
+              contents: list, kinds: dict) -> str | None:
+        """Fold one reply; returns why it was left out, or None. Everything of the reply is checked before the
+        fold (a folded update cannot be taken out)."""
         if reply.has_error():
             return f"a Flower error ({reply.error.reason})"
         try:
@@ -208,28 +238,35 @@ class FedBuff:
                 raise ReplyError("expected one ArrayRecord and one MetricRecord")
             record = next(iter(records.values()))
             metrics = next(iter(reply.content.metric_records.values()))
-            weight = metrics.get(self.weighted_by_key, 1)
+            weight = self._weight(metrics)
+            clash = next((k for k, m in metrics.items() if k in kinds and kinds[k] != _metric_kind(m)), None)
+            if clash is not None:
+                raise ReplyError(f"has metric {clash!r} of another kind than the replies folded before "
+                                 f"({_metric_kind(metrics[clash])[0]} vs {kinds[clash][0]})")
             if is_compressed_record(record):  # compress_mod's update: folded where it lies (no buffers to average)
                 update, bufs = read_compressed(record, "the reply's ArrayRecord")
                 if bufs:
                     raise ReplyError("is compressed and carries buffers; FedBuff folds compressed replies of models "
                                      "without buffers")
-                res = srv.submit(update, v, weight=float(weight), client_id=(node, reply.metadata.reply_to_message_id))
-                return self._counted(res, node, result, contents, reply)
+                res = srv.submit(update, v, weight=weight, client_id=(node, reply.metadata.reply_to_message_id))
+                return self._counted(res, node, result, contents, reply, metrics, kinds)
             views = record_views(record, "the reply's ArrayRecord")
             if set(views) != set(base) or any(tuple(views[k].shape) != tuple(base[k].shape) for k in base):
                 raise ReplyError("has other keys or shapes than the model sent")
             views = {k: views[k] for k in base}
-            res = srv.submit(views, v, weight=float(weight), base=base,
+            res = srv.submit(views, v, weight=weight, base=base,
                              client_id=(node, reply.metadata.reply_to_message_id))
         except (StaleUpdate, ValueError, TypeError) as e:
             return str(e)
-        return self._counted(res, node, result, contents, reply)
+        return self._counted(res, node, result, contents, reply, metrics, kinds)
 
     @staticmethod
-    def _counted(res, node: int, result: AsyncResult, contents: list, reply: Message) -> str | None:
+    def _counted(res, node: int, result: AsyncResult, contents: list, reply: Message, metrics: MetricRecord,
+                 kinds: dict) -> str | None:
         if not res.folded:
             return "holds NaN or Inf"
+        for k, m in metrics.items():
+            kinds.setdefault(k, _metric_kind(m))
         result.updates_per_node[node] = result.updates_per_node.get(node, 0) + 1
         result.staleness.append(res.staleness)
         contents.append(reply.content)
