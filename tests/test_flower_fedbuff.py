@@ -237,3 +237,28 @@ def test_a_train_metrics_aggregation_that_raises_costs_only_the_metrics():
     result = run(ScriptedGrid(train, delay={1: 1, 2: 2}), num_steps=3, train_metrics_aggr_fn=broken)
     assert result.version == 3 and not result.left_out and sum(result.updates_per_node.values()) == 6
     assert set(result.train_metrics) == {1, 2, 3} and all(len(m) == 0 for m in result.train_metrics.values())
+
+
+def test_every_name_the_async_docs_and_example_give_imports():
+    """What docs/ASYNC.md, the async example and the module's docs name as ``fastagg.flower.X`` or import with
+    ``from fastagg.flower[.asynchronous] import X`` exists there (the example named fastagg.flower.FedBuff, which
+    fastagg.flower did not export)."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    texts = [p.read_text() for p in [root / "docs" / "ASYNC.md", root / "fastagg" / "flower" / "asynchronous.py",
+                                     *sorted((root / "examples" / "flower_async").glob("*.*"))] if p.suffix in
+             (".md", ".py")]
+    named = set()
+    for text in texts:
+        for sub, name in re.findall(r"fastagg\.flower(\.asynchronous)?\.([A-Z]\w+)", text):
+            named.add(("fastagg.flower" + sub, name))
+        for mod, names in re.findall(r"from (fastagg\.flower(?:\.asynchronous)?) import ([\w, ]+)", text):
+            named |= {(mod, n.strip()) for n in names.split(",") if n.strip()}
+    assert ("fastagg.flower", "FedBuff") in named  # (the regexes read the docs: not a test that cannot fail)
+    missing = [f"{mod}.{name}" for mod, name in sorted(named) if not hasattr(importlib.import_module(mod), name)]
+    assert not missing, missing
+    import fastagg.flower
+    assert fastagg.flower.FedBuff is FedBuff and "FedBuff" in fastagg.flower.__all__
