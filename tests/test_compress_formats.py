@@ -4,6 +4,8 @@ every entry point (functional round, Accumulator, server optimizers, robust rule
 the client with nothing changed."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -65,6 +67,32 @@ def test_qsgd_levels_unbiased_keyed_and_within_the_papers_variance():
     assert variance <= min(500 / 16, 500 ** 0.5 / 4) * float(x @ x)  # Lemma 3.1
     with pytest.raises(ValueError, match="\\[1, 127\\]"):
         quantize_qsgd(x, 128)
+
+
+def test_qsgd_is_unbiased_where_levels_reach_s_within_hoeffdings_bound():
+    """E[x~_j] = x_j for every element, those whose level may reach s included (a level clamped to s - 1 biases
+    them by s_b P(l_j = s)). Each draw of x~_j takes one of two values s_b apart, so by Hoeffding the mean of N
+    independent draws is within t = s_b sqrt(ln(2 d / delta) / (2 N)) of x_j for all d elements at once with
+    probability >= 1 - delta; delta = 1e-9 (the draws are keyed, so the outcome is fixed: a correct quantizer
+    passes for all but a 1e-9 share of seeds)."""
+    s, bucket, n, delta = 3, 8, 4000, 1e-9
+    # per bucket: one dominant element whose level lies in (s - 1, s) (|x_j| / s_b = s |x_j| / ||x_b||), the
+    # others at assorted fractional levels, signs mixed
+    b = torch.tensor([3.0, 0.5, -0.3, 0.2, -0.11, 0.07, 0.9, -0.45], dtype=torch.float64)
+    x = torch.cat([b, -b.flip(0) * 2.5, b * 1e-3, torch.tensor([0.0, 1.0, -1.0, 0.0, 2.0, 0.0, 0.0, 0.0],
+                                                                   dtype=torch.float64)])
+    d = x.numel()
+    levels = x.abs().view(-1, bucket) * s / x.view(-1, bucket).norm(dim=1, keepdim=True)
+    assert bool(((levels > s - 1) & (levels < s)).any(1).all())  # every bucket has a level that may reach s
+    us = quantize_qsgd_rows(x[None].expand(n, -1), s, bucket=bucket, seed=11, round=2)
+    draws = torch.stack([dequantize(u) for u in us])
+    step = us[0].scales.to(torch.float64).repeat_interleave(bucket)  # s_b: the same in every draw
+    assert all(torch.equal(u.scales, us[0].scales) for u in us[:10])
+    t = step * math.sqrt(math.log(2 * d / delta) / (2 * n))
+    err = (draws.mean(0) - x).abs()
+    assert bool((err <= t).all()), (err / t).max()
+    # the bound is tight enough to see a clamp to s - 1: the dominant elements' bias exceeds it many times
+    assert float((step * (levels.flatten() - (s - 1)).clamp(min=0)).max()) > 10 * float(t.max())
 
 
 def test_qsgd_buckets_scale_each_by_its_own_norm():
