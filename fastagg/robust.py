@@ -11,8 +11,11 @@ numpy, full models with ``base=``) and never building an ``[M, d]`` copy:
   the estimate is then one weighted-sum pass of fastagg's fused stats kernel (C++ or Triton). Bulyan's last step
   is a coordinate-select pass over the clients it selected.
 
-A client whose update holds NaN or Inf is an attacker here, not an accident: it is left out before any rule sees
-it and reported (``excluded``); it never reaches the estimate. Every rule is available as a
+A client whose update or buffers hold NaN or Inf (or whose ``running_var`` holds a negative variance) is an
+attacker here, not an accident: it is left out before any rule sees it and reported (``excluded``); it never
+reaches the estimate, and it counts as one of the ``num_malicious`` a rule tolerates (the rule runs over the
+clients left with ``num_malicious`` less the left-out ones, at least 0: its bound and its counts hold for the
+attackers that can remain). Every rule is available as a
 ``fastagg.server`` optimizer's ``aggregate=`` (the estimate replaces the weighted mean) and through
 :func:`aggregate`.
 
@@ -23,6 +26,7 @@ pass, then the weighted sum).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -86,14 +90,17 @@ def _select_coords(rows: ClientRows, selection: tuple, backend, out: torch.Tenso
     return sq, bad
 
 
-def _buffers_finite(rows: ClientRows) -> torch.Tensor:
-    """Whether each client's buffers (BatchNorm statistics) are finite: a client whose statistics hold NaN/Inf is
-    left out as well."""
+def _buffers_valid(rows: ClientRows) -> torch.Tensor:
+    """Whether each client's buffers (BatchNorm statistics) are valid: finite, and every variance (a buffer named
+    ``running_var`` or ``*.running_var``, BatchNorm's) >= 0. A client sending anything else is left out as well."""
     ok = torch.ones(rows.num_clients, dtype=torch.bool, device=rows.device)
     if rows.buffers is not None:
-        for values in rows.buffers.values:
+        for name, values in zip(rows.buffers.names, rows.buffers.values):
+            variance = str(name).rsplit(".", 1)[-1] == "running_var"
             for i, v in enumerate(values):
                 if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    ok[i] = False
+                elif variance and bool((v < 0).any()):
                     ok[i] = False
     return ok
 
@@ -111,6 +118,15 @@ class _Rule:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+    def _over_kept(self, left_out: int) -> "_Rule":
+        """This rule over the clients left after ``left_out`` non-finite ones were left out (a copy: the user's
+        rule is never changed). Each left-out client is one of the ``num_malicious`` attackers the rule tolerates,
+        so at most ``num_malicious - left_out`` (at least 0) remain, and the bound and counts use that."""
+        rule = copy.copy(self)
+        if hasattr(rule, "num_malicious"):
+            rule.num_malicious = max(0, rule.num_malicious - left_out)
+        return rule
 
 
 class Median(_Rule):
@@ -168,12 +184,19 @@ class MeaMed(_Rule):
         return "nearest", 0, m - self.num_malicious
 
 
+def _sq_distances(g: torch.Tensor) -> torch.Tensor:
+    """``||delta_i - delta_j||^2 = G_ii + G_jj - 2 G_ij`` (float64, >= 0); Inf where the squares of a finite
+    update overflow float64 (Inf - Inf there is a distance beyond float64, not NaN)."""
+    d2 = g.diagonal()[:, None] + g.diagonal()[None, :] - 2 * g
+    return torch.nan_to_num(d2, nan=float("inf"), posinf=float("inf"), neginf=float("inf")).clamp_min(0)
+
+
 def _krum_scores(g: torch.Tensor, f: int, strict: bool = True) -> torch.Tensor:
     """Krum's score of each client: the sum of its squared distances to its ``M - f - 2`` nearest others
     (``max(1, M - f - 2)`` when not ``strict``, as Flower counts; distances ``G_ii + G_jj - 2 G_ij`` of the
     updates, float64)."""
     m = g.shape[0]
-    d2 = (g.diagonal()[:, None] + g.diagonal()[None, :] - 2 * g).clamp_min(0)
+    d2 = _sq_distances(g)
     d2.fill_diagonal_(float("inf"))
     k = m - f - 2 if strict else min(max(1, m - f - 2), m - 1)
     if k <= 0:
@@ -199,8 +222,11 @@ class Krum(_Rule):
             raise TooFewClients(f"{type(self).__name__} needs M > 2 num_malicious + 2 = {2 * f + 2}; {m} clients left")
 
     def choose(self, g: torch.Tensor, coefs: torch.Tensor):
+        """The ``num_selected`` clients of lowest score among those of positive weight (a zero-weight client is
+        scored, as one of the others, but never chosen: it would enter the estimate with coefficient 0/0)."""
         scores = _krum_scores(g, self.num_malicious, self.strict)
-        chosen = torch.argsort(scores, stable=True)[:self.num_selected]
+        candidates = torch.where(coefs > 0, scores, torch.full_like(scores, float("inf")))
+        chosen = torch.argsort(candidates, stable=True)[:min(self.num_selected, int((coefs > 0).sum()))]
         return chosen, scores
 
 
@@ -281,7 +307,7 @@ class GeometricMedian(_Rule):
     def coefficients(self, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         # start from the medoid (the update of least weighted distance to the others), not the mean: one client
         # sending 1e38 puts the mean so far out that max_iter iterations do not come back
-        d2 = (g.diagonal()[:, None] + g.diagonal()[None, :] - 2 * g).clamp_min(0)
+        d2 = _sq_distances(g)
         c = torch.zeros_like(a)
         c[int(torch.argmin(d2.sqrt() @ a))] = 1.0
 
@@ -355,10 +381,10 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
     m, dev = rows.num_clients, rows.device
     raw = normalized_weights(weights, m, dev)  # checks the weights (values, count) before anything
     if hasattr(rule, "check"):
-        rule.check(m)  # the bound with every client (checked again below if some are left out)
+        copy.copy(rule).check(m)  # the bound with every client (checked again below if some are left out)
     dtype = mean_dtype or compute_dtype(rows.dtype)
     out = mean_out if mean_out is not None else torch.empty(rows.numel, dtype=dtype, device=dev)
-    buffers_ok = _buffers_finite(rows)
+    buffers_ok = _buffers_valid(rows)
     if rule.coordinatewise:  # one read when every client is finite; a second over the finite ones otherwise
         sq_all, bad = _select_coords(rows, rule.positions(m), backend, out)
     else:
@@ -367,9 +393,14 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
     finite = ~bad & buffers_ok
     keep = [i for i in range(m) if bool(finite[i])]
     if not keep:
-        raise ValueError(f"every one of the {m} clients' updates holds NaN or Inf: nothing to aggregate")
+        raise ValueError(f"every one of the {m} clients' updates holds NaN or Inf (or its buffers are invalid): "
+                         f"nothing to aggregate")
+    rule = rule._over_kept(m - len(keep))  # each client left out is one of the attackers the rule tolerates
     if hasattr(rule, "check"):
         rule.check(len(keep))
+    if rule.weighted and not bool((raw[finite] > 0).any()):
+        raise ValueError(f"every client of positive weight was left out as non-finite (clients "
+                         f"{[i for i in range(m) if bool(raw[i] > 0)]}); the {len(keep)} left have weight 0")
     excluded = ~finite
     sq = torch.full((m,), float("nan"), dtype=torch.float64, device=dev)
     selected = torch.zeros(m, dtype=torch.bool, device=dev)
@@ -381,8 +412,16 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
         selected[kept] = True
         return RobustResult(out, selected, excluded, sq)
     g = g_all[kept[:, None], kept[None, :]]  # a NaN row of G touches only its own row and column
+    d2 = _sq_distances(g)
+    if not isinstance(rule, (Krum, Bulyan)) and not bool(torch.isfinite(d2).all()):
+        # a finite float64 update whose squares overflow: the Krum family only orders distances (one beyond
+        # float64 is farther than any other), the others would weigh the update by a norm they cannot measure
+        big = keep[int(torch.argmax(g.diagonal()))]
+        raise ValueError(f"client {big}'s update is finite but its squared norm ({float(g_all[big, big])}) or its "
+                         f"squared distances to the others overflow float64 (about 1.8e308): {type(rule).__name__} "
+                         f"cannot weigh it; the round is refused, not guessed (scale the updates down)")
     dist = torch.full((m, m), float("nan"), dtype=torch.float64, device=dev)
-    dist[kept[:, None], kept[None, :]] = (g.diagonal()[:, None] + g.diagonal()[None, :] - 2 * g).clamp_min(0)
+    dist[kept[:, None], kept[None, :]] = d2
     a = raw[kept] / raw[kept].sum()
     scores = None
     clipped = 0
@@ -400,7 +439,14 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
         w = a[chosen] if rule.weighted else torch.ones(len(chosen), dtype=torch.float64, device=dev)
         c[chosen] = w / w.sum()
     elif isinstance(rule, GeometricMedian):
-        c = rule.coefficients(g, a)
+        # Weiszfeld's distances ||z - delta_j||, z near one update, cancel in G's uncentred entries (an error of
+        # ~1e-16 ||delta||^2, more than the distance itself when the updates share a large part): a second Gram
+        # pass of the updates less the medoid's, delta_i - delta_k formed in float64 before any product
+        k = int(torch.argmin(d2.sqrt() @ a))
+        sub = subset_rows(rows, keep)
+        centred, _ = gram(dataclasses.replace(sub, base=[seg[k] for seg in sub.rows]), backend)
+        c = rule.coefficients(centred, a)
+        dist[kept[:, None], kept[None, :]] = _sq_distances(centred)  # (the same distances, without cancellation)
     elif isinstance(rule, CenteredClipping):
         c, clipped = rule.coefficients(g, a)
     else:  # NormBound
@@ -434,31 +480,33 @@ def robust_stats(rows: ClientRows, weights: Any, rule: _Rule, backend, *, name: 
     stats.coefs = p
     if rows.buffers is not None:
         stats.buffers = Buffers(rows.buffers.names, [])
-        stats.buffer_sums = _robust_buffers(rows, rule, res, p, dict(model_buffers or {}))
+        stats.buffer_sums = _robust_buffers(rows, rule._over_kept(int(res.excluded.sum())), res,
+                                            dict(model_buffers or {}))
     return stats, res
 
 
-def _robust_buffers(rows: ClientRows, rule: _Rule, res: RobustResult, p: torch.Tensor, model_buffers: dict) -> list:
-    """The model's buffers (BatchNorm statistics, counters) by the same rule as the updates: a coordinate-wise rule
-    (and Bulyan's last step) applies to each buffer element over the clients it kept (Flower's FedMedian takes
-    the median of every array, statistics included); the whole-update rules average the buffers of the clients
-    they selected, weighted as the estimate (NormBound, CenteredClipping: unclipped). Returned as what ``passes.buffer_updates``
-    takes for sums: the new value of a floating buffer sent by full models, else the change (integer buffers:
-    the advance)."""
+def _robust_buffers(rows: ClientRows, rule: _Rule, res: RobustResult, model_buffers: dict) -> list:
+    """The model's buffers (BatchNorm statistics, counters), estimated element by element so that no minority of
+    clients moves them far: a coordinate-wise rule (and Bulyan's last step) applies to each buffer element over the
+    clients it kept (Flower's FedMedian takes the median of every array, statistics included); the other
+    whole-update rules take each element's median (``Median(even="mean")``) over every client left in (finite,
+    variances >= 0). Their choice says nothing of the buffers, which never enter the Gram matrix: a client the
+    rule selects or weighs for its update may send any statistics, and one client's statistics taken as sent (or
+    averaged in) would reach the model. Returned as what ``passes.buffer_updates`` takes for sums: the new value of
+    a floating buffer sent by full models, else the change (integer buffers: the advance)."""
     models = rows.base is not None
-    kept = [i for i in range(rows.num_clients) if bool(res.selected[i])]
+    if rule.coordinatewise or isinstance(rule, Bulyan):  # (Bulyan: its last step, over the clients it selected)
+        kept, positions = res.selected, rule.positions
+    else:
+        kept, positions = ~res.excluded, Median().positions
+    kept = [i for i in range(rows.num_clients) if bool(kept[i])]
     out = []
     for name, values in zip(rows.buffers.names, rows.buffers.values):
         g = model_buffers.get(name)
         vals = torch.stack([values[i].reshape(-1).to(torch.float64) for i in kept])
         if models and not values[0].is_floating_point() and g is not None:
             vals = vals - g.reshape(-1).to(device=vals.device, dtype=torch.float64)  # the clients' advances
-        if rule.coordinatewise or isinstance(rule, Bulyan):  # (Bulyan: its last step)
-            est = reference.select_sorted(torch.sort(vals.T, dim=1).values, *rule.positions(len(kept)))
-        else:
-            w = (p if res.coefs is None or isinstance(rule, (NormBound, CenteredClipping)) else res.coefs)[kept]
-            w = w.to(torch.float64)
-            est = (w[:, None] * vals).sum(dim=0) / w.sum()
+        est = reference.select_sorted(torch.sort(vals.T, dim=1).values, *positions(len(kept)))
         out.append(est.reshape(values[0].shape))
     return out
 

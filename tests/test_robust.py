@@ -200,31 +200,165 @@ def test_a_server_optimizer_steps_on_the_robust_estimate(name):
         ref.step(x)  # without a robust rule a NaN client is an accident: the round is refused
 
 
-def test_batchnorm_buffers_follow_the_rule():
-    """State_dict clients with BatchNorm statistics: Krum's model takes the selected client's statistics, the median
-    the element-wise median of the clients' statistics; a client whose statistics hold NaN is left out."""
+def _bn_clients(m=8):
+    """State_dicts of a real Linear + BatchNorm1d model: honest clients near the global one; client 2 sends the
+    honest clients' mean weights (so every whole-update rule selects or weighs it) with huge statistics (valid:
+    running_var >= 0); client 4 an honest model with a negative running_var; client 6 a NaN running_mean."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     base = {k: v.clone() for k, v in net.state_dict().items()}
     g = torch.Generator().manual_seed(1)
-    clients = []
-    for i in range(7):
-        sd = {k: (v + 0.1 * torch.randn(v.shape, generator=g) + (5.0 if i == 3 else 0.0)) if v.is_floating_point()
-              else v + i for k, v in base.items()}
-        clients.append(sd)
-    clients[5]["1.running_mean"] = torch.full((3,), float("nan"))
-    for rule in (robust.Krum(1), robust.Median()):
-        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
-        model.load_state_dict(base)
-        opt = server.FedAvg(model, aggregate=rule)
-        st = opt.step(clients, base=base)
-        assert st.robust.excluded[5] and not st.robust.selected[5]
-        assert not st.robust.selected[3] or isinstance(rule, robust.Median)  # the median keeps every finite client
-        kept = [i for i in range(7) if bool(st.robust.selected[i])]
-        rm = torch.stack([clients[i]["1.running_mean"] for i in kept])
-        want = rm[0] if isinstance(rule, robust.Krum) else torch.from_numpy(np.median(rm.double().numpy(), axis=0))
-        torch.testing.assert_close(model[1].running_mean.double(), want.double(), rtol=1e-6, atol=1e-6)
-        adv = torch.tensor([float(i) for i in kept])
-        want_n = int(base["1.num_batches_tracked"]) + int(round(float(adv[0] if isinstance(rule, robust.Krum)
-                                                                      else adv.median())))
-        assert int(model[1].num_batches_tracked) == want_n
+    clients = [{k: v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v + i
+                for k, v in base.items()} for i in range(m)]
+    for sd in clients:
+        sd["1.running_var"] = sd["1.running_var"].abs()
+    honest = [i for i in range(m) if i not in (2, 4, 6)]
+    for k in ("0.weight", "0.bias", "1.weight", "1.bias"):
+        clients[2][k] = torch.stack([clients[i][k] for i in honest]).mean(0)
+    clients[2]["1.running_mean"] = torch.full((3,), 1e6)
+    clients[2]["1.running_var"] = torch.full((3,), 1e6)
+    clients[4]["1.running_var"] = torch.tensor([0.5, -1.0, 0.5])
+    clients[6]["1.running_mean"] = torch.full((3,), float("nan"))
+    return base, clients
+
+
+@pytest.mark.parametrize("rule", [robust.Krum(1), robust.MultiKrum(1, num_selected=2), robust.GeometricMedian(),
+                                  robust.NormBound(10.0), robust.CenteredClipping(10.0), robust.Median(),
+                                  robust.TrimmedMean(0.0)], ids=repr)
+def test_batchnorm_statistics_of_a_hostile_client_never_reach_the_model(rule):
+    """The whole-update rules choose clients by their updates, which hold no statistics: the model's BatchNorm
+    statistics are each element's median over the clients left in (numpy's median), never a selected client's
+    statistics as sent; a negative variance or a NaN mean leaves its client out. The coordinate-wise rules keep
+    applying themselves element by element (TrimmedMean(0): the plain mean, once the invalid clients are out)."""
+    base, clients = _bn_clients()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    model.load_state_dict(base)
+    st = server.FedAvg(model, aggregate=rule).step(clients, base=base)
+    assert st.robust.excluded.tolist() == [i in (4, 6) for i in range(8)]
+    if isinstance(rule, robust.Krum):
+        assert st.robust.selected[2]  # the rule takes client 2's weights ...
+    left = [i for i in range(8) if i not in (4, 6)]
+    stat = lambda k: np.stack([clients[i][k].double().numpy() for i in left])  # noqa: E731
+    agg = (lambda v: v.mean(0)) if isinstance(rule, robust.TrimmedMean) else (lambda v: np.median(v, axis=0))
+    for k, buf in (("1.running_mean", model[1].running_mean), ("1.running_var", model[1].running_var)):
+        np.testing.assert_allclose(buf.double().numpy(), agg(stat(k)), rtol=1e-6, atol=1e-6, err_msg=k)
+    if not isinstance(rule, robust.TrimmedMean):  # ... but not its statistics
+        assert float(model[1].running_var.max()) < 10.0 and float(model[1].running_mean.abs().max()) < 10.0
+    assert bool((model[1].running_var >= 0).all())
+    assert int(model[1].num_batches_tracked) == int(base["1.num_batches_tracked"]) + round(float(agg(np.array(left))))
+
+
+def test_geometric_median_at_a_million_parameters_equals_an_exact_weiszfeld():
+    """10^6 parameters of updates that share a large part (as one round's clients do): Weiszfeld's distances from
+    the uncentred Gram matrix cancel (~1e-16 ||delta||^2 > the distance near a client), which froze the iteration
+    at the medoid. Oracle: Weiszfeld in float64 on the clients' exact coordinates in their own span (a QR of
+    delta_i - delta_0, distances taken directly, 5000 iterations from the mean)."""
+    m, d = 6, 1 << 20
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(d, generator=g, dtype=torch.float64) + 0.01 * torch.randn(m, d, generator=g, dtype=torch.float64)
+    x[0] += 0.05
+    X = x.numpy()
+    q, r = np.linalg.qr((X[1:] - X[0]).T)
+    y = np.concatenate([np.zeros((m - 1, 1)), r], axis=1).T  # client i at y[i], client 0 at the origin
+    z = y.mean(0)
+    for _ in range(5000):
+        w = 1 / np.maximum(1e-6, np.linalg.norm(y - z, axis=1))
+        z = (w[:, None] * y).sum(0) / w.sum()
+    want = X[0] + q @ z
+    spread = min(np.linalg.norm(X[i] - X[j]) for i in range(m) for j in range(i))
+    assert min(np.linalg.norm(X[i] - want) for i in range(m)) > 0.3 * spread  # the median is no client's update
+    backend = "cpu" if "cpu" in cpu_backends() else "reference"
+    res = robust.aggregate(x, robust.GeometricMedian(max_iter=1000, tol=0.0), backend=backend)
+    assert np.linalg.norm(res.estimate.numpy() - want) < 1e-6 * spread
+    assert float(res.coefs.max()) < 0.5  # no single client's update
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_an_update_whose_squares_overflow_float64_is_refused_or_ordered_never_nan(backend):
+    """Finite float64 updates of 1e200 (squares beyond float64): GeometricMedian, CenteredClipping and NormBound
+    cannot weigh them and refuse the round naming the client, before any state changes; the Krum family orders them
+    farther than every other (Inf, never NaN) and picks as the float64 oracle (numpy's Inf distances) does."""
+    m = 11
+    x = _updates(m=m).double()
+    x[[3, 8]] *= 1e200
+    for rule in (robust.GeometricMedian(), robust.CenteredClipping(1.0), robust.NormBound(1.0)):
+        w = torch.zeros(D, dtype=torch.float64)
+        opt = server.FedAvg(w, aggregate=rule)
+        with pytest.raises(ValueError, match=r"client [38]'s update is finite but its squared norm .* overflow"):
+            opt.step(x)
+        assert bool((w == 0).all()), repr(rule)  # refused before the params were written
+    xn = x.numpy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        scores = _krum_scores(xn, 2)
+    krum = robust.aggregate(x, robust.Krum(2), backend=backend)
+    assert not torch.isnan(krum.scores).any() and int(krum.selected.nonzero()) == int(np.argmin(scores))
+    np.testing.assert_allclose(krum.estimate.numpy(), xn[np.argmin(scores)], atol=1e-12)
+    for rule in (robust.MultiKrum(2), robust.Bulyan(2)):
+        res = robust.aggregate(x, rule, backend=backend)
+        assert torch.isfinite(res.estimate).all() and float(res.estimate.abs().max()) < 1.0, repr(rule)
+        assert not res.selected[3] and not res.selected[8]
+
+
+def test_a_zero_weight_client_is_never_chosen_and_no_estimate_is_nan():
+    """MultiKrum (and Flower's Krum drop-in, MultiKrum(f, 1)) chooses among clients of positive weight: the best
+    scored client of weight 0 would enter with coefficient 0/0. The other weighted rules give it coefficient 0."""
+    x = _updates(bad=(0,))
+    x[5] = x[1:].mean(0)  # the most central update: Krum's pick, were it not of weight 0
+    w = np.ones(M)
+    w[5] = 0.0
+    xn = x.numpy()
+    scores = _krum_scores(xn, 1)
+    assert int(np.argmin(scores)) == 5
+    best = int(np.argsort(np.where(w > 0, scores, np.inf), kind="stable")[0])
+    for rule in (robust.MultiKrum(1, num_selected=1), robust.MultiKrum(1, num_selected=3)):
+        res = robust.aggregate(x, rule, weights=w)
+        assert torch.isfinite(res.estimate).all() and not res.selected[5], repr(rule)
+        if rule._num_selected == 1:
+            np.testing.assert_allclose(res.estimate.double().numpy(), xn[best], atol=1e-12)
+    for rule in (robust.GeometricMedian(), robust.NormBound(0.3), robust.CenteredClipping(0.3)):
+        res = robust.aggregate(x, rule, weights=w)
+        assert torch.isfinite(res.estimate).all() and float(res.coefs[5]) == 0.0, repr(rule)
+    y = x.clone()
+    y[2, 0] = float("nan")
+    only = np.zeros(M)
+    only[2] = 1.0
+    with pytest.raises(ValueError, match=r"every client of positive weight was left out as non-finite \(clients \[2\]\)"):
+        robust.aggregate(y, robust.MultiKrum(1), weights=only)
+
+
+def test_a_non_finite_client_counts_as_one_of_the_f_attackers():
+    """At the rule's bound (Krum: M = 2f + 3; Bulyan: M = 4f + 3) a NaN client leaves M - 1 clients of whom at
+    most f - 1 are attackers: the rule runs with f - 1 (its definition over the clients left), never raising
+    TooFewClients. Oracles: Krum's scores with M - 1 - (f - 1) - 2 neighbours; Bulyan with f = 0 is the mean;
+    MeaMed keeps M - f values (M - 1 - (f - 1))."""
+    x = _updates(m=7)
+    x[1, 3] = float("nan")
+    keep = [i for i in range(7) if i != 1]
+    xk = x[keep].numpy()
+    res = robust.aggregate(x, robust.Krum(2))
+    assert res.excluded[1] and keep[int(np.argmin(_krum_scores(xk, 1)))] == int(res.selected.nonzero())
+    np.testing.assert_allclose(res.scores[keep].numpy(), _krum_scores(xk, 1), rtol=1e-9)
+    res = robust.aggregate(x, robust.Bulyan(1))
+    np.testing.assert_allclose(res.estimate.double().numpy(), xk.astype(np.float32).astype(np.float64).mean(0)
+                               if x.dtype == torch.float32 else xk.mean(0), atol=1e-12)
+    res = robust.aggregate(x[:5], robust.MeaMed(2))
+    np.testing.assert_allclose(res.estimate.double().numpy(), _meamed(x[[0, 2, 3, 4]].numpy(), 1), atol=1e-12)
+    with pytest.raises(robust.TooFewClients, match="M > 2 num_malicious"):
+        robust.aggregate(x[:6], robust.Krum(2))  # the bound with every client still holds first
+
+
+@pytest.mark.parametrize("m", [4, 10])
+def test_median_of_an_even_count_pins_lower_and_mean_against_numpy(m):
+    """Even M, distinct values: ``even="lower"`` is numpy's lower middle (``np.quantile(method="lower")``),
+    strictly below the upper middle (``method="higher"``); ``even="mean"`` is ``np.median``."""
+    x = _updates(m=m, seed=3).float()
+    xn = x.double().numpy()
+    lower, upper = np.quantile(xn, 0.5, axis=0, method="lower"), np.quantile(xn, 0.5, axis=0, method="higher")
+    assert (lower < upper).all()
+    for backend in cpu_backends():
+        got = robust.aggregate(x, robust.Median(even="lower"), backend=backend).estimate.double().numpy()
+        np.testing.assert_array_equal(got, lower)
+        assert (got < upper).all()
+        got = robust.aggregate(x, robust.Median(), backend=backend).estimate.double().numpy()
+        np.testing.assert_allclose(got, np.median(xn, axis=0), rtol=0, atol=1e-7)
+        assert ((got > lower) & (got < upper)).all()
