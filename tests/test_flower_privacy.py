@@ -47,11 +47,11 @@ def _round(strategy, rnd, arrays, client, replies=None):
     return msgs, pristine, strategy.aggregate_train(rnd, replies)  # (Flower's wrapper clips the replies in place)
 
 
-def _pair(kind, z, **kw):
+def _pair(kind, z, exact=False, **kw):
     fl_cls = getattr(fl, kind)
     fa_cls = getattr(fa, kind)
     return (fl_cls(fl.FedAvg(min_available_nodes=1), z, **kw),
-            fa_cls(fa.FedAvg(min_available_nodes=1, backend="cpu"), z, seed=11, **kw))
+            fa_cls(fa.FedAvg(min_available_nodes=1, backend="cpu"), z, seed=11, publish_exact_counts=exact, **kw))
 
 
 FIXED = dict(clipping_norm=0.6, num_sampled_clients=NODES)
@@ -61,7 +61,7 @@ ADAPTIVE = dict(num_sampled_clients=NODES, initial_clipping_norm=0.3, target_cli
 @pytest.mark.parametrize("kind,kw", [("DifferentialPrivacyServerSideFixedClipping", FIXED),
                                      ("DifferentialPrivacyServerSideAdaptiveClipping", ADAPTIVE)])
 def test_server_side_without_noise_equals_flower_round_after_round(kind, kw):
-    theirs, ours = _pair(kind, 0.0, **kw)
+    theirs, ours = _pair(kind, 0.0, exact=True, **kw)
     a_fa = a_fl = rec(initial(shapes=SHAPES))
     for rnd in range(1, 5):
         _, replies, (a_fa, m_fa) = _round(ours, rnd, a_fa, _client(rnd))
@@ -107,9 +107,9 @@ def test_client_side_without_noise_equals_flower_with_either_mod(kind, kw, mods)
 
 def test_with_noise_same_clipping_and_noise_of_the_stated_std():
     z, c = 1.0, 0.6
-    theirs, ours = _pair("DifferentialPrivacyServerSideFixedClipping", z, **FIXED)
+    theirs, ours = _pair("DifferentialPrivacyServerSideFixedClipping", z, exact=True, **FIXED)
     quiet = fa.DifferentialPrivacyServerSideFixedClipping(fa.FedAvg(min_available_nodes=1, backend="cpu"), 0.0,
-                                                          **FIXED)
+                                                          publish_exact_counts=True, **FIXED)
     start = rec(initial(shapes=SHAPES))
     _, replies, (a_fa, _) = _round(ours, 1, start, _client(1))
     _, _, (a_q, _) = _round(quiet, 1, start, None, replies)
@@ -124,6 +124,30 @@ def test_with_noise_same_clipping_and_noise_of_the_stated_std():
         assert abs(noise.mean()) < 5 / np.sqrt(n)
         assert abs(noise.std() - 1) < 5 * np.sqrt(0.5 / n)
     assert ours.strategy.server_metrics[1]["dp-noise-std"] == pytest.approx(sigma)
+
+
+@pytest.mark.parametrize("kind,kw", [("DifferentialPrivacyServerSideFixedClipping", FIXED),
+                                     ("DifferentialPrivacyServerSideAdaptiveClipping",
+                                      {**ADAPTIVE, "clipped_count_stddev": 1.0})])
+def test_server_metrics_publish_only_released_values_unless_asked(kind, kw):
+    """The exact clipped / excluded counts are not private: by default the metrics hold only what the mechanism
+    released (the norm, the noise std and, adaptive, the noised fraction that moved the norm)."""
+    _, ours = _pair(kind, 1.0, **kw)
+    _, exact = _pair(kind, 1.0, exact=True, **kw)
+    start = rec(initial(shapes=SHAPES))
+    _, replies, _ = _round(ours, 1, start, _client(1))
+    _round(exact, 1, start, None, replies)
+    sm, sx = dict(ours.strategy.server_metrics[1]), dict(exact.strategy.server_metrics[1])
+    released = {"dp-clipping-norm", "dp-noise-std"}
+    if "Adaptive" in kind:
+        released |= {"dp-next-clipping-norm", "dp-noisy-clipped-fraction"}
+        res = ours.mechanism.last
+        assert sm["dp-noisy-clipped-fraction"] == pytest.approx(res.noisy_clipped_fraction)
+        assert sm["dp-noisy-clipped-fraction"] != int(res.clipped.sum()) / NODES  # noised (seed 11), not exact
+    assert set(sm) & {"dp-clipped", "dp-excluded"} == set() and released <= set(sm)
+    assert 0 < sx["dp-clipped"] < NODES and sx["dp-excluded"] == 0  # asked for: the exact counts
+    with pytest.raises(TypeError, match="publish_exact_counts"):
+        getattr(fa, kind)(fa.FedAvg(), 1.0, publish_exact_counts="yes", **kw)
 
 
 def _accountant():

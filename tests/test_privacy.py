@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -345,3 +346,112 @@ def test_the_optimizers_checkpoint_carries_the_mechanism_so_a_restored_server_ne
     other = server.FedAdam(torch.zeros(300), lr=0.1, aggregate=privacy.ServerSideFixedClipping(1.0, 0.2, 4))
     with pytest.raises(ValueError, match="ServerSideAdaptiveClipping"):
         other.load_state_dict(ckpt)
+
+
+def test_accountant_poisson_rate_is_num_sampled_over_population():
+    """Against Opacus's RDP accountant (written apart from dp-accounting) at q = n / N: the same RDP bound to a few
+    percent, both ways; a rate of 1 / N (or N / n...) lands far outside."""
+    from opacus.accountants import RDPAccountant
+
+    z, n, pop, t = 1.1, 25, 500, 50
+    acc = privacy.PrivacyAccountant(z, sampling="poisson", population_size=pop, num_sampled=n)
+    acc.step(t)
+    theirs = RDPAccountant()
+    theirs.history = [(z, n / pop, t)]
+    want = theirs.get_epsilon(acc.delta)
+    assert 0.95 * want <= acc.epsilon() <= 1.01 * want, (acc.epsilon(), want)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(sampling="poisson", population_size=300, num_sampled=12),
+                                dict(sampling="without-replacement", population_size=300, num_sampled=12),
+                                dict(sampling="poisson", population_size=300, num_sampled=12, method="pld")],
+                         ids=["none", "poisson", "without-replacement", "poisson-pld"])
+def test_accountant_incremental_epsilon_is_the_from_scratch_composition(kw):
+    """One release's RDP / PLD is computed once; epsilon after T releases must equal dp-accounting composing the
+    event T times in a fresh accountant, exactly, after any sequence of steps (and after a restore)."""
+    import dp_accounting as dpa
+
+    acc = privacy.PrivacyAccountant(0.9, **kw)
+    rel = dpa.NeighboringRelation.REPLACE_ONE if kw.get("sampling") == "without-replacement" else \
+        dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+    event = dpa.GaussianDpEvent(0.45 if kw.get("sampling") == "without-replacement" else 0.9)
+    if kw.get("sampling") == "poisson":
+        event = dpa.PoissonSampledDpEvent(12 / 300, event)
+    elif kw.get("sampling") == "without-replacement":
+        event = dpa.SampledWithoutReplacementDpEvent(300, 12, event)
+    steps = (3,) if kw.get("method") == "pld" else (1, 7, 400)
+    for t in steps:
+        acc.step(t - acc.releases)
+        fresh = (dpa.pld.PLDAccountant(rel) if kw.get("method") == "pld" else dpa.rdp.RdpAccountant(
+            neighboring_relation=rel)).compose(event, t)
+        assert acc.epsilon() == fresh.get_epsilon(acc.delta), t
+        assert acc.epsilon(1e-3) == fresh.get_epsilon(1e-3), t
+    again = privacy.PrivacyAccountant(1.0)
+    again.load_state_dict(acc.state_dict())
+    assert again.epsilon() == acc.epsilon() and again.releases == steps[-1]
+
+
+@pytest.mark.parametrize("delta", [1, 1.0, 2.0, float("nan"), 0.0, -1e-5, "1e-5", None])
+def test_accountant_epsilon_refuses_a_delta_outside_0_1(delta):
+    acc = privacy.PrivacyAccountant(1.0)
+    acc.step(3)
+    if delta is None:
+        assert acc.epsilon(None) > 0  # (None: the accountant's own delta)
+        return
+    with pytest.raises(ValueError, match="delta"):
+        acc.epsilon(delta)
+    assert acc.releases == 3
+
+
+def test_mechanism_refuses_an_accountant_of_another_noise_or_sample_size():
+    ok = privacy.PrivacyAccountant(1.0, sampling="without-replacement", population_size=100, num_sampled=4)
+    with pytest.raises(ValueError, match="noise multiplier"):  # no noise at all, an accountant of z = 1
+        privacy.ServerSideFixedClipping(0.0, 0.5, 4, accountant=ok)
+    with pytest.raises(ValueError, match="num_sampled"):
+        privacy.ServerSideFixedClipping(1.0, 0.5, 8, accountant=ok)
+    with pytest.raises(TypeError, match="PrivacyAccountant"):
+        privacy.ServerSideFixedClipping(1.0, 0.5, 4, accountant=object())
+    # set after the constructor (as the simulator does): checked at the release, before anything changes
+    x = _clients(4, 64)
+    mech = privacy.ServerSideAdaptiveClipping(0.5, 4, 0.2, clipped_count_stddev=1.0, seed=1)
+    mech.accountant = ok
+    params = torch.zeros(64)
+    opt = server.FedAvg(params, aggregate=mech, backend="cpu")
+    with pytest.raises(ValueError, match="noise multiplier 1.0"):
+        opt.step(x)
+    assert mech.rounds == 0 and mech.clipping_norm == 0.2 and ok.releases == 0 and params.abs().sum() == 0
+    mech.accountant = privacy.PrivacyAccountant.for_mechanism(mech, sampling="without-replacement",
+                                                              population_size=100)
+    assert mech.accountant.noise_multiplier == 0.5 and mech.accountant.num_sampled == 4
+    assert opt.step(x).robust.epsilon > 0 and mech.accountant.releases == 1
+
+
+def test_adaptive_norm_stays_bounded_with_few_replies_and_its_state_is_checked():
+    """Two replies against num_sampled_clients = 400 (count std 20): the noised fraction swings by +-10^4 %; the
+    norm must stay finite and positive within its bounds, and every release go through."""
+    x = _clients(2, 16)
+    for direction in ("paper", "flower"):
+        mech = privacy.ServerSideAdaptiveClipping(1.0, 400, 0.1, clip_norm_lr=0.5, seed=3, direction=direction)
+        norms = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (2 replies against 400: warned once a round)
+            for _ in range(30):
+                norms.append(privacy.release(x, mech, backend="cpu").next_clipping_norm)
+        assert all(1e-7 <= c <= 1e5 for c in norms), (min(norms), max(norms))
+        steps = [b / a for a, b in zip(norms, norms[1:])]
+        assert all(math.exp(-0.5) * (1 - 1e-12) <= s <= math.exp(0.5) * (1 + 1e-12) for s in steps)  # |lr (f - q)| <= lr
+        assert mech.norm_bounds == (0.1 / 1e6, 0.1 * 1e6)
+    # a restored state is checked before anything changes
+    mech = privacy.ServerSideAdaptiveClipping(1.0, 40, 0.1, seed=3)
+    before = mech.state_dict()
+    for bad, match in ((dict(rounds=1 << 63), "2\\^63"), (dict(rounds=(1 << 64) + 5), "2\\^63"),
+                       (dict(clipping_norm=1e9), "norm_bounds"), (dict(clipping_norm=float("inf")), "clipping_norm")):
+        with pytest.raises(ValueError, match=match):
+            mech.load_state_dict({**before, **bad})
+        assert mech.state_dict() == before
+    mech.rounds = 1 << 63  # set directly: the release refuses it (the count query's stream), nothing changes
+    with pytest.raises(ValueError, match="rounds"):
+        privacy.release(_clients(40, 16), mech, backend="cpu")
+    assert mech.rounds == 1 << 63 and mech.clipping_norm == 0.1
+    with pytest.raises(ValueError, match="norm_bounds"):
+        privacy.ServerSideAdaptiveClipping(1.0, 40, 0.1, norm_bounds=(0.5, 1.0))

@@ -23,7 +23,12 @@ Where the fused wrappers differ from Flower's (documented, tested):
   quantile);
 * the noise comes from fastagg's counter-based generator (``seed=``, default from ``secrets``) instead of numpy's
   global generator; ``noise_source=`` takes a secure source of the caller's;
-* a client-side round re-clips a reply that arrives longer than the clipping norm (Flower trusts the clients).
+* a client-side round re-clips a reply that arrives longer than the clipping norm (Flower trusts the clients);
+* the round's ``server_metrics`` hold only what the mechanism released: ``dp-clipping-norm``, ``dp-noise-std`` and,
+  adaptive, ``dp-noisy-clipped-fraction`` (the noised fraction that moved the norm) and ``dp-next-clipping-norm``.
+  The exact numbers of clipped and of excluded (NaN/Inf) replies are not private (adaptive clipping exists to
+  release the clipped count only noised): they are published as ``dp-clipped`` / ``dp-excluded`` only with
+  ``publish_exact_counts=True``, a debugging aid that leaks them.
 """
 from __future__ import annotations
 
@@ -61,7 +66,10 @@ class _Fused:
     def _fused(self) -> bool:
         return isinstance(self.strategy, _Fastagg)
 
-    def _make_mechanism(self, cls, *args, seed, noise_source, **kw) -> None:
+    def _make_mechanism(self, cls, *args, seed, noise_source, publish_exact_counts: bool = False, **kw) -> None:
+        if not isinstance(publish_exact_counts, bool):
+            raise TypeError(f"publish_exact_counts must be True or False, got {publish_exact_counts!r}")
+        self.publish_exact_counts = publish_exact_counts
         self.mechanism = cls(*args, seed=seed, noise_source=noise_source, weighted=True, **kw) if self._fused() \
             else None
 
@@ -93,10 +101,12 @@ class _Fused:
         res = self.mechanism.last
         if res is not None and res.round == self.mechanism.rounds - 1:
             self.clipping_norm = self.mechanism.clipping_norm
-            own = {"dp-clipping-norm": res.clipping_norm, "dp-noise-std": res.noise_std,
-                   "dp-clipped": int(res.clipped.sum()), "dp-excluded": int(res.excluded.sum())}
+            own = {"dp-clipping-norm": res.clipping_norm, "dp-noise-std": res.noise_std}
             if res.next_clipping_norm is not None:
                 own["dp-next-clipping-norm"] = res.next_clipping_norm
+                own["dp-noisy-clipped-fraction"] = res.noisy_clipped_fraction
+            if self.publish_exact_counts:  # (not private: the user asked for them)
+                own.update({"dp-clipped": int(res.clipped.sum()), "dp-excluded": int(res.excluded.sum())})
             prev = self.strategy.server_metrics.get(server_round)
             self.strategy.server_metrics[server_round] = MetricRecord({**(dict(prev) if prev else {}), **own})
             log(INFO, "aggregate_train: central DP noise with %.4g stdev added to the clipped mean (fused)",
@@ -111,7 +121,7 @@ class _FixedBase(_Fused):
     _mechanism_cls: type
 
     def __init__(self, strategy, noise_multiplier: float, clipping_norm: float, num_sampled_clients: int, *,
-                 accountant=None, seed: int | None = None, noise_source=None):
+                 accountant=None, seed: int | None = None, noise_source=None, publish_exact_counts: bool = False):
         if accountant is not None and isinstance(strategy, _Fastagg):
             # Flower accounts only for its own FedAvg, because it adds the noise after the strategy's step; fused,
             # the noise enters before the optimizer, whose step is then post-processing: any fastagg mean-based
@@ -122,7 +132,7 @@ class _FixedBase(_Fused):
         else:
             self._init_flower(strategy, noise_multiplier, clipping_norm, num_sampled_clients, accountant)
         self._make_mechanism(self._mechanism_cls, self.noise_multiplier, self.clipping_norm, self.num_sampled_clients,
-                             seed=seed, noise_source=noise_source)
+                             seed=seed, noise_source=noise_source, publish_exact_counts=publish_exact_counts)
 
     def _init_flower(self, strategy, noise_multiplier, clipping_norm, num_sampled_clients, accountant) -> None:
         super().__init__(strategy, noise_multiplier, clipping_norm, num_sampled_clients, accountant=accountant)
@@ -165,13 +175,14 @@ class _AdaptiveBase(_Fused):
     def __init__(self, strategy, noise_multiplier: float, num_sampled_clients: int, initial_clipping_norm: float = 0.1,
                  target_clipped_quantile: float = 0.5, clip_norm_lr: float = 0.2,
                  clipped_count_stddev: float | None = None, *, seed: int | None = None, noise_source=None,
-                 direction: str = "flower"):
+                 direction: str = "flower", publish_exact_counts: bool = False):
         super().__init__(strategy, noise_multiplier, num_sampled_clients, initial_clipping_norm,
                          target_clipped_quantile, clip_norm_lr, clipped_count_stddev)
         # (Flower replaced noise_multiplier by the update's; the mechanism derives it from the one given)
         self._make_mechanism(self._mechanism_cls, noise_multiplier, num_sampled_clients, initial_clipping_norm,
                              target_clipped_quantile, clip_norm_lr, clipped_count_stddev, seed=seed,
-                             noise_source=noise_source, direction=direction)
+                             noise_source=noise_source, direction=direction,
+                             publish_exact_counts=publish_exact_counts)
 
 
     def _check_replies(self, replies: list) -> None:

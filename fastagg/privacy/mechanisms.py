@@ -35,7 +35,7 @@ import torch
 from .._checks import check_number, normalized_weights
 from ..passes import RoundStats, run_stats
 from ..rows import Buffers, ClientRows, compute_dtype, subset_rows
-from .noise import NoiseSource, check_seed, count_noise
+from .noise import COUNT_QUERY_ROUND, NoiseSource, check_seed, count_noise
 
 __all__ = ["ServerSideFixedClipping", "ServerSideAdaptiveClipping", "ClientSideFixedClipping",
            "ClientSideAdaptiveClipping", "DPResult", "MECHANISMS", "adaptive_noise_params"]
@@ -72,6 +72,14 @@ class DPResult:
         return ~self.excluded
 
 
+def _check_rounds(rounds: Any) -> int:
+    """A release count: an integer in [0, 2^63). Round 2^63 and beyond would key the update's noise with the top
+    bit set, the adaptive count query's stream (noise.COUNT_QUERY_ROUND), and past 2^64 no kernel takes it."""
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or not 0 <= rounds < COUNT_QUERY_ROUND:
+        raise ValueError(f"rounds must be an integer in [0, 2^63) (the release count keying the noise), got {rounds!r}")
+    return rounds
+
+
 def _check_count(value: Any, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -94,12 +102,11 @@ class _Mechanism:
             raise TypeError(f"noise_source must be callable (numel, round, dtype, device) -> tensor, got "
                             f"{type(noise_source).__name__}")
         self.noise_source = noise_source
-        if accountant is not None and not hasattr(accountant, "step"):
-            raise TypeError(f"accountant must be a fastagg.privacy.PrivacyAccountant, got {type(accountant).__name__}")
         self.accountant = accountant
         self.weighted = bool(weighted)
         self.rounds = 0  # releases so far: the round index of the next release's noise
         self.last: DPResult | None = None
+        self._check_accountant()
 
     @property
     def update_noise_multiplier(self) -> float:
@@ -118,11 +125,13 @@ class _Mechanism:
 
     def load_state_dict(self, state: dict) -> None:
         seed = check_seed(state["seed"])
-        rounds = state["rounds"]
-        if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
-            raise ValueError(f"rounds must be an integer >= 0, got {rounds!r}")
+        rounds = _check_rounds(state["rounds"])
         norm = check_number(state["clipping_norm"], "clipping_norm", allow_equal=False)
+        self._check_restored_norm(norm)
         self.seed, self.rounds, self.clipping_norm = seed, rounds, norm
+
+    def _check_restored_norm(self, norm: float) -> None:
+        """(adaptive: within the norm's bounds)"""
 
     def __repr__(self) -> str:
         shown = {k: v for k, v in vars(self).items()
@@ -137,12 +146,35 @@ class _Mechanism:
         check_number(self.clipping_norm, "clipping_norm", allow_equal=False)
         check_number(self.noise_multiplier, "noise_multiplier")
         _check_count(self.num_sampled_clients, "num_sampled_clients")
+        _check_rounds(self.rounds)
+        self._check_accountant()
+
+    def _check_accountant(self) -> None:
+        """The accountant must account for this mechanism's releases: the same noise multiplier (an accountant of
+        z = 1 stepped by a mechanism adding no noise would report a finite epsilon) and, when it amplifies by
+        sampling, ``num_sampled_clients`` as its sample size. (The population is the accountant's alone.)"""
+        acc = self.accountant
+        if acc is None:
+            return
+        if not all(hasattr(acc, k) for k in ("step", "epsilon", "noise_multiplier", "sampling", "num_sampled")):
+            raise TypeError(f"accountant must be a fastagg.privacy.PrivacyAccountant, got {type(acc).__name__}")
+        if not math.isclose(acc.noise_multiplier, self.noise_multiplier, rel_tol=1e-12):
+            raise ValueError(f"the accountant composes releases of noise multiplier {acc.noise_multiplier} but "
+                             f"{type(self).__name__} adds noise of multiplier {self.noise_multiplier}: its epsilon "
+                             "would not be this mechanism's (PrivacyAccountant.for_mechanism makes a matching one)")
+        if acc.sampling != "none" and acc.num_sampled != self.num_sampled_clients:
+            raise ValueError(f"the accountant samples num_sampled={acc.num_sampled} clients a round but "
+                             f"{type(self).__name__} has num_sampled_clients={self.num_sampled_clients}: its "
+                             "sampling rate would not be this mechanism's")
 
 
 class _Fixed(_Mechanism):
     def __init__(self, noise_multiplier: float, clipping_norm: float, num_sampled_clients: int, **kw):
         super().__init__(noise_multiplier, num_sampled_clients, **kw)
         self.clipping_norm = check_number(clipping_norm, "clipping_norm", allow_equal=False)
+
+
+NORM_RANGE = 1e6  # adaptive clipping's default norm_bounds: the initial norm / 1e6 .. * 1e6
 
 
 def adaptive_noise_params(noise_multiplier: float, num_sampled_clients: int,
@@ -172,9 +204,19 @@ class _Adaptive(_Mechanism):
 
     def __init__(self, noise_multiplier: float, num_sampled_clients: int, initial_clipping_norm: float = 0.1,
                  target_clipped_quantile: float = 0.5, clip_norm_lr: float = 0.2,
-                 clipped_count_stddev: float | None = None, *, direction: str = "paper", **kw):
+                 clipped_count_stddev: float | None = None, *, direction: str = "paper",
+                 norm_bounds: tuple[float, float] | None = None, **kw):
         super().__init__(noise_multiplier, num_sampled_clients, **kw)
         self.clipping_norm = check_number(initial_clipping_norm, "initial_clipping_norm", allow_equal=False)
+        if norm_bounds is None:
+            norm_bounds = (self.clipping_norm / NORM_RANGE, self.clipping_norm * NORM_RANGE)
+        if not (isinstance(norm_bounds, (tuple, list)) and len(norm_bounds) == 2):
+            raise ValueError(f"norm_bounds must be (lowest, highest) clipping norms, got {norm_bounds!r}")
+        lo = check_number(norm_bounds[0], "norm_bounds[0]", allow_equal=False)
+        hi = check_number(norm_bounds[1], "norm_bounds[1]", allow_equal=False)
+        if not lo <= self.clipping_norm <= hi:
+            raise ValueError(f"norm_bounds={norm_bounds!r} must hold initial_clipping_norm={self.clipping_norm}")
+        self.norm_bounds = (lo, hi)
         q = check_number(target_clipped_quantile, "target_clipped_quantile")
         if not q <= 1:
             raise ValueError(f"target_clipped_quantile must be in [0, 1], got {q!r}")
@@ -202,7 +244,17 @@ class _Adaptive(_Mechanism):
         total = clipped.numel()
         noisy = (count + self.clipped_count_stddev * count_noise(self.seed, round_)) / total
         sign = 1.0 if self.direction == "paper" else -1.0
-        return self.clipping_norm * math.exp(sign * self.clip_norm_lr * (noisy - self.target_clipped_quantile)), noisy
+        # the noised fraction projected on [0, 1] (post-processing: a fraction is in [0, 1]); with few replies
+        # against num_sampled_clients the count's noise dominates, and unprojected it random-walks C to 0 or Inf
+        frac = min(max(noisy, 0.0), 1.0)
+        lo, hi = self.norm_bounds
+        log_c = math.log(self.clipping_norm) + sign * self.clip_norm_lr * (frac - self.target_clipped_quantile)
+        return math.exp(min(max(log_c, math.log(lo)), math.log(hi))), noisy
+
+    def _check_restored_norm(self, norm: float) -> None:
+        lo, hi = self.norm_bounds
+        if not lo <= norm <= hi:
+            raise ValueError(f"clipping_norm {norm!r} is outside the mechanism's norm_bounds {self.norm_bounds}")
 
 
 class ServerSideFixedClipping(_Fixed):
