@@ -8,9 +8,11 @@ by ``n_i`` alone, so after ``K`` updates (``buffer_size``) the server optimizer 
 
     mean = sum_i n_i s(tau_i) delta_i / sum_i n_i          (FedBuff: n_i = 1 gives the paper's sum_i s(tau_i) delta_i / K)
 
-and the version advances. ``buffer_size=1`` with ``FedAvg(lr=alpha)`` is FedAsync's ``w <- w + alpha s(tau)
-(w_i - w_tau)`` (the update against the model the client started from: FLSim's ``fed_buff_aggregation``
-direction, which FLSim found to train better than the paper's ``w_i - w``). Staleness rules (FLSim's and the papers'
+and the version advances (``normalize="flsim"``: on FLSim's undivided sum instead, a partial buffer's too; FLSim's
+staleness normalisation is ``Polynomial(a, avg_staleness=1)``: docs/ASYNC.md lists every difference from FLSim).
+``buffer_size=1`` with ``FedAvg(lr=alpha)`` is FedAsync's ``w <- w + alpha s(tau) (w_i - w_tau)`` (the update
+against the model the client started from: FLSim's ``fed_buff_aggregation`` direction, which FLSim found to train
+better than the paper's ``w_i - w``). Staleness rules (FLSim's and the papers'
 names): :class:`Constant`, :class:`Polynomial` ``(1 + s)^-a`` (FedBuff's ``a = 0.5``), :class:`Hinge` (FedAsync's),
 :class:`Threshold` (FLSim's). Updates older than ``max_staleness`` are refused.
 
@@ -18,13 +20,16 @@ Threads: many request threads may :meth:`AsyncServer.submit` at once (their fold
 sweeps). Each submit reserves a slot in the first buffer with room, so a buffer never holds more than ``K``
 updates; the submit that completes a buffer steps it, and buffers step in the order they filled, one step at a
 time. An update that arrives during a step goes into the next buffer: never lost, never counted twice. A failed
-fold (NaN, Inf) frees its slot. :meth:`fetch` returns the model and its version consistently (never half a step).
-The staleness is measured when the update is submitted. A client id is folded at most once per version it trained
-from. :meth:`state_dict` / :meth:`load_state_dict` save and restore the buffers, the version and the optimizer.
+fold (NaN, Inf) frees its slot; a failed step keeps its buffer, its ids and the version (the next submit or flush
+steps it again). :meth:`fetch` returns the model and its version consistently (never half a step). The staleness
+is measured when the update is submitted. A client id is folded at most once per version it trained from.
+:meth:`state_dict` / :meth:`load_state_dict` save and restore the buffers, the version and the optimizer: a
+consistent copy while threads submit, an atomic restore.
 
 Signals: a Ctrl-C (or a timer whose handler raises) during a call from the main thread interrupts only the wait:
 the call (a fold, a step, a restore) runs to completion on a helper thread, so no update is half-folded or lost and
-no buffer is dropped; the next call from the main thread sees all it did (:mod:`fastagg._uninterruptible`).
+no buffer is dropped; the next call from the main thread sees all it did, and a program that the signal ends waits
+for it at exit (:mod:`fastagg._uninterruptible`).
 """
 from __future__ import annotations
 
@@ -64,15 +69,26 @@ class Constant(_Staleness):
         return 1.0
 
 
+def _avg_staleness(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"avg_staleness must be an integer >= 0, got {value!r}")
+    return value
+
+
 class Polynomial(_Staleness):
     """``s(tau) = (1 + tau)^-exponent`` (FedBuff's choice with ``exponent = 0.5``; FedAsync's polynomial; FLSim's
-    ``PolynomialStalenessWeight``, whose exponent is in [0, 1])."""
+    ``PolynomialStalenessWeight``, whose exponent is in [0, 1]).
 
-    def __init__(self, exponent: float = 0.5):
+    ``avg_staleness`` (default 0: a fresh update weighs 1) divides by the rule's value there, as FLSim does:
+    ``s(tau) = ((1 + tau) / (1 + avg_staleness))^-exponent``; FLSim's default is ``avg_staleness=1`` (a fresh
+    update weighs ``2^exponent``; docs/ASYNC.md)."""
+
+    def __init__(self, exponent: float = 0.5, *, avg_staleness: int = 0):
         self.exponent = check_number(exponent, "exponent")
+        self.avg_staleness = _avg_staleness(avg_staleness)
 
     def __call__(self, s: int) -> float:
-        return (1.0 + s) ** -self.exponent
+        return ((1.0 + s) / (1.0 + self.avg_staleness)) ** -self.exponent
 
 
 class Hinge(_Staleness):
@@ -89,16 +105,24 @@ class Hinge(_Staleness):
 
 
 class Threshold(_Staleness):
-    """FLSim's ``ThresholdStalenessWeight``: 1 up to ``cutoff``, ``value_after_cutoff`` beyond."""
+    """FLSim's ``ThresholdStalenessWeight``: 1 up to ``cutoff``, ``value_after_cutoff`` beyond; divided, as FLSim
+    does, by its value at ``avg_staleness`` (default 0, FLSim's 1: the same unless ``cutoff`` is 0)."""
 
-    def __init__(self, cutoff: int, value_after_cutoff: float = 0.0):
+    def __init__(self, cutoff: int, value_after_cutoff: float = 0.0, *, avg_staleness: int = 0):
         if not isinstance(cutoff, int) or isinstance(cutoff, bool) or cutoff < 0:
             raise ValueError(f"cutoff must be an integer >= 0, got {cutoff!r}")
         self.cutoff = cutoff
         self.value_after_cutoff = check_number(value_after_cutoff, "value_after_cutoff")
+        self.avg_staleness = _avg_staleness(avg_staleness)
+        if self._raw(self.avg_staleness) == 0:
+            raise ValueError(f"Threshold's value at avg_staleness={avg_staleness} is 0 (value_after_cutoff=0 beyond "
+                             f"cutoff={cutoff}): it cannot be divided by")
+
+    def _raw(self, s: int) -> float:
+        return 1.0 if s <= self.cutoff else self.value_after_cutoff
 
     def __call__(self, s: int) -> float:
-        return 1.0 if s <= self.cutoff else self.value_after_cutoff
+        return self._raw(s) / self._raw(self.avg_staleness)
 
 
 @dataclasses.dataclass
@@ -121,6 +145,14 @@ class _Buffer:
         self.reserved = 0
         self.folded = 0
         self.stepping = False  # its step is running: no new slot in it (it stays queued until the step succeeds)
+
+
+def _zeros_like(like: Any) -> Any:
+    if isinstance(like, torch.Tensor):
+        return torch.zeros_like(like)
+    if isinstance(like, dict):
+        return {k: torch.zeros_like(v) for k, v in like.items()}
+    return [torch.zeros_like(v) for v in like]
 
 
 def _version(v: Any) -> int:
@@ -146,10 +178,16 @@ class AsyncServer:
         max_staleness: updates staler than this are refused (:class:`StaleUpdate`); None: no bound.
         on_nonfinite: an update holding NaN or Inf raises (``"raise"``) or is dropped (``"skip"``); either way
             nothing of it is folded.
+        normalize: what a step's pseudo-gradient is divided by. ``"weights"`` (default): the buffer's total client
+            weight, ``sum_i n_i s(tau_i) delta_i / sum_i n_i`` (the paper's ``/ K`` for ``n_i = 1``; a partial
+            buffer's :meth:`flush` divides by the weight it holds). ``"flsim"``: nothing, FLSim's FedBuff
+            (``ReductionType.WEIGHTED_SUM``): ``sum_i n_i s(tau_i) delta_i``, a partial buffer's flush too (pass
+            FLSim's example weight as ``weight``; its lr is then ours / K for the same full-buffer step).
+            docs/ASYNC.md compares the two.
     """
 
     def __init__(self, optimizer, *, buffer_size: int = 10, staleness: _Staleness | None = None,
-                 max_staleness: int | None = None, on_nonfinite: str = "raise"):
+                 max_staleness: int | None = None, on_nonfinite: str = "raise", normalize: str = "weights"):
         from .server import ServerOptimizer
 
         if not isinstance(optimizer, ServerOptimizer):
@@ -169,6 +207,9 @@ class AsyncServer:
                             f"{type(staleness).__name__}")
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        if normalize not in ("weights", "flsim"):
+            raise ValueError(f"normalize must be 'weights' or 'flsim', got {normalize!r}")
+        self.normalize = normalize
         self.optimizer, self.buffer_size, self.staleness = optimizer, buffer_size, staleness
         self.max_staleness, self.on_nonfinite = max_staleness, on_nonfinite
         self.version = 0
@@ -231,8 +272,11 @@ class AsyncServer:
                 self._buffers.append(buf)
             buf.reserved += 1
         folded = False
+        # "flsim": every update adds 1/K to the buffer's total weight, so a full buffer's mean is the plain sum
+        fold_weight, fold_scale = (w, factor) if self.normalize == "weights" else \
+            (1.0 / self.buffer_size, self.buffer_size * w * factor)
         try:
-            folded = buf.acc.add(delta, w, base=base, on_nonfinite=self.on_nonfinite, scale=factor)
+            folded = buf.acc.add(delta, fold_weight, base=base, on_nonfinite=self.on_nonfinite, scale=fold_scale)
         finally:
             with self._lock:
                 buf.reserved -= 1
@@ -270,7 +314,7 @@ class AsyncServer:
                     return None
                 head.stepping = True  # a partial head (flush) takes no new update while it steps
             try:
-                self.optimizer.step(head.acc)
+                self.optimizer.step(self._summed(head))
             except BaseException:
                 with self._lock:
                     head.stepping = False
@@ -282,6 +326,18 @@ class AsyncServer:
                 self.version += 1
                 self._forget_ids()
                 return self.version
+
+    def _summed(self, head: _Buffer) -> Accumulator:
+        """What the step takes: the buffer's accumulator; with ``normalize="flsim"`` a partial buffer's (a flush)
+        is padded to the total weight 1 of a full one by a zero update in a copy (the buffer stays as it was, for a
+        step that fails), so its step is the plain sum too."""
+        if self.normalize == "weights" or head.folded >= self.buffer_size:
+            return head.acc
+        padded = self._new_buffer().acc
+        padded.merge(head.acc)
+        zero = _zeros_like(self._like)
+        padded.add(zero, (self.buffer_size - head.folded) / self.buffer_size)
+        return padded
 
     def _forget_ids(self) -> None:
         """Ids of versions no update can come from any more (staler than max_staleness) are dropped."""
@@ -316,7 +372,7 @@ class AsyncServer:
             return {"version": self.version, "optimizer": self.optimizer.state_dict(),
                     "buffers": [{"acc": b.acc.state_dict(), "folded": b.folded} for b in self._buffers],
                     "ids": {k: sorted(v, key=repr) for k, v in self._ids.items()},
-                    "buffer_size": self.buffer_size}
+                    "buffer_size": self.buffer_size, "normalize": self.normalize}
 
     @contextlib.contextmanager
     def _quiesced(self):
@@ -339,6 +395,9 @@ class AsyncServer:
         if not isinstance(state, dict) or not {"version", "optimizer", "buffers", "ids"} <= set(state):
             raise ValueError("not an AsyncServer state_dict (needs version, optimizer, buffers, ids)")
         version = _version(state["version"])
+        if state.get("normalize", "weights") != self.normalize:  # (its buffers' sums are of the other kind)
+            raise ValueError(f"the state is of a server with normalize={state.get('normalize', 'weights')!r}; this "
+                             f"one has normalize={self.normalize!r}")
         if not isinstance(state["buffers"], (list, tuple)):
             raise ValueError(f"the state's buffers must be a list, got {type(state['buffers']).__name__}")
         buffers = []

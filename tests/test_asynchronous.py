@@ -384,3 +384,55 @@ def test_load_state_dict_is_all_or_nothing():
         assert err in str(refused.value), (err, refused.value)
     srv.load_state_dict(good)
     assert srv.version == 2 and srv.pending == 1
+
+
+def test_flsim_normalisation_and_staleness_weight_are_flsims_fedbuff():
+    """normalize="flsim" with Polynomial(avg_staleness=1) against FLSim's FedBuff written from its code
+    (FedAvgWithLRFedBuffAggregator: a WEIGHTED_SUM reducer of weight * (before - after) per client, weight =
+    example weight * PolynomialStalenessWeight ((1 + s)^-a / (1 + avg_staleness)^-a); a torch.optim.SGD step with
+    that sum as the gradient after buffer_size clients; on_training_epoch_end steps on a partial buffer's sum as
+    it is). The peer is torch.optim.SGD itself, in float64; the default normalisation is checked to differ."""
+    g = torch.Generator().manual_seed(5)
+    d, k, lr, momentum, a = 33, 3, 0.4, 0.9, 0.5
+    w0 = torch.randn(d, dtype=torch.float64, generator=g)
+    events = [(0.1 * torch.randn(d, dtype=torch.float64, generator=g), float(1 + i % 4), lag) for i, lag in
+              enumerate((0, 0, 1, 0, 2, 1, 0, 3))]  # (update, example weight, versions behind)
+
+    def flsim():
+        model = torch.nn.Parameter(w0.clone())
+        sgd = torch.optim.SGD([model], lr=lr, momentum=momentum)
+        reduced, reported, version = torch.zeros(d, dtype=torch.float64), 0, 0
+        for delta, n, lag in events:
+            staleness = min(lag, version)
+            weight = n * ((1 + staleness) ** -a / (1 + 1) ** -a)
+            reduced += weight * -delta  # FLSim's client delta is before - after
+            reported += 1
+            if reported >= k:
+                model.grad = reduced.clone()
+                sgd.step()
+                reduced.zero_()
+                reported, version = 0, version + 1
+        model.grad = reduced.clone()  # on_training_epoch_end: the partial buffer as it is
+        sgd.step()
+        return model.detach()
+
+    def ours(normalize):
+        w = w0.clone()
+        srv = AsyncServer(server.FedAvgM(w, lr=lr, momentum=momentum), buffer_size=k, normalize=normalize,
+                          staleness=Polynomial(a, avg_staleness=1))
+        for delta, n, lag in events:
+            srv.submit(delta, max(0, srv.version - lag), weight=n)
+        assert srv.version == 2 and srv.pending == 2 and srv.flush()
+        return w
+
+    want = flsim()
+    torch.testing.assert_close(ours("flsim"), want, rtol=1e-10, atol=1e-12)
+    assert (ours("weights") - want).abs().max() > 1e-2  # the default is another normalisation
+    assert Polynomial(0.5, avg_staleness=1)(0) == pytest.approx(2 ** 0.5)
+    assert Threshold(2, 0.5, avg_staleness=3)(0) == 2.0 and Threshold(2, 0.5, avg_staleness=3)(4) == 1.0
+    with pytest.raises(ValueError, match="normalize"):
+        AsyncServer(server.FedAvg(torch.zeros(2)), normalize="sum")
+    with pytest.raises(ValueError, match="avg_staleness"):
+        Polynomial(0.5, avg_staleness=-1)
+    with pytest.raises(ValueError, match="avg_staleness"):
+        Threshold(1, 0.0, avg_staleness=2)

@@ -118,7 +118,8 @@ def test_concurrency_caps_the_nodes_training_at_once_even_as_nodes_connect():
     assert grid.max_in_flight <= 3
 
 
-def test_bad_replies_are_left_out_and_the_model_matches_an_async_server_fed_the_good_ones():
+@pytest.mark.parametrize("normalize", ["weights", "flsim"])
+def test_bad_replies_are_left_out_and_the_model_matches_an_async_server_fed_the_good_ones(normalize):
     def client(node, sent, msg):
         if node == 4:
             return Message(Error(code=0, reason="the node crashed"), reply_to=msg)
@@ -129,7 +130,9 @@ def test_bad_replies_are_left_out_and_the_model_matches_an_async_server_fed_the_
         return train(node, sent, msg, n=10 * node)
 
     grid = ScriptedGrid(client, delay={1: 1, 2: 2, 3: 3, 4: 2, 5: 1, 6: 4})
-    result = run(grid, num_steps=8, staleness=Constant(), optimizer="fedavg", optimizer_kwargs={"lr": 1.0})
+    lr = 1.0 if normalize == "weights" else 0.02  # (FLSim's sum of weights 10-30 times the updates: its lr / K)
+    result = run(grid, num_steps=8, staleness=Constant(), optimizer="fedavg", optimizer_kwargs={"lr": lr},
+                 normalize=normalize)
     assert result.version == 8
     reasons = {node: why for node, why in result.left_out}
     assert "the node crashed" in reasons[4] and "NaN" in reasons[5] and "shapes" in reasons[6]
@@ -137,7 +140,8 @@ def test_bad_replies_are_left_out_and_the_model_matches_an_async_server_fed_the_
 
     # the oracle: the same replies, folded in the order pulled, until the 8th step
     params = {k: torch.from_numpy(v.astype(np.float64)) for k, v in START.items()}
-    oracle = AsyncServer(server.FedAvg(params, lr=1.0, backend="reference"), buffer_size=2, staleness=Constant())
+    oracle = AsyncServer(server.FedAvg(params, lr=lr, backend="reference"), buffer_size=2, staleness=Constant(),
+                         normalize=normalize)
     bases = {0: {k: t.clone() for k, t in params.items()}}
     for node, v, arrays in grid.received:
         if oracle.version == 8:

@@ -65,7 +65,8 @@ class FedBuff:
     Args:
         optimizer: ``"fedavg"``, ``"fedavgm"``, ``"fedadam"``, ``"fedyogi"``, ``"fedadagrad"``, ``"fedexp"`` or a
             callable ``params -> fastagg.server optimizer``; ``optimizer_kwargs`` its hyperparameters.
-        buffer_size, staleness, max_staleness: as :class:`fastagg.asynchronous.AsyncServer`.
+        buffer_size, staleness, max_staleness, normalize: as :class:`fastagg.asynchronous.AsyncServer`
+            (``normalize="flsim"``: FLSim's un-normalised sum; docs/ASYNC.md).
         concurrency: nodes training at once (default: every connected node, including those that connect later).
         min_available_nodes: nodes ``start`` waits for before sending the first model (Flower's name and default).
         node_poll_interval: seconds between looks for newly connected nodes while below ``concurrency``.
@@ -78,7 +79,7 @@ class FedBuff:
                  concurrency: int | None = None, min_available_nodes: int = 2, node_poll_interval: float = 1.0,
                  weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
                  configrecord_key: str = "config", train_metrics_aggr_fn: Callable | None = None,
-                 pull_interval: float = 0.01, backend: str = "auto"):
+                 pull_interval: float = 0.01, backend: str = "auto", normalize: str = "weights"):
         if isinstance(optimizer, str):
             if optimizer not in OPTIMIZERS:
                 raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)} or a callable, got {optimizer!r}")
@@ -90,7 +91,7 @@ class FedBuff:
             raise TypeError(f"optimizer must be a name or a callable, got {type(optimizer).__name__}")
         self._make(torch.zeros(1))  # the hyperparameters are checked now, not at the first reply
         AsyncServer(server.FedAvg(torch.zeros(1)), buffer_size=buffer_size, staleness=staleness,
-                    max_staleness=max_staleness)  # (checks these)
+                    max_staleness=max_staleness, normalize=normalize)  # (checks these)
         if concurrency is not None and (not isinstance(concurrency, int) or isinstance(concurrency, bool)
                                         or concurrency < 1):
             raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
@@ -105,7 +106,7 @@ class FedBuff:
         self.weighted_by_key, self.arrayrecord_key, self.configrecord_key = weighted_by_key, arrayrecord_key, \
             configrecord_key
         self.train_metrics_aggr_fn = train_metrics_aggr_fn or aggregate_metricrecords
-        self.pull_interval = pull_interval
+        self.pull_interval, self.normalize = pull_interval, normalize
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_steps: int, *,
               train_config: ConfigRecord | None = None, timeout: float = 3600.0) -> AsyncResult:
@@ -115,7 +116,7 @@ class FedBuff:
             raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
         params = {k: torch.from_numpy(np.array(v)) for k, v in record_views(initial_arrays, "initial_arrays").items()}
         srv = AsyncServer(self._make(params), buffer_size=self.buffer_size, staleness=self.staleness,
-                          max_staleness=self.max_staleness, on_nonfinite="skip")
+                          max_staleness=self.max_staleness, on_nonfinite="skip", normalize=self.normalize)
         deadline = time.monotonic() + timeout
         nodes = self._wait_for_nodes(grid, deadline)
         sent: dict[int, list] = {}  # version -> [ArrayRecord sent, its tensors, messages in flight]
