@@ -9,7 +9,12 @@ numpy, full models with ``base=``) and never building an ``[M, d]`` copy:
   :class:`NormBound`) need only the ``M x M`` Gram matrix of the updates (one pass, float64 block sums, the
   updates formed against ``base`` before any product, so no cancellation of full models) to choose coefficients;
   the estimate is then one weighted-sum pass of fastagg's fused stats kernel (C++ or Triton). Bulyan's last step
-  is a coordinate-select pass over the clients it selected.
+  is a coordinate-select pass over the clients it selected; GeometricMedian reads a second Gram matrix, of the
+  updates less the medoid's (its Weiszfeld distances would cancel in the first).
+
+BatchNorm statistics and other buffers never enter the Gram matrix: the coordinate-wise rules (and Bulyan's last
+step) apply to each buffer element, the other whole-update rules take each element's median over the clients left
+in (a client they select for its update is not thereby trusted with its statistics).
 
 A client whose update or buffers hold NaN or Inf (or whose ``running_var`` holds a negative variance) is an
 attacker here, not an accident: it is left out before any rule sees it and reported (``excluded``); it never
@@ -293,7 +298,10 @@ class GeometricMedian(_Rule):
     """Geometric median by smoothed Weiszfeld iterations (RFA, Pillutla et al., 2022): ``z = sum_i c_i delta_i``
     with ``c_i ~ a_i / max(nu, ||z - delta_i||)`` (``a_i`` the weights), repeated until the objective
     ``sum_i a_i ||z - delta_i||`` improves by less than ``tol`` (relative) or ``max_iter`` iterations. Every
-    iteration runs on the M x M Gram matrix alone; the estimate is one weighted sum."""
+    iteration runs on the M x M Gram matrix alone -- of ``delta_i - delta_k``, k the medoid, from a second Gram
+    pass: ``||z - delta_j||^2`` from an uncentred G loses ~1e-16 ||delta||^2, all of it when z is near one update
+    and the updates share a large part (at 10^6 parameters the iteration froze at the medoid); the estimate is one
+    weighted sum. A finite float64 update whose squares overflow float64 is refused (ValueError naming it)."""
 
     weighted = True
 

@@ -9,9 +9,13 @@ in place (plus ``MeaMed``, which Flower has not). Each round is one :class:`fast
   (Flower's form ``||x||^2 + ||y||^2 - 2 x.y`` over full float32 models loses those distances when updates are
   small against the weights), with Flower's neighbour count ``max(1, M - f - 2)``; Bulyan selects as Flower does
   (one Multi-Krum scoring) and skips a round with fewer than ``4f + 3`` replies, as Flower does;
-* a reply holding NaN or Inf is left out and logged (an attack, not an accident); BatchNorm statistics follow
-  the rule (the median of each element for FedMedian, as Flower's; the selected replies' average for the Krum
-  family); an integer counter advances by the rule's advance and stays an integer.
+* a reply holding NaN or Inf (or a negative ``running_var``) is left out and logged (an attack, not an
+  accident) and counts as one of ``num_malicious_nodes``; BatchNorm statistics follow the coordinate-wise rules
+  (the median of each element for FedMedian, as Flower's), and under the Krum family each element's median over
+  the replies left in -- **not Flower's**: Flower averages the selected replies' statistics, so a reply chosen for
+  its weights brings any statistics it likes (a negative variance) into the model; an integer counter advances
+  by the rule's advance and stays an integer. A reply of 0 examples is never Krum's choice (Flower's average of
+  it is 0/0, NaN).
 
 Train metrics are aggregated over the replies that entered the estimate (Flower: the selected ones for the Krum
 family, every valid one for median and trimmed mean -- the same sets when no reply is non-finite).
