@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import weakref
 
+import collections
 import contextlib
 import copy
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -103,11 +104,14 @@ def flat_checkpoint(state_dict: Any) -> dict:
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"not a fastagg optimizer state_dict (a {type(state_dict).__name__})")
     if "fastagg" not in state_dict:
-        if "optimizer" in state_dict and state_dict.get("format") == 1:
+        if "optimizer" in state_dict and state_dict.get("format") in (1, FORMAT_VERSION):  # already flat
             for key in ("layout", "hyperparameters", "state"):
                 if key not in state_dict:
                     raise ValueError(f"state_dict has no {key!r} entry")
-            return {**state_dict, "group": {}}
+            group = state_dict.get("group", {}) if state_dict.get("format") == FORMAT_VERSION else {}
+            if not isinstance(group, Mapping):
+                raise ValueError(f"state_dict's 'group' is a {type(group).__name__}; expected a dict")
+            return {**state_dict, "group": dict(group)}
         if "optimizer" in state_dict:
             raise ValueError(f"state_dict has format {state_dict.get('format')!r}; expected {FORMAT_VERSION} or 1")
         what = ("a torch optimizer's state_dict (no 'fastagg' entry)" if "param_groups" in state_dict
@@ -142,12 +146,15 @@ def flat_checkpoint(state_dict: Any) -> dict:
         for name in names:
             if name not in sl:
                 raise ValueError(f"state_dict['state'][{ids[k]!r}] has no {name!r} (parameter 0 has it)")
+            if name in _SCALAR_STATE and _plain_number(sl[name]):  # torch takes a plain-number step, as older
+                continue  # checkpoints kept it
             if not isinstance(sl[name], torch.Tensor):
                 raise TypeError(f"state_dict buffer {name!r} of parameter {ids[k]!r} is a {type(sl[name]).__name__}; "
                                 "expected a tensor")
     for name in names:
         parts = [sl[name] for sl in slices]
         if name in _SCALAR_STATE:
+            parts = [_scalar_tensor(t) for t in parts]
             for k, t in enumerate(parts):
                 if t.dim() != 0 or not torch.equal(t.to(parts[0].device), parts[0]):
                     raise ValueError(f"state_dict's {name!r} differs between parameters 0 and {ids[k]!r} "
@@ -165,6 +172,39 @@ def flat_checkpoint(state_dict: Any) -> dict:
     hyper = {k: v for k, v in groups[0].items() if k not in _GROUP_KEYS}
     return {"optimizer": meta["optimizer"], "format": FORMAT_VERSION, "hyperparameters": hyper, "group": {},
             "layout": layout, "state": flat, **({"shard": meta["shard"]} if "shard" in meta else {})}
+
+
+def _check_layout(mine: tuple, given: Any) -> None:
+    """A checkpoint's layout against the params': entry by entry the same shape and dtype, and the same name where
+    both have one (a checkpoint from ``parameters()`` has none); the error names what differs."""
+    try:
+        theirs = [(e[0], tuple(int(x) for x in e[1]), str(e[2])) for e in given]
+    except (TypeError, ValueError, IndexError):
+        raise ValueError(f"state_dict's parameter layout is malformed: {given!r:.200}") from None
+    for k, ((name, shape, dtype), (t_name, t_shape, t_dtype)) in enumerate(zip(mine, theirs)):
+        label = f"entry {k} ({name or t_name})" if name or t_name else f"entry {k}"
+        if name and t_name and name != t_name:
+            raise ValueError(f"state_dict's parameter layout differs at entry {k}: it is named {t_name!r}; "
+                             f"this parameter is {name!r}")
+        if t_shape != tuple(shape):
+            raise ValueError(f"state_dict's parameter layout differs at {label}: its shape is {t_shape}; this "
+                             f"parameter's is {tuple(shape)}")
+        if t_dtype != dtype:
+            raise ValueError(f"state_dict's parameter layout differs at {label}: its dtype is {t_dtype}; this "
+                             f"parameter's is {dtype}")
+    if len(mine) != len(theirs):
+        raise ValueError(f"state_dict's parameter layout has {len(theirs)} entries; these params have {len(mine)}")
+
+
+def _plain_number(v: Any) -> bool:
+    """An int or float (not a bool): how torch's older checkpoints, and hand-made ones, keep ``step``."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def _scalar_tensor(v: Any) -> Any:
+    """A plain-number 0-d state entry as the float64 0-d tensor fastagg keeps (torch's optimizers convert a
+    plain-number ``step`` on load too); anything else as it is, for the checks to judge."""
+    return torch.tensor(float(v), dtype=torch.float64) if _plain_number(v) else v
 
 
 def _no_clients_given(x: Any) -> bool:
@@ -395,6 +435,9 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        for name in ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+            self.__dict__.setdefault(name, collections.OrderedDict())  # (as torch's __setstate__)
         self._backend = resolve(self._backend_name, self.device)
         self.state = ParamState(self)  # a view of the flat buffers restored above
 
@@ -546,7 +589,11 @@ class ServerOptimizer(torch.optim.Optimizer):
         "param_groups": [{hyperparameters..., "params": [0, 1, ...]}]}``, plus ``"fastagg"``: the format version,
         the optimizer class and the parameter layout (and, sharded, which slice this is), which
         :meth:`load_state_dict` checks. Tensors are copies. Like torch optimizers, the parameters themselves are
-        not included: save the model alongside."""
+        not included: save the model alongside. Hooks registered with ``register_state_dict_pre_hook`` /
+        ``register_state_dict_post_hook`` run as torch.optim.Optimizer.state_dict runs them (a post hook's
+        returned dict replaces the checkpoint)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         self._follow()
         flat = {"optimizer": type(self).__name__, "format": FORMAT_VERSION, "hyperparameters": self.hyperparameters,
                 "group": {k: v for k, v in self.param_groups[0].items() if k not in self._hyper and k not in
@@ -559,6 +606,10 @@ class ServerOptimizer(torch.optim.Optimizer):
         if hasattr(self.aggregate, "state_dict"):  # a DP mechanism: its noise stream must continue, never replay
             out["fastagg"]["aggregate"] = {"class": type(self.aggregate).__name__,
                                            "state": self.aggregate.state_dict()}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, out)
+            if result is not None:
+                out = result
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -570,24 +621,35 @@ class ServerOptimizer(torch.optim.Optimizer):
         with each parameter's slice shaped like the parameter, one dtype, finite -- and the round counter (a whole
         number >= 0, the same for every parameter). Buffers may come from another device (they are moved to the
         params'). Raises ValueError / TypeError naming the first problem; nothing is changed then.
+
+        As in torch, a checkpoint saved from ``parameters()`` loads into an optimizer built on
+        ``named_parameters()`` (or a module, or a state_dict) and the other way round: entries are matched by
+        position, shape and dtype, and names are compared only when both sides have them. A plain-number ``step``
+        is taken as torch takes it. Hooks registered with ``register_load_state_dict_pre_hook`` (given a shallow
+        copy; a returned dict replaces it) and ``register_load_state_dict_post_hook`` run as torch runs them.
         """
+        if isinstance(state_dict, Mapping):
+            state_dict = dict(state_dict)  # a shallow copy, as torch's: a pre hook may edit it in place
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load(self, state_dict: Any) -> None:
         self._follow()
         ck = flat_checkpoint(state_dict)
         if ck["optimizer"] != type(self).__name__:
             raise ValueError(f"state_dict is from {ck['optimizer']}; this optimizer is {type(self).__name__}")
         self._check_shard(ck.get("shard"))
-        mine, theirs = self.layout.signature(), tuple(tuple(e) for e in ck["layout"])
-        for k, (a, b) in enumerate(zip(mine, theirs)):
-            if tuple(a) != (b[0], tuple(b[1]), b[2]):
-                raise ValueError(f"state_dict's parameter layout differs at entry {k}: {b[0] or k} has shape "
-                                 f"{tuple(b[1])} dtype {b[2]}; these params have shape {a[1]} dtype {a[2]}")
-        if len(mine) != len(theirs):
-            raise ValueError(f"state_dict's parameter layout has {len(theirs)} entries; these params have {len(mine)}")
+        _check_layout(self.layout.signature(), ck["layout"])
         hyper, extras = ck["hyperparameters"], {}
         if ck["format"] == 1 and isinstance(hyper, dict) and "lr" in self._hyper and "lr" not in hyper:
             hyper = {**hyper, "lr": 1.0}  # format 1 of FedExP, FedExP-M, SCAFFOLD-ExP, FedACG: no lr (it was 1)
         if ck["format"] != 1 and isinstance(hyper, dict):  # a torch group: the settings and what schedulers keep
-            extras = {k: v for k, v in hyper.items() if k not in self._hyper}
+            extras = {**ck["group"], **{k: v for k, v in hyper.items() if k not in self._hyper}}
             hyper = {k: v for k, v in hyper.items() if k in self._hyper}
         if not isinstance(hyper, dict) or set(hyper) != set(self._hyper):
             raise ValueError(f"state_dict's hyperparameters {sorted(hyper) if isinstance(hyper, dict) else hyper!r} "
@@ -657,6 +719,8 @@ class ServerOptimizer(torch.optim.Optimizer):
             if name not in kinds:
                 raise ValueError(f"state_dict buffer {name!r} is not one {type(self).__name__} keeps "
                                  f"({', '.join(sorted(kinds))})")
+            if kinds[name][0] == ():
+                t = _scalar_tensor(t)
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"state_dict buffer {name!r} is a {type(t).__name__}; expected a tensor")
             shape, dtype = kinds[name]
@@ -901,7 +965,8 @@ class ServerOptimizer(torch.optim.Optimizer):
             stats.mean_sq = v @ v
         return stats
 
-    def step(self, deltas: Any = None, weights: Any = None, *, base: Any = None) -> StepStats:
+    def step(self, deltas: Any = None, weights: Any = None, *, base: Any = None,
+             closure: Callable[[], Any] | None = None) -> Any:
         """Apply one server round.
 
         Args:
@@ -913,10 +978,30 @@ class ServerOptimizer(torch.optim.Optimizer):
             base: the model the clients started from (what :meth:`broadcast` gave them, in the clients' form). With
                 it, ``deltas`` are the clients' full models: each update ``model_i - base`` is formed inside the
                 stats pass, never stored, and buffers become the clients' weighted average.
+            closure: torch's ``step(closure)`` (PyTorch Lightning's call, ``opt.step(closure=...)``, or positional
+                ``opt.step(closure)``): called once under ``torch.enable_grad()`` before the round, it usually runs
+                the backward that fills ``.grad``; the round then reads ``deltas`` as without a closure (None: the
+                pseudo-gradients in ``.grad``), and ``step`` returns the closure's value, as torch's optimizers do.
 
-        Returns the round's :class:`StepStats` (also kept as ``last_stats``). With ``on_nonfinite="raise"`` a
-        non-finite client raises ``ValueError`` and params and state stay exactly as they were.
+        Returns the round's :class:`StepStats` (also kept as ``last_stats``); with a closure, the closure's value.
+        With ``on_nonfinite="raise"`` a non-finite client raises ``ValueError`` and params and state stay exactly as
+        they were.
         """
+        if callable(deltas) and not isinstance(deltas, (torch.Tensor, np.ndarray, Accumulator, list, tuple, Mapping,
+                                                        torch.nn.Module)):
+            if closure is not None:
+                raise TypeError("step() got two closures (positional and closure=)")
+            deltas, closure = None, deltas  # opt.step(closure), torch's positional form
+        if closure is None:
+            return self._step(deltas, weights, base=base)
+        if not callable(closure):
+            raise TypeError(f"closure must be callable, got {type(closure).__name__}")
+        with torch.enable_grad():
+            loss = closure()
+        self._step(deltas, weights, base=base)
+        return loss
+
+    def _step(self, deltas: Any, weights: Any, *, base: Any) -> StepStats:
         with torch.no_grad():
             self._follow()
             self._check_group()

@@ -443,3 +443,224 @@ def test_lr_scales_the_fedexp_step_and_reports_it():
     s2 = server.FedExP(w2, eps=1e-3, lr=0.5).step(d)
     torch.testing.assert_close(s2.eta, 0.5 * s1.eta)
     torch.testing.assert_close(w2, 0.5 * w1)
+
+
+# -- torch's own optimizer conventions (torch/testing/_internal/common_optimizers.py checks them for torch's) ------
+def _hooked(opt, log):
+    """Register one of each state_dict / load_state_dict hook on ``opt``, logging what torch says they get."""
+    opt.register_state_dict_pre_hook(lambda o: log.append(("sd_pre", o is opt)))
+    opt.register_state_dict_pre_hook(lambda o: log.append(("sd_pre_first", o is opt)), prepend=True)
+
+    def sd_post(o, sd):
+        log.append(("sd_post", o is opt, "state" in sd))
+        return {**sd, "note": "added by a post hook"}
+
+    def load_pre(o, sd):
+        log.append(("load_pre", o is opt, "note" in sd))
+        sd.pop("note")  # a shallow copy: the caller's dict keeps it
+        return None
+
+    opt.register_state_dict_post_hook(sd_post)
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(lambda o: log.append(("load_post", o is opt)))
+
+
+def test_state_dict_and_load_hooks_run_as_torchs_do():
+    """torch.optim.Adam and fastagg's FedAdam with the same hooks: the same calls in the same order, the post hook's
+    dict is the checkpoint, the load pre hook edits a shallow copy, the load post hook sees the loaded state."""
+    logs = {}
+    for kind in ("torch", "fastagg"):
+        model = _net(bn=False)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1) if kind == "torch" else server.FedAdam(model)
+        if kind == "torch":
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+        else:
+            opt.step([_deltas(model, n=1)[0]])
+        log = logs[kind] = []
+        _hooked(opt, log)
+        sd = opt.state_dict()
+        assert sd["note"] == "added by a post hook"
+        opt.register_load_state_dict_post_hook(lambda o: log.append(("step", float(o.state[next(iter(
+            o.param_groups[0]["params"]))]["step"]))))
+        opt.load_state_dict(sd)
+        assert sd["note"] == "added by a post hook"  # the caller's dict is not the one the pre hook edited
+    assert logs["fastagg"] == logs["torch"] == [
+        ("sd_pre_first", True), ("sd_pre", True), ("sd_post", True, True), ("load_pre", True, True),
+        ("load_post", True), ("step", 1.0)]
+
+
+def test_a_load_pre_hook_may_return_the_checkpoint_to_load():
+    """torch: a load pre hook's returned dict replaces the one given (e.g. a checkpoint converter)."""
+    model = _net(bn=False)
+    src = server.FedAdam(model)
+    src.step([_deltas(model, n=1)[0]])
+    saved = src.state_dict()
+    opt = server.FedAdam(_net(bn=False))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: sd["wrapped"])
+    opt.load_state_dict({"wrapped": saved})
+    assert opt.round == 1 and torch.equal(opt.flat_state["m"], src.flat_state["m"])
+
+
+def _lightning_run(make, closure_form):
+    """Three steps of ``opt.step(closure)`` as PyTorch Lightning calls it (the closure zeroes the grads, runs the
+    forward and the backward, returns the loss), from inside ``torch.no_grad()`` as torch's own step runs."""
+    torch.manual_seed(SEED)
+    model = torch.nn.Linear(5, 3)
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    opt = make(model)
+    losses = []
+    for _ in range(3):
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+        with torch.no_grad():
+            losses.append(opt.step(closure) if closure_form == "positional" else opt.step(closure=closure))
+    return model, losses
+
+
+@pytest.mark.parametrize("closure_form", ["positional", "keyword"])
+def test_step_closure_is_torchs(closure_form):
+    """``step(closure)``: the closure runs with grad enabled, its value is returned, and the round reads the grads
+    it left: FedAvgM(lr, momentum) on those pseudo-gradients is torch SGD(lr, momentum), to float32 rounding."""
+    ours, ours_losses = _lightning_run(lambda m: server.FedAvgM(m, lr=0.3, momentum=0.9), closure_form)
+    theirs, their_losses = _lightning_run(lambda m: torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.9),
+                                          closure_form)
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in ours_losses)
+    torch.testing.assert_close(torch.stack(ours_losses), torch.stack(their_losses), rtol=1e-5, atol=1e-7)
+    assert float(ours_losses[-1].detach()) < float(ours_losses[0].detach())  # it did train
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_step_closure_with_deltas_and_bad_closure():
+    w = torch.zeros(4)
+    opt = server.FedAvg(w)
+    assert opt.step([torch.ones(4)], closure=lambda: 3.5) == 3.5 and torch.equal(w, torch.ones(4))
+    with pytest.raises(TypeError, match="closure must be callable, got int"):
+        opt.step([torch.ones(4)], closure=7)
+    with pytest.raises(TypeError, match="two closures"):
+        opt.step(lambda: 1.0, closure=lambda: 2.0)
+    assert torch.equal(w, torch.ones(4)) and opt.round == 1
+
+
+@pytest.mark.parametrize("direction", ["parameters->named", "named->parameters", "module->parameters"])
+def test_checkpoint_loads_across_parameters_and_named_parameters(direction):
+    """As torch.optim.Adam does, a checkpoint saved from ``parameters()`` loads into an optimizer built on
+    ``named_parameters()`` (or the module) and back, and the run continues exactly as the saving one."""
+    src_of, dst_of = {"parameters->named": (lambda m: m.parameters(), lambda m: m.named_parameters()),
+                      "named->parameters": (lambda m: m.named_parameters(), lambda m: m.parameters()),
+                      "module->parameters": (lambda m: m, lambda m: m.parameters())}[direction]
+    for torch_side in (True, False):  # torch's Adam first: the convention itself
+        a, b = _net(bn=False), _net(bn=False)
+        make = (lambda p: torch.optim.Adam(p, lr=0.01)) if torch_side else server.FedAdam
+        src = (lambda m: m.named_parameters()) if torch_side and direction.startswith("module") else src_of
+        oa = make(src(a))
+        for t in range(2):
+            _torch_or_ours_step(oa, a, t, torch_side)
+        b.load_state_dict(a.state_dict())
+        ob = make(dst_of(b))
+        ob.load_state_dict(copy.deepcopy(oa.state_dict()))  # (torch's state_dict and load share tensors)
+        for t in range(2, 4):
+            _torch_or_ours_step(oa, a, t, torch_side)
+            _torch_or_ours_step(ob, b, t, torch_side)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb), (direction, torch_side)
+
+
+def _torch_or_ours_step(opt, model, t, torch_side):
+    d = _deltas(model, n=1, seed=t)[0]
+    if torch_side:
+        for k, p in model.named_parameters():
+            p.grad = -d[k]
+        opt.step()
+    else:
+        opt.step([d])
+
+
+def test_a_refused_checkpoint_names_the_real_difference():
+    """Only the names differ: the error names them (not two equal shapes); a shape differs: it names the shapes;
+    nothing changes."""
+    src = server.FedAdam({"w": torch.zeros(3, 2), "b": torch.zeros(3)})
+    src.step([{"w": torch.ones(3, 2), "b": torch.ones(3)}])
+    other_names = server.FedAdam({"weight": torch.zeros(3, 2), "b": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"entry 0: it is named 'w'; this parameter is 'weight'"):
+        other_names.load_state_dict(src.state_dict())
+    other_shape = server.FedAdam([torch.zeros(2, 3), torch.zeros(3)])
+    with pytest.raises(ValueError, match=r"entry 0 \(w\): its shape is \(3, 2\); this parameter's is \(2, 3\)"):
+        other_shape.load_state_dict(src.state_dict())
+    other_dtype = server.FedAdam([torch.zeros(3, 2, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)])
+    with pytest.raises(ValueError, match=r"its dtype is torch.float32; this parameter's is torch.float64"):
+        other_dtype.load_state_dict(src.state_dict())
+    for opt in (other_names, other_shape, other_dtype):
+        assert opt.round == 0 and set(opt.flat_state) == {"step"}
+
+
+def test_plain_number_step_in_a_loaded_state_is_taken_as_torch_takes_it():
+    """torch.optim.Adam loads ``"step": 2`` (a plain number, as older checkpoints kept it) and continues as from the
+    tensor; fastagg's FedAdam too. A step that is no whole number >= 0 is still refused, naming it."""
+    for torch_side in (True, False):
+        a, b = _net(bn=False), _net(bn=False)
+        make = (lambda p: torch.optim.Adam(p.parameters(), lr=0.01)) if torch_side else server.FedAdam
+        oa = make(a)
+        for t in range(2):
+            _torch_or_ours_step(oa, a, t, torch_side)
+        sd = copy.deepcopy(oa.state_dict())  # (torch's state_dict holds its live state tensors)
+        for s in sd["state"].values():
+            s["step"] = int(s["step"])
+        b.load_state_dict(a.state_dict())
+        ob = make(b)
+        ob.load_state_dict(sd)
+        _torch_or_ours_step(oa, a, 2, torch_side)
+        _torch_or_ours_step(ob, b, 2, torch_side)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb), torch_side
+    assert ob.round == 3
+    for s in sd["state"].values():
+        s["step"] = 1.5
+    with pytest.raises(ValueError, match=r"'step' is 1.5; expected a whole number >= 0"):
+        ob.load_state_dict(sd)
+    assert ob.round == 3
+
+
+@pytest.mark.parametrize("name", ["FedAdam", "FedExPM", "FedAvgM"])
+def test_flat_checkpoint_output_loads_and_resumes(name):
+    """``flat_checkpoint(opt.state_dict())`` (the flat form, format 2) loads into ``load_state_dict`` and the run
+    continues exactly as from the torch-shaped checkpoint."""
+    a = _net(bn=False)
+    oa = _make(name, a)
+    for t in range(2):
+        _step(oa, _deltas(a, seed=t))
+    sd = oa.state_dict()
+    flat = server.flat_checkpoint(sd)
+    assert flat["format"] == server.FORMAT_VERSION
+    b1, b2 = _net(bn=False), _net(bn=False)
+    b1.load_state_dict(a.state_dict())
+    b2.load_state_dict(a.state_dict())
+    o1, o2 = _make(name, b1), _make(name, b2)
+    o1.load_state_dict(flat)
+    o2.load_state_dict(sd)
+    assert server.flat_checkpoint(o1.state_dict())["layout"] == flat["layout"]
+    _step(o1, _deltas(a, seed=5))
+    _step(o2, _deltas(a, seed=5))
+    for p, q in zip(b1.parameters(), b2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_refused_flat_checkpoint_names_its_real_problem():
+    opt = server.FedAdam(torch.zeros(6))
+    opt.step([torch.ones(6)])
+    flat = server.flat_checkpoint(opt.state_dict())
+    before = {k: v.clone() for k, v in opt.flat_state.items()}
+    with pytest.raises(ValueError, match=r"has format 3; expected 2 or 1"):
+        opt.load_state_dict({**flat, "format": 3})
+    with pytest.raises(ValueError, match=r"no 'layout' entry"):
+        opt.load_state_dict({k: v for k, v in flat.items() if k != "layout"})
+    with pytest.raises(ValueError, match=r"state_dict is from FedYogi; this optimizer is FedAdam"):
+        opt.load_state_dict({**flat, "optimizer": "FedYogi"})
+    with pytest.raises(ValueError, match=r"'m' has shape \(5,\); expected \(6,\)"):
+        opt.load_state_dict({**flat, "state": {**flat["state"], "m": torch.zeros(5)}})
+    assert all(torch.equal(opt.flat_state[k], v) for k, v in before.items())
