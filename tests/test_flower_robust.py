@@ -156,3 +156,56 @@ def test_batchnorm_statistics_take_the_coordinate_rule_as_in_flower(case):
             assert_close(torch.from_numpy(v), torch.from_numpy(want[k]).double(), rtol=1e-5, atol=1e-6, name=k)
     assert got["1.num_batches_tracked"].dtype == np.int64
     assert int(got["1.num_batches_tracked"]) == int(state["1.num_batches_tracked"]) + 1
+
+
+@pytest.mark.parametrize("case", ["Krum", "MultiKrum"])
+def test_a_selected_replys_batchnorm_statistics_never_reach_the_model(case):
+    """A model with BatchNorm: node 3 sends the honest replies' mean weights (Krum's pick) with running_var 1e6
+    (valid: it stays in); node 5 honest weights with a running_var of -5 in one channel (a negative variance: left
+    out, logged). Flower's Krum would average the selected replies' statistics (1e6 here); fastagg's take each
+    element's median over the replies left in (numpy's median of the replies)."""
+    from test_flower_strategies import _bn_state
+
+    _, state = _bn_state()
+    fa_cls, kw = CASES[case][1], CASES[case][2]
+    nodes = list(range(1, 10))
+
+    def honest(node):
+        rng = np.random.default_rng(node)
+        return {k: np.asarray(v + 1 if v.dtype.kind == "i" else
+                              (v + 0.1 * rng.standard_normal(v.shape)).astype(v.dtype)) for k, v in state.items()}
+    models = {n: honest(n) for n in nodes}
+    for n in nodes:
+        models[n]["1.running_var"] = np.abs(models[n]["1.running_var"]).astype(np.float32) + 0.1
+    good = [n for n in nodes if n != 5]
+    for k, v in state.items():
+        if v.dtype.kind == "f" and "running" not in k:
+            models[3][k] = np.mean([models[n][k] for n in nodes if n != 3], axis=0).astype(v.dtype)
+    models[3]["1.running_var"] = np.array([1e6, 1e6], np.float32)
+    models[5]["1.running_var"] = np.array([-5.0, 1e6], np.float32)
+    s = fa_cls(min_available_nodes=1, **kw)
+    _, (arrays, _) = train_round(s, 1, rec(state), nodes, lambda msg: reply(msg, models[msg.metadata.dst_node_id], 10))
+    got = arrays_of(arrays)
+    want = np.median(np.stack([models[n]["1.running_var"].astype(np.float64) for n in good]), axis=0)
+    np.testing.assert_allclose(got["1.running_var"].astype(np.float64), want, rtol=1e-6)
+    assert (got["1.running_var"] > 0).all() and (got["1.running_var"] < 10).all()
+    assert dict(s.server_metrics[1])["robust-excluded"] == 1
+
+
+def test_bulyan_at_its_bound_with_a_nan_reply_aggregates_counting_it_as_an_attacker():
+    """11 replies = 4f + 3 for f = 2, one of them NaN: the NaN reply is one of the f, so the 10 others hold at most
+    f - 1 = 1 attacker and Bulyan (10 >= 4 * 1 + 3) aggregates them instead of keeping the model."""
+    s = fa.Bulyan(num_malicious_nodes=2, min_available_nodes=1)
+    honest = _clients(1, attackers=(9,))
+
+    def client(msg):
+        r = honest(msg)
+        if msg.metadata.dst_node_id == 4:
+            arrays = arrays_of(r.content["arrays"])
+            arrays["fc.bias"] = np.full((5,), np.nan, np.float32)
+            return reply(msg, arrays, 10)
+        return r
+
+    _, (arrays, _) = train_round(s, 1, rec(initial()), list(range(1, NODES + 1)), client)
+    assert arrays is not None and all(np.isfinite(v).all() for v in arrays_of(arrays).values())
+    assert dict(s.server_metrics[1])["robust-excluded"] == 1
