@@ -9,6 +9,11 @@ One round, for every strategy:
 * ``configure_train`` keeps the model it sends (the global model; FedACG: its look-ahead point) as torch tensors the
   strategy owns, in the dtypes the user gave (Flower's FedAdam family turns float32 models into float64 after a
   round; fastagg does not).
+* ``current_arrays`` (Flower's attribute) reads that model and, set by hand as Flower's own tests do, makes it the
+  model the next replies are measured from; with no model at all, the rules whose result does not depend on it
+  (FedAvg, the robust rules) aggregate the replies' models as Flower's do, the others raise ``AggregationError``.
+  Settings changed on the strategy between rounds (``eta``, ``server_momentum``, ...) apply from the next round,
+  as Flower's strategies read them every round.
 * ``aggregate_train`` reads each reply's ``ArrayRecord`` in place (read-only numpy views of the message bytes: no
   per-client copy) and runs the fastagg server optimizer's step once over all of them, with the model sent as
   the base: each update ``model_i - sent`` is formed inside the stats pass and never stored, so the server's
@@ -34,7 +39,7 @@ import math
 import pprint
 import types
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 
 import numpy as np
@@ -113,18 +118,94 @@ class _Fastagg:
         return {"backend": self.backend, "on_nonfinite": "skip", "buffers": self.buffers}
 
     # -- the model sent ----------------------------------------------------------------------------------------
-    def _adopt(self, arrays: ArrayRecord) -> None:
+    @property
+    def current_arrays(self):
+        """Flower's ``current_arrays``: the global model the next replies are measured from, as Flower's class of
+        the same name keeps it (its FedOpt family: ``{key: numpy array}``; the others: an ``ArrayRecord``), a copy;
+        None before a model is known. Setting it, as Flower's own tests do before calling ``aggregate_train``
+        without ``configure_train``, makes it the global model and the model the next replies are measured from
+        (the optimizer's state is kept when the keys, shapes and dtypes are the global model's; other ones are
+        refused). Setting None forgets the model and the optimizer's state."""
+        model = self.__dict__.get("global_model")
+        if model is None:
+            return None
+        if isinstance(self, _FlFedOpt):
+            return {k: v.numpy().copy() for k, v in model.items()}
+        return to_record(model)
+
+    @current_arrays.setter
+    def current_arrays(self, value) -> None:
+        if "_returned" not in self.__dict__:  # Flower's __init__ (None) before fastagg's
+            if value is not None:
+                raise ValueError("current_arrays can be set once the strategy is built")
+            return
+        if value is None:
+            self._forget_model()
+            return
+        if isinstance(value, Mapping) and not isinstance(value, ArrayRecord):
+            try:
+                value = to_record(value)
+            except (TypeError, ValueError) as e:
+                raise ReplyError(f"current_arrays: {e}") from e
+        self._adopt(value, "current_arrays")
+        self._returned = None
+        self._sent = self._train_model()
+
+    def _forget_model(self) -> None:
+        self.global_model = self.optimizer = self._sent = self._returned = None
+
+    def _base_free(self) -> bool:
+        """Whether a round's result is the same from any model sent: FedAvg (``w + sum_i p_i (w_i - w)`` is
+        ``sum_i p_i w_i``), FedAvgM with Flower's no-server-optimizer settings, and the robust rules that move with
+        the replies (median, trimmed mean, Krum, Bulyan, MeaMed). Those may aggregate before any model is known,
+        as Flower's FedAvg, FedMedian, Krum, ... do."""
+        from .. import robust
+
+        probe = self._optimizer(torch.zeros(1))
+        agg = probe.aggregate
+        if agg is not None and not isinstance(agg, (robust.Median, robust.TrimmedMean, robust.MeaMed, robust.Krum,
+                                                    robust.MultiKrum, robust.Bulyan)):
+            return False
+        if type(probe) is server.FedAvg:
+            return probe.lr == 1.0
+        return type(probe) is server.FedAvgM and probe.lr == 1.0 and probe.momentum == 0.0
+
+    def _model_from_replies(self, replies: list) -> bool:
+        """Before any model is known (no ``configure_train``, no ``current_arrays``): for a base-free round, the
+        first reply's model structure as zeros (so each update is the reply's model itself); True if one was
+        taken. Otherwise AggregationError, as Flower's FedAvgM and FedOpt raise."""
+        if not self._base_free():
+            raise AggregationError(f"aggregate_train before configure_train: no model was sent, and "
+                                   f"{type(self).__name__}'s step depends on it (call configure_train, or set "
+                                   "current_arrays to the model the clients started from)")
+        for m in replies:
+            if m.has_error() or len(m.content.array_records) != 1:
+                continue
+            record = next(iter(m.content.array_records.values()))
+            if is_compressed_record(record):
+                continue
+            try:
+                views = record_views(record)
+            except (TypeError, ValueError):
+                continue
+            self.global_model = {k: torch.zeros(v.shape, dtype=_torch_dtype(v.dtype)) for k, v in views.items()}
+            self.optimizer = self._optimizer(self.global_model)
+            self._sent = self.global_model
+            return True
+        return False
+
+    def _adopt(self, arrays: ArrayRecord, where: str = "the arrays passed to configure_train") -> None:
         """Make ``arrays`` the global model unless they are the record this strategy returned (then they are)."""
         if arrays is self._returned and self.global_model is not None:
             return
-        views = record_views(arrays, "the arrays passed to configure_train")
+        views = record_views(arrays, where)
         if self.global_model is None:
             self.global_model = {k: torch.from_numpy(np.array(v)) for k, v in views.items()}  # owned copies
             self.optimizer = self._optimizer(self.global_model)
             self._log_buffer_policy()
             return
         views = self._floats_as_global(views)
-        self._check_like_global(views, "the arrays passed to configure_train")
+        self._check_like_global(views, where)
         for k, v in views.items():  # another model than the one returned (a restart): taken as it is, in place
             self.global_model[k].copy_(torch.from_numpy(v))
 
@@ -259,10 +340,28 @@ class _Fastagg:
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """One fused fastagg server step over every usable reply (see the module doc)."""
-        if self.global_model is None:
-            raise AggregationError("aggregate_train before configure_train: no model was sent")
+        """One fused fastagg server step over every usable reply (see the module doc). Before any model is known
+        (no ``configure_train``, no ``current_arrays``), a base-free round (FedAvg, the robust rules) aggregates the
+        replies' models themselves, as Flower's do; other strategies raise ``AggregationError``."""
         replies = list(replies)
+        if self.global_model is not None:
+            return self._aggregate_train(server_round, replies)
+        if not self._model_from_replies(replies):
+            if any(not m.has_error() for m in replies):
+                raise AggregationError(f"round {server_round}: no model was sent and no reply carries one (exactly "
+                                       "one ArrayRecord of numpy arrays); the round is refused")
+            log(INFO, "aggregate_train: Received 0 results and %s failures", len(replies))
+            return None, None
+        try:
+            out = self._aggregate_train(server_round, replies)
+        except BaseException:
+            self._forget_model()  # a refused round leaves no model behind
+            raise
+        if out[0] is None:
+            self._forget_model()
+        return out
+
+    def _aggregate_train(self, server_round: int, replies: list) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid = [m for m in replies if not m.has_error()]
         log(INFO, "aggregate_train: Received %s results and %s failures", len(valid), len(replies) - len(valid))
         for m in replies:
@@ -340,6 +439,7 @@ class _Fastagg:
         or finite values so large that the round's sums overflow); (stats, the replies aggregated), stats None when
         nothing is left to aggregate. The optimizer runs in "skip" mode: a round it flags writes nothing, so this
         method decides what a flagged reply means."""
+        self._sync_hyperparameters()
         rule = self.optimizer.aggregate
         while usable and sum(w for _, _, w in usable) > 0:
             self.optimizer.flat_state["step"].fill_(server_round - 1)  # Flower's round numbering (FedAdam's bias corr.)
@@ -377,6 +477,15 @@ class _Fastagg:
                 self._refuse_or_skip(server_round, usable[i][0], why)
             usable = [u for i, u in enumerate(usable) if i not in set(bad)]
         return None, usable
+
+    def _sync_hyperparameters(self) -> None:
+        """Flower's strategies read their settings (``eta``, ``server_learning_rate``, ``beta_1``, ...) in every
+        round, so one set on the strategy between rounds applies from the next: the optimizer's hyperparameters are
+        set from the strategy's attributes (checked as the constructor checks them), its state kept."""
+        probe = self._optimizer(torch.zeros(1))
+        for k in self.optimizer._hyper:
+            if getattr(probe, k) != getattr(self.optimizer, k):
+                setattr(self.optimizer, k, getattr(probe, k))
 
     def _optimizer_step(self, usable: list, weights) -> server.StepStats:
         """The optimizer's step over the usable replies (QFedAvg passes their losses instead of weights)."""
