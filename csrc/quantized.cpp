@@ -2,6 +2,7 @@
 #include "quantized.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -998,7 +999,9 @@ int64_t quantize_blocks(const X* x, int64_t M, int64_t d, int64_t block, double 
     const X* row = x + i * d;
     const int64_t lo = b * block, hi = std::min(d, lo + block);
     const double amax = block_absmax(row + lo, hi - lo, nonfinite);
-    const float s = amax > 0.0 ? static_cast<float>(amax / top) : 1.0f;
+    float s = amax > 0.0 ? static_cast<float>(amax / top) : 1.0f;
+    // a subnormal (or underflowing) scale rounded down goes one step up: never 0, and |x| / s <= top
+    if (s < FLT_MIN && static_cast<double>(s) * top < amax) s = std::nextafter(s, INFINITY);
     scales[i * nb + b] = s;
     write(i, row, lo, hi, static_cast<double>(s));
   }

@@ -48,7 +48,8 @@ void sparse_fold(const I* const* idx, const float* const* vals, const int64_t* k
                  const T* init, T* out, int64_t d, double* sq_out, double* msq_out);
 
 // The client side: M rows of d elements (row-major) quantized to int8 blockwise absmax (fastagg/compress/int8.py
-// states the rule: scale_b = float32(max |x| / 127) or 1 for an all-zero block; q = round half to even of x / s,
+// states the rule: scale_b = float32(max |x| / 127) or 1 for an all-zero block, a subnormal scale rounded down
+// (or to 0) taken one float32 step up; q = round half to even of x / s,
 // or with stochastic floor(x / s + u_j), u_j the (j mod 4)-th word of Philox4x32-10 with counter (j / 4 low and
 // high words, round, clients[i]) and key seed, times 2^-32), every operation in float64 as the definition's.
 // Rows and blocks are independent: the result never depends on the thread count. Returns the number of blocks
@@ -57,7 +58,8 @@ template <typename X>
 int64_t quantize_int8_rows(const X* x, int64_t M, int64_t d, int64_t block, bool stochastic, uint64_t seed,
                         uint32_t round, const uint32_t* clients, int8_t* codes, float* scales);
 
-// Rows x [M, d] quantized to fp8 e4m3 blockwise: per block, s = float32(absmax (float64) / 448) (1 for a zero block),
+// Rows x [M, d] quantized to fp8 e4m3 blockwise: per block, s = float32(absmax (float64) / 448) (1 for a zero block;
+// a subnormal scale as quantize_int8_rows),
 // v = clamp(double(x) / double(s), +-448) rounded to float32, then to e4m3 (round to nearest even, as torch's
 // float32 -> float8_e4m3fn): the definition in fastagg/compress/fp8.py bit for bit. codes [M * d] e4m3 bytes.
 // Returns the number of blocks holding a NaN or Inf, as quantize_int8_rows.

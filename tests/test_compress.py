@@ -247,11 +247,19 @@ def test_wrong_size_block_mix_buffers_and_resend_are_refused():
 
 def test_an_update_that_would_overflow_the_sum_is_refused():
     acc = fastagg.Accumulator(like=torch.zeros(8))
-    huge = Int8Blockwise(torch.full((8,), 127, dtype=torch.int8), torch.full((1,), 3e38), 8)
-    with pytest.raises(ValueError, match="overflow"):
+    one = torch.tensor([127, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int8)
+    huge = Int8Blockwise(one, torch.full((1,), 3e38 / 127), 8)  # x~_0 = 3e38, the rest 0
+    acc.add(huge)
+    before = _state(acc)
+    with pytest.raises(ValueError, match="overflow"):  # 3e38 + 3e38: the sum, not the client, is beyond float32
         acc.add(huge)
-    assert acc.num_clients == 0 and torch.equal(acc.weighted_sum, torch.zeros(8))
-    assert acc.add(huge, on_nonfinite="skip") is False
+    assert _same_state(_state(acc), before)
+    assert acc.add(huge, on_nonfinite="skip") is False and _same_state(_state(acc), before)
+    # a client whose own values lie beyond float32 (127 x 3e38) is non-finite, as a NaN scale is
+    beyond = Int8Blockwise(torch.full((8,), 127, dtype=torch.int8), torch.full((1,), 3e38), 8)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        acc.add(beyond)
+    assert acc.add(beyond, on_nonfinite="skip") is False and _same_state(_state(acc), before)
 
 
 def test_the_cpu_binding_checks_what_it_is_handed():

@@ -80,7 +80,9 @@ def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor
     acc = torch.zeros(d, dtype=torch.float64, device=out.device) if init is None else init.to(torch.float64, copy=True)
     for i, (q, s) in enumerate(zip(codes, scales)):
         v = q.to(torch.float64) if table is None else table.to(torch.float64)[q.long()]
-        x = s.to(torch.float64).repeat_interleave(block)[:d] * v
+        # each element's scale gathered by j // block: never the scales repeated block times (a hostile block far
+        # beyond d would allocate that many)
+        x = s.to(torch.float64)[torch.arange(d, device=s.device) // block] * v
         acc += coef[i] * x
         if sq_out is not None:  # (None: the norms are not wanted)
             sq_out[i] = (x * x).sum()

@@ -20,6 +20,10 @@ import torch
 from ..flat import flatten
 
 MAX_BLOCK = (1 << 31) - 1
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest normal float32: scales below it are subnormal
+# |v| from here up rounds to Inf in float32 (round to nearest even: FLOAT32_MAX + half its last step)
+FLOAT32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +82,7 @@ class Blockwise:
         t = self.table()
         v = self.codes.to(torch.float64) if t is None else \
             t.to(self.device, torch.float64)[self.codes.view(torch.uint8).long()]
-        s = self.scales.to(torch.float64).repeat_interleave(self.block)[:self.numel]
-        return (s * v).to(dtype)
+        return (block_scales(self.scales, self.block, self.numel) * v).to(dtype)
 
 
 def check_blockwise(u: Any, name: str) -> None:
@@ -97,6 +100,33 @@ def check_blockwise(u: Any, name: str) -> None:
     if u.scales.numel() != blocks:
         raise ValueError(f"{name}: {u.codes.numel()} codes in blocks of {u.block} need {blocks} scales, got "
                          f"{u.scales.numel()}")
+
+
+def block_scales(scales: torch.Tensor, block: int, numel: int) -> torch.Tensor:
+    """Each element's scale, float64 ``[numel]``: gathered by ``j // block``, never ``scales`` repeated ``block``
+    times (a hostile block of 2^31 - 1 over a 10-element update would ask for 16 GiB)."""
+    at = torch.arange(numel, dtype=torch.int64, device=scales.device) // block
+    return scales.to(torch.float64)[at]
+
+
+def float32_scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
+    """The float32 scales ``absmax / top`` of float64 absmaxes (``1`` for an all-zero block); a subnormal scale that
+    rounded down (to 0 for the smallest blocks) is taken one float32 step up, so that every scale is > 0 and
+    ``|x_j| / s_b <= top`` (the C++ and Triton quantizers' rule, bit for bit)."""
+    s = torch.where(absmax > 0, absmax / top, torch.ones_like(absmax)).to(torch.float32)
+    low = (s < FLOAT32_TINY) & (s.to(torch.float64) * top < absmax)
+    return torch.where(low, torch.nextafter(s, torch.full_like(s, float("inf"))), s)
+
+
+def check_representable(scales: torch.Tensor, top: float, what: str) -> None:
+    """Raises naming the first block (``scales`` ``[M, blocks]``) whose scale times the format's largest code value
+    ``top`` is beyond float32: its codes would stand for values the server refuses (and a scale of Inf)."""
+    big = scales.to(torch.float64) * top >= FLOAT32_OVERFLOW
+    if bool(big.any()):
+        i, b = (int(v) for v in big.nonzero()[0])
+        where = f"block {b}" if scales.shape[0] == 1 else f"row {i}, block {b}"
+        raise ValueError(f"{what}: {where} holds values beyond float32's range (its scale {float(scales[i, b])!r} "
+                         f"x {top:g} exceeds {FLOAT32_MAX:.6g}); it has no compressed form")
 
 
 def check_block(block: Any) -> int:
@@ -153,12 +183,15 @@ def raise_nonfinite(what: str) -> None:
 
 
 def tiles(rows: torch.Tensor, block: int) -> torch.Tensor:
-    """``[M, d]`` rows as float64 ``[M, ceil(d / block), block]`` tiles, the last one padded with zeros."""
+    """``[M, d]`` rows as float64 ``[M, ceil(d / block), width]`` tiles, the last one padded with zeros; ``width``
+    is ``block``, or ``d`` when one block holds the whole row (a block far beyond d allocates no padding: the
+    zeros change no absmax or norm)."""
     m, d = rows.shape
     blocks = math.ceil(d / block)
-    padded = torch.zeros(m, blocks * block, dtype=torch.float64, device=rows.device)
+    width = d if blocks == 1 else block
+    padded = torch.zeros(m, blocks * width, dtype=torch.float64, device=rows.device)
     padded[:, :d] = rows.to(torch.float64)
-    return padded.view(m, blocks, block)
+    return padded.view(m, blocks, width)
 
 
 def uniforms(shape: tuple, *, seed: int, round: int, clients: list, device) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from ..flat import as_tensor
 from ..rows import _check_dtype, _flat_view
 
-from .blockwise import Blockwise, check_blockwise
+from .blockwise import FLOAT32_OVERFLOW, Blockwise, block_scales, check_blockwise
 from .codebook import Codebook8, LayerwiseUpdate
 from .fp8 import Fp8Blockwise
 from .sparse import SparseUpdate, check_sparse, scan
@@ -162,8 +162,12 @@ def _device_status(parts: list) -> list:
 
 
 def nonfinite_scales(updates: list, names: list, scans: dict | None = None) -> list:
-    """Indices of the updates with a NaN or Inf scale (blockwise) or value (sparse); raises naming the first
-    blockwise update with a scale <= 0. ``scans``: what :func:`check_batch` found of the same updates."""
+    """Indices of the updates with a NaN or Inf scale (blockwise) or value (sparse), or whose dequantized values lie
+    beyond float32 (``|s_b v(q_j)|`` rounds to Inf: no quantizer writes them, and one such client would overflow
+    the round's sums with the honest ones): the callers leave them out or raise, per ``on_nonfinite``. Raises naming
+    the first blockwise update with a scale <= 0. The one check of scales every path that reads compressed updates
+    runs (folds, :func:`dense_rows` for the robust rules and DP). ``scans``: what :func:`check_batch` found of the
+    same updates."""
     parts = [(j, k, p) for j, u in enumerate(updates) for k, p in enumerate(_parts(u))]
     status = _part_status([p for _, _, p in parts], scans)
     finite = [True] * len(updates)
@@ -174,7 +178,39 @@ def nonfinite_scales(updates: list, names: list, scans: dict | None = None) -> l
             where = f" layer {k}" if isinstance(updates[j], LayerwiseUpdate) else ""
             raise ValueError(f"{names[j]}{where}: the scale of block {low} is {float(p.scales[low])!r} (scales must "
                              "be > 0)")
+    blockwise = [(j, p) for j, _, p in parts if finite[j] and isinstance(p, Blockwise) and p.scales.numel()]
+    if blockwise:
+        for (j, p), big in zip(blockwise, _beyond_float32([p for _, p in blockwise])):
+            finite[j] = finite[j] and not big
     return [j for j, ok in enumerate(finite) if not ok]
+
+
+def _largest_code(p: Blockwise, tops: dict) -> float:
+    """The largest ``|v(q)|`` of the format's valid codes (int8: 127, a code book's finite entries)."""
+    t = p.table()
+    if t is None:
+        return 127.0
+    if id(t) not in tops:
+        a = t.detach().abs().to(torch.float64)
+        tops[id(t)] = float(torch.where(torch.isnan(a), torch.zeros_like(a), a).max())
+    return tops[id(t)]
+
+
+def _beyond_float32(parts: list) -> list:
+    """Per blockwise part (finite scales): whether some ``|s_b v(q_j)|`` rounds to Inf in float32. One host read of
+    every part's largest scale; only a part whose largest scale times its largest code value reaches the overflow
+    (none a quantizer writes) is dequantized to look at its codes."""
+    tops: dict = {}
+    largest = torch.stack(torch._foreach_max([p.scales for p in parts])).to(torch.float64).cpu().tolist()
+    out = []
+    for p, s in zip(parts, largest):
+        big = s * _largest_code(p, tops) >= FLOAT32_OVERFLOW
+        if big:  # (NaN codes: refused by the fold itself)
+            t, q = p.table(), p.code_bytes()
+            v = q.to(torch.float64) if t is None else t.to(q.device, torch.float64)[q.view(torch.uint8).long()]
+            big = bool((v.abs() * block_scales(p.scales, p.block, p.numel) >= FLOAT32_OVERFLOW).any())
+        out.append(big)
+    return out
 
 
 def _groups(updates: list) -> list:
@@ -270,13 +306,19 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
 
 def dense_rows(updates: list, names: list, *, numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The updates dequantized into the rows of one ``[M, d]`` tensor of ``dtype`` (for the rules that read every
-    client: robust aggregation, DP's clipping). Checked as a fold checks them; a NaN/Inf scale or value gives a
-    non-finite row (the rules leave such clients out), an invalid code raises naming the update."""
-    check_batch(updates, names, numel=numel, device=device, where="the params")
+    client: robust aggregation, DP's clipping). Checked as a fold checks them (:func:`nonfinite_scales`): a scale
+    <= 0 or an invalid code raises naming the update; a NaN/Inf scale or value, or values beyond float32, give a
+    non-finite row (the rules leave such clients out)."""
+    scans: dict = {}
+    check_batch(updates, names, numel=numel, device=device, where="the params", scans=scans)
+    left_out = set(nonfinite_scales(updates, names, scans))  # scales <= 0 raise here, as in every fold
     out = torch.empty(len(updates), numel, dtype=dtype, device=device)
     for i, (u, name) in enumerate(zip(updates, names)):
         if isinstance(u, torch.Tensor):
             out[i] = _flat_view(u, name)
+            continue
+        if i in left_out:  # a NaN/Inf scale or value, or values beyond float32: a non-finite row
+            out[i] = float("nan")
             continue
         for k, part in enumerate(u.parts if isinstance(u, LayerwiseUpdate) else (u,)):
             if not isinstance(part, SparseUpdate) and part.holds_invalid_code():

@@ -1,11 +1,12 @@
 """fp8 e4m3 blockwise scaled (the layout: :mod:`.blockwise`; torchft's convention, ``torch.float8_e4m3fn``).
 
 Block ``b`` stores one float32 scale ``s_b = max_{j in b} |x_j| / 448`` (448 is e4m3's largest finite value;
-``1.0`` for an all-zero block) and the codes ``q_j = e4m3(float32(x_j / s_b))``: the quotient clamped to [-448, 448], rounded to float32,
+``1.0`` for an all-zero block; a subnormal scale as :mod:`.int8` rounds it) and the codes ``q_j = e4m3(float32(x_j / s_b))``: the quotient clamped to [-448, 448], rounded to float32,
 then to the nearest e4m3 number (ties to even; torch's conversion). The update it stands for is ``x~_j = s_b * float(q_j)``: 3 mantissa bits,
 so ``|x_j - x~_j| <= 2^-4 |x_j|`` for ``|x_j / s_b| >= 2^-6`` (e4m3's normal range), ``<= 2^-10 s_b`` below it.
 Rowwise scaling (one scale per row of a ``[r, c]`` layer, torchft's choice) is ``block = c`` over that layer.
-The two NaN codes (0x7F, 0xFF) are never written and are refused. Bytes: d + 4 * ceil(d / block).
+The two NaN codes (0x7F, 0xFF) are never written and are refused. Bytes: d + 4 * ceil(d / block). A NaN or Inf, or
+a block whose scale times 448 lies beyond float32, raises.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Any
 
 import torch
 
-from .blockwise import Blockwise, as_rows, check_block, quantizer, raise_nonfinite, tiles
+from .blockwise import (Blockwise, as_rows, check_block, check_representable, float32_scales, quantizer,
+                        raise_nonfinite, tiles)
 
 __all__ = ["Fp8Blockwise", "quantize_fp8", "quantize_fp8_rows", "E4M3_MAX"]
 
@@ -66,6 +68,7 @@ def quantize_fp8_rows(rows: torch.Tensor, block: int = 256, *, backend: str = "a
         scales = torch.empty(m, -(-d // block), dtype=torch.float32, device=x.device)
         if kernel(x=x, block=block, codes_out=codes, scales_out=scales):
             raise_nonfinite("the updates")
+        check_representable(scales, E4M3_MAX, "the updates")
         codes = codes.view(torch.float8_e4m3fn)
         return [Fp8Blockwise(codes[i], scales[i], block) for i in range(m)]
     as_rows(x, "the updates")
@@ -76,8 +79,8 @@ def _torch_rows(x: torch.Tensor, block: int) -> list:
     """The definition in torch ops (any device): float64 tiles, absmax, the float32 scale, then the codes."""
     m, d = x.shape
     t = tiles(x, block)
-    absmax = t.abs().amax(dim=2)
-    scales = torch.where(absmax > 0, absmax / E4M3_MAX, torch.ones_like(absmax)).to(torch.float32)
+    scales = float32_scales(t.abs().amax(dim=2), E4M3_MAX)
+    check_representable(scales, E4M3_MAX, "the updates")
     scaled = (t / scales.to(torch.float64)[:, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
     codes = scaled.to(torch.float32).to(torch.float8_e4m3fn).reshape(m, -1)[:, :d]
     return [Fp8Blockwise(codes[i].contiguous(), scales[i].contiguous(), block) for i in range(m)]

@@ -1,7 +1,8 @@
 """int8 blockwise absmax (the layout: :mod:`.blockwise`).
 
-Block ``b`` stores one float32 scale ``s_b = max_{j in b} |x_j| / 127`` (``1.0`` for an all-zero block, so that
-every scale is finite and > 0) and the int8 codes
+Block ``b`` stores one float32 scale ``s_b = max_{j in b} |x_j| / 127`` (``1.0`` for an all-zero block; a subnormal
+scale that rounded down, to 0 for the tiniest blocks, one float32 step up: every scale is finite and > 0) and the
+int8 codes
 
     q_j = round(x_j / s_b)  in [-127, 127]      (round half to even; -128 is never written and is refused)
 
@@ -9,7 +10,9 @@ or, with ``stochastic=True``, ``q_j = floor(x_j / s_b + u_j)`` with ``u_j`` in [
 ``(seed, round, client)`` (:func:`.blockwise.uniforms`): unbiased (``E[s_b q_j] = x_j``), and the same codes for
 the same keys on any machine. The update it stands for is ``x~_j = s_b * q_j``. Exact: ``|x_j - x~_j| <= s_b / 2``
 (deterministic), ``< s_b`` (stochastic); an all-zero block and the block's absmax elements are exact. Bytes:
-d + 4 * ceil(d / block), against 4d for float32 (block 256: 3.94x smaller).
+d + 4 * ceil(d / block), against 4d for float32 (block 256: 3.94x smaller). A NaN or Inf in the update, or a block
+whose scale times 127 lies beyond float32 (values from float64 rows beyond float32's range), raises: the server
+would refuse such codes.
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from typing import Any
 import torch
 
 
-from .blockwise import (MAX_BLOCK, Blockwise, as_rows, check_block, check_blockwise, check_keys, quantizer,
-                        raise_nonfinite, tiles, uniforms)
+from .blockwise import (MAX_BLOCK, Blockwise, as_rows, check_block, check_blockwise, check_keys,
+                        check_representable, float32_scales, quantizer, raise_nonfinite, tiles, uniforms)
 
 __all__ = ["Int8Blockwise", "quantize_int8", "quantize_int8_rows", "dequantize", "MAX_BLOCK"]
 
@@ -71,6 +74,7 @@ def quantize_int8_rows(rows: torch.Tensor, block: int = 256, *, stochastic: bool
         if kernel(x=x, block=block, stochastic=stochastic, seed=seed, round=round, clients=clients,
                   codes_out=codes, scales_out=scales):
             raise_nonfinite("the updates")
+        check_representable(scales, 127.0, "the updates")
         return [Int8Blockwise(codes[i], scales[i], block) for i in range(m)]
     as_rows(x, "the updates")
     return _torch_rows(x, block, stochastic, seed, round, clients)
@@ -80,8 +84,8 @@ def _torch_rows(x: torch.Tensor, block: int, stochastic: bool, seed: int, round:
     """The definition in torch ops (any device): float64 tiles, absmax, the float32 scale, then the codes."""
     m, d = x.shape
     t = tiles(x, block)
-    absmax = t.abs().amax(dim=2)
-    scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax)).to(torch.float32)
+    scales = float32_scales(t.abs().amax(dim=2), 127.0)
+    check_representable(scales, 127.0, "the updates")
     # codes from the float32 scale actually stored, so that s_b * q_j is the closest value the format can write
     scaled = t / scales.to(torch.float64)[:, :, None]
     if stochastic:

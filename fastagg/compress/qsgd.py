@@ -6,7 +6,8 @@ Bucket ``b`` (``bucket`` consecutive elements; the whole update by default, as i
 codes ``q_j = sign(x_j) * l_j`` with levels ``l_j = floor(|x_j| / s_b + u_j)`` in [0, s], ``u_j`` uniform from
 Philox4x32-10 keyed by ``(seed, round, client)``: ``E[s_b q_j] = x_j`` (unbiased) and
 ``E||x~ - x||^2 <= min(d / s^2, sqrt(d) / s) ||x||^2`` (the paper's Lemma 3.1 with its bucket size). ``s`` in
-[1, 127]. Bytes: d + 4 * ceil(d / bucket) (the paper's Elias coding of the levels is not applied).
+[1, 127]. Bytes: d + 4 * ceil(d / bucket) (the paper's Elias coding of the levels is not applied). A bucket whose ``s_b * s``
+lies beyond float32 (norms beyond float32's range) raises naming it: the server would refuse its codes.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .blockwise import as_rows, check_block, check_keys, tiles, uniforms
+from .blockwise import as_rows, check_block, check_keys, check_representable, tiles, uniforms
 from .int8 import Int8Blockwise
 
 __all__ = ["quantize_qsgd", "quantize_qsgd_rows"]
@@ -47,6 +48,7 @@ def quantize_qsgd_rows(rows: torch.Tensor, s: int = 16, *, bucket: int | None = 
     scales = torch.where(norm > 0, norm / s, torch.ones_like(norm)).to(torch.float32)
     short = scales.to(torch.float64) * s < norm  # rounded down to float32: one step up keeps |x| / s_b <= s
     scales = torch.where(short, torch.nextafter(scales, torch.full_like(scales, float("inf"))), scales)
+    check_representable(scales, float(s), "the updates")  # levels reach s: s_b * s must be a float32
     u = uniforms((m, t[0].numel()), seed=seed, round=round, clients=clients, device=x.device).view_as(t)
     levels = torch.floor(t.abs() / scales.to(torch.float64)[:, :, None] + u).clamp_(max=s)
     codes = (torch.sign(t) * levels).reshape(m, -1)[:, :d].to(torch.int8)

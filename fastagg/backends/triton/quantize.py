@@ -27,6 +27,15 @@ def _program_block(d, nb, block):
 
 
 @triton.jit
+def _scale_of(top, top_code):
+    """float32(top / top_code) (1 for a zero block); a subnormal scale that rounded down (to 0 for the tiniest
+    blocks) one float32 step up, as fastagg.compress.blockwise.float32_scales (the step added in float64: exact)."""
+    s = tl.where(top > 0.0, (top / top_code).to(tl.float32), 1.0)
+    low = (s < 1.1754943508222875e-38) & (s.to(tl.float64) * top_code < top)
+    return tl.where(low, (s.to(tl.float64) + 1.401298464324817e-45).to(tl.float32), s)
+
+
+@triton.jit
 def _block_scale(row, lo, hi, scales, nonfinite, pid, top_code, TILE: tl.constexpr):
     """The block's float32 scale ``absmax / top_code`` (float64 quotient; 1 for a zero block), stored, and its count
     of NaN/Inf; returns the scale in float64."""
@@ -38,7 +47,7 @@ def _block_scale(row, lo, hi, scales, nonfinite, pid, top_code, TILE: tl.constex
         bad += (a - a != 0.0).to(tl.int32)  # NaN for NaN and Inf
         amax = tl.maximum(amax, tl.where(a == a, a, 0.0))
     top = tl.max(amax, axis=0)
-    s = tl.where(top > 0.0, (top / top_code).to(tl.float32), 1.0)
+    s = _scale_of(top, top_code)
     tl.store(scales + pid, s)
     tl.store(nonfinite + pid, tl.sum(bad, axis=0))
     return s.to(tl.float64)
@@ -58,7 +67,7 @@ def _tile_scales(x, d, nb, scales, nonfinite, top_code, G: tl.constexpr, BLOCK_C
     v = tl.load(x + i * d + cols, mask=inside, other=0.0).to(tl.float64)
     a = tl.abs(v)
     top = tl.max(tl.where(a == a, a, 0.0), axis=1)
-    s = tl.where(top > 0.0, (top / top_code).to(tl.float32), 1.0)
+    s = _scale_of(top, top_code)
     tl.store(scales + i * nb + b, s, mask=b < nb)
     tl.store(nonfinite + i * nb + b, tl.sum((a - a != 0.0).to(tl.int32), axis=1), mask=b < nb)
     return i, cols, inside, v / s.to(tl.float64)[:, None]
