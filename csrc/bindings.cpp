@@ -556,9 +556,10 @@ void checked_coord_select(py::handle rows, py::handle base, const std::vector<in
                           py::handle nonfinite_out) {
   const RowsArg r = rows_of(rows, base, seg_lens, "coord_select");
   if (rule == kSelectWindow) {
-    if (count < 1 || first < 0 || first + count > r.M)
-      value_error("coord_select: sorted positions [" + str(first) + ", " + str(first + count) + ") are not inside [0, " +
-                  str(r.M) + ")");
+    // compared without forming first + count, which wraps in int64 for hostile values (undefined behaviour)
+    if (count < 1 || count > r.M || first < 0 || first > r.M - count)
+      value_error("coord_select: sorted positions from " + str(first) + " (count " + str(count) +
+                  ") are not inside [0, " + str(r.M) + ")");
   } else if (rule == kSelectNearest) {
     if (count < 1 || count > r.M) value_error("coord_select: count " + str(count) + " is not in [1, " + str(r.M) + "]");
   } else {
