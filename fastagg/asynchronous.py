@@ -45,12 +45,23 @@ from ._checks import check_number
 from ._uninterruptible import uninterruptible
 from .stream import Accumulator
 
-__all__ = ["AsyncServer", "SubmitResult", "Constant", "Polynomial", "Hinge", "Threshold", "StaleUpdate"]
+__all__ = ["AsyncServer", "SubmitResult", "Constant", "Polynomial", "Hinge", "Threshold", "StaleUpdate", "StepError"]
 
 
 class StaleUpdate(ValueError):
     """An update trained from a version older than the server's ``max_staleness`` allows (or a version from the
     future): refused, nothing folded."""
+
+
+class StepError(RuntimeError):
+    """A submit folded its update, but the server step that update completed raised (the optimizer's error is the
+    ``__cause__``): the buffer stays queued with its updates, ids and the version (the next submit or ``flush``
+    steps it). ``result`` is the submit's :class:`SubmitResult` (``folded`` True; ``stepped``: any versions
+    produced before the failing step). Not a ValueError: those mean that nothing was folded."""
+
+    def __init__(self, message: str, result: "SubmitResult"):
+        super().__init__(message)
+        self.result = result
 
 
 # -- staleness rules ---------------------------------------------------------------------------------------------
@@ -246,7 +257,8 @@ class AsyncServer:
         with ``base`` its full model and the model it started from). Steps the server when this update completes a
         buffer (and any later buffer already full). Raises :class:`StaleUpdate` for a version from the future, a
         negative or fractional one, or one staler than ``max_staleness``; ``ValueError`` for a client id already
-        folded from this version, or (``on_nonfinite="raise"``) an update with NaN/Inf. Nothing is folded then."""
+        folded from this version, or (``on_nonfinite="raise"``) an update with NaN/Inf. Nothing is folded then.
+        :class:`StepError` when the update was folded but the step it completed failed."""
         v = _version(version)
         w = check_number(weight, "weight")
         with self._lock:
@@ -286,16 +298,20 @@ class AsyncServer:
                     self._ids[v].discard(client_id)
                 if self._pausing:
                     self._quiet.notify_all()
-        stepped = self._step_full_buffers() if folded else []
-        return SubmitResult(folded, s, factor, stepped)
+        result = SubmitResult(folded, s, factor, [])
+        if folded:
+            try:
+                self._step_full_buffers(result.stepped)
+            except Exception as e:  # the update is in; only the step failed (a signal's exception passes as is)
+                raise StepError(f"the update was folded, but the server step it completed failed ({e!r}); the "
+                                f"buffer stays queued and steps at the next submit or flush", result) from e
+        return result
 
     # -- the server's side -------------------------------------------------------------------------------------
-    def _step_full_buffers(self) -> list:
-        """Step every full buffer at the head of the queue, in order; returns the versions produced."""
-        produced = []
+    def _step_full_buffers(self, produced: list) -> None:
+        """Step every full buffer at the head of the queue, in order; appends the versions produced."""
         while (v := self._step_head(minimum=self.buffer_size)) is not None:
             produced.append(v)
-        return produced
 
     def _step_head(self, *, minimum: int) -> int | None:
         """Step on the head buffer if it holds at least ``minimum`` folded updates and none still folding; returns
@@ -305,8 +321,8 @@ class AsyncServer:
         The head leaves the queue only once its step succeeded: a step that raises (the optimizer refused, a
         hyperparameter set to an invalid value) leaves the buffer, its updates, its clients' ids and the version as
         they were, and the next submit or :meth:`flush` steps it again. (The submit that completed the buffer then
-        raises the optimizer's error although its update is folded: retried with the same client id it is refused
-        as already folded, so nothing is counted twice.)"""
+        raises :class:`StepError`: its update is folded, retried with the same client id it is refused as already
+        folded, so nothing is counted twice.)"""
         with self._step_lock:
             with self._lock:
                 head = self._buffers[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastagg import server
-from fastagg.asynchronous import AsyncServer, Constant, Hinge, Polynomial, StaleUpdate, Threshold
+from fastagg.asynchronous import AsyncServer, Constant, Hinge, Polynomial, StaleUpdate, StepError, Threshold
 from fastagg.testing import cpu_backends
 
 
@@ -291,8 +291,10 @@ def test_a_failed_step_keeps_the_buffer_its_ids_and_the_version():
     srv = AsyncServer(opt, buffer_size=2, staleness=Constant())
     srv.submit(torch.full((6,), 1.0, dtype=torch.float64), 0, client_id="a")
     opt.param_groups[0]["lr"] = -1.0
-    with pytest.raises(ValueError, match="lr"):
+    with pytest.raises(StepError, match="folded") as failed:
         srv.submit(torch.full((6,), 3.0, dtype=torch.float64), 0, client_id="b")  # completes the buffer: steps
+    assert isinstance(failed.value.__cause__, ValueError) and "lr" in str(failed.value.__cause__)
+    assert failed.value.result.folded and failed.value.result.stepped == []
     assert srv.version == 0 and srv.pending == 2 and torch.equal(w, torch.zeros_like(w))
     assert srv.state_dict()["ids"] == {0: ["a", "b"]}
     with pytest.raises(ValueError, match="already folded"):

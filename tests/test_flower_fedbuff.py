@@ -266,3 +266,39 @@ def test_every_name_the_async_docs_and_example_give_imports():
     assert not missing, missing
     import fastagg.flower
     assert fastagg.flower.FedBuff is FedBuff and "FedBuff" in fastagg.flower.__all__
+
+
+def test_a_server_step_that_fails_keeps_its_buffer_and_the_run_goes_on(caplog):
+    """The optimizer's second step raises once: the reply that completed the buffer stays folded (counted, not
+    left out), the failure is logged, the buffer steps with the next reply (which goes into the next buffer), and
+    the run reaches its last step with every reply folded once: with constant staleness the model equals an
+    AsyncServer's whose optimizer never failed, fed the same replies in the same order."""
+    import logging
+
+    class Flaky(server.FedAvg):
+        calls = 0
+
+        def step(self, *args, **kwargs):
+            Flaky.calls += 1
+            if Flaky.calls == 2:
+                raise RuntimeError("the optimizer failed once")
+            return super().step(*args, **kwargs)
+
+    with caplog.at_level(logging.WARNING):
+        grid = ScriptedGrid(train, delay={1: 1, 2: 2})
+        result = run(grid, num_steps=4, optimizer=lambda p: Flaky(p, lr=1.0, on_nonfinite="skip"),
+                     staleness=Constant())
+    assert Flaky.calls == 5 and result.version == 4 and not result.left_out
+    assert any("optimizer failed once" in r.getMessage() for r in caplog.records)
+    folded = sum(result.updates_per_node.values())
+    assert folded == 8  # 4 buffers of 2; the 5th reply stepped the 2nd buffer and went into the 3rd
+    params = {k: torch.from_numpy(v.astype(np.float64)) for k, v in START.items()}
+    oracle = AsyncServer(server.FedAvg(params, lr=1.0, backend="reference"), buffer_size=2, staleness=Constant())
+    bases = {0: {k: t.clone() for k, t in params.items()}}
+    for node, v, arrays in grid.received[:folded]:
+        oracle.submit({k: torch.from_numpy(a.astype(np.float64)) for k, a in arrays.items()}, v, weight=10.0,
+                      base=bases[v])
+        bases.setdefault(oracle.version, {k: t.clone() for k, t in params.items()})
+    assert oracle.version == 4
+    for k in START:
+        np.testing.assert_allclose(result.arrays[k].numpy(), params[k].numpy(), rtol=1e-5, atol=1e-6)

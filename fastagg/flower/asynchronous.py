@@ -14,7 +14,8 @@ A reply that is a Flower error, holds NaN/Inf, has other keys or shapes, lacks t
 carries it as anything but a finite number >= 0, has a metric of another kind (a number, or a list of one length)
 than the replies folded before it had for the same key (Flower's metric aggregation would raise on them), or is
 staler than ``max_staleness`` is left out and logged with the node's id (the node is sent the newest model again;
-the run goes on with the others). Each message's reply is folded at most once. A ``train_metrics_aggr_fn`` that
+the run goes on with the others). Each message's reply is folded at most once. A server step that raises keeps its
+buffer (logged); it steps again with the next reply. A ``train_metrics_aggr_fn`` that
 still raises loses only that step's train metrics (logged), not the run.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from flwr.supercore import log
 
 from .. import server
 from .._checks import check_number
-from ..asynchronous import AsyncServer, Polynomial, StaleUpdate
+from ..asynchronous import AsyncServer, Polynomial, StaleUpdate, StepError
 from .compressed import is_compressed_record, read_compressed
 from .records import ReplyError, record_views, to_record
 from .strategies import _metric_kind
@@ -249,17 +250,29 @@ class FedBuff:
                 if bufs:
                     raise ReplyError("is compressed and carries buffers; FedBuff folds compressed replies of models "
                                      "without buffers")
-                res = srv.submit(update, v, weight=weight, client_id=(node, reply.metadata.reply_to_message_id))
+                res = self._submit(srv, update, v, weight=weight,
+                                   client_id=(node, reply.metadata.reply_to_message_id))
                 return self._counted(res, node, result, contents, reply, metrics, kinds)
             views = record_views(record, "the reply's ArrayRecord")
             if set(views) != set(base) or any(tuple(views[k].shape) != tuple(base[k].shape) for k in base):
                 raise ReplyError("has other keys or shapes than the model sent")
             views = {k: views[k] for k in base}
-            res = srv.submit(views, v, weight=weight, base=base,
+            res = self._submit(srv, views, v, weight=weight, base=base,
                              client_id=(node, reply.metadata.reply_to_message_id))
         except (StaleUpdate, ValueError, TypeError) as e:
             return str(e)
         return self._counted(res, node, result, contents, reply, metrics, kinds)
+
+    @staticmethod
+    def _submit(srv: AsyncServer, update, v: int, **kw):
+        """``srv.submit``; a server step that fails after the fold keeps the reply folded (the buffer steps with
+        the next reply) and is logged."""
+        try:
+            return srv.submit(update, v, **kw)
+        except StepError as e:
+            log(WARNING, "fastagg FedBuff: the server step failed (%r); its buffer is kept and steps with the next "
+                "reply", e.__cause__)
+            return e.result
 
     @staticmethod
     def _counted(res, node: int, result: AsyncResult, contents: list, reply: Message, metrics: MetricRecord,
