@@ -287,6 +287,14 @@ def test_an_update_whose_squares_overflow_float64_is_refused_or_ordered_never_na
         with pytest.raises(ValueError, match=r"client [38]'s update is finite but its squared norm .* overflow"):
             opt.step(x)
         assert bool((w == 0).all()), repr(rule)  # refused before the params were written
+    ok = _updates(m=m).double()
+    w, fresh = torch.zeros(D, dtype=torch.float64), torch.zeros(D, dtype=torch.float64)
+    opt = server.FedAdam(w, aggregate=robust.GeometricMedian())
+    with pytest.raises(ValueError, match="client 3's"):
+        opt.step(x)
+    opt.step(ok)  # as the first step of a fresh optimizer: the refused round left no state (step count, moments)
+    server.FedAdam(fresh, aggregate=robust.GeometricMedian()).step(ok)
+    assert torch.equal(w, fresh)
     xn = x.numpy()
     with np.errstate(over="ignore", invalid="ignore"):
         scores = _krum_scores(xn, 2)
