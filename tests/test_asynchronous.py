@@ -373,7 +373,10 @@ def test_load_state_dict_is_all_or_nothing():
     bad_buffer["buffers"][0]["folded"] = 2
     bad_optimizer = copymod.deepcopy(good)
     bad_optimizer["optimizer"] = {"nonsense": 1}
-    for bad, err in ((bad_ids, "ids"), (bad_buffer, "buffer 0"), (bad_optimizer, "state_dict")):
+    other_kind = copymod.deepcopy(good)
+    other_kind["normalize"] = "flsim"  # its buffers' sums would be of FLSim's kind
+    for bad, err in ((bad_ids, "ids"), (bad_buffer, "buffer 0"), (bad_optimizer, "state_dict"),
+                     (other_kind, "normalize")):
         with pytest.raises(ValueError) as refused:
             srv.load_state_dict(bad)
         after = srv.state_dict()
