@@ -59,7 +59,10 @@ class PrivacyAccountant:
         delta: the delta at which :meth:`epsilon` reports (default ``1 / population_size^1.1``, a common choice,
             when the population is known; else 1e-5).
         method: ``"rdp"`` (Renyi DP, Mironov 2017; every sampling mode) or ``"pld"`` (privacy loss distributions,
-            tighter; ``"none"`` and ``"poisson"``).
+            tighter; ``"none"`` and ``"poisson"``; each epsilon self-composes the cached one-release PLD, ~1 s).
+
+    A mechanism given ``accountant=`` refuses one of another noise multiplier or sample size
+    (:meth:`for_mechanism` makes a matching one); the population is the accountant's alone.
     """
 
     def __init__(self, noise_multiplier: float, *, sampling: str = "none", population_size: int | None = None,

@@ -279,7 +279,10 @@ class ServerSideAdaptiveClipping(_Adaptive):
     the current ``C``, add ``N(0, (z_u C / n)^2 I)`` with ``z_u`` from :func:`adaptive_noise_params`, then move
     ``C`` geometrically with the noised fraction of clipped updates (``_next_norm``). The noise is calibrated to
     the ``C`` the round clipped with (the sensitivity); Flower 1.42 calibrates it to the updated ``C``, which is
-    smaller than the sensitivity whenever ``C`` shrinks."""
+    smaller than the sensitivity whenever ``C`` shrinks. The norm moves with the noised fraction projected on
+    [0, 1] (a factor of at most ``exp(clip_norm_lr)`` a round) and stays within ``norm_bounds`` (default
+    ``initial_clipping_norm / 1e6`` to ``* 1e6``): with few replies against ``num_sampled_clients`` the count's
+    noise would otherwise random-walk it to 0 or Inf, after which every release is refused."""
 
 
 class ClientSideAdaptiveClipping(_Adaptive):
