@@ -323,7 +323,8 @@ def main(argv=None) -> int:
         return 0
     t0 = time.monotonic()
     results = run(mutants, repo=os.path.abspath(args.repo), python=args.python, timeout=args.timeout,
-                  baseline=not args.no_baseline, keep=args.keep)
+                  baseline=not args.no_baseline, keep=args.keep,
+                  log=lambda *a: print(*a, flush=True))
     print()
     print(table(results))
     print(f"total {time.monotonic() - t0:.0f} s")
