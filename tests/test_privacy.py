@@ -439,7 +439,7 @@ def test_adaptive_norm_stays_bounded_with_few_replies_and_its_state_is_checked()
                 norms.append(privacy.release(x, mech, backend="cpu").next_clipping_norm)
         assert all(1e-7 <= c <= 1e5 for c in norms), (min(norms), max(norms))
         steps = [b / a for a, b in zip(norms, norms[1:])]
-        assert all(math.exp(-0.5) * (1 - 1e-12) <= s <= math.exp(0.5) * (1 + 1e-12) for s in steps)  # |lr (f - q)| <= lr
+        assert all(math.exp(-0.5) * (1 - 1e-12) <= s <= math.exp(0.5) * (1 + 1e-12) for s in steps)  # (f in [0, 1])
         assert mech.norm_bounds == (0.1 / 1e6, 0.1 * 1e6)
     # a restored state is checked before anything changes
     mech = privacy.ServerSideAdaptiveClipping(1.0, 40, 0.1, seed=3)
