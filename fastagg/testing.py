@@ -129,6 +129,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def processes_with_env(name: str, value: str) -> list[int]:
+    """PIDs of this user's processes whose environment holds ``name=value`` (Linux /proc; elsewhere none): what a
+    test started with a marker in the environment -- e.g. a private FLWR_HOME -- however it detached (a process that
+    left its group with setsid is still found)."""
+    from pathlib import Path
+
+    marker = f"{name}={value}".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in env and int(proc.name) != os.getpid():
+            found.append(int(proc.name))
+    return found
+
+
+def stop_processes_with_env(name: str, value: str, *, wait_s: float = 10.0) -> list[int]:
+    """SIGTERM, then SIGKILL after ``wait_s``, every process :func:`processes_with_env` finds; returns those that
+    were still running when called."""
+    import signal
+    import time
+
+    found = processes_with_env(name, value)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in processes_with_env(name, value):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        end = time.monotonic() + wait_s
+        while processes_with_env(name, value) and time.monotonic() < end:
+            time.sleep(0.1)
+    return found
+
+
 def import_without(package: str, module: str) -> str:
     """In a fresh interpreter: asserts ``import fastagg`` does not import ``package``, then imports ``module`` with
     ``package`` made unimportable; returns what that ImportError said (the test checks the install hint)."""

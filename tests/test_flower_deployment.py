@@ -15,7 +15,7 @@ from pathlib import Path
 
 import flwr  # noqa: F401  (a test requirement: a missing one fails here)
 import pytest
-from fastagg.testing import free_port
+from fastagg.testing import free_port, processes_with_env, stop_processes_with_env
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower"
 BIN = Path(sys.executable).parent
@@ -81,6 +81,10 @@ def federation(request, tmp_path):
     finally:
         for p in reversed(procs):
             _kill_group(p)
+        # what the SuperLink and SuperNodes started (flower-superexec, app processes) may have left their groups:
+        # every process of this federation carries its private FLWR_HOME
+        stop_processes_with_env("FLWR_HOME", str(home))
+    assert not processes_with_env("FLWR_HOME", str(home)), "processes of the federation outlived the test"
 
 
 def _flwr_run(federation, run_config: str) -> dict:
@@ -139,8 +143,10 @@ def test_make_flower_example_runs_flwr_run_in_a_local_simulation_and_fedexp_extr
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             argv = (proc / "cmdline").read_bytes()
+            env = (proc / "environ").read_bytes()
         except OSError:
             continue
-        if b"flower-superlink" in argv and b"flwr-home-" in argv:
-            left.append(proc.name)
-    assert not left, f"the local SuperLink was left running: {left}"
+        # the SuperLink (its argv names its home) and whatever it started (flower-superexec: its environment does)
+        if (b"flower-superlink" in argv and b"flwr-home-" in argv) or b"/flwr-home-" in env:
+            left.append(f"{proc.name}: {argv[:80]!r}")
+    assert not left, f"the local run left processes running: {left}"

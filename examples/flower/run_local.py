@@ -43,6 +43,30 @@ def _superlinks_on(port: int) -> list[int]:
     return found
 
 
+def _started_under(home: str) -> list[int]:
+    """PIDs of processes whose environment holds FLWR_HOME=home: everything this run started, however detached."""
+    marker = f"FLWR_HOME={home}".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (proc / "environ").read_bytes().split(b"\0") and int(proc.name) != os.getpid():
+                found.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _stop_one(pid: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end and Path(f"/proc/{pid}").exists():
+            time.sleep(0.1)
+
+
 def _stop(pid: int) -> None:
     """The managed SuperLink leads its own process group (its runtime processes are in it): end the group."""
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
@@ -85,6 +109,8 @@ def main() -> int:
         finally:
             for pid in _superlinks_on(http_port):
                 _stop(pid)
+            for pid in _started_under(home):  # what it started outside its group (flower-superexec)
+                _stop_one(pid)
         if rc != 0 or not out.exists():  # flwr run exits 0 even when the ServerApp failed: the file says it ran
             print(f"the run failed (flwr run exited {rc}; no result file): see the log above", file=sys.stderr)
             return 1
