@@ -9,7 +9,8 @@ Strategies: :class:`FedAvg`, :class:`FedAvgM`, :class:`FedProx`, :class:`FedAdam
 :class:`FedAdagrad` (subclasses of Flower's, same arguments), :class:`FedAMS` (Flower's ``FedOpt`` arguments),
 :class:`FedExP`, :class:`FedExPM`, :class:`FedACG` (Flower's ``FedAvg`` arguments plus their own); robust:
 :class:`FedMedian`, :class:`FedTrimmedAvg`, :class:`Krum`, :class:`MultiKrum`, :class:`Bulyan` (Flower's) and
-:class:`MeaMed` (:mod:`fastagg.flower.robust`); differential privacy: Flower's four DP wrappers and its two
+:class:`MeaMed` (:mod:`fastagg.flower.robust`); asynchronous: :class:`FedBuff` (FedBuff / FedAsync, no rounds:
+:mod:`fastagg.flower.asynchronous`); differential privacy: Flower's four DP wrappers and its two
 clipping mods, fused around fastagg strategies (:mod:`fastagg.flower.privacy`); compressed replies: the client mod
 :func:`compress_mod` sends updates as int8 / fp8 / QSGD / top-k, which every strategy folds in place
 (:mod:`fastagg.flower.compressed`). What a round
@@ -23,6 +24,7 @@ except ImportError as e:  # pragma: no cover - exercised in a process without fl
     from .._optional import install_hint
     raise ImportError(f"fastagg.flower needs Flower: {install_hint('flower')}") from e
 
+from .asynchronous import AsyncResult, FedBuff
 from .compressed import compress_mod, compressed_record, read_compressed
 from .privacy import (DifferentialPrivacyClientSideAdaptiveClipping, DifferentialPrivacyClientSideFixedClipping,
                       DifferentialPrivacyServerSideAdaptiveClipping, DifferentialPrivacyServerSideFixedClipping,
@@ -36,4 +38,4 @@ __all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "
            "FedACG", "QFedAvg", "FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan", "MeaMed",
            "DifferentialPrivacyServerSideFixedClipping", "DifferentialPrivacyClientSideFixedClipping",
            "DifferentialPrivacyServerSideAdaptiveClipping", "DifferentialPrivacyClientSideAdaptiveClipping",
-           "fixedclipping_mod", "adaptiveclipping_mod", "compress_mod", "compressed_record", "read_compressed", "Result", "ReplyError", "array_view", "record_views", "to_array", "to_record"]
+           "fixedclipping_mod", "adaptiveclipping_mod", "FedBuff", "AsyncResult", "compress_mod", "compressed_record", "read_compressed", "Result", "ReplyError", "array_view", "record_views", "to_array", "to_record"]
