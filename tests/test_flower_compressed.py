@@ -287,3 +287,28 @@ def test_one_node_sending_huge_finite_values_is_left_out_and_the_others_aggregat
             got, _ = s.aggregate_train(1, replies)
             assert got is not None and all(np.isfinite(a.numpy()).all() for a in got.values())
             assert not torch.equal(before["0.weight"], s.global_model["0.weight"])
+
+
+def test_a_reply_claiming_a_block_far_beyond_its_size_allocates_nothing_beyond_it():
+    """A reply's header may name any block in [1, 2^31): one of 2^31 - 1 over the model's few parameters (one scale)
+    was dequantized into 16 GiB of float64 by the robust strategies and the mixed rounds. Now O(d), and the round is
+    the one its codes stand for."""
+    from test_compress_hostile import _address_space_headroom
+
+    arrays = _rec(_model())
+    for s in (fa.FedMedian(min_available_nodes=1), fa.FedAvg(min_available_nodes=1)):
+        msgs = sorted(s.configure_train(1, arrays, ConfigRecord(), Grid([1, 2, 3])),
+                      key=lambda m: m.metadata.dst_node_id)
+        replies = [_client("int8:block=8", {})(m) for m in msgs]
+        rec = replies[1].content["arrays"]
+        update, _ = read_compressed(rec)
+        entries = {k: rec[k].numpy() for k in rec}
+        entries[MARKER] = np.array([1, 1, update.numel, 2 ** 31 - 1])
+        entries["scales"] = np.array([1e-3], dtype=np.float32)
+        replies[1] = Message(RecordDict({"arrays": _rec(entries), "metrics": replies[1].content["metrics"]}),
+                             reply_to=msgs[1])
+        hostile, _ = read_compressed(replies[1].content["arrays"])
+        assert hostile.block == 2 ** 31 - 1
+        with _address_space_headroom(1 << 30):
+            got, _ = s.aggregate_train(1, replies)
+        assert got is not None and all(np.isfinite(a.numpy()).all() for a in got.values())
