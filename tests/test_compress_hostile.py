@@ -52,7 +52,11 @@ def test_a_block_far_beyond_the_update_allocates_nothing_beyond_its_size():
     honest = Int8Blockwise(codes, torch.tensor([0.5]), 16)
     want = codes.to(torch.float64) * 0.5  # the definition: s_b * q_j, one block
     x = torch.linspace(-1, 1, d, dtype=torch.float64)
-    with _address_space_headroom(1 << 30):
+    for backend in ("reference", *BACKENDS):  # thread pools and allocator arenas mapped before the limit
+        fastagg.fedavg_step([honest, honest], backend=backend)
+    server.FedAvg([torch.zeros(d)], aggregate=robust.Median()).step([honest, honest, honest])
+    quantize_qsgd(x, 4, seed=1)
+    with _address_space_headroom(2 << 30):
         assert torch.equal(dequantize(hostile), want)
         for backend in ("reference", *BACKENDS):
             got = fastagg.fedavg_step([hostile, honest], backend=backend)
