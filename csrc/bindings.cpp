@@ -868,6 +868,13 @@ PYBIND11_MODULE(FASTAGG_MODULE, m) {
     return 1;
 #endif
   });
+  // The team-size policy (csrc/segments.h): threads a pass touching n bytes gets, and the bytes per thread
+  m.def("threads_for", [](int64_t bytes) { return fastagg::threads_for(bytes); });
+  m.def("bytes_per_thread", []() { return fastagg::bytes_per_thread(); });
+  m.def("set_bytes_per_thread", [](int64_t bytes) {
+    if (bytes < 1) value_error("set_bytes_per_thread: bytes must be >= 1, got " + str(bytes));
+    fastagg::bytes_per_thread() = bytes;
+  });
   m.attr("openmp") =
 #ifdef _OPENMP
       true;

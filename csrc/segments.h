@@ -49,15 +49,32 @@ inline void for_block_groups(int64_t b0, int64_t b1, int64_t block, int64_t end,
 
 template <typename T> inline T* as_ptr(uint64_t address) { return reinterpret_cast<T*>(address); }
 
-// Threads for a pass touching `bytes` of memory: one per kBytesPerThread, at most the OpenMP maximum. A small pass
-// runs on the calling thread alone: waking a worker costs more than it saves there, and on a loaded machine a
-// parallel region waits for a worker whose core another process holds (measured on the 2-core VM with one
-// CPU-bound process beside it: rounds of the FedExP regression 5x slower with 2 threads, unchanged with 1).
-// Results never depend on it: blocks and their summation order are fixed by the sizes alone.
-constexpr int64_t kBytesPerThread = int64_t(1) << 20;
+// Threads for a pass touching `bytes` of memory: one per bytes_per_thread(), at most the OpenMP maximum; below two
+// units the calling thread runs the pass alone and no team is formed. Results never depend on it: blocks and their
+// summation order are fixed by the sizes alone.
+//
+// Why a team is costly for small work: the modules share the process's one libgomp (torch's bundled copy: it is
+// loaded first, under the same soname), whose threads spin after a region (OMP_WAIT_POLICY unset: GOMP_SPINCOUNT
+// 300000) and whose master spins at the closing barrier. On a loaded machine the worker whose core another process
+// holds is found at the barrier only when it is scheduled again, a scheduler quantum later. Measured on the 2-core
+// VM with other CPU-bound processes beside it (bench/bench_threads.py): a 1000 x 1000 float32 client step took
+// 24-50 ms with 2 threads against 0.18-0.2 ms with one, and the idle process burnt 7.5 ms of CPU in the 200 ms
+// after it. The wait policy is read once, when torch loads libgomp, so it cannot be made passive for our regions
+// without changing the user's torch; small work therefore forms no team at all. The unit, 16 MB, is about 2 ms of
+// a DRAM-bound pass on one core here (0.2 ms when the data sits in L3: the client step above touches 20 MB by
+// call_bytes): below it a second thread saved at most 0.07 ms of a call when the machine was idle (0.124 against
+// 0.197 ms for the client step), against the quantum it can cost when it is not. Passes of 32 MB and more still
+// get their team (a FedExP round of 16 x 10^7 touches 640 MB). FASTAGG_CPU_BYTES_PER_THREAD sets the unit
+// (fastagg/backends/cpu.py; the tests make it small to run teams on tiny inputs).
+constexpr int64_t kBytesPerThread = int64_t(16) << 20;
+inline int64_t& bytes_per_thread() {
+  static int64_t unit = kBytesPerThread;  // set once at import (set_bytes_per_thread), before any kernel runs
+  return unit;
+}
+
 inline int threads_for(int64_t bytes) {
 #ifdef _OPENMP
-  const int64_t want = std::max<int64_t>(1, bytes / kBytesPerThread);
+  const int64_t want = std::max<int64_t>(1, bytes / bytes_per_thread());
   return static_cast<int>(std::min<int64_t>(want, omp_get_max_threads()));
 #else
   (void)bytes;

@@ -6,6 +6,17 @@ import os
 import platform
 
 
+def openmp_runtime() -> str:
+    """The OpenMP runtime libraries mapped into this process (the compiled kernels use the one torch loaded first:
+    one libgomp.so.1 per process), or why it cannot be told."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line or "libomp" in line}
+    except OSError:
+        return "unknown (no /proc/self/maps)"
+    return ", ".join(sorted(paths)) or "none mapped"
+
+
 def env_report() -> str:
     """A few lines saying which backends are active here and why (paste it into bug reports)."""
     import torch
@@ -17,6 +28,11 @@ def env_report() -> str:
         lines.append(f"cpu backend: compiled module {cpu._C.__file__} (OpenMP {cpu._C.openmp}, "
                      f"{cpu._C.num_threads()} threads; torch reports CPU capability "
                      f"{torch.backends.cpu.get_cpu_capability()}; {cpu.ISA_ENV}=default forces the portable _C)")
+        unit = cpu._C.bytes_per_thread()
+        lines.append(f"cpu threads: a pass of n bytes gets max(1, min(n // {unit}, {cpu._C.num_threads()})) threads, "
+                     f"so one below {2 * unit} ({cpu.THREADS_ENV} sets the {unit}); OpenMP runtime {openmp_runtime()}, "
+                     f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')} "
+                     f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')} (unset: its threads spin)")
     else:
         lines.append(f"cpu backend: NOT available: {cpu.IMPORT_ERROR}")
     if importlib.util.find_spec("triton") is not None:

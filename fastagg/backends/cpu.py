@@ -34,6 +34,25 @@ def load(name: str):
     return importlib.import_module(f"fastagg.{name}")
 
 
+# Bytes of a pass per thread of its team (csrc/segments.h, threads_for): below two units a kernel runs on the
+# calling thread alone. Unset: the module's measured 16 MB.
+THREADS_ENV = "FASTAGG_CPU_BYTES_PER_THREAD"
+
+
+def bytes_per_thread_from_env() -> int | None:
+    """FASTAGG_CPU_BYTES_PER_THREAD as a positive int, None when unset; a ValueError naming it otherwise."""
+    raw = os.environ.get(THREADS_ENV)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{THREADS_ENV} must be a positive number of bytes, got {raw!r}")
+    return value
+
+
 MODULE_NAME = wanted_module()
 try:
     _C = load(MODULE_NAME)
@@ -42,6 +61,8 @@ except ImportError as e:  # keep the cause; never fall back silently
     IMPORT_ERROR: ImportError | None = e
 else:
     IMPORT_ERROR = None
+    if bytes_per_thread_from_env() is not None:
+        _C.set_bytes_per_thread(bytes_per_thread_from_env())
 
 
 def compiled():
