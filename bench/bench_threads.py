@@ -37,7 +37,8 @@ def fedexp_large():
     global big
     if big is None: big = (torch.randn(16, 10_000_000), torch.zeros(10_000_000))
     fastagg.fedexp_step(big[0], eps=1e-3, params=big[1])
-calls = {"client_step": client_step, "fedexp_16x1e4": fedexp_small, "acc_add_1e4": acc_add, "fedexp_16x1e7": fedexp_large}
+calls = {"client_step": client_step, "fedexp_16x1e4": fedexp_small, "acc_add_1e4": acc_add,
+         "fedexp_16x1e7": fedexp_large}
 for f in (client_step, fedexp_small, acc_add): f()
 print("ready", flush=True)
 for line in sys.stdin:

@@ -102,14 +102,22 @@ for m, d in ((3, 50_000), (40, 3_000), (5, 70_001)):  # shared rows, rows per th
 y = torch.randn(9, 20_001, generator=g)
 out["median"] = robust.aggregate(y, robust.Median(), backend="cpu").estimate
 out["geo"] = robust.aggregate(y, robust.GeometricMedian(), backend="cpu").estimate
+from fastagg.server import FedAdam, FedAvgM
+from fastagg.privacy.noise import gaussian_noise
+w = torch.randn(30_001, generator=g); v = w.clone()
+adam, avgm = FedAdam([w], lr=0.1), FedAvgM([v], lr=1.0, momentum=0.9)
+for _ in range(2):
+    d = torch.randn(5, 30_001, generator=g); adam.step(d); avgm.step(d)
+out["server"] = (w, v)
+out["noise"] = gaussian_noise(300_000, seed=1, backend="cpu")
 out["unit"] = torch.tensor(fastagg.backends.cpu.compiled().bytes_per_thread())
 torch.save(out, sys.argv[1])
 """
 
 
 def test_results_do_not_depend_on_the_team(tmp_path):
-    """Small inputs run by one thread and by a team (a 64 KB unit): bit-identical rounds, client steps and
-    robust passes (the 16 MB unit would run all of these on one thread)."""
+    """Small inputs run by one thread and by a team (a 64 KB unit): bit-identical rounds, client steps, robust
+    passes, server applies (FedAdam, FedAvgM) and DP noise (the 16 MB unit would run all of these on one thread)."""
     results = []
     for threads in (1, 3):  # 3: as many as the machine has, up to 3 (torch caps the maximum at its cores)
         path = tmp_path / f"t{threads}.pt"
