@@ -999,7 +999,10 @@ int64_t quantize_blocks(const X* x, int64_t M, int64_t d, int64_t block, double 
     const X* row = x + i * d;
     const int64_t lo = b * block, hi = std::min(d, lo + block);
     const double amax = block_absmax(row + lo, hi - lo, nonfinite);
-    float s = amax > 0.0 ? static_cast<float>(amax / top) : 1.0f;
+    // amax / top rounded to float32 (beyond float32: Inf, then refused by the caller; a cast of a double past the
+    // float range would be undefined behaviour): float32 rounds to nearest, Inf from 2^128 - 2^103 up
+    const double q = amax / top;
+    float s = amax <= 0.0 ? 1.0f : q <= FLT_MAX ? static_cast<float>(q) : q < 0x1.ffffffp127 ? FLT_MAX : INFINITY;
     // a subnormal (or underflowing) scale rounded down goes one step up: never 0, and |x| / s <= top
     if (s < FLT_MIN && static_cast<double>(s) * top < amax) s = std::nextafter(s, INFINITY);
     scales[i * nb + b] = s;
