@@ -6,8 +6,8 @@ Bucket ``b`` (``bucket`` consecutive elements; the whole update by default, as i
 codes ``q_j = sign(x_j) * l_j`` with levels ``l_j = floor(|x_j| / s_b + u_j)`` in [0, s], ``u_j`` uniform from
 Philox4x32-10 keyed by ``(seed, round, client)``: ``E[s_b q_j] = x_j`` (unbiased) and
 ``E||x~ - x||^2 <= min(d / s^2, sqrt(d) / s) ||x||^2`` (the paper's Lemma 3.1 with its bucket size). ``s`` in
-[1, 127]. Bytes: d + 4 * ceil(d / bucket) (the paper's Elias coding of the levels is not applied). A bucket whose ``s_b * s``
-lies beyond float32 (norms beyond float32's range) raises naming it: the server would refuse its codes.
+[1, 127]. Bytes: d + 4 * ceil(d / bucket) (the paper's Elias coding of the levels is not applied). A bucket whose
+``s_b * s`` lies beyond float32 (norms beyond float32's range) raises naming it: the server would refuse its codes.
 """
 from __future__ import annotations
 
