@@ -193,3 +193,175 @@ def test_adaptive_count_noise_is_independent_of_the_update_noise():
     corr = float(np.corrcoef(counts, firsts)[0, 1])
     assert abs(corr) < 0.3, corr
     assert 0.7 < float(np.std(counts)) < 1.3  # the recovered count noise is N(0, 1)
+
+
+def test_multikrum_selects_m_minus_f_by_default():
+    """Multi-Krum's default selection is m = n - f (El Mhamdi et al., ICML 2018, Sec. 3, as fastagg's MultiKrum
+    documents; Flower's MultiKrum asks for num_nodes_to_select): the mean of the n - f updates of lowest Krum score
+    (the sum of squared distances to the n - f - 2 nearest others, Blanchard et al.), scored here in numpy."""
+    g = np.random.default_rng(2)
+    n, f = 9, 2
+    x = g.standard_normal((n, 5))
+    x[3] += 8.0
+    x[6] -= 5.0
+    d2 = ((x[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+    scores = [np.sort(np.delete(d2[i], i))[: n - f - 2].sum() for i in range(n)]
+    keep = np.argsort(scores, kind="stable")[: n - f]
+    res = robust.aggregate(torch.from_numpy(x), robust.MultiKrum(f), backend="reference")
+    assert sorted(np.flatnonzero(res.selected.numpy()).tolist()) == sorted(keep.tolist())
+    torch.testing.assert_close(res.estimate.double(), torch.from_numpy(x[keep].mean(0)), rtol=1e-12, atol=1e-12)
+
+
+def test_bulyan_needs_4f_plus_3_clients():
+    """Bulyan's requirement n >= 4f + 3 (El Mhamdi et al., ICML 2018, Sec. 4): 4f + 2 clients are refused naming
+    the bound, 4f + 3 aggregate."""
+    for f in (1, 2):
+        x = _columns(4 * f + 3, d=4, seed=f)
+        with pytest.raises(robust.TooFewClients, match=f"M >= 4 num_malicious \\+ 3 = {4 * f + 3}"):
+            robust.aggregate(x[: 4 * f + 2], robust.Bulyan(f), backend="reference")
+        assert robust.aggregate(x, robust.Bulyan(f), backend="reference").selected.sum() == 4 * f + 3 - 2 * f
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_normbound_leaves_short_updates_as_they_are(backend):
+    """NormBound (Sun et al., 2019): est = sum_i p_i min(1, C / ||d_i||) d_i -- updates shorter than C are not
+    lengthened to C (numpy here)."""
+    g = np.random.default_rng(4)
+    x = g.standard_normal((5, 8))
+    x[:3] *= 0.05  # norms ~0.14, under C
+    c = 1.0
+    norms = np.linalg.norm(x, axis=1)
+    assert (norms[:3] < c).all() and (norms[3:] > c).all()
+    want = (np.minimum(1.0, c / norms)[:, None] * x).mean(0)
+    res = robust.aggregate(torch.from_numpy(x), robust.NormBound(c), backend=backend)
+    torch.testing.assert_close(res.estimate.double(), torch.from_numpy(want), rtol=1e-10, atol=1e-12)
+    assert res.clipped == 2
+
+
+def test_fedexp_on_a_robust_selection_averages_the_selected_norms():
+    """FedExP on MultiKrum's estimate: eta = max(1, avg / (2 (||est||^2 + eps))) with avg the mean of the SELECTED
+    clients' squared norms (the weights renormalized over them: eq. 9 over the clients that entered the estimate),
+    written out in numpy with the Krum scores of Blanchard et al."""
+    from fastagg import server
+
+    g = np.random.default_rng(7)
+    n, f, eps = 9, 2, 1e-3
+    x = g.standard_normal((n, 6))
+    x -= 0.95 * x.mean(0)  # a short mean: eta well above 1
+    x[5] += 6.0
+    d2 = ((x[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+    scores = [np.sort(np.delete(d2[i], i))[: n - f - 2].sum() for i in range(n)]
+    keep = np.argsort(scores, kind="stable")[: n - f]
+    mean = x[keep].mean(0)
+    eta = max(1.0, float((x[keep] ** 2).sum(1).mean()) / (2 * (float(mean @ mean) + eps)))
+    assert eta > 2
+    w = torch.zeros(6, dtype=torch.float64)
+    st = server.FedExP(w, eps=eps, aggregate=robust.MultiKrum(f), backend="reference").step(torch.from_numpy(x))
+    assert float(st.eta) == pytest.approx(eta, rel=1e-10)
+    torch.testing.assert_close(w, torch.from_numpy(eta * mean), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_int8_blockwise_is_its_definition_on_every_path(backend):
+    """int8 blockwise absmax (the module's definition): s_b = float32(max |x_j| / 127), q_j = round-half-even(x_j
+    / s_b); the block's absmax element gets the code +-127. Written out in numpy, for the torch definition path
+    (backend="reference") and the fused one."""
+    from fastagg.compress import quantize_int8_rows
+
+    g = np.random.default_rng(9)
+    x = (g.standard_normal((3, 10)) * [[1.0], [1e-3], [50.0]]).astype(np.float32)
+    block = 4
+    got = quantize_int8_rows(torch.from_numpy(x), block, backend=backend)
+    for row, u in zip(x, got):
+        pad = np.zeros(-(-row.size // block) * block)
+        pad[:row.size] = row
+        tiles = pad.reshape(-1, block)
+        scales = (np.abs(tiles).max(1) / 127.0).astype(np.float32)
+        codes = np.round(tiles / scales.astype(np.float64)[:, None]).reshape(-1)[:row.size]
+        np.testing.assert_array_equal(u.scales.numpy(), scales)
+        np.testing.assert_array_equal(u.codes.numpy().astype(np.float64), codes)
+        assert np.abs(u.codes.numpy()).max() == 127
+
+
+@pytest.mark.parametrize("d, fraction", [(7, 0.3), (10, 0.25), (1000, 0.0001), (9, 1.0)])
+def test_sparsify_keeps_ceil_fraction_d_entries_at_least_one(d, fraction):
+    """fraction= keeps k = ceil(fraction * d) entries, at least 1 (fastagg.compress.sparse's definition; 2.1 -> 3,
+    2.5 -> 3, 0.1 -> 1): top-k the k largest magnitudes (numpy here), rand-k k distinct ones."""
+    import math
+
+    from fastagg.compress import sparsify_randk, sparsify_topk
+
+    g = np.random.default_rng(d)
+    x = g.permutation(np.arange(1, d + 1, dtype=np.float32)) * g.choice([-1, 1], d)
+    k = max(1, math.ceil(fraction * d))
+    top = sparsify_topk(torch.from_numpy(x), fraction)
+    assert sorted(top.indices.tolist()) == sorted(np.argsort(-np.abs(x), kind="stable")[:k].tolist())
+    rand = sparsify_randk(torch.from_numpy(x), fraction, seed=1)
+    assert rand.indices.numel() == k == len(set(rand.indices.tolist()))
+
+
+def test_fedasync_hinge_is_flat_up_to_and_including_b():
+    """FedAsync's hinge (Xie, Koyejo, Gupta 2019, Sec. 5.2): s(t - tau) = 1 if t - tau <= b, else
+    1 / (a (t - tau - b) + 1)."""
+    from fastagg.asynchronous import Hinge
+
+    for a, b in ((10.0, 4), (0.5, 0), (3.0, 2)):
+        h = Hinge(a, b)
+        for s in range(b + 6):
+            want = 1.0 if s <= b else 1.0 / (a * (s - b) + 1.0)
+            assert h(s) == pytest.approx(want, rel=1e-15), (a, b, s)
+
+
+def test_adds_that_arrive_during_round_stats_wait_for_it():
+    """Accumulator.round_stats holds the accumulator's lock for its pass: two adds from other threads while the
+    pass runs (the second would fold into the buffer the pass reads) wait, so the statistics are those of the
+    clients folded before it -- their mean written out here -- and the adds land afterwards."""
+    import threading
+
+    import fastagg
+    from fastagg.backends import resolve
+
+    g = torch.Generator().manual_seed(8)
+    ds = [torch.randn(50, generator=g, dtype=torch.float64) for _ in range(4)]
+    acc = fastagg.Accumulator(like=torch.zeros(50, dtype=torch.float64), backend="cpu")
+    acc.add_many(ds[:2])
+    inner = resolve("cpu", torch.device("cpu"))
+    threads = []
+
+    class Racing:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def round_stats(self, **kw):
+            for d in ds[2:]:
+                threads.append(threading.Thread(target=acc.add, args=(d,)))
+                threads[-1].start()
+                threads[-1].join(0.3)  # (they wait for the lock round_stats holds)
+            return inner.round_stats(**kw)
+
+    stats = acc.round_stats(lambda device: Racing())
+    mean = stats.mean.clone()
+    for t in threads:
+        t.join(10)
+    torch.testing.assert_close(mean, (ds[0] + ds[1]) / 2, rtol=1e-12, atol=1e-12)
+    assert acc.num_clients == 4
+
+
+def test_a_merged_accumulator_is_the_weighted_mean_of_both_sets_of_clients():
+    """Hierarchical aggregation: edge accumulators merged at the root give the weighted mean over every client,
+    sum_i n_i d_i / sum_i n_i (written out here), and the total weight of both."""
+    import fastagg
+
+    g = torch.Generator().manual_seed(6)
+    ds = [torch.randn(20, generator=g, dtype=torch.float64) for _ in range(5)]
+    ns = [1.0, 3.0, 0.5, 2.0, 7.0]
+    a = fastagg.Accumulator(like=torch.zeros(20, dtype=torch.float64), backend="cpu")
+    b = fastagg.Accumulator(like=torch.zeros(20, dtype=torch.float64), backend="cpu")
+    a.add_many(ds[:2], ns[:2])
+    b.add_many(ds[2:], ns[2:])
+    a.merge(b)
+    assert a.total_weight == pytest.approx(sum(ns), rel=1e-15) and a.num_clients == 5
+    want = sum(n * d for n, d in zip(ns, ds)) / sum(ns)
+    w = torch.zeros(20, dtype=torch.float64)
+    fastagg.server.FedAvg(w, backend="cpu").step(a)
+    torch.testing.assert_close(w, want, rtol=1e-12, atol=1e-12)
