@@ -242,12 +242,18 @@ def batchnorm_models(n: int, *, seed: int) -> tuple[dict, list]:
     return base, models
 
 
+def threads_env(threads: int) -> dict:
+    """The environment of a subprocess whose compiled kernels use a team of ``threads`` on test-sized inputs."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "FASTAGG_CPU_BYTES_PER_THREAD": "65536"}
+
+
 def outputs_with_threads(script: str, threads: int, path) -> Any:
     """``torch.load`` of what ``script`` saved to ``sys.argv[1]`` when run in a fresh interpreter with
-    ``OMP_NUM_THREADS=threads`` (the thread count of the compiled kernels is fixed at their first call)."""
+    ``OMP_NUM_THREADS=threads`` (the thread count of the compiled kernels is fixed at their first call). The team
+    unit is lowered to 64 KB (``FASTAGG_CPU_BYTES_PER_THREAD``) so that test-sized inputs form a team of that size:
+    the default (16 MB a thread) would run them on one thread whatever ``threads`` says."""
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, "-c", script, str(path)], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=threads_env(threads))
     return torch.load(path)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastagg import client
-from fastagg.testing import assert_close, assert_unchanged, cpu_backends, snapshot
+from fastagg.testing import assert_close, assert_unchanged, cpu_backends, snapshot, threads_env
 
 BACKENDS = cpu_backends()
 N, M, D = 9, 4, 1031
@@ -310,7 +310,7 @@ def test_cpu_local_step_bit_identical_across_thread_counts(tmp_path):
     for threads in (1, 2, 3):
         path = tmp_path / f"t{threads}.pt"
         subprocess.run([sys.executable, "-c", script, str(path)], check=True,
-                       env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                       env=threads_env(threads))
         results.append(torch.load(path))
     for other in results[1:]:
         for m in results[0]:

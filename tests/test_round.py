@@ -8,7 +8,7 @@ import torch
 
 import fastagg
 from fastagg.testing import (DTYPES, assert_close, assert_round_close, assert_unchanged, cpu_backends, snapshot,
-                              tolerance)
+                              threads_env, tolerance)
 
 BACKENDS = cpu_backends()
 SHAPES = [(1, 1), (3, 7), (16, 1023), (37, 301), (5, 278011)]  # 37: several client tiles
@@ -266,7 +266,7 @@ def test_cpu_backend_is_bit_identical_across_thread_counts(tmp_path):
     outs = []
     for threads in (1, 2):
         path = tmp_path / f"t{threads}.pt"
-        env = {**__import__("os").environ, "OMP_NUM_THREADS": str(threads)}
+        env = threads_env(threads)  # a team of that size on these test-sized rows
         subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env)
         outs.append(torch.load(path))
     for k in outs[0]:
