@@ -12,6 +12,11 @@ numpy, full models with ``base=``) and never building an ``[M, d]`` copy:
   is a coordinate-select pass over the clients it selected; GeometricMedian reads a second Gram matrix, of the
   updates less the medoid's (its Weiszfeld distances would cancel in the first).
 
+A finite float64 update whose squares overflow float64 (values beyond ~1e154) is still measured: the Krum family
+orders its Inf distances (farther than every other), GeometricMedian, CenteredClipping and NormBound rerun the
+Gram pass on updates scaled by powers of two (plain torch, on the device: an attack is not the fast path); only a
+round whose differences overflow even scaled (values near 1.8e308 of both signs) is refused, naming the client.
+
 BatchNorm statistics and other buffers never enter the Gram matrix: the coordinate-wise rules (and Bulyan's last
 step) apply to each buffer element, the other whole-update rules take each element's median over the clients left
 in (a client they select for its update is not thereby trusted with its statistics).
@@ -27,7 +32,7 @@ attackers that can remain). Every rule is available as a
 Both passes run on fastagg's backends (``coord_select`` and ``gram``: C++ on CPU tensors, Triton on CUDA tensors,
 plain torch in the reference backend, the oracle); each also yields every client's squared norm and non-finite
 mark, so a round that finds every client finite reads the updates once (coordinate-wise rules) or twice (Gram
-pass, then the weighted sum).
+pass, then the weighted sum; GeometricMedian three times: its centred Gram pass between).
 """
 from __future__ import annotations
 
@@ -193,7 +198,36 @@ def _sq_distances(g: torch.Tensor) -> torch.Tensor:
     """``||delta_i - delta_j||^2 = G_ii + G_jj - 2 G_ij`` (float64, >= 0); Inf where the squares of a finite
     update overflow float64 (Inf - Inf there is a distance beyond float64, not NaN)."""
     d2 = g.diagonal()[:, None] + g.diagonal()[None, :] - 2 * g
-    return torch.nan_to_num(d2, nan=float("inf"), posinf=float("inf"), neginf=float("inf")).clamp_min(0)
+    d2 = torch.nan_to_num(d2, nan=float("inf"), posinf=float("inf"), neginf=float("inf")).clamp_min(0)
+    return d2.fill_diagonal_(0.0)  # (a client's distance to itself, Inf - Inf when its squares overflow)
+
+
+def _medoid(d2: torch.Tensor, a: torch.Tensor, sq: torch.Tensor) -> int:
+    """The client of least weighted distance ``sum_j a_j ||delta_i - delta_j||`` to the others; distances beyond
+    float64 (Inf) are counted first: the client with the least weight beyond reach, then the least finite sum,
+    then the least squared norm ``sq`` (of clients that far apart, the one nearest the origin)."""
+    far = torch.isinf(d2)
+    beyond = far.to(a.dtype) @ a
+    inf = torch.full_like(beyond, float("inf"))
+    cost = torch.where(beyond == beyond.min(), torch.where(far, torch.zeros_like(d2), d2).sqrt() @ a, inf)
+    return int(torch.argmin(torch.where(cost == cost.min(), torch.nan_to_num(sq), inf)))
+
+
+def _scaled_gram(rows: ClientRows, big: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(H, n)`` for updates whose float64 squares overflow: ``n_i`` a power of two (1 unless ``big[i]``; else
+    ``max_j |delta_ij| / n_i`` in [1, 2)) and ``H`` the Gram matrix of ``delta_i / n_i`` (float64, every entry
+    at most 4d in size). Two reads in plain torch over column blocks on the rows' device (the reference backend's
+    blocks): a round with such a client is an attack, not the fast path."""
+    m = rows.num_clients
+    peak = torch.zeros(m, dtype=torch.float64, device=rows.device)
+    for _, x in reference._column_blocks(rows):
+        peak = torch.maximum(peak, x.to(torch.float64).abs().amax(dim=1))
+    n = torch.where(big, torch.ldexp(torch.full_like(peak, 0.5), torch.frexp(peak).exponent), torch.ones_like(peak))
+    h = torch.zeros(m, m, dtype=torch.float64, device=rows.device)
+    for _, x in reference._column_blocks(rows):
+        y = x.to(torch.float64) / n[:, None]
+        h += y @ y.T
+    return h, n
 
 
 def _krum_scores(g: torch.Tensor, f: int, strict: bool = True) -> torch.Tensor:
@@ -301,7 +335,9 @@ class GeometricMedian(_Rule):
     iteration runs on the M x M Gram matrix alone -- of ``delta_i - delta_k``, k the medoid, from a second Gram
     pass: ``||z - delta_j||^2`` from an uncentred G loses ~1e-16 ||delta||^2, all of it when z is near one update
     and the updates share a large part (at 10^6 parameters the iteration froze at the medoid); the estimate is one
-    weighted sum. A finite float64 update whose squares overflow float64 is refused (ValueError naming it)."""
+    weighted sum. A finite float64 update whose squares overflow float64 is measured scaled by a power of two
+    (its weight ``a_j / ||z - delta_j||`` tiny, never 0/0); a round whose differences overflow even scaled is
+    refused (ValueError naming the client)."""
 
     weighted = True
 
@@ -312,27 +348,35 @@ class GeometricMedian(_Rule):
         self.max_iter = max_iter
         self.tol = check_number(tol, "tol")
 
-    def coefficients(self, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    def coefficients(self, g: torch.Tensor, a: torch.Tensor, n: torch.Tensor | None = None,
+                     start: int | None = None) -> torch.Tensor:
+        """Weiszfeld's coefficients from ``g``, the Gram matrix of ``delta_i / n_i`` (``n`` powers of two, 1 unless
+        a client's squares overflow float64: see ``_scaled_gram``; None: all 1), starting at client ``start``
+        (None: the medoid of ``g``'s distances). The iteration runs on ``c_i n_i`` and ``||z - delta_j|| / n_j``,
+        which stay finite when a client's distance does not: its weight ``a_j / ||z - delta_j||`` is then tiny,
+        never 0/0."""
         # start from the medoid (the update of least weighted distance to the others), not the mean: one client
         # sending 1e38 puts the mean so far out that max_iter iterations do not come back
-        d2 = _sq_distances(g)
-        c = torch.zeros_like(a)
-        c[int(torch.argmin(d2.sqrt() @ a))] = 1.0
+        n = torch.ones_like(a) if n is None else n
+        ch = torch.zeros_like(a)  # c_i n_i: the coefficients of delta_i / n_i
+        k = _medoid(_sq_distances(g), a, g.diagonal()) if start is None else start
+        ch[k] = n[k]
 
-        def dists(c):  # ||z - delta_j|| with z = sum_i c_i delta_i, from G alone
-            gc = g @ c
-            return (c @ gc - 2 * gc + g.diagonal()).clamp_min(0).sqrt()
+        def scaled_dists(ch):  # ||z - delta_j|| / n_j with z = sum_i c_i delta_i, from G alone
+            gc = g @ ch
+            return ((ch @ gc) / n / n - 2 * gc / n + g.diagonal()).clamp_min(0).sqrt()
 
-        obj = float((a * dists(c)).sum())
+        exact = bool((n == 1).all())  # the objective sum_j a_j ||z - delta_j|| is finite: stop on its progress
+        obj = float((a * n * scaled_dists(ch)).sum())
         for _ in range(self.max_iter):
-            w = a / dists(c).clamp_min(self.nu)
-            c = w / w.sum()
-            new = float((a * dists(c)).sum())
-            if obj - new <= self.tol * max(obj, 1e-300):
+            wn = a / torch.maximum(scaled_dists(ch), self.nu / n)  # w_j n_j, w_j = a_j / max(nu, ||z - delta_j||)
+            ch = wn / (wn / n).sum()
+            if exact:
+                new = float((a * scaled_dists(ch)).sum())
+                if obj - new <= self.tol * max(obj, 1e-300):
+                    break
                 obj = new
-                break
-            obj = new
-        return c
+        return ch / n
 
 
 class NormBound(_Rule):
@@ -361,16 +405,21 @@ class CenteredClipping(_Rule):
             raise ValueError(f"iters must be an integer >= 1, got {iters!r}")
         self.iters = iters
 
-    def coefficients(self, g: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, int]:
-        c = torch.zeros_like(a)
+    def coefficients(self, g: torch.Tensor, a: torch.Tensor, n: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, int]:
+        """The iteration's coefficients from ``g``, the Gram matrix of ``delta_i / n_i`` (``n`` as
+        :meth:`GeometricMedian.coefficients`'s), run on ``c_i n_i`` and ``t_i = n_i min(1, tau / ||delta_i - v||)``:
+        finite when a client's distance is not."""
+        n = torch.ones_like(a) if n is None else n
+        ch = torch.zeros_like(a)  # c_i n_i
         clipped = 0
         for _ in range(self.iters):
-            gc = g @ c
-            dist = (g.diagonal() - 2 * gc + c @ gc).clamp_min(0).sqrt()  # ||delta_i - v|| from G alone
-            s = torch.clamp(self.tau / dist.clamp_min(1e-300), max=1.0)
-            clipped = int((s < 1).sum())
-            c = c * (1 - (a * s).sum()) + a * s
-        return c, clipped
+            gc = g @ ch
+            q = (g.diagonal() - 2 * gc / n + (ch @ gc) / n / n).clamp_min(0)  # ||delta_i - v||^2 / n_i^2
+            t = torch.minimum(n, self.tau / q.sqrt().clamp_min(1e-300))
+            clipped = int((t < n).sum())
+            ch = ch * (1 - (a * t / n).sum()) + a * t
+        return ch / n, clipped
 
 
 RULES = (Median, TrimmedMean, MeaMed, Krum, MultiKrum, Bulyan, GeometricMedian, NormBound, CenteredClipping)
@@ -421,16 +470,26 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
         return RobustResult(out, selected, excluded, sq)
     g = g_all[kept[:, None], kept[None, :]]  # a NaN row of G touches only its own row and column
     d2 = _sq_distances(g)
-    if not isinstance(rule, (Krum, Bulyan)) and not bool(torch.isfinite(d2).all()):
-        # a finite float64 update whose squares overflow: the Krum family only orders distances (one beyond
-        # float64 is farther than any other), the others would weigh the update by a norm they cannot measure
-        big = keep[int(torch.argmax(g.diagonal()))]
-        raise ValueError(f"client {big}'s update is finite but its squared norm ({float(g_all[big, big])}) or its "
-                         f"squared distances to the others overflow float64 (about 1.8e308): {type(rule).__name__} "
-                         f"cannot weigh it; the round is refused, not guessed (scale the updates down)")
+    # a finite float64 update whose squares overflow: the Krum family only orders distances (one beyond float64 is
+    # farther than any other); the others weigh each update by a norm or distance, measured on updates scaled by
+    # powers of two (_scaled_gram), and refuse only what even that cannot measure
+    scaled = not isinstance(rule, (Krum, Bulyan)) and not bool(torch.isfinite(d2).all())
+    a = raw[kept] / raw[kept].sum()
+    if scaled:
+        sub = subset_rows(rows, keep)
+        big = ~(g.diagonal() <= 2.0 ** 900)  # (the sum of two such squares, twice a product, stays finite)
+        h, n = _scaled_gram(sub, big)
+        if isinstance(rule, GeometricMedian):
+            k = _medoid(d2, a, g.diagonal())
+            hc, nc = _scaled_gram(dataclasses.replace(sub, base=[seg[k] for seg in sub.rows]), big)
+        if not bool(torch.isfinite(h).all()) or (isinstance(rule, GeometricMedian)
+                                                 and not bool(torch.isfinite(hc).all())):
+            worst = keep[int(torch.argmax(g.diagonal()))]
+            raise ValueError(f"client {worst}'s update is finite but its squared norm ({float(g_all[worst, worst])}) "
+                             f"overflows float64 (about 1.8e308), and so do its differences from the others' even "
+                             f"scaled: {type(rule).__name__} cannot weigh it; the round is refused, not guessed")
     dist = torch.full((m, m), float("nan"), dtype=torch.float64, device=dev)
     dist[kept[:, None], kept[None, :]] = d2
-    a = raw[kept] / raw[kept].sum()
     scores = None
     clipped = 0
     if isinstance(rule, (Krum, Bulyan)):
@@ -450,16 +509,19 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
         # Weiszfeld's distances ||z - delta_j||, z near one update, cancel in G's uncentred entries (an error of
         # ~1e-16 ||delta||^2, more than the distance itself when the updates share a large part): a second Gram
         # pass of the updates less the medoid's, delta_i - delta_k formed in float64 before any product
-        k = int(torch.argmin(d2.sqrt() @ a))
-        sub = subset_rows(rows, keep)
-        centred, _ = gram(dataclasses.replace(sub, base=[seg[k] for seg in sub.rows]), backend)
-        c = rule.coefficients(centred, a)
-        dist[kept[:, None], kept[None, :]] = _sq_distances(centred)  # (the same distances, without cancellation)
+        k = _medoid(d2, a, g.diagonal())
+        if scaled:
+            c = rule.coefficients(hc, a, nc, start=k)
+        else:
+            sub = subset_rows(rows, keep)
+            centred, _ = gram(dataclasses.replace(sub, base=[seg[k] for seg in sub.rows]), backend)
+            c = rule.coefficients(centred, a, start=k)
+            dist[kept[:, None], kept[None, :]] = _sq_distances(centred)  # (the same distances, no cancellation)
     elif isinstance(rule, CenteredClipping):
-        c, clipped = rule.coefficients(g, a)
-    else:  # NormBound
-        norms = g.diagonal().clamp_min(0).sqrt()
-        scale = torch.clamp(rule.max_norm / norms.clamp_min(1e-300), max=1.0)
+        c, clipped = rule.coefficients(h, a, n) if scaled else rule.coefficients(g, a)
+    else:  # NormBound: min(1, C / ||delta_i||) as (C / n_i) / ||delta_i / n_i||
+        hh, nn = (h, n) if scaled else (g, torch.ones_like(a))
+        scale = torch.clamp((rule.max_norm / nn) / hh.diagonal().clamp_min(0).sqrt().clamp_min(1e-300), max=1.0)
         clipped = int((scale < 1).sum())
         c = a * scale
     sub = subset_rows(rows, keep)

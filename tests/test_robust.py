@@ -273,28 +273,65 @@ def test_geometric_median_at_a_million_parameters_equals_an_exact_weiszfeld():
     assert float(res.coefs.max()) < 0.5  # no single client's update
 
 
+def _far_oracles(r, big, f, a, tau, nu=1e-6, iters=2000):
+    """NormBound, CenteredClipping and Weiszfeld on updates ``delta_i = F_i r_i`` (F_i = f for i in ``big``, else
+    1) from the definitions, in float64 without forming F_i r_i: ``||delta_i - v|| = F_i ||r_i - v / F_i||``."""
+    m = r.shape[0]
+    F = np.array([f if i in big else 1.0 for i in range(m)])
+    norm = np.linalg.norm
+    nb = sum(a[i] * (r[i] * min(F[i], tau / norm(r[i]))) for i in range(m))  # a_i min(1, C/||delta_i||) delta_i
+    v = np.zeros(r.shape[1])
+    for _ in range(4):
+        step = np.zeros_like(v)
+        for i in range(m):
+            u = r[i] - v / F[i]  # (delta_i - v) / F_i
+            step += a[i] * u * min(F[i], tau / norm(u))  # a_i min(1, tau / ||delta_i - v||) (delta_i - v)
+        v = v + step
+    z = np.mean([r[i] for i in range(m) if i not in big], axis=0)
+    for _ in range(iters):
+        num, den = np.zeros_like(z), 0.0
+        for i in range(m):
+            d = max(nu / F[i], norm(z / F[i] - r[i]))  # max(nu, ||z - delta_i||) / F_i
+            num += a[i] * r[i] / d  # w_i delta_i
+            den += a[i] / d / F[i]  # w_i
+        z = num / den
+    return nb, v, z
+
+
 @pytest.mark.parametrize("backend", cpu_backends())
-def test_an_update_whose_squares_overflow_float64_is_refused_or_ordered_never_nan(backend):
-    """Finite float64 updates of 1e200 (squares beyond float64): GeometricMedian, CenteredClipping and NormBound
-    cannot weigh them and refuse the round naming the client, before any state changes; the Krum family orders them
-    farther than every other (Inf, never NaN) and picks as the float64 oracle (numpy's Inf distances) does."""
-    m = 11
-    x = _updates(m=m).double()
-    x[[3, 8]] *= 1e200
-    for rule in (robust.GeometricMedian(), robust.CenteredClipping(1.0), robust.NormBound(1.0)):
-        w = torch.zeros(D, dtype=torch.float64)
-        opt = server.FedAvg(w, aggregate=rule)
-        with pytest.raises(ValueError, match=r"client [38]'s update is finite but its squared norm .* overflow"):
-            opt.step(x)
-        assert bool((w == 0).all()), repr(rule)  # refused before the params were written
-    ok = _updates(m=m).double()
-    w, fresh = torch.zeros(D, dtype=torch.float64), torch.zeros(D, dtype=torch.float64)
-    opt = server.FedAdam(w, aggregate=robust.GeometricMedian())
-    with pytest.raises(ValueError, match="client 3's"):
-        opt.step(x)
-    opt.step(ok)  # as the first step of a fresh optimizer: the refused round left no state (step count, moments)
-    server.FedAdam(fresh, aggregate=robust.GeometricMedian()).step(ok)
-    assert torch.equal(w, fresh)
+def test_an_update_whose_squares_overflow_float64_is_weighed_by_scaling_never_nan(backend):
+    """Finite float64 updates of ~1e200 (squares beyond float64): NormBound, CenteredClipping and GeometricMedian
+    measure them on updates scaled by powers of two and give what the definitions give (oracles that never form
+    1e200 r: tiny, nonzero coefficients, the far updates' pull a_i tau r / ||r||), never NaN; the Krum family
+    orders them farther than every other (Inf) and picks as the float64 oracle (numpy's Inf distances) does."""
+    m, f = 11, 1e200
+    r = _updates(m=m).double()
+    x = r.clone()
+    x[[3, 8]] *= f
+    w = np.arange(1.0, m + 1)
+    a = w / w.sum()
+    nb, cc, gm = _far_oracles(r.numpy(), {3, 8}, f, a, 0.3)
+    for rule, want in ((robust.NormBound(0.3), nb), (robust.CenteredClipping(0.3, iters=4), cc),
+                       (robust.GeometricMedian(max_iter=2000, tol=0.0), gm)):
+        res = robust.aggregate(x, rule, weights=w, backend=backend)
+        np.testing.assert_allclose(res.estimate.numpy(), want, rtol=0, atol=1e-9, err_msg=repr(rule))
+        assert 0 < float(res.coefs[3]) < 1e-150 and 0 < float(res.coefs[8]) < 1e-150, repr(rule)
+    w0 = torch.zeros(D, dtype=torch.float64)
+    server.FedAvg(w0, aggregate=robust.CenteredClipping(0.3, iters=4)).step(x, weights=w)
+    np.testing.assert_allclose(w0.numpy(), cc, rtol=0, atol=1e-9)
+    three = torch.tensor([[1.7e308] * D, [-1.7e308] * D, [1.0] * D], dtype=torch.float64)
+    np.testing.assert_array_equal(robust.aggregate(three, robust.GeometricMedian(), backend=backend).estimate, 1.0)
+    huge = x.clone()
+    huge[3] = 1.7e308
+    huge[4] = -1.7e308  # their difference is beyond float64, but no rule needs it
+    for rule in (robust.NormBound(0.3), robust.CenteredClipping(0.3), robust.GeometricMedian()):
+        est = robust.aggregate(huge, rule, backend=backend).estimate
+        assert torch.isfinite(est).all() and float(est.abs().max()) < 1.0, repr(rule)
+    w1 = torch.zeros(D, dtype=torch.float64)
+    bare = torch.tensor([[1.7e308] * D, [-1.7e308] * D, [1.7e308] * D, [-1.7e308] * D], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"client 0's update is finite but its squared norm .* overflows"):
+        server.FedAvg(w1, aggregate=robust.GeometricMedian()).step(bare)  # every distance beyond float64
+    assert bool((w1 == 0).all())  # refused before the params were written
     xn = x.numpy()
     with np.errstate(over="ignore", invalid="ignore"):
         scores = _krum_scores(xn, 2)
