@@ -478,12 +478,10 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
     if scaled:
         sub = subset_rows(rows, keep)
         big = ~(g.diagonal() <= 2.0 ** 900)  # (the sum of two such squares, twice a product, stays finite)
+        if isinstance(rule, GeometricMedian):  # (its Gram matrix centred on the medoid, as below)
+            sub = dataclasses.replace(sub, base=[seg[_medoid(d2, a, g.diagonal())] for seg in sub.rows])
         h, n = _scaled_gram(sub, big)
-        if isinstance(rule, GeometricMedian):
-            k = _medoid(d2, a, g.diagonal())
-            hc, nc = _scaled_gram(dataclasses.replace(sub, base=[seg[k] for seg in sub.rows]), big)
-        if not bool(torch.isfinite(h).all()) or (isinstance(rule, GeometricMedian)
-                                                 and not bool(torch.isfinite(hc).all())):
+        if not bool(torch.isfinite(h).all()):
             worst = keep[int(torch.argmax(g.diagonal()))]
             raise ValueError(f"client {worst}'s update is finite but its squared norm ({float(g_all[worst, worst])}) "
                              f"overflows float64 (about 1.8e308), and so do its differences from the others' even "
@@ -511,7 +509,7 @@ def robust_round(rows: ClientRows, weights: Any, rule: _Rule, backend, *, mean_o
         # pass of the updates less the medoid's, delta_i - delta_k formed in float64 before any product
         k = _medoid(d2, a, g.diagonal())
         if scaled:
-            c = rule.coefficients(hc, a, nc, start=k)
+            c = rule.coefficients(h, a, n, start=k)
         else:
             sub = subset_rows(rows, keep)
             centred, _ = gram(dataclasses.replace(sub, base=[seg[k] for seg in sub.rows]), backend)

@@ -367,7 +367,7 @@ def test_a_zero_weight_client_is_never_chosen_and_no_estimate_is_nan():
     y[2, 0] = float("nan")
     only = np.zeros(M)
     only[2] = 1.0
-    with pytest.raises(ValueError, match=r"every client of positive weight was left out as non-finite \(clients \[2\]\)"):
+    with pytest.raises(ValueError, match=r"every client of positive weight was left out .*\(clients \[2\]\)"):
         robust.aggregate(y, robust.MultiKrum(1), weights=only)
 
 
