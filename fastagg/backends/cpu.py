@@ -40,16 +40,15 @@ THREADS_ENV = "FASTAGG_CPU_BYTES_PER_THREAD"
 
 
 def bytes_per_thread_from_env() -> int | None:
-    """FASTAGG_CPU_BYTES_PER_THREAD as a positive int, None when unset; a ValueError naming it otherwise."""
+    """FASTAGG_CPU_BYTES_PER_THREAD as an int in [1, 2^62] written in ASCII digits, None when unset; a ValueError
+    naming it otherwise (Python's int() would also take '1_000', '+4096', ' 65536 ' or other scripts' digits, and a
+    value beyond int64 would reach the binding as a TypeError naming nothing)."""
     raw = os.environ.get(THREADS_ENV)
     if raw is None:
         return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{THREADS_ENV} must be a positive number of bytes, got {raw!r}")
+    value = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 19 else 0
+    if not 1 <= value <= 2**62:
+        raise ValueError(f"{THREADS_ENV} must be a whole number of bytes in [1, 2^62] written in digits, got {raw!r}")
     return value
 
 
