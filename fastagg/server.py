@@ -156,7 +156,13 @@ def flat_checkpoint(state_dict: Any) -> dict:
         if name in _SCALAR_STATE:
             parts = [_scalar_tensor(t) for t in parts]
             for k, t in enumerate(parts):
-                if t.dim() != 0 or not torch.equal(t.to(parts[0].device), parts[0]):
+                if t.dim() != 0:
+                    raise ValueError(f"state_dict's {name!r} of parameter {ids[k]!r} has shape {tuple(t.shape)}; "
+                                     "expected a number or a 0-d tensor")
+                if not bool(torch.isfinite(t)):
+                    raise ValueError(f"state_dict's {name!r} of parameter {ids[k]!r} is {float(t)!r}; expected a "
+                                     "finite number")
+                if not torch.equal(t.to(parts[0].device), parts[0]):
                     raise ValueError(f"state_dict's {name!r} differs between parameters 0 and {ids[k]!r} "
                                      "(one round counter for the whole model)")
             flat[name] = parts[0]
@@ -202,9 +208,15 @@ def _plain_number(v: Any) -> bool:
 
 
 def _scalar_tensor(v: Any) -> Any:
-    """A plain-number 0-d state entry as the float64 0-d tensor fastagg keeps (torch's optimizers convert a
-    plain-number ``step`` on load too); anything else as it is, for the checks to judge."""
-    return torch.tensor(float(v), dtype=torch.float64) if _plain_number(v) else v
+    """A plain-number or real 0-d tensor state entry as the float64 0-d tensor fastagg keeps: torch's optimizers
+    take a plain-number ``step`` on load, and keep it as a float32 tensor (Adam) or an int64 one; float32 and ints
+    within 2^53 convert exactly. Anything else as it is, for the checks to judge."""
+    if _plain_number(v):
+        return torch.tensor(float(v), dtype=torch.float64)
+    if (isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype != torch.bool and not v.is_complex()
+            and v.dtype != torch.float64):
+        return v.detach().to(torch.float64)
+    return v
 
 
 def _no_clients_given(x: Any) -> bool:
@@ -735,8 +747,8 @@ class ServerOptimizer(torch.optim.Optimizer):
                                  f"{name} is a sum of squares (a step would divide by the square root of it)")
             out[name] = t.detach().to(device=self.device, copy=True)
         step = float(out["step"])
-        if step < 0 or step != int(step):
-            raise ValueError(f"state_dict's round counter 'step' is {step!r}; expected a whole number >= 0")
+        if step < 0 or step != int(step) or step > 2.0**53:  # beyond 2^53 the float64 counter stops counting
+            raise ValueError(f"state_dict's round counter 'step' is {step!r}; expected a whole number in [0, 2^53]")
         return out
 
     # -- the step -----------------------------------------------------------------------------------------------
@@ -806,9 +818,15 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     def _gradients(self) -> Any:
         """The pseudo-gradients torch's outer optimizers take (``p.grad = global - local``), as one client in the
-        params' form; the step negates them into fastagg's ``delta = local - global``."""
+        params' form; the step negates them into fastagg's ``delta = local - global``. A frozen parameter
+        (``requires_grad=False``) without ``.grad`` -- a fine-tuned model's fixed layers, which torch's optimizers skip
+        -- takes a zero pseudo-gradient: with no state of its own yet it does not move, as under torch. A trainable
+        one without ``.grad`` is refused, naming it (a missing pseudo-gradient is a bug of the caller's loop)."""
         grads = []
         for k, p in enumerate(self.param_groups[0]["params"]):
+            if p.grad is None and not p.requires_grad:
+                grads.append(torch.zeros_like(p))
+                continue
             if p.grad is None:
                 name = self.layout.names[k] if self.layout.names[k] is not None else k
                 raise ValueError(f"step() without deltas reads each parameter's .grad (the pseudo-gradient global - "

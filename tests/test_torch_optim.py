@@ -304,6 +304,31 @@ def test_step_without_deltas_needs_every_grad_and_no_weights():
         server.Scaffold(model, num_clients=4).step()
 
 
+@pytest.mark.parametrize("name", ["FedAvgM", "FedAdam", "FedExP"])
+def test_a_frozen_parameter_without_grad_stays_as_torch_leaves_it(name):
+    """A model with a frozen layer (requires_grad=False, .grad None), as Lightning fine-tuning runs pass
+    ``model.parameters()``: torch.optim.SGD skips it; fastagg's optimizers take a zero pseudo-gradient for it, so
+    it stays bit for bit, and the trainable layers step as with explicit deltas of zero there."""
+    a, b = _net(bn=False), _net(bn=False)
+    for m in (a, b):
+        m[0].weight.requires_grad_(False)
+    oa, ob = _make(name, a), _make(name, b)
+    frozen = a[0].weight.detach().clone()
+    for t in range(2):
+        d = _deltas(a, n=1, seed=t)[0]
+        d["0.weight"] = torch.zeros_like(d["0.weight"])
+        for k, p in a.named_parameters():
+            p.grad = None if k == "0.weight" else -d[k]
+        oa.step()
+        ob.step([d])
+        assert torch.equal(a[0].weight, frozen)
+        for (k, pa), pb in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(pa, pb), (t, k)
+    a[0].weight.requires_grad_(True)  # trainable again, still without .grad: refused, naming it
+    with pytest.raises(ValueError, match=r"parameter '0.weight' has none"):
+        oa.step()
+
+
 def _diloco(outer_factory, rounds=4, replicas=3, local_steps=5):
     """A DiLoCo loop: each replica trains ``local_steps`` AdamW steps from the global model on its own data; the
     pseudo-gradient global - local is averaged over the replicas (what all_reduce does across ranks) into .grad;
@@ -621,9 +646,37 @@ def test_plain_number_step_in_a_loaded_state_is_taken_as_torch_takes_it():
     assert ob.round == 3
     for s in sd["state"].values():
         s["step"] = 1.5
-    with pytest.raises(ValueError, match=r"'step' is 1.5; expected a whole number >= 0"):
+    with pytest.raises(ValueError, match=r"'step' is 1.5; expected a whole number in \[0, 2\^53\]"):
         ob.load_state_dict(sd)
     assert ob.round == 3
+
+
+def test_a_step_tensor_of_torchs_dtypes_loads_and_a_bad_one_is_refused_naming_it():
+    """torch.optim.Adam keeps ``step`` as a float32 0-d tensor (others an int64 one) and loads either; fastagg takes
+    them too (float32 and ints within 2^53 convert exactly). Refused, naming the problem, with nothing changed: a
+    step beyond 2^53 (the float64 counter would stop counting: round + 1 == round), NaN, a 1-element 1-d tensor."""
+    net = _net(bn=False)
+    opt = server.FedAdam(net)
+    _torch_or_ours_step(opt, net, 0, False)
+    good = copy.deepcopy(opt.state_dict())
+    for step in (torch.tensor(7.0), torch.tensor(7), torch.tensor(7, dtype=torch.int32), 7, 7.0):
+        sd = copy.deepcopy(good)
+        for s in sd["state"].values():
+            s["step"] = step.clone() if isinstance(step, torch.Tensor) else step
+        fresh = server.FedAdam(_net(bn=False))
+        fresh.load_state_dict(sd)
+        assert fresh.round == 7, step
+    for step, message in ((torch.tensor(2.0**60), r"expected a whole number in \[0, 2\^53\]"),
+                          (2**70, r"expected a whole number in \[0, 2\^53\]"),
+                          (1e300, r"expected a whole number in \[0, 2\^53\]"),
+                          (torch.tensor(float("nan")), r"'step' of parameter 0 is nan; expected a finite number"),
+                          (torch.tensor([3.0]), r"'step' of parameter 0 has shape \(1,\); expected a number or a 0-d")):
+        sd = copy.deepcopy(good)
+        for s in sd["state"].values():
+            s["step"] = step
+        with pytest.raises(ValueError, match=message):
+            opt.load_state_dict(sd)
+        assert opt.round == 1, step
 
 
 @pytest.mark.parametrize("name", ["FedAdam", "FedExPM", "FedAvgM"])
