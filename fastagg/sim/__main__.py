@@ -24,16 +24,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+# the settings whose default (None) is the data set's paper setting (the epilog's table, eps below it)
+DATASET_DEFAULTS = ("model", "clients", "participation", "local_steps", "batch_size", "lr", "rounds", "eps")
+
+
 class _Help(argparse.RawDescriptionHelpFormatter):
-    """Every option's default in --help: its value, or "the data set's" where the data set's paper settings
-    decide (``None``)."""
+    """Every option's default in --help: its value; "the data set's" where the data set's paper settings decide
+    (``DATASET_DEFAULTS``); "none" for any other option left unset (off). An option whose help states its own
+    default keeps it (tests/test_sim_files.py compares every one with the program)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings or \
+        if "default:" in text or action.default is argparse.SUPPRESS or not action.option_strings or \
                 isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction)):
             return text
-        shown = "the data set's: table below" if action.default is None else "%(default)s"
+        shown = "%(default)s" if action.default is not None else "the data set's: table below" \
+            if action.dest in DATASET_DEFAULTS else "none"
         return f"{text} (default: {shown})" if text else f"default: {shown}"
 
 
@@ -48,13 +54,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="fedexp-linreg",
                    help=f"{', '.join(sorted(data.DATASETS))}, or npz:PATH (arrays x, y, optional client)")
     p.add_argument("--model", help="linear | softmax | mlp | cnn | pfl-cnn, or your own classifier as "
-                   "package.module:factory (factory(data) -> nn.Module over data.num_features inputs, or (module, "
-                   "input_shape); built with torch seeded 0) (default: the data set's: table below)")
+                   "package.module:factory (factory(data) or factory() -> nn.Module over data.num_features inputs, "
+                   "or (module, input_shape); built with torch seeded by the run's seed, 0 under --seed-scope "
+                   "sampling; --resume imports it only when named again here)")
     p.add_argument("--clients", type=int, help="number of clients (digits, synthetic, cifar-synthetic, npz)")
     p.add_argument("--dirichlet", type=float, help="digits and npz: Dirichlet label-split alpha (0 = IID; "
                    "default: 0.3)")
-    p.add_argument("--config", help="a JSON or TOML file of settings (keys as in config.json; unknown keys are "
-                   "refused); flags given override it (default: none)")
+    p.add_argument("--config", help="a JSON, TOML (.toml) or YAML (.yaml / .yml, PyYAML) file of settings (keys "
+                   "as in config.json; unknown keys are refused); flags given override it")
     p.add_argument("--algorithm", default="fedexp", help="comma-separated, each optionally with its own settings: "
                    "NAME[:KEY=VALUE...], e.g. fedavg:server_lr=10,fedexp. Names: "
                    f"{', '.join(sorted(algorithms.ALGORITHMS))}")
@@ -107,17 +114,20 @@ def parser() -> argparse.ArgumentParser:
                    "ipm 0.5, alie: the paper's z) (default: the attack's)")
     p.add_argument("--dp", help="central differential privacy for every algorithm's server step: "
                    "server-fixed:clip=C,z=Z | server-adaptive:clip=C0,z=Z,quantile=Q,lr=L | client-fixed:... | "
-                   "client-adaptive:... (optional delta=, seed=); epsilon after each round in metrics.csv, the "
-                   "summary and epsilon.png (fastagg/sim/privacy.py)")
+                   "client-adaptive:... (optional delta=, default 1 / clients^1.1; seed=, an integer in [0, 2^64), "
+                   "default derived from the run's seed); epsilon after each round in metrics.csv, the summary "
+                   "and epsilon.png (fastagg/sim/privacy.py)")
     p.add_argument("--compress", help="what each client uploads, folded by the server where it lies: none (fp32) | "
                    "bf16 | fp16 | int8:block=256[,stochastic] | fp8:block=256 | qsgd:s=16[,bucket=N] | topk:0.01[,ef=1] | "
                    "randk:0.01[,ef=1] (error feedback on for the sparse kinds); metrics.csv gets bytes_sent, the "
                    "summary bytes_per_round (fastagg/compress/spec.py)")
     p.add_argument("--client-time", help="a virtual clock: how long each client trains, e.g. "
                    "exponential:mean=1,slow=0.1,factor=10 (10%% of the clients 10x slower) or lognormal:mu=0,sigma=0.5; "
-                   "metrics.csv gets the virtual_time of every row (fastagg/sim/asynchronous.py)")
+                   "metrics.csv gets the virtual_time of every row (fastagg/sim/asynchronous.py); --mode async "
+                   "needs it")
     p.add_argument("--mode", default="sync", choices=["sync", "async"], help="async: FedBuff/FedAsync through "
-                   "fastagg.asynchronous.AsyncServer on the virtual clock; --rounds counts server steps (versions)")
+                   "fastagg.asynchronous.AsyncServer on the virtual clock (--client-time); --rounds counts server "
+                   "steps (versions); not resumable")
     p.add_argument("--concurrency", type=int, help="async: clients training at once (default: participants per round)")
     p.add_argument("--buffer-size", type=int, help="async: updates per server step (default: half the participants)")
     p.add_argument("--staleness", default="polynomial:0.5", help="async: constant | polynomial:a | hinge:a,b")
@@ -212,6 +222,8 @@ def _read_config(path: str) -> dict:
         try:
             with open(path) as f:
                 return yaml.safe_load(f)
+        except RecursionError:
+            raise ValueError(f"cannot read --config {path!r}: nested too deeply") from None
         except (OSError, yaml.YAMLError) as e:
             raise ValueError(f"cannot read --config {path!r}: {' '.join(str(e).split())}") from None
     try:
@@ -224,6 +236,8 @@ def _read_config(path: str) -> dict:
                 return tomllib.load(f)
         with open(path) as f:
             return json.load(f)
+    except RecursionError:  # a JSON or TOML file nested thousands deep
+        raise ValueError(f"cannot read --config {path!r}: nested too deeply") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read --config {path!r}: {e}") from None
 

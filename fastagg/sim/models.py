@@ -4,6 +4,7 @@ mini-batch mean loss and gradient (closed forms with batched matrix products, no
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import os
 import sys
@@ -336,18 +337,37 @@ _USER_MODELS: dict = {}
 
 
 def register_model(name: str, factory) -> None:
-    """Make ``--model NAME`` / ``Config(model=NAME)`` build ``factory(data)``: a classifier ``nn.Module`` taking
-    ``data.num_features`` flat features (or a ``(module, input_shape)`` pair: each sample is reshaped to
-    ``input_shape``, channels first), or a :class:`Model`. The factory is called with torch's generator seeded
-    with 0, so every algorithm and seed of a run starts from the same model. Per-client BatchNorm statistics
-    cannot be kept by a batched client step: a BatchNorm that tracks running statistics is refused (naming the
-    layer); ``track_running_stats=False``, GroupNorm or LayerNorm work. A name registered here is recorded in
-    config.json like any other; ``--resume`` from the command line needs it as ``package.module:factory``."""
+    """Make ``--model NAME`` / ``Config(model=NAME)`` build ``factory(data)`` (or ``factory()``, for a factory
+    that takes no argument): a classifier ``nn.Module`` taking ``data.num_features`` flat features (or a
+    ``(module, input_shape)`` pair: each sample is reshaped to ``input_shape``, channels first), or a
+    :class:`Model`. The factory is called with torch's generator seeded with the run's seed (0 under
+    ``seed_scope="sampling"``), so every algorithm of a seed starts from the same model. Per-client BatchNorm
+    statistics cannot be kept by a batched client step: a BatchNorm that tracks running statistics is refused
+    (naming the layer); ``track_running_stats=False``, GroupNorm or LayerNorm work. A name registered here is
+    recorded in config.json like any other; ``--resume`` from the command line needs it as
+    ``package.module:factory``, named again with ``--model`` (a folder's config.json alone never imports code)."""
     if not isinstance(name, str) or not name or ":" in name or name in MODELS:
         raise ValueError(f"model name {name!r}: a non-empty name without ':' that is not built in ({sorted(MODELS)})")
     if not callable(factory):
         raise TypeError(f"register_model({name!r}, ...): the factory must be callable (data -> nn.Module)")
     _USER_MODELS[name] = factory
+
+
+def imports_code(name) -> bool:
+    """Whether building the model ``name`` imports a module named by it (``package.module:factory``, not built in
+    and not registered in this process)."""
+    return isinstance(name, str) and ":" in name and name not in _USER_MODELS
+
+
+def _call_factory(factory, data: FederatedData):
+    """``factory(data)``, or ``factory()`` for a factory that takes no argument (``def net(): return MyNet()``,
+    what one writes first): its signature decides."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the documented call
+        return factory(data)
+    takes_one = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
+    return factory(data) if takes_one else factory()
 
 
 def _factory(name: str):
@@ -381,7 +401,7 @@ def _user_model(name: str, data: FederatedData, seed: int = 0) -> Model:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            built = factory(data)
+            built = _call_factory(factory, data)
         except Exception as e:  # the user's code: one line naming it, before any work
             raise ValueError(f"model {name!r}: the factory raised {type(e).__name__}: {str(e)[:200]}") from None
     if isinstance(built, Model):

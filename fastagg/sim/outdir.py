@@ -9,6 +9,8 @@ import csv
 import errno
 import fcntl
 import os
+import re
+import stat
 import warnings
 from typing import Callable
 
@@ -147,9 +149,9 @@ def read_metrics(out: str, count: int, fields: list) -> list:
     missing, has another header, fewer rows or a malformed value."""
     path = os.path.join(out, "metrics.csv")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_regular(path)
     except OSError as e:
-        raise ValueError(f"cannot read {path!r} (the checkpoint's metrics): {os.strerror(e.errno or errno.EIO)}") \
+        raise ValueError(f"cannot read {path!r} (the checkpoint's metrics): {e.strerror or os.strerror(errno.EIO)}") \
             from None
     rows = []
     with os.fdopen(fd, newline="") as f:
@@ -172,9 +174,26 @@ def read_metrics(out: str, count: int, fields: list) -> list:
     return rows
 
 
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path``: never through a symbolic link, and never blocking on
+    a FIFO or a device planted at the name (opened non-blocking, then refused). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+FINAL_STATE = re.compile(r"final-[0-9]+-[0-9]+\.pt")  # the names _run_all gives finished runs' states
+
+
 def load_state(out: str, name: str) -> dict:
     """A state file of ``out`` (a finished run's final state), loaded with ``weights_only=True`` (a crafted file
     cannot run code); a missing or unreadable file is a one-line ValueError."""
+    if not isinstance(name, str) or not FINAL_STATE.fullmatch(name):  # never a path out of the folder
+        raise ValueError(f"{os.path.join(out, CHECKPOINT)!r} names the state file {name!r:.80}; expected "
+                         "final-A-S.pt in the run's folder")
     path = os.path.join(out, name)
     state = _load(path, "as a run's state")
     if not isinstance(state, dict):
@@ -186,9 +205,9 @@ def _load(path: str, what: str):
     """``torch.load(path, weights_only=True)``: tensors and plain containers only (a crafted file cannot run code);
     a missing, truncated or foreign file is a one-line ValueError, never a traceback."""
     try:  # never through a link planted at the name (it could point at a device or another run's file)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_regular(path)
     except OSError as e:
-        why = "a symbolic link" if e.errno == errno.ELOOP else os.strerror(e.errno or errno.EIO)
+        why = "a symbolic link" if e.errno == errno.ELOOP else e.strerror or os.strerror(errno.EIO)
         raise ValueError(f"cannot load {path!r} {what}: {why}") from None
     try:
         with os.fdopen(fd, "rb") as f, warnings.catch_warnings():  # torch warns about a foreign pickle protocol

@@ -6,7 +6,7 @@ accountant, for any algorithm's server step.
     --dp client-fixed:clip=1.0,z=1.0            the clients clip (fastagg.client.clip_updates), the server adds noise
     --dp client-adaptive:clip=0.1,z=1.0,...     the clients clip and report whether they did
     optional everywhere: delta=1e-5 (the delta epsilon is reported at; default 1 / clients^1.1), seed=N (the noise's
-    seed; default derived from the run's seed)
+    seed, an integer in [0, 2^64); default derived from the run's seed); a key given twice is refused
 
 The round's participants are a uniform sample without replacement of ``participation * clients``, so the
 accountant (Google's dp-accounting, RDP) composes one sampled-without-replacement Gaussian event per round; the
@@ -21,6 +21,7 @@ from .. import privacy
 
 KINDS = {"server-fixed": privacy.ServerSideFixedClipping, "server-adaptive": privacy.ServerSideAdaptiveClipping,
          "client-fixed": privacy.ClientSideFixedClipping, "client-adaptive": privacy.ClientSideAdaptiveClipping}
+SEED_LIMIT = 1 << 64
 KEYS = {"clip": float, "z": float, "quantile": float, "lr": float, "count_std": float, "delta": float, "seed": int}
 
 
@@ -51,10 +52,15 @@ def parse(spec: str) -> DPSpec:
         key = key.strip()
         if not eq or key not in KEYS:
             raise ValueError(f"--dp {kind}: {item!r} is not key=value with a key among {', '.join(KEYS)}")
+        if key in values:  # the first or the last? neither: said once
+            raise ValueError(f"--dp {kind}: {key} is given twice")
         try:
             values[key] = KEYS[key](value)
         except ValueError:
             raise ValueError(f"--dp {kind}: {key}={value!r} is not a {KEYS[key].__name__}") from None
+    seed = values.get("seed")
+    if seed is not None and not 0 <= seed < SEED_LIMIT:  # the mechanism's generator takes a 64-bit seed
+        raise ValueError(f"--dp {kind}: seed must be an integer in [0, 2^64), got {seed}")
     if "fixed" in kind:
         for key in ("quantile", "lr", "count_std"):
             if key in values:
@@ -65,8 +71,11 @@ def parse(spec: str) -> DPSpec:
 def make(spec: DPSpec, *, participants: int, clients: int, run_seed: int):
     """(mechanism, accountant) for one run (one algorithm and seed); the accountant is None when z = 0 (no privacy
     to account)."""
-    seed = spec.seed if spec.seed is not None else (0x5EED_D1FF << 16) ^ run_seed
-    common = dict(seed=seed % (1 << 64))
+    if spec.seed is not None and not 0 <= spec.seed < SEED_LIMIT:
+        raise ValueError(f"--dp seed must be an integer in [0, 2^64), got {spec.seed}")
+    # the default derived from the run's seed (any integer) and reduced to 64 bits
+    seed = spec.seed if spec.seed is not None else ((0x5EED_D1FF << 16) ^ run_seed) % SEED_LIMIT
+    common = dict(seed=seed)
     if "fixed" in spec.kind:
         mech = KINDS[spec.kind](spec.z, spec.clip, participants, **common)
     else:

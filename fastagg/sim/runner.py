@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import errno
 import json
 import math
 import os
+import stat
 import sys
 import time
 from typing import Any
@@ -175,6 +177,9 @@ class Config:
                         v = getattr(cfg, key)
                         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                             raise ValueError(f"{key} must be an integer >= 1, got {v!r}")
+                    if cfg.client_time is None:  # its clients are scheduled by the virtual clock
+                        raise ValueError("--mode async needs --client-time (the virtual clock that decides when "
+                                         "each client's update arrives), e.g. --client-time exponential:mean=1")
                 if alg.client_rule == "scaffold" and not cfg.lr > 0:
                     raise ValueError(f"lr must be > 0 for {name} (its control variates divide by it), got {cfg.lr}")
             except (TypeError, ValueError) as e:
@@ -194,7 +199,20 @@ class Config:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r}: the simulator runs on cpu or cuda")
         if data is not None:
+            self._check_attack(data)
             models.make(self.model, data)
+
+    def _check_attack(self, data: datasets.FederatedData) -> None:
+        """The attack fits the data set: label-flip needs labels, and the malicious fraction must make at least one
+        attacker of the data set's clients (``round(malicious * clients)``, attacks.malicious_clients)."""
+        if self.attack is None:
+            return
+        if self.attack == "label-flip" and data.task != "classification":
+            raise ValueError(f"--attack label-flip needs a classification data set; {data.name} is {data.task}")
+        if int(round(self.malicious * data.num_clients)) == 0:
+            raise ValueError(f"--malicious {self.malicious:g} of {data.num_clients} clients makes no attacker "
+                             f"(round({self.malicious:g} x {data.num_clients}) = 0); raise it above "
+                             f"{0.5 / data.num_clients:.3g}")
 
     def _check_settings(self) -> None:
         if not 0 < self.participation <= 1:
@@ -224,6 +242,9 @@ class Config:
             raise ValueError("an attack needs a malicious fraction > 0 and the reverse (--attack with --malicious)")
         if self.attack_scale is not None:
             check_number(self.attack_scale, "attack_scale")
+            if self.attack in (None, "label-flip"):  # it would be ignored
+                raise ValueError(f"--attack-scale sets the strength of a model-poisoning --attack; "
+                                 f"{'there is no --attack' if self.attack is None else 'label-flip has none'}")
         if self.f is not None and (not isinstance(self.f, int) or isinstance(self.f, bool) or self.f < 0):
             raise ValueError(f"f must be an integer >= 0, got {self.f!r}")
         if not (isinstance(self.beta, (int, float)) and 0 <= self.beta < 0.5):
@@ -703,16 +724,55 @@ def _shared(world: int, rank: int, read):
     return value
 
 
+# a settings file (--config, a run folder's config.json) nests at most a table per algorithm holding plain values:
+# deeper or larger ones are refused before anything walks them recursively (a RecursionError, or a YAML file
+# whose aliases multiply into billions of entries)
+MAX_SETTINGS_DEPTH = 8
+MAX_SETTINGS_VALUES = 100_000
+MAX_CONFIG_BYTES = 1 << 20  # a run folder's config.json: a few kB
+
+
+def check_settings_shape(settings: Any, where: str) -> None:
+    """``settings`` nests at most MAX_SETTINGS_DEPTH containers deep and holds at most MAX_SETTINGS_VALUES values;
+    walked without recursion. Raises ValueError, one line."""
+    stack, seen = [(settings, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        seen += 1
+        if seen > MAX_SETTINGS_VALUES:
+            raise ValueError(f"{where} holds more than {MAX_SETTINGS_VALUES:,} values; a settings file is a few "
+                             "dozen")
+        if isinstance(value, (dict, list, tuple)):
+            if depth > MAX_SETTINGS_DEPTH:
+                raise ValueError(f"{where} is nested more than {MAX_SETTINGS_DEPTH} levels deep; settings nest "
+                                 "at most a table per algorithm")
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+
+
 def saved_config(out: str) -> dict:
-    """The settings a run folder's config.json recorded (checked: JSON, known keys only)."""
+    """The settings a run folder's config.json recorded (checked: a regular file of at most MAX_CONFIG_BYTES,
+    read without following a link planted at its name; JSON of known keys only, plainly nested)."""
     path = os.path.join(out, "config.json")
     try:
-        with open(path) as f:
-            saved = json.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         raise ValueError(f"nothing to resume: no config.json in {out!r}") from None
+    except OSError as e:
+        why = "it is a symbolic link" if e.errno == errno.ELOOP else os.strerror(e.errno or errno.EIO)
+        raise ValueError(f"cannot read {path!r}: {why}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError("not a regular file")
+            if info.st_size > MAX_CONFIG_BYTES:
+                raise ValueError(f"{info.st_size:,} bytes; a run's config.json is a few kB")
+            saved = json.loads(f.read(MAX_CONFIG_BYTES + 1).decode("utf-8"))
+    except RecursionError:
+        raise ValueError(f"cannot read {path!r}: nested too deeply") from None
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path!r}: {e}") from None
+        raise ValueError(f"cannot read {path!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+            from None
     saved = checked_settings(saved, path)
     saved.setdefault("seed_scope", "sampling")  # saved before seeds varied the model and the split
     return saved
@@ -724,6 +784,7 @@ def checked_settings(settings: Any, where: str) -> dict:
     ``[fedavg]`` / ``fedavg:`` with ``server_lr = 10`` under it): it becomes that entry's ``NAME:KEY=VALUE`` spec."""
     if not isinstance(settings, dict):
         raise ValueError(f"{where} must hold a mapping of settings (an object, a table)")
+    check_settings_shape(settings, where)
     settings = _per_algorithm_sections(settings, where)
     known = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(settings) - known)
@@ -810,14 +871,21 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
                 raise ValueError(f"--resume cannot shorten {config.out!r}: it runs {rounds} rounds; got --rounds "
                                  f"{config.rounds}")
             rounds = config.rounds
+        _check_trusted_model(config, saved)
         config = Config(**{**saved, "rounds": rounds, "out": config.out})  # the folder given, wherever it moved
+        if config.mode == "async":
+            raise ValueError(f"{config.out!r} holds an asynchronous run (--mode async), which cannot be resumed or "
+                             "extended (its clients in flight are not checkpointed); run it again in another --out")
     if config.out:
         require("matplotlib", "sim", "--out (for its loss, accuracy and eta plots)")
     data = datasets.load(config.dataset, clients=config.clients, dirichlet=config.dirichlet)
     cfg = config.resolved(data)
+    if resume:  # the folder's files, before its model is built (a factory it names is imported then)
+        _check_resumable(cfg)
     cfg.check(data)
     check_stable(cfg, data)
     _, rank, world = join_ranks()
+    _check_one_process(cfg, data, world)
     # several ranks: fewer sampled clients than ranks is fine (a rank with none takes part in the step with a zero
     # share); --resume is read by rank 0 and sent to the others (_shared)
     if rank != 0:  # every rank computes the same metrics; rank 0 alone writes and prints them
@@ -841,6 +909,54 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
     finally:
         if lock is not None:
             lock.release()
+
+
+def _check_trusted_model(config: Config, saved: dict) -> None:
+    """A run folder's config.json may name a model factory (``package.module:factory``): resuming imports and runs
+    that module as whoever resumes. Anyone able to write into the folder (a shared runs/ directory) could name a
+    module of their own there (a package under the current directory, imported from it) -- so such a name is
+    imported only when the caller names the same factory (``--model package.module:factory`` beside ``--resume``,
+    ``Config(model=...)``); built-in models and names registered in this process (``register_model``) need
+    nothing. Raises ValueError before anything is imported."""
+    model = saved.get("model")
+    if not models.imports_code(model) or config.model == model:
+        return
+    raise ValueError(f"{os.path.join(config.out, 'config.json')!r} names the model factory {model!r}: resuming "
+                     f"would import and run that code; if it is yours, pass --model {model} beside --resume")
+
+
+def _check_resumable(cfg: Config) -> None:
+    """Before anything in ``cfg.out`` is imported, built or written: its checkpoint is a fastagg-sim checkpoint
+    of this run (loaded without running code), its metrics file holds the rows the checkpoint counted, and the run
+    has something left to do -- a run in progress, an (algorithm, seed) not yet finished, or, with a larger
+    ``rounds``, a finished one to extend. A finished run is refused: resuming it would only rewrite its results."""
+    ckpt = outdir.load_checkpoint(cfg.out, cfg)
+    rows = _rows_of(cfg, ckpt)
+    done = ckpt["done"]
+    if not isinstance(done, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in done):
+        raise ValueError(f"{os.path.join(cfg.out, CHECKPOINT)!r}: its finished runs are not (algorithm, seed) pairs")
+    pairs = [[a, sd] for a in cfg.algorithms for sd in cfg.seeds]
+    if ckpt["current"] is not None or any(p not in [list(d) for d in done] for p in pairs):
+        return
+    last = {}
+    for r in rows if isinstance(rows, list) else []:
+        if isinstance(r, dict) and isinstance(r.get("round"), int):
+            key = (r.get("algorithm"), r.get("seed"))
+            last[key] = max(last.get(key, 0), r["round"])
+    if all(last.get(tuple(p), 0) >= cfg.rounds for p in pairs):
+        raise ValueError(f"nothing to resume: every algorithm and seed in {cfg.out!r} finished its {cfg.rounds} "
+                         "rounds; pass a larger --rounds to extend the run")
+
+
+def _check_one_process(cfg: Config, data, world: int) -> None:
+    """Attacks, robust rules, --dp and --compress run on one process: refused under torchrun before the folder is
+    claimed (every rank raises the same error, so none waits for another)."""
+    if world == 1:
+        return
+    robust = [spec for spec in cfg.algorithms
+              if algorithms.resolve(*cfg.for_algorithm(spec, data)).aggregate is not None]
+    if cfg.attack is not None or robust or cfg.dp is not None or cfg.compress is not None:
+        raise ValueError("attacks, robust rules, --dp and --compress run on one process for now (no torchrun)")
 
 
 def _rows_of(cfg: Config, ckpt: dict) -> list:
@@ -968,6 +1084,7 @@ def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool, extension
                     finals[:] = [e for e in finals if e[:2] != [algorithm, seed]] + [[algorithm, seed, name]]
                 ckpt["done"].append([algorithm, seed])
                 ckpt["current"] = None
+                ckpt["rows_written"] = len(rows)  # an asynchronous run's rows (it calls no on_round) counted too
                 if cfg.out:
                     outdir.save_checkpoint(cfg.out, ckpt)
                 if verbose:
