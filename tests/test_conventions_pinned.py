@@ -365,3 +365,41 @@ def test_a_merged_accumulator_is_the_weighted_mean_of_both_sets_of_clients():
     w = torch.zeros(20, dtype=torch.float64)
     fastagg.server.FedAvg(w, backend="cpu").step(a)
     torch.testing.assert_close(w, want, rtol=1e-12, atol=1e-12)
+
+
+def test_max_staleness_refuses_only_updates_staler_than_it():
+    """max_staleness=k (AsyncServer's docstring: updates staler than k are refused): an update exactly k versions
+    old is folded with its staleness weight, one k + 1 old is refused and changes nothing."""
+    from fastagg import server
+    from fastagg.asynchronous import AsyncServer, StaleUpdate
+
+    w = torch.zeros(4, dtype=torch.float64)
+    srv = AsyncServer(server.FedAvg(w, backend="reference"), buffer_size=1, max_staleness=2)
+    for _ in range(3):
+        srv.submit(torch.ones(4, dtype=torch.float64), srv.version)
+    assert srv.version == 3
+    before = w.clone()
+    with pytest.raises(StaleUpdate, match="3 versions stale"):
+        srv.submit(torch.ones(4, dtype=torch.float64), 0)
+    assert torch.equal(w, before) and srv.version == 3
+    r = srv.submit(torch.ones(4, dtype=torch.float64), 1)
+    assert r.folded and r.staleness == 2 and srv.version == 4
+    torch.testing.assert_close(w, before + 3 ** -0.5, rtol=1e-12, atol=0)
+
+
+def test_a_scaled_add_folds_scale_times_delta_and_its_square_norm():
+    """Accumulator.add(delta, weight, scale=c) folds c * delta in delta's place (the asynchronous server's staleness
+    weight): sum += n c delta, sum of squares += n c^2 ||delta||^2 (the norm of the folded update), total weight
+    += n alone -- written out here."""
+    import fastagg
+
+    g = torch.Generator().manual_seed(12)
+    ds = [torch.randn(16, generator=g, dtype=torch.float64) for _ in range(3)]
+    ns, cs = [2.0, 1.0, 0.5], [0.5, 1.0, 3 ** -0.5]
+    acc = fastagg.Accumulator(like=torch.zeros(16, dtype=torch.float64), backend="cpu")
+    for d, n, c in zip(ds, ns, cs):
+        acc.add(d, n, scale=c)
+    torch.testing.assert_close(acc.weighted_sum, sum(n * c * d for d, n, c in zip(ds, ns, cs)), rtol=1e-12, atol=0)
+    assert float(acc.weighted_sq_norm_sum) == pytest.approx(
+        sum(n * c * c * float(d @ d) for d, n, c in zip(ds, ns, cs)), rel=1e-12)
+    assert acc.total_weight == pytest.approx(sum(ns), rel=1e-15)
