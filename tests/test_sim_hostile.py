@@ -317,3 +317,15 @@ def test_readme_simulator_section_states_the_parsers_defaults():
         assert defaults[flag] is None
     assert "JSON" in flat and "YAML" in flat and "seeded by the run's seed" in flat
     assert f"up to {runner.EVAL_SAMPLES:,}" in flat
+
+
+@pytest.mark.parametrize("kw", [dict(compress="int8"), dict(algorithms=("fedmedian",))])
+def test_one_process_settings_are_refused_under_torchrun_before_the_folder_is_claimed(tmp_path, monkeypatch, kw):
+    """Under torchrun, --compress / --dp / attacks / robust rules used to be refused by each rank's first run, after
+    config.json and metrics.csv were written."""
+    monkeypatch.setattr(runner, "join_ranks", lambda: (None, 0, 2))  # as if rank 0 of 2
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="run on one process for now"):
+        runner.run(runner.Config(**{"dataset": "digits", "algorithms": ("fedavg",), "rounds": 1, **kw},
+                                 out=str(out)))
+    assert not out.exists()
