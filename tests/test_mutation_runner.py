@@ -98,7 +98,7 @@ def test_a_timeout_is_caught_only_where_the_mutant_says_so(tmp_path):
     spin = "while True:\n        pass"
     res = _run(repo, [_mutant("spin", "return a + b", spin), _mutant("spin2", "return a + b", spin,
                                                                       timeout_caught=True)],
-               timeout=3.0, baseline=False)
+               timeout=1.5, baseline=False)
     assert [(r.status, r.detail) for r in res] == [("error", "timeout"), ("caught", "timeout (declared as catching)")]
 
 
