@@ -261,6 +261,38 @@ DP_MECHANISMS = [lambda z, c, n: privacy.ServerSideFixedClipping(z, c, n, seed=3
                  lambda z, c, n: privacy.ClientSideAdaptiveClipping(z, n, c, clipped_count_stddev=n, seed=3)]
 
 
+@FUZZ
+@given(data=st.data())
+def test_fuzz_dp_accountant_matches_its_mechanism(data):
+    """PrivacyAccountant.for_mechanism and a mechanism's accountant= with any noise multiplier / sample size: the
+    mechanism takes exactly an accountant of its own z and n, and refuses any other naming it; epsilon(delta)
+    answers a number >= 0 for delta in (0, 1) and a ValueError naming delta for anything else."""
+    z = data.draw(st.sampled_from([0.0, 0.5, 1.0, 2.0]), label="mechanism z")
+    n = data.draw(st.integers(1, 6), label="n")
+    az = data.draw(st.sampled_from([0.5, 1.0, 2.0, 1.0 + 1e-9]), label="accountant z")
+    an = data.draw(st.integers(1, 6), label="accountant num_sampled")
+    sampling = data.draw(st.sampled_from(["none", "poisson"]), label="sampling")
+    acc = privacy.PrivacyAccountant(az, sampling=sampling, population_size=50, num_sampled=an)
+    mismatch = abs(az - z) > 1e-12 * z or (sampling != "none" and an != n)
+    try:
+        mech = privacy.ServerSideFixedClipping(z, 1.0, n, accountant=acc, seed=1)
+        assert not mismatch, "an accountant of another mechanism was taken"
+    except ValueError as e:
+        assert mismatch and ("noise multiplier" in str(e) or "num_sampled" in str(e)), e
+    if z > 0:
+        own = privacy.PrivacyAccountant.for_mechanism(privacy.ServerSideFixedClipping(z, 1.0, n, seed=1))
+        assert own.noise_multiplier == z
+    delta = data.draw(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3)), label="delta")
+    acc.step(data.draw(st.integers(0, 3), label="releases"))
+    if sampling == "poisson":
+        return  # (its one-release RDP costs ~0.5 s; the delta check is the same code)
+    if isinstance(delta, float) and 0 < delta < 1:
+        assert acc.epsilon(delta) >= 0
+    else:
+        with pytest.raises(ValueError, match="delta"):
+            acc.epsilon(delta)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @FUZZ
 @given(data=st.data())
@@ -454,6 +486,7 @@ def test_fuzz_hostile_scalars_get_a_type_or_value_error(data):
         "min_sq_norm": lambda: client.sps_step(params=x.clone(), grads=x, losses=losses, min_sq_norm=value),
         "accumulator weight": lambda: fastagg.Accumulator(like=w).add(x[0], value),
         "from sums": lambda: fastagg.fedexp_step_from_sums(x[0], value, 3.0, 3, eps=1e-3),
+        "step closure": lambda: server.FedAvg(w).step(x, closure=value),
     }
     name = data.draw(st.sampled_from(sorted(calls)), label="argument")
     before = snapshot([x, w])
@@ -465,7 +498,8 @@ def test_fuzz_hostile_scalars_get_a_type_or_value_error(data):
         assert value is None or isinstance(value, torch.Tensor) and value.numel() == 1 and \
             bool(torch.isfinite(value)) or value is True and name == "eps", (name, value)
     for b, a in zip(before, [x, w]):
-        assert torch.equal(b, a) or name in ("lr", "eps", "weights", "from sums", "accumulator weight")
+        assert torch.equal(b, a) or name in ("lr", "eps", "weights", "from sums", "accumulator weight",
+                                             "step closure")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -481,7 +515,8 @@ def test_fuzz_async_server(backend, data):
     k = data.draw(st.integers(1, 4), label="K")
     w = torch.zeros(d)
     srv = AsyncServer(server.FedAvg(w, backend=backend), buffer_size=k, staleness=Polynomial(0.5),
-                      max_staleness=data.draw(st.sampled_from([None, 0, 2]), label="max_staleness"))
+                      max_staleness=data.draw(st.sampled_from([None, 0, 2]), label="max_staleness"),
+                      normalize=data.draw(st.sampled_from(["weights", "flsim"]), label="normalize"))
     folded = 0
     for _ in range(data.draw(st.integers(1, 12), label="submits")):
         v = data.draw(st.sampled_from([srv.version, max(0, srv.version - 1), max(0, srv.version - 3),
@@ -565,7 +600,7 @@ def test_fuzz_int8_clients(backend, data):
     from fastagg.compress import Int8Blockwise
 
     d = data.draw(st.integers(1, 300), label="d")
-    block = data.draw(st.sampled_from([1, 3, 16, 64, 1000]), label="block")
+    block = data.draw(st.sampled_from([1, 3, 16, 64, 1000, 2 ** 31 - 1]), label="block")  # (the last: hostile)
     dtype = data.draw(st.sampled_from([torch.float32, torch.float64]), label="dtype")
     nblocks = -(-d // block)
     us = []
