@@ -860,7 +860,9 @@ def run(config: Config, *, verbose: bool = False, resume: bool = False, overwrit
     plots. The folder is locked while the run writes it; a folder holding another run's results is refused unless
     ``overwrite``. ``resume=True`` continues the run in ``config.out`` from its checkpoint, with the settings its
     config.json recorded (``config``'s other fields are not used, except a larger ``rounds``: a finished run is
-    extended, each algorithm and seed continuing from its final state)."""
+    extended, each algorithm and seed continuing from its final state, and ``model``: a ``package.module:factory``
+    the folder names is imported only when ``config.model`` names it too). A finished run without a larger
+    ``rounds`` and an asynchronous run are refused (ValueError) before anything is imported or written."""
     if resume:
         if not config.out:
             raise ValueError("resume needs the run's folder (--out)")
