@@ -13,6 +13,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.clientapp.mod import adaptiveclipping_mod as fl_adaptive_mod
 from flwr.clientapp.mod import fixedclipping_mod as fl_fixed_mod
 from flwr.serverapp import strategy as fl
+from flwr.serverapp.exception import AggregationError
 from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
 from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
@@ -187,10 +188,150 @@ def test_around_a_flower_strategy_it_is_flowers_wrapper():
         np.testing.assert_array_equal(v, arrays_of(a_fl)[k])
 
 
-def test_a_robust_strategy_cannot_be_wrapped():
-    dp = fa.DifferentialPrivacyServerSideFixedClipping(fa.FedMedian(min_available_nodes=1), 1.0, 0.6, NODES)
-    with pytest.raises(TypeError, match="robust"):
-        _round(dp, 1, rec(initial(shapes=SHAPES)), _client(1))
+@pytest.mark.parametrize("robust", ["FedMedian", "MultiKrum"])
+def test_a_robust_strategy_cannot_be_wrapped(robust):
+    """Refused when the wrapper is built, before any round can release a robust estimate noised as a mean."""
+    for kind, kw in HAND:
+        with pytest.raises(TypeError, match="robust"):
+            getattr(fa, kind)(getattr(fa, robust)(min_available_nodes=1), 1.0, num_sampled_clients=3, **kw)
+
+
+# -- aggregate_train without configure_train (as Flower's own tests call it) ----------------------------------------
+# A DP wrapper must never release an unclipped or unnoised aggregate, whichever way the model the clients started
+# from is given: current_arrays set by hand on the wrapper, on the strategy it wraps, on both -- or not at all, which
+# is refused (there is nothing to clip against). The oracle: each update u_i = w_i - base scaled by
+# min(1, C / ||u_i||) over all entries, the num-examples-weighted mean, written out in numpy below; with the noise
+# off, Flower's own wrapper around Flower's own strategy on the same replies.
+C = 0.5
+HAND_SHAPES = {"a": (20, 10), "b": (200,)}  # d = 400: the noise's norm is sigma sqrt(d) = 20 sigma, +- 0.7 sigma
+HAND = [("DifferentialPrivacyServerSideFixedClipping", dict(clipping_norm=C)),
+        ("DifferentialPrivacyServerSideAdaptiveClipping", dict(initial_clipping_norm=C, clipped_count_stddev=1.0)),
+        ("DifferentialPrivacyClientSideFixedClipping", dict(clipping_norm=C)),
+        ("DifferentialPrivacyClientSideAdaptiveClipping", dict(initial_clipping_norm=C, clipped_count_stddev=1.0))]
+HAND_NORMS = (0.2, 0.6, 3.0)  # one update within C, two beyond it
+HAND_WEIGHTS = (5, 7, 9)
+
+
+def _hand_case(preclip):
+    """The base model, three replies (update norms HAND_NORMS; ``preclip``: already clipped to C, as a client's
+    fixedclipping_mod sends them) with their ``norm_bit``, and the oracle's clipped weighted mean update."""
+    rng = np.random.default_rng(7)
+    base = {k: rng.standard_normal(s).astype(np.float32) for k, s in HAND_SHAPES.items()}
+    ups = []
+    for norm in HAND_NORMS:
+        u = {k: rng.standard_normal(s) for k, s in HAND_SHAPES.items()}
+        scale = norm / np.sqrt(sum((v ** 2).sum() for v in u.values()))
+        ups.append({k: v * scale for k, v in u.items()})
+    clipped = [{k: v * min(1.0, C / n) for k, v in u.items()} for u, n in zip(ups, HAND_NORMS)]
+    sent = clipped if preclip else ups
+    models = [{k: (base[k] + u[k]).astype(np.float32) for k in u} for u in sent]
+    p = np.array(HAND_WEIGHTS, dtype=np.float64) / sum(HAND_WEIGHTS)
+    mean = {k: sum(pi * c[k] for pi, c in zip(p, clipped)) for k in base}
+    bits = [int(n > C) for n in HAND_NORMS]
+    return base, models, bits, mean
+
+
+def _hand_replies(models, bits):
+    out = []
+    for i, (model, bit) in enumerate(zip(models, bits)):
+        msg = Message(content=RecordDict({}), dst_node_id=i + 1, message_type="train")
+        out.append(reply(msg, model, HAND_WEIGHTS[i], norm_bit=bit))
+    return out
+
+
+def _hand_set(strategy, base, where):
+    """current_arrays set by hand, in the form the object keeps it (Flower's FedOpt: a dict of arrays)."""
+    if where in ("wrapper", "both"):
+        strategy.current_arrays = rec(base)
+    if where in ("inner", "both"):
+        inner = strategy.strategy
+        inner.current_arrays = dict(base) if isinstance(inner, fl.FedAdam) else rec(base)
+
+
+def _update_norm(arrays, base):
+    return float(np.sqrt(sum(((arrays[k].astype(np.float64) - base[k]) ** 2).sum() for k in base)))
+
+
+@pytest.mark.parametrize("where", ["wrapper", "inner", "both"])
+@pytest.mark.parametrize("inner", ["FedAvg", "FedAdam"])
+@pytest.mark.parametrize("kind,kw", HAND)
+def test_hand_set_model_without_configure_train_is_clipped_as_flowers_wrapper_does(kind, kw, inner, where):
+    """Noise off: the model released is Flower's wrapper's on the same replies (client-side: replies the clients
+    clipped, as Flower's wrapper trusts them to be), clipped against the model set by hand."""
+    base, models, bits, mean = _hand_case(preclip=kind.startswith("DifferentialPrivacyClientSide"))
+    ours = getattr(fa, kind)(getattr(fa, inner)(backend="cpu"), 0.0, num_sampled_clients=3, **kw)
+    theirs = getattr(fl, kind)(getattr(fl, inner)(), 0.0, num_sampled_clients=3, **kw)
+    _hand_set(ours, base, where)
+    _hand_set(theirs, base, "both")
+    got, _ = ours.aggregate_train(1, _hand_replies(models, bits))
+    want, _ = theirs.aggregate_train(1, _hand_replies(models, bits))
+    got, want = arrays_of(got), arrays_of(want)
+    for k in base:
+        np.testing.assert_allclose(got[k], want[k].astype(np.float32), rtol=1e-5, atol=1e-6, err_msg=k)
+    if inner == "FedAvg":  # the oracle written out: the clipped weighted mean, whose update's norm is <= C
+        for k in base:
+            np.testing.assert_allclose(got[k], base[k] + mean[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        assert 0.1 < _update_norm(got, base) <= C * (1 + 1e-6)  # unclipped: ~1.0
+    assert ours.strategy.server_metrics[1]["dp-clipping-norm"] == C
+
+
+@pytest.mark.parametrize("where", ["wrapper", "inner", "both"])
+@pytest.mark.parametrize("kind,kw", HAND)
+def test_hand_set_model_without_configure_train_is_clipped_and_noised(kind, kw, where):
+    """Noise on (z = 1), replies unclipped (a client-side round re-clips them): the update released is the
+    oracle's clipped mean plus Gaussian noise of std sigma = z_eff C / n per coordinate, n = num_sampled_clients
+    (z_eff = z for fixed clipping, Flower's compute_adaptive_noise_params's for adaptive): its distance from the
+    clipped mean is sigma * chi_d, within sigma (sqrt(d) -+ 5), and the update's norm is at most C plus that."""
+    from flwr.supercore.differential_privacy import compute_adaptive_noise_params
+
+    base, models, bits, mean = _hand_case(preclip=False)
+    ours = getattr(fa, kind)(fa.FedAvg(backend="cpu"), 1.0, num_sampled_clients=3, seed=5, **kw)
+    _hand_set(ours, base, where)
+    got, _ = ours.aggregate_train(1, _hand_replies(models, bits))
+    got = arrays_of(got)
+    z = 1.0 if "Fixed" in kind else compute_adaptive_noise_params(1.0, 3, 1.0)[1]
+    sigma = z * C / 3
+    assert ours.strategy.server_metrics[1]["dp-noise-std"] == pytest.approx(sigma, rel=1e-9)
+    d = sum(int(np.prod(s)) for s in HAND_SHAPES.values())
+    noise = float(np.sqrt(sum(((got[k] - base[k] - mean[k]) ** 2).sum() for k in base)))
+    assert np.sqrt(d) - 5 < noise / sigma < np.sqrt(d) + 5, noise / sigma
+    assert _update_norm(got, base) <= C + noise * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("inner", ["FedAvg", "FedAdam"])
+@pytest.mark.parametrize("kind,kw", HAND)
+def test_without_any_model_the_round_is_refused_and_nothing_changes(kind, kw, inner):
+    """No configure_train and no current_arrays: nothing to clip against, so nothing is released (fastagg's FedAvg
+    alone would aggregate the replies' models; Flower's server-side wrappers fail on their empty record). Nothing
+    changed: no model, no release counted, no metrics, the clipping norm as it was, the replies intact."""
+    base, models, bits, _ = _hand_case(preclip=False)
+    ours = getattr(fa, kind)(getattr(fa, inner)(backend="cpu"), 1.0, num_sampled_clients=3, seed=5, **kw)
+    replies = _hand_replies(models, bits)
+    with pytest.raises(AggregationError, match="no model to clip the replies' updates against"):
+        ours.aggregate_train(1, replies)
+    assert ours.strategy.global_model is None and ours.mechanism.rounds == 0
+    assert ours.strategy.server_metrics == {} and ours.clipping_norm == C
+    for r, m in zip(replies, models):
+        for k in m:
+            np.testing.assert_array_equal(r.content["arrays"][k].numpy(), m[k])
+    # a model set afterwards: the round runs, clipped
+    ours.current_arrays = rec(base)
+    got, _ = ours.aggregate_train(1, replies)
+    assert got is not None and ours.mechanism.rounds == 1
+
+
+def test_a_model_forgotten_and_set_again_is_still_clipped():
+    """current_arrays = None on the strategy drops its optimizer; set again, the next round still goes through the
+    mechanism (installed at every round, not only by configure_train)."""
+    base, models, bits, mean = _hand_case(preclip=False)
+    ours = fa.DifferentialPrivacyServerSideFixedClipping(fa.FedAvg(backend="cpu"), 0.0, C, 3)
+    ours.current_arrays = rec(base)
+    ours.aggregate_train(1, _hand_replies(models, bits))
+    ours.strategy.current_arrays = None
+    ours.strategy.current_arrays = rec(base)
+    got = arrays_of(ours.aggregate_train(2, _hand_replies(models, bits))[0])
+    for k in base:
+        np.testing.assert_allclose(got[k], base[k] + mean[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_flowers_argument_checks_are_kept():

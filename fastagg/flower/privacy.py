@@ -24,6 +24,12 @@ Where the fused wrappers differ from Flower's (documented, tested):
 * the noise comes from fastagg's counter-based generator (``seed=``, default from ``secrets``) instead of numpy's
   global generator; ``noise_source=`` takes a secure source of the caller's;
 * a client-side round re-clips a reply that arrives longer than the clipping norm (Flower trusts the clients);
+* the updates are clipped against the model the wrapped strategy sent. The wrapper's ``current_arrays`` is that
+  strategy's (setting it on either sets the one model the round clips against; Flower's server-side wrappers
+  keep their own copy). A round with no model at all (no ``configure_train``, no ``current_arrays``) is refused
+  with ``AggregationError`` before anything changes, client-side too (Flower's server-side wrappers fail on their
+  empty record; its client-side ones aggregate, trusting the clients' clipping). A robust strategy cannot be
+  wrapped (``TypeError`` when the wrapper is built);
 * the round's ``server_metrics`` hold only what the mechanism released: ``dp-clipping-norm``, ``dp-noise-std`` and,
   adaptive, ``dp-noisy-clipped-fraction`` (the noised fraction that moved the norm) and ``dp-next-clipping-norm``.
   The exact numbers of clipped and of excluded (NaN/Inf) replies are not private (adaptive clipping exists to
@@ -41,6 +47,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.clientapp.mod import centraldp_mods as _fl_mods
 from flwr.serverapp import Grid
+from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideAdaptiveClipping as _FlCSA
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping as _FlCSF
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideAdaptiveClipping as _FlSSA
@@ -64,14 +71,49 @@ class _Fused:
     """The fused round, mixed in before one of Flower's DP wrappers."""
 
     def _fused(self) -> bool:
-        return isinstance(self.strategy, _Fastagg)
+        return isinstance(self.__dict__.get("strategy"), _Fastagg)
 
     def _make_mechanism(self, cls, *args, seed, noise_source, publish_exact_counts: bool = False, **kw) -> None:
         if not isinstance(publish_exact_counts, bool):
             raise TypeError(f"publish_exact_counts must be True or False, got {publish_exact_counts!r}")
+        if self._fused():
+            self._check_mean_based(self.strategy._optimizer(torch.zeros(1)).aggregate)
         self.publish_exact_counts = publish_exact_counts
         self.mechanism = cls(*args, seed=seed, noise_source=noise_source, weighted=True, **kw) if self._fused() \
             else None
+
+    def _check_mean_based(self, aggregate) -> None:
+        if aggregate is not None and aggregate is not self.__dict__.get("mechanism"):
+            raise TypeError(f"{type(self).__name__} wraps {type(self.strategy).__name__}, whose aggregation is a "
+                            f"robust rule ({aggregate!r}): DP's noise is calibrated to the clipped *mean*; wrap a "
+                            "mean-based strategy (FedAvg, FedAdam, FedExP, ...)")
+
+    # Flower's server-side wrappers keep the model sent as ``current_arrays`` and clip the replies against it.
+    # Fused, the replies are clipped inside the wrapped strategy's step against the model *it* sent: the wrapper's
+    # current_arrays is the strategy's, so that a model set by hand on either is the one the updates are clipped
+    # against (never a base the mechanism does not see).
+    @property
+    def current_arrays(self):
+        """Flower's ``current_arrays`` (the model the replies' updates are clipped against). Around a fastagg
+        strategy it is that strategy's global model (an ``ArrayRecord``; empty before any model is known) and
+        setting it sets the strategy's ``current_arrays``; around a Flower strategy, Flower's attribute."""
+        if not self._fused():
+            try:
+                return self.__dict__["_flower_current_arrays"]
+            except KeyError:
+                raise AttributeError("current_arrays") from None
+        model = self.strategy.global_model
+        return ArrayRecord() if model is None else to_record(model)
+
+    @current_arrays.setter
+    def current_arrays(self, value) -> None:
+        if not self._fused() or "mechanism" not in self.__dict__:  # (Flower's __init__: its empty record)
+            self.__dict__["_flower_current_arrays"] = value
+            return
+        inner = self.strategy
+        if value is not None and value is inner._returned and inner.global_model is not None:
+            return  # (Flower's configure_train passing back the record the strategy returned: already its model)
+        inner.current_arrays = value
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -81,23 +123,35 @@ class _Fused:
         return messages
 
     def _install(self) -> None:
-        """Make the mechanism the wrapped strategy's aggregation (its optimizer exists once it configured a round)."""
+        """Make the mechanism the wrapped strategy's aggregation (its optimizer exists once it knows a model)."""
         opt = self.strategy.optimizer
         if opt.aggregate is self.mechanism:
             return
-        if opt.aggregate is not None:
-            raise TypeError(f"{type(self).__name__} wraps {type(self.strategy).__name__}, whose aggregation is a "
-                            f"robust rule ({opt.aggregate!r}): DP's noise is calibrated to the clipped *mean*; wrap a "
-                            "mean-based strategy (FedAvg, FedAdam, FedExP, ...)")
+        self._check_mean_based(opt.aggregate)
         opt.aggregate = self.mechanism
+
+    def _check_model(self, server_round: int) -> None:
+        """Before anything changes: the replies' updates can be clipped only against the model the clients
+        started from. Without one (no configure_train, no current_arrays set on the wrapper or the strategy) the
+        round is refused: FedAvg alone would aggregate the replies' models unclipped."""
+        if self.strategy.global_model is None:
+            raise AggregationError(f"round {server_round}: {type(self).__name__} has no model to clip the replies' "
+                                   "updates against (call configure_train, or set current_arrays on the wrapper "
+                                   "or on the strategy it wraps); nothing is released")
 
     def _fused_aggregate(self, server_round: int, replies: list):
         """The wrapped strategy's fused step with the mechanism as its aggregation; the DP metrics of the round go
         into the strategy's ``server_metrics``."""
+        self._check_model(server_round)
+        self._install()  # every round: a model set by hand (or forgotten and set again) brings a new optimizer
         self.mechanism.clipping_norm = self.clipping_norm
+        releases = self.mechanism.rounds
         with warnings.catch_warnings():  # (validate_replies has logged Flower's own warning about the count)
             warnings.filterwarnings("ignore", message=".*num_sampled_clients.*", category=RuntimeWarning)
             arrays, metrics = self.strategy.aggregate_train(server_round, replies)
+        if arrays is not None and self.mechanism.rounds != releases + 1:  # (cannot happen: the last line of defence)
+            raise AggregationError(f"round {server_round}: the wrapped strategy stepped without the DP mechanism; "
+                                   "its model is not released")
         res = self.mechanism.last
         if res is not None and res.round == self.mechanism.rounds - 1:
             self.clipping_norm = self.mechanism.clipping_norm
@@ -141,6 +195,7 @@ class _FixedBase(_Fused):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         if not self._fused():
             return super().aggregate_train(server_round, replies)
+        self._check_model(server_round)
         replies_list = list(replies)
         event = self._pop_pending_event(server_round)
         if not validate_replies(replies_list, self.num_sampled_clients, strict=self.accountant is not None):
@@ -191,6 +246,7 @@ class _AdaptiveBase(_Fused):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         if not self._fused():
             return super().aggregate_train(server_round, replies)
+        self._check_model(server_round)
         replies_list = list(replies)
         if not validate_replies(replies_list, self.num_sampled_clients):
             return None, None
@@ -218,8 +274,6 @@ class DifferentialPrivacyClientSideAdaptiveClipping(_AdaptiveBase, _FlCSA):
         for msg in replies:  # Flower's check, before anything changes
             for _, mrec in msg.content.metric_records.items():
                 if KEY_NORM_BIT not in mrec:
-                    from flwr.serverapp.exception import AggregationError
-
                     raise AggregationError(f"KEY_NORM_BIT ('{KEY_NORM_BIT}') not found in MetricRecord or metrics "
                                            "for reply.")
 
