@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Message
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import strategy as fl
 
 from fastagg import flower as fa
@@ -209,3 +209,63 @@ def test_bulyan_at_its_bound_with_a_nan_reply_aggregates_counting_it_as_an_attac
     _, (arrays, _) = train_round(s, 1, rec(initial()), list(range(1, NODES + 1)), client)
     assert arrays is not None and all(np.isfinite(v).all() for v in arrays_of(arrays).values())
     assert dict(s.server_metrics[1])["robust-excluded"] == 1
+
+
+CHANGES = [  # (name, built with, changed to between rounds 1 and 2)
+    ("FedTrimmedAvg", dict(beta=0.2), dict(beta=0.4)),
+    ("FedTrimmedAvg", dict(beta=0.0), dict(beta=0.2)),
+    ("MultiKrum", dict(num_malicious_nodes=1, num_nodes_to_select=5), dict(num_nodes_to_select=1)),
+    ("MultiKrum", dict(num_malicious_nodes=0, num_nodes_to_select=5), dict(num_malicious_nodes=2)),
+    ("Krum", dict(num_malicious_nodes=0), dict(num_malicious_nodes=3)),
+    ("Bulyan", dict(num_malicious_nodes=0), dict(num_malicious_nodes=1)),
+]
+
+
+@pytest.mark.parametrize("name,built,change", CHANGES, ids=[f"{c[0]}-{list(c[2])[0]}" for c in CHANGES])
+def test_a_setting_changed_between_rounds_applies_from_the_next_as_in_flower(name, built, change, monkeypatch):
+    """Flower's robust strategies read ``beta``, ``num_malicious_nodes``, ``num_nodes_to_select`` in every round:
+    after the same change between rounds 1 and 2, round 2 is Flower's class's round 2 (on the same replies, with
+    no model sent, as Flower's own tests call aggregate_train). The change matters: Flower's round 2 with the old
+    setting is another model."""
+    import gc
+
+    monkeypatch.setattr(gc, "collect", lambda *a: 0)  # (Flower's to_numpy_ndarrays collects per reply: 0.25 s each)
+    rng = np.random.default_rng(4)
+    start = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    count = 7 if name == "Bulyan" else 11  # (Bulyan: 4f + 3 with f = 1; Flower's takes seconds over 11 replies)
+    shifts = [0.0] * (count - 2) + [2.0, -3.0]  # two far replies
+
+    def replies(rnd):
+        r = np.random.default_rng(rnd)
+        out = []
+        for i, shift in enumerate(shifts):
+            msg = Message(content=RecordDict({}), dst_node_id=i + 1, message_type="train")
+            out.append(reply(msg, {k: v + 0.1 * r.standard_normal(v.shape).astype(np.float32) + shift
+                                   for k, v in start.items()}, 5 + i))
+        return out
+
+    ours = getattr(fa, name)(**built, backend="cpu")
+    theirs, before = getattr(fl, name)(**built), getattr(fl, name)(**built)
+    for s in (ours, theirs, before):
+        s.aggregate_train(1, replies(1))
+    for s in (ours, theirs):
+        for k, v in change.items():
+            setattr(s, k, v)
+    got, want, old = (arrays_of(s.aggregate_train(2, replies(2))[0]) for s in (ours, theirs, before))
+    assert max(np.abs(want[k] - old[k]).max() for k in want) > 1e-3  # the change matters
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=f"{name} {k} after {change}")
+
+
+def test_a_bad_setting_between_rounds_is_refused_and_the_model_kept():
+    """beta outside [0, 0.5): ValueError naming it (as the constructor's), before anything changes."""
+    rng = np.random.default_rng(5)
+    model = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    ours = fa.FedTrimmedAvg(beta=0.2)
+    ours.current_arrays = rec(model)
+    ours.beta = 0.7
+    msgs = [Message(content=RecordDict({}), dst_node_id=i + 1, message_type="train") for i in range(4)]
+    with pytest.raises(ValueError, match="beta"):
+        ours.aggregate_train(1, [reply(m, {k: v + i for k, v in model.items()}, 5) for i, m in enumerate(msgs)])
+    for k, v in arrays_of(ours.current_arrays).items():
+        np.testing.assert_array_equal(v, model[k])

@@ -17,6 +17,9 @@ in place (plus ``MeaMed``, which Flower has not). Each round is one :class:`fast
   by the rule's advance and stays an integer. A reply of 0 examples is never Krum's choice (Flower's average of
   it is 0/0, NaN).
 
+``beta``, ``num_malicious_nodes`` and ``num_nodes_to_select`` changed between rounds apply from the next round, as
+Flower's strategies read them every round.
+
 Train metrics are aggregated over the replies that entered the estimate (Flower: the selected ones for the Krum
 family, every valid one for median and trimmed mean -- the same sets when no reply is non-finite).
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from logging import WARNING
 
+import torch
 from flwr.serverapp.strategy import Bulyan as _FlBulyan
 from flwr.serverapp.strategy import FedAvg as _FlFedAvg
 from flwr.serverapp.strategy import FedMedian as _FlFedMedian
@@ -51,6 +55,15 @@ class _Robust(_Fastagg):
         r = stats.robust
         return {"robust-selected": int(r.selected.sum()), "robust-excluded": int(r.excluded.sum()),
                 "robust-clipped": int(r.clipped)}
+
+    def _sync_hyperparameters(self) -> None:
+        """Flower's robust strategies read ``beta``, ``num_malicious_nodes`` and ``num_nodes_to_select`` in every
+        round: the rule is rebuilt from the strategy's attributes (checked as the constructor checks them) when
+        they changed since the last round. The rules keep no state between rounds."""
+        super()._sync_hyperparameters()
+        rule = self._optimizer(torch.zeros(1)).aggregate
+        if repr(rule) != repr(self.optimizer.aggregate):
+            self.optimizer.aggregate = rule
 
     def _step(self, server_round: int, usable: list) -> tuple:
         try:
