@@ -298,3 +298,39 @@ def test_a_setting_changed_between_rounds_applies_as_in_flower(name, setting):
         out.append(model)
     for k in start:
         np.testing.assert_allclose(out[0][k], out[1][k], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,cls", FEDOPT)
+def test_fedopt_measures_every_round_from_current_arrays_until_configure_train(name, cls):
+    """Flower's FedOpt family keeps ``current_arrays`` (set by hand, or by configure_train) and its aggregate_train
+    never replaces it: rounds 1..3 called without configure_train all measure the replies from, and step from,
+    that model, the moments carried over. fastagg gives Flower's model each round, and its current_arrays stays
+    the model set, as Flower's does. A round refused in between (a NaN reply) leaves the strategy as it was: the
+    next round is still Flower's."""
+    rng = np.random.default_rng(8)
+    start = {"a": rng.standard_normal(5).astype(np.float32), "b": rng.standard_normal((2, 2)).astype(np.float32)}
+
+    def replies(t):
+        r = np.random.default_rng(t)
+        return [mock_reply(rec({k: v + 0.1 * r.standard_normal(v.shape).astype(np.float32) for k, v in start.items()}),
+                           5 + i, i + 1) for i in range(3)]
+
+    ours, theirs = cls(eta=0.1, backend="cpu"), getattr(fl, name)(eta=0.1)
+    for s in (ours, theirs):
+        s.current_arrays = {k: v.copy() for k, v in start.items()}
+    for t in (1, 2, 3):
+        if t == 2:
+            bad = replies(t)
+            bad[1] = mock_reply(rec({k: np.full_like(v, np.nan) for k, v in start.items()}), 6, 2)
+            kept = {k: v.clone() for k, v in ours.global_model.items()}
+            with pytest.raises(AggregationError, match="node 2"):
+                ours.aggregate_train(t, bad)
+            for k, v in kept.items():
+                assert (ours.global_model[k] == v).all(), k
+        got, _ = ours.aggregate_train(t, replies(t))
+        want, _ = theirs.aggregate_train(t, replies(t))
+        for k in start:
+            np.testing.assert_allclose(got[k].numpy(), want[k].numpy(), rtol=1e-5, atol=1e-7, err_msg=f"{k} round {t}")
+        for k in start:
+            np.testing.assert_array_equal(ours.current_arrays[k], theirs.current_arrays[k])
+            np.testing.assert_array_equal(ours.current_arrays[k], start[k])

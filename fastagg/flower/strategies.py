@@ -12,8 +12,11 @@ One round, for every strategy:
 * ``current_arrays`` (Flower's attribute) reads that model and, set by hand as Flower's own tests do, makes it the
   model the next replies are measured from; with no model at all, the rules whose result does not depend on it
   (FedAvg, the robust rules) aggregate the replies' models as Flower's do, the others raise ``AggregationError``.
-  Settings changed on the strategy between rounds (``eta``, ``server_momentum``, ...) apply from the next round,
-  as Flower's strategies read them every round.
+  The FedOpt family (FedAdam, FedYogi, FedAdagrad, FedAMS) measures and steps every round from the model last sent
+  or set, as Flower's does (its ``aggregate_train`` never replaces ``current_arrays``): rounds called without
+  ``configure_train`` in between start again from it, and ``current_arrays`` reads it.
+  Settings changed on the strategy between rounds (``eta``, ``server_momentum``, ``beta``,
+  ``num_malicious_nodes``, ...) apply from the next round, as Flower's strategies read them every round.
 * ``aggregate_train`` reads each reply's ``ArrayRecord`` in place (read-only numpy views of the message bytes: no
   per-client copy) and runs the fastagg server optimizer's step once over all of them, with the model sent as
   the base: each update ``model_i - sent`` is formed inside the stats pass and never stored, so the server's
@@ -107,6 +110,12 @@ class _Fastagg:
         self.last_stats: server.StepStats | None = None
         self._returned: ArrayRecord | None = None  # the record aggregate_train returned (the global model)
         self._sent: dict[str, torch.Tensor] | None = None  # what this round's clients started from
+        # FedOpt family: the record last sent (configure_train) or set (current_arrays), which Flower's FedOpt keeps
+        # as current_arrays and measures every round from until the next configure_train; _stepped: a round has
+        # stepped the global model since (a reference, no copy: see _restore_sent)
+        self._pinned: ArrayRecord | None = None
+        self._stepped = False
+        self._model_changed = False  # set by _step when it raises after the model changed (overflow)
         self.server_metrics: dict[int, MetricRecord] = {}  # round -> the server's statistics (FedExP's eta, ...)
         self._optimizer(torch.zeros(1))  # checks the hyperparameters now, not at the first round
 
@@ -130,6 +139,8 @@ class _Fastagg:
         if model is None:
             return None
         if isinstance(self, _FlFedOpt):
+            if self._pinned is not None:  # Flower's FedOpt keeps the model sent, not its own output
+                return {k: np.array(v) for k, v in record_views(self._pinned).items()}
             return {k: v.numpy().copy() for k, v in model.items()}
         return to_record(model)
 
@@ -150,9 +161,29 @@ class _Fastagg:
         self._adopt(value, "current_arrays")
         self._returned = None
         self._sent = self._train_model()
+        self._pinned, self._stepped = value, False
 
     def _forget_model(self) -> None:
-        self.global_model = self.optimizer = self._sent = self._returned = None
+        self.global_model = self.optimizer = self._sent = self._returned = self._pinned = None
+        self._stepped = False
+
+    def _restore_sent(self) -> dict | None:
+        """Flower's FedOpt family measures and steps every round from its ``current_arrays``, the model last sent
+        by ``configure_train`` or set by hand, which its ``aggregate_train`` never replaces. A FedOpt round that
+        follows another without ``configure_train`` in between therefore starts again from that model: it is
+        copied back into the global model (the optimizer's moments kept, as Flower keeps them). Returns the
+        global model as it was (a copy, to put back if the round is refused), or None when nothing was done --
+        always the case in a run driven by ``start`` (one ``configure_train`` per round)."""
+        if not (self._stepped and self._pinned is not None and isinstance(self, _FlFedOpt)):
+            return None
+        views = self._floats_as_global(record_views(self._pinned, "current_arrays"))
+        self._check_like_global(views, "current_arrays")
+        backup = {k: v.clone() for k, v in self.global_model.items()}
+        for k, v in views.items():
+            self.global_model[k].numpy()[...] = v  # (no tensor of the read-only view)
+        self._returned = None
+        self._sent = self._train_model()
+        return backup
 
     def _base_free(self) -> bool:
         """Whether a round's result is the same from any model sent: FedAvg (``w + sum_i p_i (w_i - w)`` is
@@ -207,7 +238,7 @@ class _Fastagg:
         views = self._floats_as_global(views)
         self._check_like_global(views, where)
         for k, v in views.items():  # another model than the one returned (a restart): taken as it is, in place
-            self.global_model[k].copy_(torch.from_numpy(v))
+            self.global_model[k].numpy()[...] = v  # (no tensor of the read-only view)
 
     def _log_buffer_policy(self) -> None:
         """Once per run: what happens to the model's buffers (BatchNorm statistics), which Flower's own strategies
@@ -249,6 +280,7 @@ class _Fastagg:
         """Flower's sampling and messages; the model sent is kept (as torch tensors) to form the updates against."""
         self._adopt(arrays)
         self._sent = self._train_model()
+        self._pinned, self._stepped = arrays, False
         send = arrays if self._sent is self.global_model else to_record(self._sent)
         self._train_config(config)
         return self._flower_configure_train(server_round, send, config, grid)
@@ -345,7 +377,19 @@ class _Fastagg:
         replies' models themselves, as Flower's do; other strategies raise ``AggregationError``."""
         replies = list(replies)
         if self.global_model is not None:
-            return self._aggregate_train(server_round, replies)
+            backup = self._restore_sent()
+            self._model_changed = False
+            try:
+                out = self._aggregate_train(server_round, replies)
+            except BaseException:
+                if backup is not None and not self._model_changed:  # a refused round leaves the model as it was
+                    for k, v in backup.items():
+                        self.global_model[k].copy_(v)
+                raise
+            if out[0] is None and backup is not None:  # no step: the model is kept
+                for k, v in backup.items():
+                    self.global_model[k].copy_(v)
+            return out
         if not self._model_from_replies(replies):
             if any(not m.has_error() for m in replies):
                 raise AggregationError(f"round {server_round}: no model was sent and no reply carries one (exactly "
@@ -395,6 +439,7 @@ class _Fastagg:
             log(INFO, "aggregate_train: round %d server metrics %s", server_round,
                 {k: round(v, 6) for k, v in own.items()})
         self._returned = to_record(self.global_model)
+        self._stepped = True
         return self._returned, metrics
 
     def _metrics_alike(self, server_round: int, usable: list) -> list:
@@ -455,7 +500,8 @@ class _Fastagg:
                 return stats, [u for i, u in enumerate(usable) if bool(stats.robust.selected[i])]
             if bool(stats.finite):
                 if stats.overflowed is not None and self.on_nonfinite == "raise" and int(stats.overflowed.item()):
-                    self._returned = None  # the model changed: the next configure_train takes the one Flower passes
+                    # the model changed: the next configure_train takes the one Flower passes
+                    self._returned, self._model_changed, self._stepped = None, True, True
                     raise AggregationError(
                         f"round {server_round}: {int(stats.overflowed.item())} elements of the model or the "
                         "optimizer's state would have become Inf or NaN (values at the edge of their dtype); those "
