@@ -110,14 +110,16 @@ class _Fused:
         if not self._fused() or "mechanism" not in self.__dict__:  # (Flower's __init__: its empty record)
             self.__dict__["_flower_current_arrays"] = value
             return
-        inner = self.strategy
-        if value is not None and value is inner._returned and inner.global_model is not None:
-            return  # (Flower's configure_train passing back the record the strategy returned: already its model)
-        inner.current_arrays = value
+        if not self.__dict__.get("_configuring"):  # (Flower's configure_train: the strategy's own takes arrays)
+            self.strategy.current_arrays = value
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        messages = super().configure_train(server_round, arrays, config, grid)  # (Flower's wrapper's)
+        self.__dict__["_configuring"] = True  # (the wrapped strategy's configure_train takes the model itself)
+        try:
+            messages = super().configure_train(server_round, arrays, config, grid)  # (Flower's wrapper's)
+        finally:
+            self.__dict__["_configuring"] = False
         if self._fused():
             self._install()
         return messages
