@@ -20,11 +20,18 @@ Threads: many request threads may :meth:`AsyncServer.submit` at once (their fold
 sweeps). Each submit reserves a slot in the first buffer with room, so a buffer never holds more than ``K``
 updates; the submit that completes a buffer steps it, and buffers step in the order they filled, one step at a
 time. An update that arrives during a step goes into the next buffer: never lost, never counted twice. A failed
-fold (NaN, Inf) frees its slot; a failed step keeps its buffer, its ids and the version (the next submit or flush
-steps it again). :meth:`fetch` returns the model and its version consistently (never half a step). The staleness
-is measured when the update is submitted. A client id is folded at most once per version it trained from.
-:meth:`state_dict` / :meth:`load_state_dict` save and restore the buffers, the version and the optimizer: a
-consistent copy while threads submit, an atomic restore.
+fold (NaN, Inf) frees its slot. No buffer's content can stop the server (one client must never stop the others):
+a buffer whose total weight is 0 when it is due (every client sent weight 0) takes no step and is discarded, and
+so is a buffer the optimizer refuses for its numbers (a ValueError of the step while the optimizer's
+hyperparameters are valid: its statistics or its step overflow); the version stays, the ids stay folded, and the
+discard is reported (:attr:`SubmitResult.discarded`, :attr:`AsyncServer.discarded`). Weights too small to
+normalise by (below :attr:`AsyncServer.min_weight`, other than 0) are refused at submit. Any other failed step (a
+hyperparameter set to an invalid value, the parameters replaced, any error not a ValueError) keeps its buffer, its
+ids and the version: the next submit or flush steps it again. :meth:`fetch` returns the model and its version
+consistently (never half a step). The staleness is measured when the update is submitted. A client id is folded
+at most once per version it trained from. :meth:`state_dict` / :meth:`load_state_dict` save and restore the
+buffers (with the ids of their updates), the version and the optimizer: a consistent copy while threads submit, an
+atomic restore that checks the buffers against the ids.
 
 Signals: a Ctrl-C (or a timer whose handler raises) during a call from the main thread interrupts only the wait:
 the call (a fold, a step, a restore) runs to completion on a helper thread, so no update is half-folded or lost and
@@ -55,8 +62,9 @@ class StaleUpdate(ValueError):
 
 class StepError(RuntimeError):
     """A submit folded its update, but the server step that update completed raised (the optimizer's error is the
-    ``__cause__``): the buffer stays queued with its updates, ids and the version (the next submit or ``flush``
-    steps it). ``result`` is the submit's :class:`SubmitResult` (``folded`` True; ``stepped``: any versions
+    ``__cause__``; a failure that is not of the buffer's content: an invalid hyperparameter, the parameters
+    replaced): the buffer stays queued with its updates, ids and the version (the next submit or ``flush`` steps
+    it). ``result`` is the submit's :class:`SubmitResult` (``folded`` True; ``stepped``: any versions
     produced before the failing step). Not a ValueError: those mean that nothing was folded."""
 
     def __init__(self, message: str, result: "SubmitResult"):
@@ -139,13 +147,18 @@ class Threshold(_Staleness):
 @dataclasses.dataclass
 class SubmitResult:
     """What :meth:`AsyncServer.submit` did: ``folded`` (False: a NaN/Inf update with ``on_nonfinite="skip"``), the
-    update's ``staleness`` and staleness weight, and ``stepped``: the versions this call's step(s) produced (empty
-    when it only folded)."""
+    update's ``staleness`` and staleness weight, ``stepped``: the versions this call's step(s) produced (empty
+    when it only folded), and ``discarded``: ``(updates, why)`` of each buffer this call discarded instead of
+    stepping on it (its total weight was 0, or the optimizer refused its numbers)."""
 
     folded: bool
     staleness: int
     staleness_weight: float
     stepped: list
+    discarded: list = dataclasses.field(default_factory=list)
+
+
+_DISCARDED = object()  # what _step_one returns for a head it discarded
 
 
 class _Buffer:
@@ -155,6 +168,7 @@ class _Buffer:
         self.acc = acc
         self.reserved = 0
         self.folded = 0
+        self.ids: list = []  # (version trained from, client id) of each update folded here with a client id
         self.stepping = False  # its step is running: no new slot in it (it stays queued until the step succeeds)
 
 
@@ -195,6 +209,13 @@ class AsyncServer:
             (``ReductionType.WEIGHTED_SUM``): ``sum_i n_i s(tau_i) delta_i``, a partial buffer's flush too (pass
             FLSim's example weight as ``weight``; its lr is then ours / K for the same full-buffer step).
             docs/ASYNC.md compares the two.
+
+    Attributes:
+        min_weight: with ``normalize="weights"``, the smallest positive ``weight`` a submit takes (the square root
+            of the smallest normal number of the accumulator's compute dtype: 1.1e-19 in float32): a buffer of
+            smaller weights has a total weight whose reciprocal overflows, and its step would be NaN. 0 is taken
+            (the update counts for nothing). With ``"flsim"`` the weight only scales the update: any is taken.
+        discarded: ``(version, updates, why)`` of every buffer discarded instead of stepped (module docstring).
     """
 
     def __init__(self, optimizer, *, buffer_size: int = 10, staleness: _Staleness | None = None,
@@ -231,6 +252,10 @@ class AsyncServer:
         self._step_lock = threading.Lock()  # one step at a time; fetch reads the model under it
         self._buffers: list[_Buffer] = [self._new_buffer()]
         self._ids: dict[int, set] = {}      # version trained from -> client ids folded (or folding)
+        self.min_weight = math.sqrt(torch.finfo(self._buffers[0].acc.compute_dtype).tiny) \
+            if normalize == "weights" else 0.0
+        self.discarded: list[tuple[int, int, str]] = []
+        self._dropped_ids: list = []  # client ids from the current version of updates discarded since the last step
 
     def _new_buffer(self) -> _Buffer:
         return _Buffer(Accumulator(like=self._like, backend=self.optimizer._backend.name))
@@ -258,9 +283,14 @@ class AsyncServer:
         buffer (and any later buffer already full). Raises :class:`StaleUpdate` for a version from the future, a
         negative or fractional one, or one staler than ``max_staleness``; ``ValueError`` for a client id already
         folded from this version, or (``on_nonfinite="raise"``) an update with NaN/Inf. Nothing is folded then.
-        :class:`StepError` when the update was folded but the step it completed failed."""
+        :class:`StepError` when the update was folded but the step it completed failed (and kept its buffer); a
+        buffer discarded instead of stepped is reported in the result's ``discarded``. ``ValueError`` for a weight
+        above 0 but below :attr:`min_weight`."""
         v = _version(version)
         w = check_number(weight, "weight")
+        if 0 < w < self.min_weight:
+            raise ValueError(f"weight={w!r} is too small to normalise by: a buffer's total weight must have a finite "
+                             f"reciprocal; give 0 or a weight >= {self.min_weight:.3g}")
         with self._lock:
             self._quiet.wait_for(lambda: not self._pausing)
             if v > self.version:
@@ -294,6 +324,8 @@ class AsyncServer:
                 buf.reserved -= 1
                 if folded:
                     buf.folded += 1
+                    if client_id is not None:
+                        buf.ids.append((v, client_id))
                 elif client_id is not None and v in self._ids:  # (a step may have forgotten v meanwhile)
                     self._ids[v].discard(client_id)
                 if self._pausing:
@@ -301,47 +333,87 @@ class AsyncServer:
         result = SubmitResult(folded, s, factor, [])
         if folded:
             try:
-                self._step_full_buffers(result.stepped)
+                self._step_full_buffers(result.stepped, result.discarded)
             except Exception as e:  # the update is in; only the step failed (a signal's exception passes as is)
                 raise StepError(f"the update was folded, but the server step it completed failed ({e!r}); the "
                                 f"buffer stays queued and steps at the next submit or flush", result) from e
         return result
 
     # -- the server's side -------------------------------------------------------------------------------------
-    def _step_full_buffers(self, produced: list) -> None:
-        """Step every full buffer at the head of the queue, in order; appends the versions produced."""
-        while (v := self._step_head(minimum=self.buffer_size)) is not None:
+    def _step_full_buffers(self, produced: list, discarded: list) -> None:
+        """Step every full buffer at the head of the queue, in order; appends the versions produced and the
+        buffers discarded."""
+        while (v := self._step_head(minimum=self.buffer_size, discarded=discarded)) is not None:
             produced.append(v)
 
-    def _step_head(self, *, minimum: int) -> int | None:
+    def _step_head(self, *, minimum: int, discarded: list) -> int | None:
         """Step on the head buffer if it holds at least ``minimum`` folded updates and none still folding; returns
-        the version that step produced (read under the lock: another thread may step right after), or None. The
-        step lock is taken before the head is chosen, so buffers step in the order they filled, one at a time.
+        the version that step produced (read under the lock: another thread may step right after), or None. A head
+        discarded instead (:meth:`_step_one`) is reported in ``discarded`` and the next head considered in its
+        place."""
+        while (v := self._step_one(minimum=minimum, discarded=discarded)) is _DISCARDED:
+            pass
+        return v
 
-        The head leaves the queue only once its step succeeded: a step that raises (the optimizer refused, a
-        hyperparameter set to an invalid value) leaves the buffer, its updates, its clients' ids and the version as
-        they were, and the next submit or :meth:`flush` steps it again. (The submit that completed the buffer then
-        raises :class:`StepError`: its update is folded, retried with the same client id it is refused as already
-        folded, so nothing is counted twice.)"""
+    def _step_one(self, *, minimum: int, discarded: list) -> Any:
+        """Step on the head buffer as :meth:`_step_head` says; ``_DISCARDED`` when its content cannot be stepped on.
+        The step lock is taken before the head is chosen, so buffers step in the order they filled, one at a time.
+
+        A head whose content cannot be stepped on is discarded (``(updates, why)`` appended to ``discarded``, the
+        version stays, its clients stay folded): one whose total weight is 0, and one the optimizer refuses with a
+        ValueError while its hyperparameters are valid and the accumulator fits its parameters (its statistics or
+        its step overflow: the same numbers would fail every retry, forever). Any other failure (an invalid
+        hyperparameter, the parameters replaced or moved, an error not a ValueError) leaves the buffer, its
+        updates, its clients' ids and the version as they were, and the next submit or :meth:`flush` steps it
+        again. (The submit that completed the buffer then raises :class:`StepError`: its update is folded, retried
+        with the same client id it is refused as already folded, so nothing is counted twice.)"""
         with self._step_lock:
             with self._lock:
                 head = self._buffers[0]
                 if head.folded < max(minimum, 1) or head.reserved:
                     return None
                 head.stepping = True  # a partial head (flush) takes no new update while it steps
-            try:
-                self.optimizer.step(self._summed(head))
-            except BaseException:
-                with self._lock:
-                    head.stepping = False
-                raise
+            why = None
+            if self.normalize == "weights" and not head.acc.total_weight > 0:
+                why = "its total weight is 0 (every update in it has weight 0)"
+            else:
+                try:
+                    self.optimizer.step(self._summed(head))
+                except ValueError as e:
+                    if not self._refused_content(head):
+                        with self._lock:
+                            head.stepping = False
+                        raise
+                    why = f"the optimizer refused its numbers ({e})"
+                except BaseException:
+                    with self._lock:
+                        head.stepping = False
+                    raise
             with self._lock:
                 self._buffers.pop(0)
                 if not self._buffers:
                     self._buffers.append(self._new_buffer())
+                if why is not None:
+                    discarded.append((head.folded, why))
+                    self.discarded.append((self.version, head.folded, why))
+                    self._dropped_ids.extend(cid for v, cid in head.ids if v == self.version)
+                    self._forget_ids()  # (ids kept only while their update was pending)
+                    return _DISCARDED
                 self.version += 1
+                self._dropped_ids = []
                 self._forget_ids()
                 return self.version
+
+    def _refused_content(self, head: _Buffer) -> bool:
+        """After the step on ``head`` raised a ValueError: True when the buffer's numbers were refused (the
+        optimizer's hyperparameters are valid and the accumulator fits its parameters), False when the failure is
+        the optimizer's own (kept and retried)."""
+        opt = self.optimizer
+        try:
+            opt._check_group()
+        except Exception:  # noqa: BLE001 (an invalid hyperparameter, however the check says it)
+            return False
+        return head.acc.device == opt.device and head.acc.numel == opt._p.segments.numel
 
     def _summed(self, head: _Buffer) -> Accumulator:
         """What the step takes: the buffer's accumulator; with ``normalize="flsim"`` a partial buffer's (a flush)
@@ -356,10 +428,15 @@ class AsyncServer:
         return padded
 
     def _forget_ids(self) -> None:
-        """Ids of versions no update can come from any more (staler than max_staleness) are dropped."""
+        """Ids of versions no update can come from any more (staler than max_staleness) are dropped, but for those
+        of updates still pending in a buffer (every pending id is in ``_ids``: :meth:`load_state_dict` checks it)."""
         if self.max_staleness is not None:
             for old in [k for k in self._ids if k < self.version - self.max_staleness]:
-                del self._ids[old]
+                pending = {cid for b in self._buffers for (v, cid) in b.ids if v == old}
+                if pending:
+                    self._ids[old] = pending
+                else:
+                    del self._ids[old]
 
     @property
     def pending(self) -> int:
@@ -370,8 +447,9 @@ class AsyncServer:
     @uninterruptible
     def flush(self) -> bool:
         """Step on the head buffer now even if it holds fewer than K updates (the end of a run); False when it holds
-        none."""
-        return self._step_head(minimum=1) is not None
+        none. A head that is discarded instead (its total weight is 0, ...: module docstring) is reported in
+        :attr:`discarded`, and the next buffer steps in its place."""
+        return self._step_head(minimum=1, discarded=[]) is not None
 
     def __reduce_ex__(self, protocol):
         raise TypeError("an AsyncServer cannot be pickled or copied (it holds locks and its buffers' accumulators): "
@@ -386,8 +464,10 @@ class AsyncServer:
         a copy that holds it -- or a later one that does not, if it was refused -- loses nothing.)"""
         with self._quiesced():
             return {"version": self.version, "optimizer": self.optimizer.state_dict(),
-                    "buffers": [{"acc": b.acc.state_dict(), "folded": b.folded} for b in self._buffers],
+                    "buffers": [{"acc": b.acc.state_dict(), "folded": b.folded, "ids": list(b.ids)}
+                                for b in self._buffers],
                     "ids": {k: sorted(v, key=repr) for k, v in self._ids.items()},
+                    "discarded_ids": list(self._dropped_ids),
                     "buffer_size": self.buffer_size, "normalize": self.normalize}
 
     @contextlib.contextmanager
@@ -404,7 +484,9 @@ class AsyncServer:
 
     @uninterruptible
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`. Atomic: the version, every buffer and the ids are checked first, then the
+        """Restore :meth:`state_dict`. Atomic: the version, every buffer and the ids are checked first (and against
+        each other: each buffer's ids are listed in the state's ids and in no other buffer, at most ``folded`` of
+        them, and every id folded from the state's version -- no step since -- is in a buffer), then the
         optimizer's state (which its own ``load_state_dict`` checks before it changes anything), and only then is
         anything of this server assigned; a bad state raises ``ValueError`` / ``TypeError`` naming what is wrong
         and leaves the server as it was."""
@@ -418,8 +500,9 @@ class AsyncServer:
             raise ValueError(f"the state's buffers must be a list, got {type(state['buffers']).__name__}")
         buffers = []
         for i, b in enumerate(state["buffers"]):
-            if not isinstance(b, dict) or not {"acc", "folded"} <= set(b):
-                raise ValueError(f"buffer {i} of the state must be a dict with 'acc' and 'folded'")
+            if not isinstance(b, dict) or not {"acc", "folded", "ids"} <= set(b):
+                raise ValueError(f"buffer {i} of the state must be a dict with 'acc', 'folded' and 'ids' (the ids of "
+                                 f"its updates)")
             buf = self._new_buffer()
             try:
                 buf.acc.load_state_dict(b["acc"])
@@ -431,6 +514,16 @@ class AsyncServer:
                 raise ValueError(f"buffer {i} of the state holds {buf.acc.num_clients} updates but says {folded!r} "
                                  f"(buffer_size {self.buffer_size})")
             buf.folded = folded
+            if not isinstance(b["ids"], (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2
+                                                                  for p in b["ids"]):
+                raise ValueError(f"buffer {i} of the state: its ids must be a list of (version, client id) pairs")
+            if len(b["ids"]) > folded:
+                raise ValueError(f"buffer {i} of the state lists {len(b['ids'])} client ids for {folded} updates")
+            for p in b["ids"]:
+                try:
+                    buf.ids.append((_version(p[0]), p[1]))
+                except StaleUpdate:
+                    raise ValueError(f"buffer {i} of the state: {p[0]!r} is not a version") from None
             buffers.append(buf)
         if not isinstance(state["ids"], dict):
             raise ValueError(f"the state's ids must be a dict (version -> client ids), got "
@@ -451,8 +544,38 @@ class AsyncServer:
                 raise TypeError(f"the state's ids of version {key} hold an unhashable client id") from None
             if len(ids[key]) != len(v):
                 raise ValueError(f"the state's ids of version {key} list a client twice")
+        where: dict = {}  # (version, client id) -> the buffer holding it
+        for i, buf in enumerate(buffers):
+            for key, cid in buf.ids:
+                try:
+                    first = where.setdefault((key, cid), i)
+                except TypeError:
+                    raise TypeError(f"buffer {i} of the state holds an unhashable client id") from None
+                if first != i or buf.ids.count((key, cid)) > 1:
+                    raise ValueError(f"client {cid!r} (from version {key}) is pending in buffers {first} and {i} of "
+                                     f"the state: its update would step twice")
+                if cid not in ids.get(key, ()):
+                    raise ValueError(f"buffer {i} of the state holds client {cid!r} from version {key}, which the "
+                                     f"state's ids do not list")
+        dropped = state.get("discarded_ids", [])  # (updates folded from this version, then discarded)
+        if not isinstance(dropped, (list, tuple)):
+            raise ValueError(f"the state's discarded_ids must be a list, got {type(dropped).__name__}")
+        try:
+            bad = next((cid for cid in dropped if (version, cid) in where or cid not in ids.get(version, ())), None)
+        except TypeError:
+            raise TypeError("the state's discarded_ids hold an unhashable client id") from None
+        if bad is not None:
+            raise ValueError(f"the state's discarded_ids list client {bad!r} (from version {version}), which "
+                             f"{'a buffer holds' if (version, bad) in where else 'the ids do not list'}")
+        dropped = list(dropped)
+        missing = [cid for cid in ids.get(version, ()) if (version, cid) not in where and cid not in dropped]
+        if missing:
+            raise ValueError(f"the state's ids list {len(missing)} client(s) folded from version {version} (the "
+                             f"state's own: no step since), e.g. {missing[0]!r}, that no buffer holds (nor was "
+                             f"discarded): their updates would be lost")
         with self._quiesced():  # (a fold under way would land in a buffer that is replaced)
             self.optimizer.load_state_dict(state["optimizer"])  # checked before it changes anything; last to fail
             self.version = version
             self._buffers = buffers or [self._new_buffer()]
             self._ids = ids
+            self._dropped_ids = dropped

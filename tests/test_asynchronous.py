@@ -441,3 +441,122 @@ def test_flsim_normalisation_and_staleness_weight_are_flsims_fedbuff():
         Polynomial(0.5, avg_staleness=-1)
     with pytest.raises(ValueError, match="avg_staleness"):
         Threshold(1, 0.0, avg_staleness=2)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_clients_sending_weight_0_cannot_stop_the_server(k):
+    """K clients send weight 0 (FedAsync: one): their buffer, due, has total weight 0 -- a mean of nothing. It is
+    discarded without a step (reported; the version and the model stay; its clients stay folded), and the honest
+    updates after it step as if it had never come: the model is the sum of the means of each K honest updates
+    (FedAvg, lr 1, constant staleness, float64). Before, every later submit raised StepError and nothing stepped."""
+    w = torch.zeros(5, dtype=torch.float64)
+    srv = AsyncServer(server.FedAvg(w, lr=1.0), buffer_size=k, staleness=Constant())
+    for i in range(k):
+        r = srv.submit(torch.full((5,), 100.0, dtype=torch.float64), 0, weight=0.0, client_id=f"evil{i}")
+    assert r.folded and r.stepped == [] and [n for n, _ in r.discarded] == [k] and "weight is 0" in r.discarded[0][1]
+    assert srv.version == 0 and srv.pending == 0 and torch.equal(w, torch.zeros_like(w))
+    assert [(v, n) for v, n, _ in srv.discarded] == [(0, k)]
+    with pytest.raises(ValueError, match="already folded"):
+        srv.submit(torch.ones(5, dtype=torch.float64), 0, client_id="evil0")
+    restarted = AsyncServer(server.FedAvg(torch.zeros(5, dtype=torch.float64)), buffer_size=k, staleness=Constant())
+    restarted.load_state_dict(srv.state_dict())  # its ids, folded from version 0 in no buffer: discarded, not lost
+    with pytest.raises(ValueError, match="already folded"):
+        restarted.submit(torch.ones(5, dtype=torch.float64), 0, client_id="evil0")
+    values = [float(i + 1) for i in range(3 * k)]
+    for i, x in enumerate(values):
+        srv.submit(torch.full((5,), x, dtype=torch.float64), srv.version, client_id=f"honest{i}")
+    expected = sum(sum(values[j:j + k]) / k for j in range(0, len(values), k))
+    assert srv.version == 3 and srv.pending == 0 and len(srv.discarded) == 1
+    torch.testing.assert_close(w, torch.full_like(w, expected), rtol=0, atol=1e-12)
+
+
+def test_a_weight_0_update_beside_others_counts_for_nothing_and_a_flushed_weight_0_buffer_is_discarded():
+    """Weight 0 next to a weight-3 update: the step is that update alone (sum n_i d_i / sum n_i). A partial buffer
+    of weight 0 at flush: discarded, flush() False, nothing moved; the next buffer is stepped by the next flush."""
+    w = torch.zeros(3, dtype=torch.float64)
+    srv = AsyncServer(server.FedAvg(w, lr=1.0), buffer_size=3, staleness=Constant())
+    srv.submit(torch.full((3,), 9.0, dtype=torch.float64), 0, weight=0.0)
+    srv.submit(torch.full((3,), 2.0, dtype=torch.float64), 0, weight=3.0)
+    assert srv.flush() and srv.version == 1
+    torch.testing.assert_close(w, torch.full_like(w, 2.0), rtol=0, atol=1e-12)
+    srv.submit(torch.full((3,), 9.0, dtype=torch.float64), 1, weight=0.0)
+    assert not srv.flush() and srv.version == 1 and srv.pending == 0 and len(srv.discarded) == 1
+    torch.testing.assert_close(w, torch.full_like(w, 2.0), rtol=0, atol=1e-12)
+
+
+def test_a_weight_too_small_to_normalise_by_is_refused_at_submit():
+    """weight=1e-45: the buffer's total weight has no finite float32 reciprocal (its step was NaN and jammed the
+    server). Refused at submit naming the weight, nothing folded (the client may send again); min_weight itself is
+    taken and its update is the step (the weighted mean of one update is the update)."""
+    w = torch.zeros(4)
+    srv = AsyncServer(server.FedAvg(w, lr=1.0), buffer_size=1, staleness=Constant())
+    assert 1e-20 < srv.min_weight < 1e-18
+    with pytest.raises(ValueError, match="weight=1e-45"):
+        srv.submit(torch.full((4,), 0.5), 0, weight=1e-45, client_id="a")
+    assert srv.version == 0 and srv.pending == 0 and srv.state_dict()["ids"] == {}
+    assert torch.equal(w, torch.zeros_like(w))
+    assert srv.submit(torch.full((4,), 0.5), 0, weight=srv.min_weight, client_id="a").stepped == [1]
+    torch.testing.assert_close(w, torch.full_like(w, 0.5), rtol=1e-6, atol=0)
+    flsim = AsyncServer(server.FedAvg(torch.zeros(4), lr=1.0), buffer_size=1, normalize="flsim")
+    assert flsim.min_weight == 0.0 and flsim.submit(torch.ones(4), 0, weight=1e-45).stepped == [1]
+
+
+def test_a_buffer_whose_step_overflows_is_discarded_not_retried_forever():
+    """An update of 1e38s with lr 10: the step would write Inf (the optimizer refuses it; its hyperparameters are
+    valid), and the same numbers would fail every retry: the buffer is discarded with the optimizer's reason, and
+    the next update steps. (An invalid hyperparameter keeps its buffer: test_a_failed_step_keeps_the_buffer...)"""
+    w = torch.zeros(4)
+    srv = AsyncServer(server.FedAvg(w, lr=10.0), buffer_size=1, staleness=Constant())
+    r = srv.submit(torch.full((4,), 1e38), 0, client_id="evil")
+    assert r.stepped == [] and len(r.discarded) == 1 and "overflows" in r.discarded[0][1]
+    assert srv.version == 0 and torch.equal(w, torch.zeros_like(w))
+    assert srv.submit(torch.full((4,), 0.25), 0, client_id="honest").stepped == [1]
+    torch.testing.assert_close(w, torch.full_like(w, 2.5), rtol=1e-6, atol=0)
+
+
+def test_load_state_dict_checks_the_ids_against_the_buffers():
+    """A state whose buffers and ids disagree is refused, naming the disagreement, with the server unchanged: no
+    buffers while the ids list an update folded at the state's own version (it would be lost and its client refused
+    as already folded), its one buffer repeated (the same updates would step 4 times), a buffer holding a client the
+    ids do not list, more ids than updates in a buffer. The consistent state loads and continues."""
+    import copy as copymod
+
+    def make():
+        w = torch.zeros(3, dtype=torch.float64)
+        srv = AsyncServer(server.FedAvgM(w, lr=1.0, momentum=0.9), buffer_size=3, staleness=Constant())
+        return srv, w
+
+    src, _ = make()
+    for i in range(4):
+        src.submit(torch.full((3,), 0.1, dtype=torch.float64), 0, client_id=f"c{i}")
+    src.submit(torch.full((3,), 0.1, dtype=torch.float64), 1, client_id="x")
+    good = src.state_dict()  # version 1; c3 (stale) and x pending
+    assert good["version"] == 1 and [b["folded"] for b in good["buffers"]] == [2]
+
+    def edited(fn):
+        s = copymod.deepcopy(good)
+        fn(s)
+        return s
+
+    def drop_ids(s):
+        s["ids"][1] = []
+
+    bad = {"no buffers": (edited(lambda s: s.__setitem__("buffers", [])), "no buffer holds"),
+           "buffer x4": (edited(lambda s: s.__setitem__("buffers", s["buffers"] * 4)), "buffers 0 and 1"),
+           "unlisted": (edited(drop_ids), "do not list"),
+           "more ids": (edited(lambda s: s["buffers"][0]["ids"].append((0, "c0"))), "3 client ids for 2")}
+    srv, w = make()
+    srv.submit(torch.ones(3, dtype=torch.float64), 0, client_id="mine")
+    before = srv.state_dict()
+    for name, (state, match) in bad.items():
+        with pytest.raises(ValueError, match=match):
+            srv.load_state_dict(state)
+        after = srv.state_dict()
+        assert (after["version"], after["ids"], after["buffers"][0]["folded"], after["buffers"][0]["ids"]) == \
+            (before["version"], before["ids"], 1, [(0, "mine")]), name
+        assert torch.equal(w, torch.zeros_like(w)), name
+    srv.load_state_dict(good)
+    assert srv.version == 1 and srv.pending == 2
+    assert srv.submit(torch.full((3,), 0.1, dtype=torch.float64), 1, client_id="y").stepped == [2]
+    # the restored momentum 0.1 (the first step's mean) * 0.9 + this buffer's mean 0.1; w (not in the state) was 0
+    torch.testing.assert_close(w, torch.full_like(w, 0.9 * 0.1 + 0.1), rtol=0, atol=1e-12)

@@ -302,3 +302,34 @@ def test_a_server_step_that_fails_keeps_its_buffer_and_the_run_goes_on(caplog):
     assert oracle.version == 4
     for k in START:
         np.testing.assert_allclose(result.arrays[k].numpy(), params[k].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_node_replying_zero_examples_cannot_stop_the_run(caplog):
+    """FedAsync (buffer_size 1): node 1 replies num-examples = 0 every time, a buffer of total weight 0. Each such
+    buffer is discarded without a step (logged, listed in result.discarded, the reply counted as folded, not left
+    out), and the honest nodes' replies step the run to its end: the model equals an AsyncServer's fed only the honest
+    replies in the same order (the discards moved no version, so their staleness is the same). Before, the first
+    such reply jammed the server and the run spent its whole timeout at version 0."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        grid = ScriptedGrid(lambda node, sent, msg: train(node, sent, msg, n=0 if node == 1 else 10),
+                            delay={1: 1, 2: 2, 3: 3})
+        result = run(grid, num_steps=5, buffer_size=1, optimizer="fedavg", optimizer_kwargs={"lr": 1.0})
+    assert result.version == 5 and not result.left_out
+    zero = [r for r in grid.received if r[0] == 1]
+    assert zero and len(result.discarded) == result.updates_per_node[1] >= 1
+    assert all(n == 1 and "weight is 0" in why for _, n, why in result.discarded)
+    assert any("discarded" in r.getMessage() for r in caplog.records)
+    params = {k: torch.from_numpy(v.astype(np.float64)) for k, v in START.items()}
+    oracle = AsyncServer(server.FedAvg(params, lr=1.0, backend="reference"), buffer_size=1)
+    bases = {0: {k: t.clone() for k, t in params.items()}}
+    for node, v, arrays in grid.received:
+        if node == 1 or oracle.version == 5:
+            continue
+        oracle.submit({k: torch.from_numpy(a.astype(np.float64)) for k, a in arrays.items()}, v, weight=10.0,
+                      base=bases[v])
+        bases.setdefault(oracle.version, {k: t.clone() for k, t in params.items()})
+    assert oracle.version == 5
+    for k in START:
+        np.testing.assert_allclose(result.arrays[k].numpy(), params[k].numpy(), rtol=1e-5, atol=1e-6)

@@ -14,8 +14,11 @@ A reply that is a Flower error, holds NaN/Inf, has other keys or shapes, lacks t
 carries it as anything but a finite number >= 0, has a metric of another kind (a number, or a list of one length)
 than the replies folded before it had for the same key (Flower's metric aggregation would raise on them), or is
 staler than ``max_staleness`` is left out and logged with the node's id (the node is sent the newest model again;
-the run goes on with the others). Each message's reply is folded at most once. A server step that raises keeps its
-buffer (logged); it steps again with the next reply. A ``train_metrics_aggr_fn`` that
+the run goes on with the others). Each message's reply is folded at most once. No reply can stop the run: a buffer
+whose total weight is 0 when it is due (its nodes all sent ``weighted_by_key`` 0) or whose numbers the optimizer
+refuses (its step overflows) is discarded without a step (logged, listed in ``AsyncResult.discarded``; the version
+stays, the run goes on), and a weight above 0 but too small to normalise by is left out. Any other server step that
+raises keeps its buffer (logged); it steps again with the next reply. A ``train_metrics_aggr_fn`` that
 still raises loses only that step's train metrics (logged), not the run.
 """
 from __future__ import annotations
@@ -49,7 +52,8 @@ OPTIMIZERS = {"fedavg": server.FedAvg, "fedavgm": server.FedAvgM, "fedadam": ser
 class AsyncResult:
     """What :meth:`FedBuff.start` returns: the final ``arrays``, the server ``version`` reached, the updates folded
     per node, each step's aggregated train metrics (``train_metrics[version]``), the staleness of every folded
-    update, and the replies left out (node, why)."""
+    update, the replies left out (node, why), and the buffers discarded instead of stepped (version, updates,
+    why: :attr:`fastagg.asynchronous.AsyncServer.discarded`; their replies count as folded)."""
 
     arrays: ArrayRecord
     version: int
@@ -57,6 +61,7 @@ class AsyncResult:
     train_metrics: dict
     staleness: list
     left_out: list
+    discarded: list = dataclasses.field(default_factory=list)
 
 
 class FedBuff:
@@ -170,8 +175,14 @@ class FedBuff:
                 if srv.version >= num_steps:
                     break  # the run is over: the rest of this pull is not folded (no step would take it)
                 node, v = in_flight.pop(reply.metadata.reply_to_message_id)
+                discards = len(srv.discarded)
                 why = self._fold(srv, reply, v, sent[v][1], node, result, contents, kinds)
                 release(v)
+                for entry in srv.discarded[discards:]:
+                    result.discarded.append(entry)
+                    log(WARNING, "fastagg FedBuff: a buffer of %d update(s) was discarded at version %d, no step: %s",
+                        entry[1], entry[0], entry[2])
+                    contents = []  # (one buffer is open at a time here: the replies since the last step were its)
                 if why is not None:
                     result.left_out.append((node, why))
                     log(WARNING, "fastagg FedBuff: the reply of node %d left out: %s", node, why)
