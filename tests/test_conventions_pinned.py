@@ -403,3 +403,34 @@ def test_a_scaled_add_folds_scale_times_delta_and_its_square_norm():
     assert float(acc.weighted_sq_norm_sum) == pytest.approx(
         sum(n * c * c * float(d @ d) for d, n, c in zip(ds, ns, cs)), rel=1e-12)
     assert acc.total_weight == pytest.approx(sum(ns), rel=1e-15)
+
+
+def test_a_submit_while_a_step_runs_does_not_step_the_same_buffer_again():
+    """One step at a time, in the order the buffers filled: a second submit arriving while the first buffer's step
+    is running (made slow here) must not step that buffer again -- the model is then u1 + u2 (FedAvg, lr 1, one
+    update a buffer, both fresh) and the version 2."""
+    import threading
+    import time
+
+    from fastagg import server
+    from fastagg.asynchronous import AsyncServer
+
+    w = torch.zeros(5, dtype=torch.float64)
+    opt = server.FedAvg(w, backend="reference")
+    inner = opt.step
+
+    def slow_step(*a, **kw):
+        time.sleep(0.4)
+        return inner(*a, **kw)
+
+    opt.step = slow_step
+    srv = AsyncServer(opt, buffer_size=1)
+    u1 = torch.arange(5, dtype=torch.float64)
+    u2 = torch.full((5,), 0.5, dtype=torch.float64)
+    first = threading.Thread(target=srv.submit, args=(u1, 0))
+    first.start()
+    time.sleep(0.1)  # the first step is sleeping now
+    srv.submit(u2, 0)
+    first.join(10)
+    assert srv.version == 2
+    torch.testing.assert_close(w, u1 + u2, rtol=1e-12, atol=0)
