@@ -349,3 +349,28 @@ def test_mods_return_flowers_errors():
                   dst_node_id=1, message_type="train")
     out = fa.fixedclipping_mod(msg, None, lambda m, c: None)
     assert out.has_error() and "clipping_norm" in out.error.reason
+
+
+@pytest.mark.parametrize("kind,kw", [("DifferentialPrivacyServerSideFixedClipping", FIXED),
+                                     ("DifferentialPrivacyServerSideAdaptiveClipping",
+                                      {**ADAPTIVE, "clipped_count_stddev": 1.0})])
+def test_the_wrapped_strategys_own_metrics_are_withheld_unless_asked(kind, kw, caplog):
+    """Around FedExP: ``fedexp-avg-sq-norm`` is the exact mean of the clipped squared norms (C^2 when every update
+    was clipped) and ``fedexp-eta`` a function of it: neither is released, so neither is stored nor logged unless
+    ``publish_exact_counts=True``; ``fedexp-mean-sq-norm`` (||noised mean||^2) is the release's."""
+    start = rec(initial(shapes=SHAPES))
+    got = {}
+    for exact in (False, True):
+        wrapper = getattr(fa, kind)(fa.FedExP(min_available_nodes=1, backend="cpu"), 1.0, seed=3,
+                                    publish_exact_counts=exact, **kw)
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            _round(wrapper, 1, start, _client(1, scale=0.05))
+        got[exact] = (dict(wrapper.strategy.server_metrics[1]), caplog.text)
+    (quiet, quiet_log), (loud, loud_log) = got[False], got[True]
+    assert "fedexp-avg-sq-norm" not in quiet and "fedexp-eta" not in quiet and "fedexp-mean-sq-norm" in quiet
+    assert "fedexp-avg-sq-norm" not in quiet_log and "fedexp-eta" not in quiet_log
+    c = kw.get("clipping_norm", kw.get("initial_clipping_norm"))
+    assert loud["fedexp-avg-sq-norm"] == pytest.approx(c ** 2)  # (scale 0.05: every update clipped; what leaks)
+    assert "fedexp-eta" in loud and "fedexp-avg-sq-norm" in loud_log
+    assert quiet["fedexp-mean-sq-norm"] == pytest.approx(loud["fedexp-mean-sq-norm"])  # (same seed, same release)

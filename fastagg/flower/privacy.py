@@ -34,7 +34,13 @@ Where the fused wrappers differ from Flower's (documented, tested):
   adaptive, ``dp-noisy-clipped-fraction`` (the noised fraction that moved the norm) and ``dp-next-clipping-norm``.
   The exact numbers of clipped and of excluded (NaN/Inf) replies are not private (adaptive clipping exists to
   release the clipped count only noised): they are published as ``dp-clipped`` / ``dp-excluded`` only with
-  ``publish_exact_counts=True``, a debugging aid that leaks them.
+  ``publish_exact_counts=True``, a debugging aid that leaks them. The same opt-in governs the wrapped strategy's
+  own round metrics (stored and logged at INFO): by default only those computed from the release alone are kept
+  (FedExP's ``fedexp-mean-sq-norm``, the squared norm of the noised mean); FedExP's ``fedexp-eta`` and
+  ``fedexp-avg-sq-norm`` (the exact mean of the clipped squared norms, ``C^2`` when every update was clipped) are
+  withheld. (FedExP's step still uses that unnoised mean through eta: see docs/PRIVACY.md);
+* the fused mechanisms divide the clipped sum by the number of replies, as Flower's do (no fastagg accountant is
+  attached; Flower's accountant needs exactly ``num_sampled_clients`` replies, where the two denominators agree).
 """
 from __future__ import annotations
 
@@ -141,6 +147,16 @@ class _Fused:
                                    "updates against (call configure_train, or set current_arrays on the wrapper "
                                    "or on the strategy it wraps); nothing is released")
 
+    # the wrapped strategy's round metrics that are functions of the release alone (FedExP's ||est||^2); the
+    # others (FedExP's eta and mean of the clipped squared norms: C^2 when every update was clipped) are not
+    RELEASED_STRATEGY_METRICS = frozenset({"fedexp-mean-sq-norm"})
+
+    def _released_metrics(self, metrics: dict) -> dict:
+        """The wrapped strategy's round metrics, less those not private unless ``publish_exact_counts=True``."""
+        if self.publish_exact_counts:
+            return metrics
+        return {k: v for k, v in metrics.items() if k in self.RELEASED_STRATEGY_METRICS}
+
     def _fused_aggregate(self, server_round: int, replies: list):
         """The wrapped strategy's fused step with the mechanism as its aggregation; the DP metrics of the round go
         into the strategy's ``server_metrics``."""
@@ -148,9 +164,15 @@ class _Fused:
         self._install()  # every round: a model set by hand (or forgotten and set again) brings a new optimizer
         self.mechanism.clipping_norm = self.clipping_norm
         releases = self.mechanism.rounds
-        with warnings.catch_warnings():  # (validate_replies has logged Flower's own warning about the count)
-            warnings.filterwarnings("ignore", message=".*num_sampled_clients.*", category=RuntimeWarning)
-            arrays, metrics = self.strategy.aggregate_train(server_round, replies)
+        inner = self.strategy  # its own round metrics (logged at INFO, stored): only the released ones
+        own_metrics = type(inner)._round_metrics
+        inner.__dict__["_round_metrics"] = lambda stats: self._released_metrics(own_metrics(inner, stats))
+        try:
+            with warnings.catch_warnings():  # (validate_replies has logged Flower's own warning about the count)
+                warnings.filterwarnings("ignore", message=".*num_sampled_clients.*", category=RuntimeWarning)
+                arrays, metrics = inner.aggregate_train(server_round, replies)
+        finally:
+            del inner.__dict__["_round_metrics"]
         if arrays is not None and self.mechanism.rounds != releases + 1:  # (cannot happen: the last line of defence)
             raise AggregationError(f"round {server_round}: the wrapped strategy stepped without the DP mechanism; "
                                    "its model is not released")
