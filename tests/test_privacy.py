@@ -255,7 +255,7 @@ def test_accountant_matches_the_exact_gaussian_dp_curve():
     poisson = privacy.PrivacyAccountant(z, sampling="poisson", population_size=1000, num_sampled=10, delta=delta)
     poisson.step(t)
     assert poisson.epsilon() < 0.2 * rdp.epsilon()  # amplification by sampling
-    again = privacy.PrivacyAccountant(1.0)
+    again = privacy.PrivacyAccountant(z, sampling="poisson", population_size=1000, num_sampled=10, delta=delta)
     again.load_state_dict(poisson.state_dict())
     assert again.epsilon() == poisson.epsilon()
 
@@ -386,7 +386,7 @@ def test_accountant_incremental_epsilon_is_the_from_scratch_composition(kw):
             neighboring_relation=rel)).compose(event, t)
         assert acc.epsilon() == fresh.get_epsilon(acc.delta), t
         assert acc.epsilon(1e-3) == fresh.get_epsilon(1e-3), t
-    again = privacy.PrivacyAccountant(1.0)
+    again = privacy.PrivacyAccountant(0.9, **kw)  # (a state restores into an accountant of its configuration)
     again.load_state_dict(acc.state_dict())
     assert again.epsilon() == acc.epsilon() and again.releases == steps[-1]
 
@@ -455,3 +455,154 @@ def test_adaptive_norm_stays_bounded_with_few_replies_and_its_state_is_checked()
     assert mech.rounds == 1 << 63 and mech.clipping_norm == 0.1
     with pytest.raises(ValueError, match="norm_bounds"):
         privacy.ServerSideAdaptiveClipping(1.0, 40, 0.1, norm_bounds=(0.5, 1.0))
+
+
+# -- the reviewer's findings: the sensitivity the accountant assumes, the accountant restored with the mechanism --
+def _accounted(make, sampling, n, seed=11):
+    """A mechanism from ``make(accountant)`` with an accountant of ``sampling`` (its noise multiplier 1)."""
+    acc = privacy.PrivacyAccountant(1.0, sampling=sampling, population_size=None if sampling == "none" else 1000,
+                                    num_sampled=None if sampling == "none" else n)
+    return make(acc), acc
+
+
+ACCOUNTED = {
+    "server-fixed": lambda acc, **kw: privacy.ServerSideFixedClipping(1.0, 0.5, 10, seed=11, accountant=acc, **kw),
+    "client-fixed": lambda acc, **kw: privacy.ClientSideFixedClipping(1.0, 0.5, 10, seed=11, accountant=acc, **kw),
+    "server-adaptive": lambda acc, **kw: privacy.ServerSideAdaptiveClipping(
+        1.0, 10, 0.5, clipped_count_stddev=5.0, seed=11, accountant=acc, **kw),
+    "client-adaptive": lambda acc, **kw: privacy.ClientSideAdaptiveClipping(
+        1.0, 10, 0.5, clipped_count_stddev=5.0, seed=11, accountant=acc, **kw),
+}
+
+
+@pytest.mark.parametrize("sampling", ["poisson", "none"])
+@pytest.mark.parametrize("kind", list(ACCOUNTED))
+def test_an_added_client_moves_an_accounted_release_by_at_most_what_the_accountant_assumes(kind, sampling):
+    """The oracle is the definition: under add-or-remove-one neighbours the accountant composes a Gaussian of
+    std / sensitivity = ``event_noise_multiplier``. The pair: ``M`` clients sending ``+C e`` (D) and the same with
+    one more sending ``-C e`` (D'); both released at the same seed and round, so the noise cancels and the
+    difference is the release's shift on that pair. Dividing by the replies it is ``2 C / (M + 1)`` (0.09 at
+    C = 0.5, M = 10, twice the ``C / n = 0.05`` the noise of std ``z C / n`` is calibrated to); with the fixed
+    denominator n it is ``C / n`` for every ``M`` (Poisson sampling makes ``M`` random)."""
+    d, c, n = 8, 0.5, 10
+    e = torch.zeros(d, dtype=torch.float64)
+    e[0] = 1.0
+    for m in (4, 10, 13):
+        a, acc_a = _accounted(ACCOUNTED[kind], sampling, n)
+        b, acc_b = _accounted(ACCOUNTED[kind], sampling, n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (a round of m != n replies is expected under Poisson: no warning)
+            ra = privacy.release([c * e] * m, a, backend="reference")
+            rb = privacy.release([c * e] * m + [-c * e], b, backend="reference")
+        assert ra.noise_std == rb.noise_std > 0
+        shift = float((ra.estimate - rb.estimate).norm())
+        assumed = ra.noise_std / acc_a.event_noise_multiplier  # the sensitivity the accountant's epsilon holds for
+        assert shift <= assumed * (1 + 1e-9), (m, shift, assumed)
+        assert shift == pytest.approx(c / n, rel=1e-9)  # the bound is attained (the pair is the worst case)
+        assert acc_a.releases == acc_b.releases == 1
+
+
+def test_dividing_by_the_replies_is_flowers_and_refused_where_an_accountant_cannot_hold():
+    x = _clients(6, 40, dtype=torch.float64)
+    mean, _ = _clipped_mean(x, 0.5)
+    # no accountant: Flower's numbers (the mean over the 6 replies; num_sampled_clients=8 is warned about)
+    flower = privacy.ServerSideFixedClipping(1e-12, 0.5, 8, seed=2)
+    with pytest.warns(RuntimeWarning, match="num_sampled_clients"):
+        got = privacy.release(x, flower, backend="reference").estimate
+    torch.testing.assert_close(got, mean, rtol=1e-9, atol=1e-9)
+    assert not flower.divides_by_expected()
+    # the fixed denominator asked for without an accountant: the sum over num_sampled_clients = 8
+    fixed = privacy.ServerSideFixedClipping(1e-12, 0.5, 8, seed=2, denominator="expected")
+    torch.testing.assert_close(privacy.release(x, fixed, backend="reference").estimate, mean * 6 / 8,
+                               rtol=1e-9, atol=1e-9)
+    for sampling in ("poisson", "none"):
+        with pytest.raises(ValueError, match="denominator='expected'"):
+            _accounted(lambda acc: privacy.ServerSideFixedClipping(1.0, 0.5, 8, accountant=acc,
+                                                                   denominator="replies"), sampling, 8)
+    with pytest.raises(ValueError, match="weighted"):
+        _accounted(lambda acc: privacy.ServerSideFixedClipping(1.0, 0.5, 8, accountant=acc, weighted=True),
+                   "poisson", 8)
+    with pytest.raises(ValueError, match="denominator"):
+        privacy.ServerSideFixedClipping(1.0, 0.5, 8, denominator="actual")
+    # replace-one (a fixed-size sample): dividing by the replies holds for exactly n of them, else refused
+    mech, acc = _accounted(lambda acc: privacy.ServerSideFixedClipping(1.0, 0.5, 6, seed=2, accountant=acc,
+                                                                       denominator="replies"),
+                           "without-replacement", 6)
+    assert privacy.release(x, mech, backend="reference").epsilon > 0
+    with pytest.raises(ValueError, match="5 clients replied"):
+        privacy.release(x[:5], mech, backend="reference")
+    assert mech.rounds == 1 and acc.releases == 1
+
+
+def test_the_optimizers_checkpoint_restores_the_accountant_with_the_mechanism():
+    """torch.optim's way (opt.load_state_dict) into a freshly built optimizer, mechanism and accountant: the
+    accountant continues from the releases made (its epsilon is that of 4 releases after the 4th round, not 1)."""
+    def build():
+        acc = privacy.PrivacyAccountant(1.0, sampling="poisson", population_size=1000, num_sampled=4)
+        mech = privacy.ServerSideFixedClipping(1.0, 0.5, 4, seed=3, accountant=acc)
+        return server.FedAdam(torch.zeros(30), lr=0.1, aggregate=mech, backend="cpu"), mech, acc
+
+    x = _clients(4, 30)
+    opt, mech, acc = build()
+    for _ in range(3):
+        opt.step(x)
+    ckpt = opt.state_dict()
+    opt2, mech2, acc2 = build()
+    opt2.load_state_dict(ckpt)
+    assert (mech2.rounds, acc2.releases) == (3, 3)
+    ref = privacy.PrivacyAccountant(1.0, sampling="poisson", population_size=1000, num_sampled=4)
+    ref.step(4)
+    assert opt2.step(x).robust.epsilon == ref.epsilon() == opt.step(x).robust.epsilon
+    # a checkpoint whose accountant is of another configuration is refused, nothing changes (checked on a copy)
+    bad = copy.deepcopy(ckpt)
+    bad["fastagg"]["aggregate"]["state"]["accountant"]["population_size"] = 10 ** 19
+    opt3, mech3, acc3 = build()
+    with pytest.raises(ValueError, match="population_size"):
+        opt3.load_state_dict(bad)
+    assert (mech3.rounds, acc3.releases, acc3.population_size) == (0, 0, 1000)
+    copy.copy(mech3).load_state_dict(ckpt["fastagg"]["aggregate"]["state"])  # a check on a copy...
+    assert (mech3.rounds, acc3.releases) == (0, 0)  # ...leaves the original's accountant alone
+
+
+def test_a_mechanism_ahead_of_its_accountant_steps_it_up_with_a_warning():
+    """Mismatched checkpoints (the mechanism's of 30 releases, the accountant's older, or none restored): at the
+    next release the accountant composes every release made, never fewer."""
+    x = _clients(4, 30)
+    acc = privacy.PrivacyAccountant(1.0, sampling="poisson", population_size=100, num_sampled=4)
+    mech = privacy.ServerSideFixedClipping(1.0, 0.5, 4, seed=0, accountant=acc)
+    mech.load_state_dict({"seed": 0, "rounds": 30, "clipping_norm": 0.5})  # (no accountant in it: an older one)
+    with pytest.warns(RuntimeWarning, match="made 30 releases.*composed 0"):
+        eps = privacy.release(x, mech, backend="cpu").epsilon
+    ref = privacy.PrivacyAccountant(1.0, sampling="poisson", population_size=100, num_sampled=4)
+    ref.step(31)
+    assert acc.releases == 31 and eps == ref.epsilon()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # in step again: no warning
+        privacy.release(x, mech, backend="cpu")
+    assert acc.releases == 32
+
+
+@pytest.mark.parametrize("z,error", [("1", TypeError), (True, TypeError), (None, TypeError), (1e300, ValueError),
+                                     (float("inf"), ValueError), (-1.0, ValueError)])
+def test_accountant_refuses_a_noise_multiplier_of_another_type_or_range(z, error):
+    with pytest.raises(error, match="noise_multiplier"):
+        privacy.PrivacyAccountant(z, sampling="poisson", population_size=100, num_sampled=2)
+
+
+@pytest.mark.parametrize("key,value", [("noise_multiplier", "3"), ("noise_multiplier", True),
+                                       ("noise_multiplier", 2.0), ("population_size", 10 ** 19),
+                                       ("population_size", 100.0), ("num_sampled", 11), ("sampling", "none"),
+                                       ("method", "pld"), ("delta", 0.5), ("releases", -3), ("releases", 2 ** 70),
+                                       ("releases", 3.0), ("releases", True), ("extra", 1)])
+def test_accountant_load_state_dict_refuses_another_configuration(key, value):
+    acc = privacy.PrivacyAccountant(1.0, sampling="poisson", population_size=100, num_sampled=10)
+    acc.step(50)
+    state = {**acc.state_dict(), key: value}
+    other = privacy.PrivacyAccountant(1.0, sampling="poisson", population_size=100, num_sampled=10)
+    other.step(2)
+    before = (other.state_dict(), other.epsilon())
+    with pytest.raises(ValueError, match=key):
+        other.load_state_dict(state)
+    assert (other.state_dict(), other.epsilon()) == before
+    other.load_state_dict(acc.state_dict())
+    assert other.epsilon() == acc.epsilon() and other.releases == 50

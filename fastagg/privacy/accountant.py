@@ -1,8 +1,10 @@
 """Privacy accounting: the (epsilon, delta) a run has spent, from Google's ``dp-accounting`` library (pinned in
 fastagg's ``[dp]`` extra; imported only when an accountant is made). fastagg writes no accountant of its own.
 
-Each release of a mechanism adds ``N(0, (z C / n)^2 I)`` to the mean of ``n`` clipped updates, i.e. noise of std
-``z C`` to their *sum* (adaptive clipping's two queries together are one Gaussian query of multiplier ``z`` by
+Each release of a mechanism adds ``N(0, (z C / n)^2 I)`` to the clipped updates' sum divided by ``n`` (the fixed
+denominator a mechanism with an accountant uses: dividing by the random number of replies would let the added
+client move the mean by up to ``2 C / (M + 1)``, see :mod:`.mechanisms`), i.e. noise of std ``z C`` to their *sum*
+(adaptive clipping's two queries together are one Gaussian query of multiplier ``z`` by
 construction, Andrew et al. Theorem 1). dp-accounting's events take the noise std over the query's L2
 *sensitivity*, which depends on the neighbouring relation, amplified by how the round's clients were drawn:
 
@@ -38,6 +40,9 @@ __all__ = ["PrivacyAccountant"]
 SAMPLING = ("none", "poisson", "without-replacement")
 METHODS = ("rdp", "pld")
 PLD_INTERVAL = 1e-4  # dp-accounting's PLDAccountant default
+MAX_NOISE_MULTIPLIER = 1e6  # (epsilon is 0 to float precision far below; dp-accounting overflows near 1e155)
+MAX_RELEASES = 2 ** 63  # (a mechanism's release count is below it: noise.COUNT_QUERY_ROUND)
+STATE_KEYS = ("noise_multiplier", "sampling", "method", "population_size", "num_sampled", "delta", "releases")
 
 
 def _dp_accounting():
@@ -62,15 +67,21 @@ class PrivacyAccountant:
             tighter; ``"none"`` and ``"poisson"``; each epsilon self-composes the cached one-release PLD, ~1 s).
 
     A mechanism given ``accountant=`` refuses one of another noise multiplier or sample size
-    (:meth:`for_mechanism` makes a matching one); the population is the accountant's alone.
+    (:meth:`for_mechanism` makes a matching one); the population is the accountant's alone. The mechanism's
+    ``state_dict`` carries the accountant's, and a mechanism whose accountant has composed fewer releases than it
+    has made steps it up (with a warning) at its next release: the epsilon never counts fewer releases than made.
     """
 
     def __init__(self, noise_multiplier: float, *, sampling: str = "none", population_size: int | None = None,
                  num_sampled: int | None = None, delta: float | None = None, method: str = "rdp"):
+        if not isinstance(noise_multiplier, numbers.Real) or isinstance(noise_multiplier, bool):
+            raise TypeError(f"noise_multiplier must be a real number, got {type(noise_multiplier).__name__} "
+                            f"{noise_multiplier!r}")
         z = float(noise_multiplier)
-        if not (math.isfinite(z) and z > 0):
-            raise ValueError(f"noise_multiplier must be a finite number > 0 to account for (z = 0 gives no privacy), "
-                             f"got {noise_multiplier!r}")
+        if not (math.isfinite(z) and 0 < z <= MAX_NOISE_MULTIPLIER):
+            raise ValueError(f"noise_multiplier must be a number in (0, {MAX_NOISE_MULTIPLIER:g}] to account for "
+                             f"(z = 0 gives no privacy; epsilon is 0 long before {MAX_NOISE_MULTIPLIER:g}), got "
+                             f"{noise_multiplier!r}")
         if sampling not in SAMPLING:
             raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
         if method not in METHODS:
@@ -130,6 +141,8 @@ class PrivacyAccountant:
         """Compose ``count`` more releases."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"count must be an integer >= 0, got {count!r}")
+        if self.releases + count >= MAX_RELEASES:
+            raise ValueError(f"count={count} would take the releases past 2^63 (they are {self.releases})")
         self.releases += count
 
     def _single(self):
@@ -186,11 +199,25 @@ class PrivacyAccountant:
                 "releases": self.releases}
 
     def load_state_dict(self, state: dict) -> None:
-        fresh = PrivacyAccountant(state["noise_multiplier"], sampling=state["sampling"], method=state["method"],
-                                  population_size=state["population_size"], num_sampled=state["num_sampled"],
-                                  delta=state["delta"])
-        fresh.step(state["releases"])
-        self.__dict__.update(fresh.__dict__)
+        """Restore the releases of :meth:`state_dict`. The configuration is this accountant's: a state of another
+        one (noise multiplier, sampling, method, population, sample size, delta: the keys of :meth:`state_dict`,
+        exactly, of their types) is refused, as the mechanism refuses an accountant of another noise multiplier;
+        nothing changes on a refusal."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict (PrivacyAccountant.state_dict()), got {type(state).__name__}")
+        if set(state) != set(STATE_KEYS):
+            raise ValueError(f"state must hold exactly the keys {STATE_KEYS}, got {sorted(map(str, state))}")
+        mine = self.state_dict()
+        for key in STATE_KEYS[:-1]:
+            got, want = state[key], mine[key]
+            if type(got) is not type(want) or got != want:
+                raise ValueError(f"state's {key}={got!r} is not this accountant's {key}={want!r}: a state of another "
+                                 "configuration would account for releases this accountant's mechanism did not make "
+                                 "(build the accountant with the checkpoint's configuration)")
+        releases = state["releases"]
+        if not isinstance(releases, int) or isinstance(releases, bool) or not 0 <= releases < MAX_RELEASES:
+            raise ValueError(f"state's releases must be an integer in [0, 2^63), got {releases!r}")
+        self.releases = releases
 
     def __repr__(self) -> str:
         return (f"PrivacyAccountant(z={self.noise_multiplier}, sampling={self.sampling!r}, releases={self.releases}, "

@@ -3,7 +3,14 @@
 Every mechanism releases ``est = sum_i p_i min(1, C / ||delta_i||) delta_i + N(0, sigma^2 I)`` with
 ``sigma = z C / n`` (``z`` the noise multiplier, ``C`` the clipping norm, ``n = num_sampled_clients``; McMahan et
 al., "Learning Differentially Private Recurrent Language Models", ICLR 2018, and Flower 1.42's
-``compute_stdv``) and ``p_i`` uniform (``1 / M`` over the ``M`` replies, as Flower's FedAvg averages them). Any
+``compute_stdv``) and ``p_i`` uniform: ``1 / n`` (``denominator="expected"``, McMahan et al.'s fixed-denominator
+estimator: the sensitivity of the release is ``C / n`` whatever the number of replies) or ``1 / M`` over the ``M``
+replies (``denominator="replies"``, as Flower's FedAvg averages them). Dividing by ``M`` is not sound against an
+add-or-remove-one accountant: ``M`` is random under Poisson sampling and moves with the added client, and a client
+sending ``-C e`` against ``M`` sending ``+C e`` moves the mean by ``2 C / (M + 1)``, up to twice the ``C / n`` the
+noise is calibrated to. So the default is ``"expected"`` whenever the mechanism has an accountant, ``"replies"``
+(Flower's numbers) when it has none; ``"replies"`` with a ``"poisson"`` or ``"none"`` accountant is refused, and with
+a ``"without-replacement"`` one (replace-one: ``M = n`` fixed) a round of ``M != n`` replies is refused. Any
 ``fastagg.server`` optimizer then steps on ``est`` (``aggregate=`` of the optimizer): the noise enters before the
 optimizer, so the release is the noised mean and whatever the optimizer does with it is post-processing. Flower's
 wrappers add the noise to the wrapped strategy's *output* model instead; for FedAvg (server lr 1) the two are the
@@ -25,6 +32,7 @@ optimizer built with ``buffers="optimizer"`` treats floating buffers as paramete
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -40,6 +48,7 @@ from .noise import COUNT_QUERY_ROUND, NoiseSource, check_seed, count_noise
 __all__ = ["ServerSideFixedClipping", "ServerSideAdaptiveClipping", "ClientSideFixedClipping",
            "ClientSideAdaptiveClipping", "DPResult", "MECHANISMS", "adaptive_noise_params"]
 
+DENOMINATORS = ("expected", "replies")
 CLIENTS_DISCREPANCY = ("{replies} clients replied but num_sampled_clients={expected}: the noise std z C / n uses "
                        "num_sampled_clients, so the privacy guarantee holds for that many contributions (Flower "
                        "warns the same way)")
@@ -88,13 +97,16 @@ def _check_count(value: Any, name: str) -> int:
 
 class _Mechanism:
     """What every mechanism shares: the noise multiplier, ``num_sampled_clients``, the seed and the release count
-    that key the noise, an optional noise source and accountant."""
+    that key the noise, an optional noise source and accountant, and ``denominator`` (``None``: ``"expected"``
+    with an accountant, ``"replies"`` without; see the module docstring)."""
 
     client_side = False
     adaptive = False
 
     def __init__(self, noise_multiplier: float, num_sampled_clients: int, *, seed: int | None = None,
-                 noise_source: NoiseSource | None = None, accountant: Any = None, weighted: bool = False):
+                 noise_source: NoiseSource | None = None, accountant: Any = None, weighted: bool = False,
+                 denominator: str | None = None):
+        self.denominator = denominator
         self.noise_multiplier = check_number(noise_multiplier, "noise_multiplier")
         self.num_sampled_clients = _check_count(num_sampled_clients, "num_sampled_clients")
         self.seed = check_seed(seed)
@@ -104,6 +116,7 @@ class _Mechanism:
         self.noise_source = noise_source
         self.accountant = accountant
         self.weighted = bool(weighted)
+        self._check_denominator()
         self.rounds = 0  # releases so far: the round index of the next release's noise
         self.last: DPResult | None = None
         self._check_accountant()
@@ -118,17 +131,44 @@ class _Mechanism:
         c = self.clipping_norm if clipping_norm is None else clipping_norm
         return self.update_noise_multiplier * c / self.num_sampled_clients
 
+    def divides_by_expected(self) -> bool:
+        """Whether the release divides the clipped sum by ``num_sampled_clients`` (``denominator="expected"``,
+        the default with an accountant) rather than by the replies (module docstring)."""
+        if self.denominator is None:
+            return self.accountant is not None
+        return self.denominator == "expected"
+
     def state_dict(self) -> dict:
         """The seed, the release count and the clipping norm: restoring them continues the noise stream where it
-        stopped (never replays a round's noise)."""
-        return {"seed": self.seed, "rounds": self.rounds, "clipping_norm": self.clipping_norm}
+        stopped (never replays a round's noise); with an accountant, its state too (``"accountant"``), so that a
+        checkpoint restored the torch.optim way (the optimizer's ``load_state_dict``) restores the releases
+        accounted with the releases made."""
+        out = {"seed": self.seed, "rounds": self.rounds, "clipping_norm": self.clipping_norm}
+        if self.accountant is not None and hasattr(self.accountant, "state_dict"):
+            out["accountant"] = self.accountant.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; its ``"accountant"`` state goes into this mechanism's accountant (which
+        refuses one of another configuration). Everything is checked before anything changes."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict (the mechanism's state_dict), got {type(state).__name__}")
         seed = check_seed(state["seed"])
         rounds = _check_rounds(state["rounds"])
         norm = check_number(state["clipping_norm"], "clipping_norm", allow_equal=False)
         self._check_restored_norm(norm)
+        acc_state = state.get("accountant")
+        if acc_state is not None and self.accountant is not None:
+            self.accountant.load_state_dict(acc_state)  # (checks everything first; the last step that can fail)
         self.seed, self.rounds, self.clipping_norm = seed, rounds, norm
+
+    def __copy__(self):
+        """A copy with its own copy of the accountant (a restore checked on a copy never touches the original's)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        if self.accountant is not None:
+            new.accountant = copy.copy(self.accountant)
+        return new
 
     def _check_restored_norm(self, norm: float) -> None:
         """(adaptive: within the norm's bounds)"""
@@ -147,7 +187,15 @@ class _Mechanism:
         check_number(self.noise_multiplier, "noise_multiplier")
         _check_count(self.num_sampled_clients, "num_sampled_clients")
         _check_rounds(self.rounds)
+        self._check_denominator()
         self._check_accountant()
+
+    def _check_denominator(self) -> None:
+        if self.denominator is not None and self.denominator not in DENOMINATORS:
+            raise ValueError(f"denominator must be None, 'expected' or 'replies', got {self.denominator!r}")
+        if self.weighted and self.denominator == "expected":
+            raise ValueError("weighted=True averages with the weights over the replies; denominator='expected' "
+                             "divides the uniform sum by num_sampled_clients: choose one")
 
     def _check_accountant(self) -> None:
         """The accountant must account for this mechanism's releases: the same noise multiplier (an accountant of
@@ -166,6 +214,16 @@ class _Mechanism:
             raise ValueError(f"the accountant samples num_sampled={acc.num_sampled} clients a round but "
                              f"{type(self).__name__} has num_sampled_clients={self.num_sampled_clients}: its "
                              "sampling rate would not be this mechanism's")
+        if self.weighted:
+            raise ValueError(f"{type(self).__name__}(weighted=True) averages with the clients' weights: its "
+                             "sensitivity max_i p_i C is not the C / n the accountant composes; drop weighted=True "
+                             "to account for it")
+        if self.denominator == "replies" and acc.sampling in ("none", "poisson"):
+            raise ValueError(f"{type(self).__name__}(denominator='replies') divides by the number of replies, "
+                             f"which the added or removed client changes: the release moves by up to 2 C / (M + 1), "
+                             f"not the C / n the accountant's sampling={acc.sampling!r} composes; use "
+                             "denominator='expected' (the default with an accountant: McMahan et al.'s fixed "
+                             "denominator n = num_sampled_clients)")
 
 
 class _Fixed(_Mechanism):
@@ -241,7 +299,7 @@ class _Adaptive(_Mechanism):
         C grows towards the ``1 - q`` quantile of the norms, i.e. a fraction ``q`` clipped) or Flower 1.42's
         ``C <- C exp(-lr (f - q))`` (``direction="flower"``, its sign: C moves away from the target)."""
         count = float(clipped.sum())
-        total = clipped.numel()
+        total = self.num_sampled_clients if self.divides_by_expected() else clipped.numel()
         noisy = (count + self.clipped_count_stddev * count_noise(self.seed, round_)) / total
         sign = 1.0 if self.direction == "paper" else -1.0
         # the noised fraction projected on [0, 1] (post-processing: a fraction is in [0, 1]); with few replies
@@ -259,8 +317,9 @@ class _Adaptive(_Mechanism):
 
 class ServerSideFixedClipping(_Fixed):
     """Central DP with server-side fixed clipping (Flower's ``DifferentialPrivacyServerSideFixedClipping``):
-    ``est = (1/M) sum_i min(1, C / ||delta_i||) delta_i + N(0, (z C / n)^2 I)`` with ``delta_i`` the client's
-    update against the current model (what Flower clips), ``n = num_sampled_clients``. Two reads of the updates
+    ``est = (1/D) sum_i min(1, C / ||delta_i||) delta_i + N(0, (z C / n)^2 I)`` with ``delta_i`` the client's
+    update against the current model (what Flower clips), ``n = num_sampled_clients``, ``D`` = ``n`` or the ``M``
+    replies (``denominator``, module docstring). Two reads of the updates
     (norms, then the clipped sum with the noise written in)."""
 
 
@@ -317,9 +376,9 @@ def dp_round(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, mean_
                         "to average with them as Flower's FedAvg does (the sensitivity is then max_i p_i C)")
     m, dev = rows.num_clients, rows.device
     p = normalized_weights(weights, m, dev)
-    if m != mech.num_sampled_clients:
-        warnings.warn(CLIENTS_DISCREPANCY.format(replies=m, expected=mech.num_sampled_clients), RuntimeWarning,
-                      stacklevel=3)
+    if mech.divides_by_expected():  # McMahan et al.'s fixed denominator: sensitivity C / n whatever m is
+        p = torch.full((m,), 1.0 / mech.num_sampled_clients, dtype=p.dtype, device=dev)
+    _check_replies(mech, m, 3)
     bits = getattr(mech, "_norm_bits", None)
     if bits is not None and bits.numel() != m:
         raise ValueError(f"set_norm_bits gave {bits.numel()} reports for {m} clients")
@@ -353,6 +412,21 @@ def dp_round(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, mean_
     return _finish(mech, out, c, sigma, clipped, ~finite, sq, round_, counted, msq)
 
 
+def _check_replies(mech: _Mechanism, m: int, stacklevel: int) -> None:
+    """``m`` replies against ``num_sampled_clients``: nothing to say with the fixed denominator (the sensitivity is
+    ``C / n`` for any ``m``); dividing by ``m``, a warning, or a refusal when an accountant composes replace-one
+    releases of exactly ``n`` clients (``m < n`` would move the mean by ``2 C / m > 2 C / n``)."""
+    n = mech.num_sampled_clients
+    if m == n or mech.divides_by_expected():
+        return
+    if mech.accountant is not None:
+        raise ValueError(f"{m} clients replied but the accountant composes releases of num_sampled_clients={n} "
+                         f"(sampling={mech.accountant.sampling!r}); {type(mech).__name__}(denominator='replies') "
+                         f"would divide by {m}, so its epsilon would not hold: use denominator='expected'; nothing "
+                         "was released")
+    warnings.warn(CLIENTS_DISCREPANCY.format(replies=m, expected=n), RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def _add_source_noise(mech: _Mechanism, out: torch.Tensor, sigma: float, round_: int) -> bool:
     """With ``noise_source=``: its samples times sigma, added in a pass of their own; returns whether it did."""
     if sigma > 0 and mech.noise_source is not None:
@@ -377,6 +451,13 @@ def _finish(mech: _Mechanism, out, c, sigma, clipped, excluded, sq, round_, coun
         mech._norm_bits = None
     eps = None
     if mech.accountant is not None:
+        behind = round_ - mech.accountant.releases
+        if behind > 0:  # (a restored mechanism with a fresh or older accountant: never an epsilon below its releases)
+            warnings.warn(f"{type(mech).__name__} has made {round_} releases before this one but its accountant "
+                          f"has composed {mech.accountant.releases}: the accountant is stepped {behind} more "
+                          "(restore the accountant with the mechanism: its state_dict carries it)", RuntimeWarning,
+                          stacklevel=4)
+            mech.accountant.step(behind)
         mech.accountant.step()
         eps = mech.accountant.epsilon()
     if mean_sq is None:  # (noise from noise_source= was added after the pass)
@@ -396,7 +477,7 @@ def release_from_sum(clipped_sum: Any, clipped: list, mech: _Mechanism, backend,
     """A server-side release from the *sum* of the clipped updates ``sum_i min(1, C/||delta_i||) delta_i``
     (folded as the results arrived, e.g. into an :class:`fastagg.Accumulator` with the clip scales as weights),
     for aggregators that stream results instead of holding them (fastagg.nvflare): one pass reads the sum, scales
-    it by ``1/M`` and writes the release with the noise as it goes. ``clipped``: one bool per folded client
+    it by ``1/D`` (``1/n`` or ``1/M``, the mechanism's ``denominator``) and writes the release with the noise as it goes. ``clipped``: one bool per folded client
     (whether it was scaled), for adaptive clipping's count. The clipping norm used is ``mech.clipping_norm``."""
     from ..rows import client_rows
 
@@ -406,14 +487,13 @@ def release_from_sum(clipped_sum: Any, clipped: list, mech: _Mechanism, backend,
     m = len(clipped)
     if m < 1:
         raise ValueError("release_from_sum needs at least one folded client")
-    if m != mech.num_sampled_clients:
-        warnings.warn(CLIENTS_DISCREPANCY.format(replies=m, expected=mech.num_sampled_clients), RuntimeWarning,
-                      stacklevel=2)
+    _check_replies(mech, m, 2)
     rows = client_rows([clipped_sum], name="clipped_sum")
     round_, c = mech.rounds, mech.clipping_norm
     sigma = mech.noise_std(c)
     fused = (sigma, mech.seed, round_) if sigma > 0 and mech.noise_source is None else None
-    coef = torch.full((1,), 1.0 / m, dtype=torch.float64, device=rows.device)
+    denominator = mech.num_sampled_clients if mech.divides_by_expected() else m
+    coef = torch.full((1,), 1.0 / denominator, dtype=torch.float64, device=rows.device)
     out, _, bad, msq = run_stats(rows, coef, backend, mean_dtype=mean_dtype, noise=fused)
     if bool(bad.any()):
         raise ValueError("the sum of the clipped updates holds NaN or Inf")
