@@ -499,6 +499,9 @@ def test_an_added_client_moves_an_accounted_release_by_at_most_what_the_accounta
         assumed = ra.noise_std / acc_a.event_noise_multiplier  # the sensitivity the accountant's epsilon holds for
         assert shift <= assumed * (1 + 1e-9), (m, shift, assumed)
         assert shift == pytest.approx(c / n, rel=1e-9)  # the bound is attained (the pair is the worst case)
+        if ra.noisy_clipped_fraction is not None:  # the count query: (count + N(0, sigma_b^2)) / n, sensitivity 1 / n
+            moved = abs(ra.noisy_clipped_fraction - rb.noisy_clipped_fraction)
+            assert moved <= 1 / n + 1e-12, (m, moved)
         assert acc_a.releases == acc_b.releases == 1
 
 
