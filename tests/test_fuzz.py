@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import pytest
 import numpy as np
@@ -291,6 +292,71 @@ def test_fuzz_dp_accountant_matches_its_mechanism(data):
     else:
         with pytest.raises(ValueError, match="delta"):
             acc.epsilon(delta)
+
+
+_WARM = {}
+
+
+def _warm_accountant(sampling, n):
+    """An accountant at 0 releases whose one-release RDP is already computed (copies share it: ~0.2 s each)."""
+    if (sampling, n) not in _WARM:
+        acc = privacy.PrivacyAccountant(1.0, sampling=sampling, population_size=None if sampling == "none" else 20,
+                                        num_sampled=None if sampling == "none" else n)
+        acc.step()
+        acc.epsilon()
+        acc.releases = 0
+        _WARM[sampling, n] = acc
+    return _WARM[sampling, n]
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_dp_denominator_and_accountant_state(data):
+    """A mechanism's ``denominator=`` with any accountant and reply count, and an accountant's ``load_state_dict``
+    with one entry of its state replaced: either a ValueError/TypeError with nothing changed, or (denominator) a
+    release that an added client sending -C e moves by at most the sensitivity the accountant assumes."""
+    sampling = data.draw(st.sampled_from(["none", "without-replacement", None]), label="sampling")
+    denominator = data.draw(st.sampled_from([None, "expected", "replies", "actual"]), label="denominator")
+    n, m = 4, data.draw(st.integers(1, 7), label="replies")
+
+    def make():
+        acc = None if sampling is None else copy.copy(_warm_accountant(sampling, n))
+        return privacy.ServerSideFixedClipping(1.0, 0.5, n, seed=2, accountant=acc, denominator=denominator)
+
+    try:
+        a, b = make(), make()
+    except ValueError as e:
+        assert denominator in ("replies", "actual") and "denominator" in str(e), e
+        return
+    e1 = torch.zeros(3, dtype=torch.float64)
+    e1[0] = 1.0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            ra = privacy.release([0.5 * e1] * m, a, backend="reference")
+            rb = privacy.release([0.5 * e1] * m + [-0.5 * e1], b, backend="reference")
+    except ValueError as e:
+        assert denominator == "replies" and sampling == "without-replacement" and "clients replied" in str(e), e
+        assert a.rounds + b.rounds <= 1
+        return
+    shift = float((ra.estimate - rb.estimate).norm())
+    if a.accountant is not None and a.accountant.sampling == "none":  # add-or-remove-one: C / n
+        assert shift <= 0.5 / n * (1 + 1e-9)
+    key = data.draw(st.sampled_from(["noise_multiplier", "sampling", "method", "population_size", "num_sampled",
+                                     "delta", "releases", "extra"]), label="state key")
+    value = data.draw(st.one_of(st.none(), st.booleans(), st.integers(-3, 2 ** 70), st.floats(), st.text(max_size=3)),
+                      label="state value")
+    acc = privacy.PrivacyAccountant(1.0)
+    acc.step(2)
+    before = acc.state_dict()
+    state = {**before, key: value}
+    try:
+        acc.load_state_dict(state)
+    except (ValueError, TypeError):
+        assert acc.state_dict() == before
+        return
+    assert key == "releases" or state == before, (key, value)
+    assert acc.releases == state["releases"] and acc.epsilon() >= 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
