@@ -14,7 +14,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP = $(TORCH) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 TRITON ?= triton==3.7.1
 
-.PHONY: run demo test test-large test-asan test-nvflare test-package bench flower-example clean print-torch
+.PHONY: run demo test test-large test-asan test-nvflare test-package bench flower-example mutation clean print-torch
 
 # pip's progress stays on: the first install takes ~6 minutes here (torch, Flower with ray, the C++ build).
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
@@ -93,6 +93,13 @@ bench: $(VENV)/.installed
 	$(PY) -m pytest bench --benchmark-enable --benchmark-only --benchmark-columns=min,median,iqr,ops \
 	    --benchmark-json=$(BENCH_JSON)
 	$(PY) bench/report.py $(BENCH_JSON)
+
+# Mutation testing (not in CI; ~30 minutes on 2 cores): tools/mutation/run.py applies each curated plausible bug of
+# tools/mutation/mutants.toml to a temporary copy of the repository (never to the checkout), runs the tests that
+# must catch it, and prints the table and the score; it exits non-zero if any mutant survived or errored.
+# MUTANTS=id1,id2 runs those only.
+mutation: $(VENV)/.installed
+	$(PY) tools/mutation/run.py $(if $(MUTANTS),--only $(MUTANTS))
 
 clean:
 	rm -rf $(VENV) $(NVFLARE_VENV) build fastagg/*.so *.egg-info
