@@ -1,7 +1,7 @@
 """Compressed updates with hostile fields: a block far beyond the update's size allocates nothing beyond it, a
-client whose values lie beyond float32 is left out alone, scales <= 0 are refused on every path (folds, robust rules,
-DP), the quantizers write only scales the server accepts (or raise naming the block), and the compiled
-coordinate-select binding checks its window without overflowing."""
+client whose values lie beyond float32 is left out alone, scales <= 0 are refused by the folds and left out by the
+robust rules and DP, the quantizers write only scales the server accepts (or raise naming the block; top-k /
+random-k the entry), and the compiled coordinate-select binding checks its window without overflowing."""
 from __future__ import annotations
 
 import contextlib
@@ -178,11 +178,41 @@ def test_values_beyond_float32_are_refused_naming_the_block(name, quantize, back
     assert all(bool(torch.isfinite(dequantize(u).float()).all()) for u in quantize(x[:, :8], backend))
 
 
+@pytest.mark.parametrize("big", [1e39, 1e300])
+def test_sparsification_refuses_values_beyond_float32_naming_the_entry(big):
+    """top-k / random-k of a float64 update beyond float32 sent Inf values silently, and with error feedback left
+    -Inf in the client's residual (every later round poisoned): now refused naming the entry, the state unchanged."""
+    from fastagg.client import ClientState, compress_updates
+    from fastagg.compress import sparsify_randk, sparsify_topk
+
+    x = torch.zeros(2, 10, dtype=torch.float64)
+    x[:, 1] = 1.0
+    x[1, 7] = big
+    with pytest.raises(ValueError, match=r"entry 7 is .*beyond float32"):
+        sparsify_topk(x[1], 0.2)
+    with pytest.raises(ValueError, match=r"entry 7 is .*beyond float32"):
+        sparsify_randk(x[1], 1.0)
+    with pytest.raises(ValueError, match=r"d / k, beyond float32"):  # 4e37 x d / k = 4e38
+        sparsify_randk(torch.full((10,), 4e37), k=1, unbiased=True)
+    assert torch.equal(sparsify_topk(torch.tensor([F32_MAX, 1.0], dtype=torch.float64), k=1).values,
+                       torch.tensor([F32_MAX]))  # the largest float32 is sent as it is
+    state = ClientState(2, 10, dtype=torch.float64)
+    compress_updates(torch.arange(20, dtype=torch.float64).reshape(2, 10) / 20, "topk:0.2", state=state,
+                     client_ids=[0, 1])  # a round that leaves a residual behind
+    residual = state.vector("residual").clone()
+    assert bool(residual.abs().sum() > 0)
+    with pytest.raises(ValueError, match=r"row 1, entry 7 is .*beyond float32"):
+        compress_updates(x, "topk:0.2", state=state, client_ids=[0, 1])
+    assert torch.equal(state.vector("residual"), residual) and bool(torch.isfinite(residual).all())
+
+
 # -- 4. one check of scales for every path --------------------------------------------------------------------------
 @pytest.mark.parametrize("scale", [0.0, -1.0, -0.0])
 @pytest.mark.parametrize("rule", [lambda: robust.Median(), lambda: robust.TrimmedMean(0.2),
                                   lambda: privacy.ServerSideFixedClipping(0.0, 1.0, 5)])
-def test_robust_and_dp_rules_refuse_a_scale_of_zero_or_below_like_every_fold(scale, rule):
+def test_robust_and_dp_rules_leave_out_a_scale_of_zero_or_below_which_every_fold_refuses(scale, rule):
+    """The rules that read every client (robust, DP) leave out a client no quantizer writes, as they leave out a
+    NaN one (an attack: reported in ``excluded``); the plain folds, which see only the sum, refuse it naming it."""
     d = 8
     xs = [torch.linspace(-1, 1, d) * (i + 1) for i in range(5)]
     us = [quantize_int8(x, 4) for x in xs]
@@ -190,11 +220,11 @@ def test_robust_and_dp_rules_refuse_a_scale_of_zero_or_below_like_every_fold(sca
     bad[1] = scale
     us[3] = Int8Blockwise(us[3].codes, bad, 4)
     params = torch.ones(d)
-    opt = server.FedAvg([params], aggregate=rule(), on_nonfinite="skip")
-    with pytest.raises(ValueError, match=r"deltas\[3\]: the scale of block 1 is .*scales must be > 0"):
-        opt.step(us)
-    assert torch.equal(params, torch.ones(d))
-    with pytest.raises(ValueError, match=r"deltas\[3\]: the scale of block 1"):  # (the plain fold, the same words)
+    st = server.FedAvg([params], aggregate=rule(), on_nonfinite="skip").step(us)
+    assert st.robust.excluded.tolist() == [False, False, False, True, False]
+    assert bool(torch.isfinite(params).all())
+    params.copy_(torch.ones(d))
+    with pytest.raises(ValueError, match=r"deltas\[3\]: the scale of block 1"):  # (the plain fold)
         server.FedAvg([params], on_nonfinite="skip").step(us)
     assert torch.equal(params, torch.ones(d))
 

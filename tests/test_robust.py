@@ -407,3 +407,65 @@ def test_median_of_an_even_count_pins_lower_and_mean_against_numpy(m):
         got = robust.aggregate(x, robust.Median(), backend=backend).estimate.double().numpy()
         np.testing.assert_allclose(got, np.median(xn, axis=0), rtol=0, atol=1e-7)
         assert ((got > lower) & (got < upper)).all()
+
+
+def _int8_clients(m=5, d=32, block=8, seed=3):
+    from fastagg.compress import quantize_int8
+
+    g = torch.Generator().manual_seed(seed)
+    return [quantize_int8(0.05 * torch.randn(d, generator=g), block=block) for _ in range(m)]
+
+
+def _dequantized(u):
+    """x~_j = s_b * q_j, written from the format's definition (not the library's dequantize)."""
+    return u.codes.double().numpy() * np.repeat(u.scales.double().numpy(), u.block)[:u.codes.numel()]
+
+
+def _bad_client(kind, d=32, block=8):
+    from fastagg.compress import Fp8Blockwise, Int8Blockwise
+
+    if kind == "fp8-nan-code":
+        return Fp8Blockwise(torch.full((d,), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                            torch.ones(d // block), block)
+    if kind == "int8-code-128":
+        return Int8Blockwise(torch.full((d,), -128, dtype=torch.int8), torch.ones(d // block), block)
+    return Int8Blockwise(torch.ones(d, dtype=torch.int8), -torch.ones(d // block), block)  # "negative-scale"
+
+
+@pytest.mark.parametrize("kind", ["fp8-nan-code", "int8-code-128", "negative-scale"])
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_a_compressed_client_no_quantizer_writes_is_left_out_by_robust_rules(kind, mode):
+    """An fp8 NaN code, an int8 -128 or a scale <= 0 under a robust rule: an attack like a NaN client (left out,
+    reported in ``excluded``, counted among f), never the whole round refused (it raised ValueError before, with
+    either on_nonfinite). Without a rule the fold still refuses it naming the client (malformed, not non-finite),
+    the model unchanged."""
+    honest, bad = _int8_clients(), _bad_client(kind)
+    want = np.median(np.stack([_dequantized(u) for u in honest]), axis=0)  # 5 honest: the middle value
+    for rule in (robust.Median(), robust.Krum(num_malicious=1), robust.MultiKrum(num_malicious=1)):
+        model = torch.nn.Linear(32, 1, bias=False)
+        before = model.weight.detach().clone().reshape(-1).double()
+        stats = server.FedAvg(model, aggregate=rule, on_nonfinite=mode).step(honest + [bad])
+        assert stats.robust.excluded.tolist() == [False] * 5 + [True], rule
+        assert not bool(stats.robust.selected[5])
+        if isinstance(rule, robust.Median):
+            got = model.weight.detach().reshape(-1).double() - before
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-7)
+    model = torch.nn.Linear(32, 1, bias=False)
+    before = model.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"deltas\[5\]"):
+        server.FedAvg(model, on_nonfinite=mode).step(honest + [bad])
+    assert torch.equal(model.weight.detach(), before)
+
+
+def test_robust_aggregate_takes_compressed_updates():
+    """robust.aggregate takes what fastagg.fedexp_step takes, compressed updates included (a TypeError before):
+    their dequantized rows, a bad one left out; base= does not apply to them."""
+    honest = _int8_clients()
+    rows = np.stack([_dequantized(u) for u in honest])
+    res = robust.aggregate(honest + [_bad_client("int8-code-128")], robust.Median())
+    np.testing.assert_allclose(res.estimate.double().numpy(), np.median(rows, axis=0), rtol=1e-6, atol=1e-7)
+    assert res.excluded.tolist() == [False] * 5 + [True]
+    res = robust.aggregate(honest[:4] + [torch.from_numpy(rows[4]).float()], robust.TrimmedMean(0.2))
+    np.testing.assert_allclose(res.estimate.double().numpy(), _trimmed(rows, 0.2), rtol=1e-6, atol=1e-7)
+    with pytest.raises(TypeError, match="base="):
+        robust.aggregate(honest, robust.Median(), base=torch.zeros(32))

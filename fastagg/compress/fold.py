@@ -166,8 +166,8 @@ def nonfinite_scales(updates: list, names: list, scans: dict | None = None) -> l
     beyond float32 (``|s_b v(q_j)|`` rounds to Inf: no quantizer writes them, and one such client would overflow
     the round's sums with the honest ones): the callers leave them out or raise, per ``on_nonfinite``. Raises naming
     the first blockwise update with a scale <= 0. The one check of scales every path that reads compressed updates
-    runs (folds, :func:`dense_rows` for the robust rules and DP). ``scans``: what :func:`check_batch` found of the
-    same updates."""
+    runs (the folds; :func:`dense_rows`, for the robust rules and DP, leaves a scale <= 0 out first). ``scans``:
+    what :func:`check_batch` found of the same updates."""
     parts = [(j, k, p) for j, u in enumerate(updates) for k, p in enumerate(_parts(u))]
     status = _part_status([p for _, _, p in parts], scans)
     finite = [True] * len(updates)
@@ -306,25 +306,38 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
 
 def dense_rows(updates: list, names: list, *, numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The updates dequantized into the rows of one ``[M, d]`` tensor of ``dtype`` (for the rules that read every
-    client: robust aggregation, DP's clipping). Checked as a fold checks them (:func:`nonfinite_scales`): a scale
-    <= 0 or an invalid code raises naming the update; a NaN/Inf scale or value, or values beyond float32, give a
-    non-finite row (the rules leave such clients out)."""
+    client: robust aggregation, DP's clipping). Checked for form as a fold checks them (:func:`check_batch`: formats,
+    sizes, devices, sparse indices raise naming the update); an update no quantizer writes -- a NaN/Inf scale or
+    value, values beyond float32, an invalid code or a scale <= 0 (:func:`malformed`) -- gives a non-finite row:
+    these rules leave such a client out (an attack, counted among ``f``) instead of refusing the round. (The folds
+    of the plain rules, which cannot tell one client's contribution from the others', raise on an invalid code or a
+    scale <= 0 under every ``on_nonfinite``.)"""
     scans: dict = {}
     check_batch(updates, names, numel=numel, device=device, where="the params", scans=scans)
-    left_out = set(nonfinite_scales(updates, names, scans))  # scales <= 0 raise here, as in every fold
+    bad = {j for j, u in enumerate(updates) if not isinstance(u, torch.Tensor) and malformed(u)}
+    rest = [j for j in range(len(updates)) if j not in bad]
+    bad |= {rest[j] for j in nonfinite_scales([updates[j] for j in rest], [names[j] for j in rest], scans)}
     out = torch.empty(len(updates), numel, dtype=dtype, device=device)
     for i, (u, name) in enumerate(zip(updates, names)):
         if isinstance(u, torch.Tensor):
             out[i] = _flat_view(u, name)
-            continue
-        if i in left_out:  # a NaN/Inf scale or value, or values beyond float32: a non-finite row
+        elif i in bad:  # left out by the rule: a non-finite row
             out[i] = float("nan")
-            continue
-        for k, part in enumerate(u.parts if isinstance(u, LayerwiseUpdate) else (u,)):
-            if not isinstance(part, SparseUpdate) and part.holds_invalid_code():
-                raise ValueError(f"{name}{f' layer {k}' if isinstance(u, LayerwiseUpdate) else ''} {part.INVALID_CODES}")
-        out[i] = u.dequantize(torch.float64)
+        else:
+            out[i] = u.dequantize(torch.float64)
     return out
+
+
+def malformed(u) -> bool:
+    """Whether a compressed update holds what no quantizer writes besides NaN/Inf: an invalid code (int8 -128, a
+    NaN fp8 / code-book code) or a finite scale <= 0."""
+    for part in _parts(u):
+        if isinstance(part, SparseUpdate):
+            continue
+        s = part.scales
+        if bool((torch.isfinite(s) & ~(s > 0)).any()) or part.holds_invalid_code():
+            return True
+    return False
 
 
 class CompressedRows:
