@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .blockwise import as_rows, check_keys
+from .blockwise import FLOAT32_MAX, FLOAT32_OVERFLOW, as_rows, check_keys
 
 __all__ = ["SparseUpdate", "sparsify_topk", "sparsify_randk", "sparsify_rows"]
 
@@ -151,9 +151,22 @@ def sparsify_rows(rows: torch.Tensor, *, kind: str = "topk", fraction: float | N
     vals = torch.gather(x, 1, idx).to(torch.float64)
     if kind == "randk" and unbiased and kk:
         vals = vals * (d / kk)
+    _check_float32(vals, idx, "scaled by d / k, " if kind == "randk" and unbiased else "")
     vals = vals.to(torch.float32)
     itype = torch.int32 if d < 2 ** 31 else torch.int64
     return [SparseUpdate(idx[i].to(itype).contiguous(), vals[i].contiguous(), d) for i in range(m)]
+
+
+def _check_float32(vals: torch.Tensor, idx: torch.Tensor, how: str) -> None:
+    """Raises naming the first entry picked (``vals`` float64 ``[M, k]`` at ``idx``) whose value rounds to Inf in
+    float32 (a float64 update of 1e39): values are sent as float32, and an Inf one would be refused by every server
+    (and, with error feedback, leave -Inf in the client's residual)."""
+    big = vals.abs() >= FLOAT32_OVERFLOW
+    if bool(big.any()):
+        i, j = (int(v) for v in big.nonzero()[0])
+        row = f"row {i}, " if vals.shape[0] > 1 else ""
+        raise ValueError(f"the updates: {row}entry {int(idx[i, j])} is {float(vals[i, j])!r} ({how}beyond float32's "
+                         f"range, {FLOAT32_MAX:.6g}); it has no compressed form")
 
 
 def _keyed(seed: int, round: int, client: int) -> torch.Generator:
