@@ -313,3 +313,79 @@ def test_a_reply_claiming_a_block_far_beyond_its_size_allocates_nothing_beyond_i
         with _address_space_headroom(2 << 30):
             got, _ = s.aggregate_train(1, replies)
         assert got is not None and all(np.isfinite(a.numpy()).all() for a in got.values())
+
+
+def _bad_compressed(kind, numel, bufs):
+    """A compressed reply no quantizer writes (a hostile or broken node)."""
+    from fastagg.compress import Fp8Blockwise, Int8Blockwise, SparseUpdate
+
+    blocks = -(-numel // 8)
+    if kind == "fp8-nan-code":
+        update = Fp8Blockwise(torch.full((numel,), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                              torch.ones(blocks), 8)
+    elif kind == "sparse-nan-value":
+        update = SparseUpdate(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1.0, float("nan")]), numel)
+    elif kind == "code-128":
+        update = Int8Blockwise(torch.full((numel,), -128, dtype=torch.int8), torch.ones(blocks), 8)
+    elif kind == "negative-scale":
+        update = Int8Blockwise(torch.ones(numel, dtype=torch.int8), -torch.ones(blocks), 8)
+    else:  # "nan-buffer", "negative-var": valid codes, a NaN mean or a negative variance
+        update = Int8Blockwise(torch.ones(numel, dtype=torch.int8), torch.ones(blocks), 8)
+        name, value = ("1.running_mean", np.nan) if kind == "nan-buffer" else ("1.running_var", -1.0)
+        bufs = dict(bufs, **{name: np.full_like(bufs[name], value)})
+    return compressed_record(update, bufs)
+
+
+@pytest.mark.parametrize("kind", ["fp8-nan-code", "sparse-nan-value", "code-128", "negative-scale", "nan-buffer",
+                                  "negative-var"])
+@pytest.mark.parametrize("name, theirs", [("FedMedian", lambda: fl.FedMedian(min_available_nodes=1)),
+                                          ("Krum", lambda: fl.Krum(min_available_nodes=1, num_malicious_nodes=0)),
+                                          ("FedTrimmedAvg", lambda: fl.FedTrimmedAvg(min_available_nodes=1))])
+def test_robust_strategies_leave_out_a_bad_compressed_reply_as_they_leave_out_a_nan_float_one(kind, name, theirs):
+    """Under a robust strategy (default on_nonfinite="raise") a compressed reply holding NaN, an invalid code or a
+    scale <= 0 is an attack like a float reply holding NaN: left out and counted among f, the round made by the
+    others (Flower's own strategy over the honest replies' full models; Krum with f = 0 over them, the left-out
+    reply having used the one f allowed). It refused the whole round before."""
+    kw = {"num_malicious_nodes": 1} if name == "Krum" else {}
+    s = getattr(fa, name)(min_available_nodes=1, **kw)
+    arrays = _rec(_model())
+    nodes = [1, 2, 3, 4, 5]
+    msgs = sorted(s.configure_train(1, arrays, ConfigRecord(), Grid(nodes)), key=lambda m: m.metadata.dst_node_id)
+    replies = [_client("int8:block=8", {})(m) for m in msgs]
+    update, bufs = read_compressed(replies[1].content["arrays"])
+    bad = _bad_compressed(kind, update.numel, {k: np.array(v) for k, v in bufs.items()})
+    replies[1] = Message(RecordDict({"arrays": bad, "metrics": replies[1].content["metrics"]}), reply_to=msgs[1])
+    got, _ = s.aggregate_train(1, replies)
+    assert got is not None and s.server_metrics[1]["robust-excluded"] == 1
+    fl_s = theirs()
+    honest = [1, 3, 4, 5]
+    fmsgs = sorted(fl_s.configure_train(1, arrays, ConfigRecord(), Grid(honest)), key=lambda m: m.metadata.dst_node_id)
+    want, _ = fl_s.aggregate_train(1, _as_full_models([replies[i] for i in (0, 2, 3, 4)], fmsgs))
+    a, b = _arrays(got), _arrays(want)
+    for k in a:
+        if a[k].dtype.kind == "f":  # (buffers: the honest replies' average; none of the bad reply's)
+            if "running" in k:  # the honest replies' average (Krum: weighted by examples)
+                got_bufs = [read_compressed(replies[i].content["arrays"])[1][k] for i in (0, 2, 3, 4)]
+                w = np.array([float(replies[i].content["metrics"]["num-examples"]) for i in (0, 2, 3, 4)])
+                w = w if name == "Krum" else np.ones(4)
+                assert_close(torch.from_numpy(a[k]), torch.from_numpy(np.tensordot(w / w.sum(), got_bufs, 1)),
+                             rtol=1e-6, atol=1e-7, name=f"{kind} {k}")
+                continue
+            assert_close(torch.from_numpy(a[k]), torch.from_numpy(b[k].astype(a[k].dtype)), rtol=1e-5, atol=1e-6,
+                         name=f"{kind} {k}")
+
+
+@pytest.mark.parametrize("shape, payload", [((2 ** 62, 4), b""), ((2 ** 62 + 1, 4), b"\0" * 16)])
+def test_a_header_whose_element_count_wraps_int64_is_refused_naming_the_entry(shape, payload):
+    """(2^62 + 1) x 4 elements wrapped to 4 in int64: the byte count check passed on 16 bytes and numpy's reshape
+    failed naming nothing. The count is now exact (Python ints)."""
+    import io
+
+    from fastagg.flower.records import ReplyError, array_view
+
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    arr = Array(dtype="float32", shape=shape, stype="numpy.ndarray", data=head.getvalue() + payload)
+    with pytest.raises(ReplyError, match=rf"1.running_mean holds {len(payload)} data bytes; its header says "
+                                         rf"{shape[0] * shape[1]} x 4"):
+        array_view(arr, "1.running_mean")

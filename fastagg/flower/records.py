@@ -10,6 +10,7 @@ single copy of the data.
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -72,7 +73,7 @@ def array_view(array: Array, where: str = "array") -> np.ndarray:
                          f"{dtype} shape {shape}")
     if any((not isinstance(n, int)) or n < 0 for n in shape):
         raise ReplyError(f"{where} has shape {shape}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)  # Python ints: a hostile (2**62, 4) must not wrap to a small int64 count
     nbytes = len(memoryview(data).cast("B")) - offset
     if nbytes != count * dtype.itemsize:
         raise ReplyError(f"{where} holds {nbytes} data bytes; its header says {count} x {dtype.itemsize}")

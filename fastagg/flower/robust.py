@@ -10,12 +10,15 @@ in place (plus ``MeaMed``, which Flower has not). Each round is one :class:`fast
   small against the weights), with Flower's neighbour count ``max(1, M - f - 2)``; Bulyan selects as Flower does
   (one Multi-Krum scoring) and skips a round with fewer than ``4f + 3`` replies, as Flower does;
 * a reply holding NaN or Inf (or a negative ``running_var``) is left out and logged (an attack, not an
-  accident) and counts as one of ``num_malicious_nodes``; BatchNorm statistics follow the coordinate-wise rules
-  (the median of each element for FedMedian, as Flower's), and under the Krum family each element's median over
-  the replies left in -- **not Flower's**: Flower averages the selected replies' statistics, so a reply chosen for
-  its weights brings any statistics it likes (a negative variance) into the model; an integer counter advances
-  by the rule's advance and stays an integer. A reply of 0 examples is never Krum's choice (Flower's average of
-  it is 0/0, NaN).
+  accident) and counts as one of ``num_malicious_nodes``, whatever ``on_nonfinite`` says; a compressed reply
+  alike when it holds NaN/Inf (values, scales, buffers), an invalid code, a scale <= 0 or a negative
+  ``running_var``. BatchNorm statistics follow the coordinate-wise rules (the median of each element for
+  FedMedian, as Flower's), and under the Krum family each element's median over the replies left in -- **not
+  Flower's**: Flower averages the selected replies' statistics, so a reply chosen for its weights brings any
+  statistics it likes (a negative variance) into the model; an integer counter advances by the rule's advance and
+  stays an integer. A reply of 0 examples is never Krum's choice (Flower's average of it is 0/0, NaN). A round
+  with compressed replies averages the buffers of every reply not left out instead (weighted as the rule weighs):
+  a finite hostile statistic is not filtered there.
 
 ``beta``, ``num_malicious_nodes`` and ``num_nodes_to_select`` changed between rounds apply from the next round, as
 Flower's strategies read them every round.

@@ -27,9 +27,12 @@ One round, for every strategy:
   follow fastagg's buffer rule: weighted average (integers: rounded average advance), never stepped or counted.
 * A reply that cannot be aggregated (not exactly one ArrayRecord and one MetricRecord, no numeric
   ``weighted_by_key`` >= 0, other keys or shapes than the model sent, an integer entry for a float one, bytes
-  that disagree with their header, NaN/Inf; a float entry in another float dtype is cast to the model's) is, with ``on_nonfinite="skip"``, left out of the round and logged; with ``"raise"`` (default)
-  the round is refused: ``AggregationError`` names the node and the problem, and the global model and every
-  optimizer state are unchanged. Replies that are Flower errors (a client that failed) are logged and left out, as
+  that disagree with their header, NaN/Inf; a float entry in another float dtype is cast to the model's) is, with
+  ``on_nonfinite="skip"``, left out of the round and logged; with ``"raise"`` (default) the round is refused:
+  ``AggregationError`` names the node and the problem, and the global model and every optimizer state are
+  unchanged. (Under the robust strategies a reply holding NaN/Inf -- a compressed one also with an invalid code or
+  a scale <= 0 -- is instead left out as an attack: :mod:`fastagg.flower.robust`.) Replies that are Flower errors
+  (a client that failed) are logged and left out, as
   Flower does. A round with no usable reply keeps the model. Finite values so large that a new value would overflow
   (an Adam second moment of 1e38 updates) keep that element's old value: logged with ``"skip"``, an
   ``AggregationError`` after the round with ``"raise"`` (the one error raised after the model changed).
@@ -61,7 +64,7 @@ from flwr.serverapp.strategy import Result as _FlResult
 from flwr.serverapp.strategy.fedopt import FedOpt as _FlFedOpt
 from flwr.supercore import log
 
-from .. import server
+from .. import robust, server
 from .._checks import check_number, check_on_nonfinite
 from ..compress import SparseUpdate
 from ..flat import as_tensor, is_buffer_name, split_entries
@@ -93,6 +96,16 @@ class CompressedReply:
 
     update: object
     buffers: dict
+    problem: str | None = None  # under a robust rule: why the reply is left out (NaN/Inf, an invalid code, ...)
+
+    def rule_update(self):
+        """The update the rule reads: a reply with a problem reads as a non-finite one (left out by robust rules,
+        counted among ``f``), whatever its codes would dequantize to."""
+        if self.problem is None:
+            return self.update
+        device = self.update.device
+        return SparseUpdate(torch.zeros(1, dtype=torch.int32, device=device),
+                            torch.full((1,), float("nan"), device=device), self.update.numel)
 
 
 class _Fastagg:
@@ -313,7 +326,10 @@ class _Fastagg:
 
     def _read_compressed(self, record: ArrayRecord, where: str) -> "CompressedReply":
         """A reply of :func:`fastagg.flower.compressed.compress_mod`: the compressed update (read in place) checked
-        against the model's parameters, its buffers against the model's, every value finite, every code valid."""
+        against the model's parameters, its buffers against the model's, every value finite, every code valid. Under
+        a robust rule a reply whose values are not (NaN/Inf, an invalid code, a scale <= 0) is kept with its
+        ``problem``: the rule leaves it out, as it leaves out a float reply holding NaN (an attack, not an
+        accident); other strategies refuse it (``ReplyError``: the round refused, or the reply skipped)."""
         if self.buffers != "average":
             raise ReplyError("is compressed (parameters only); buffers='optimizer' steps buffers as parameters")
         update, bufs = read_compressed(record, where)
@@ -326,16 +342,22 @@ class _Fastagg:
         self._check_like_buffers(bufs, names, where)
         if isinstance(update, SparseUpdate):
             update.check_indices(where)
-            finite = bool(torch.isfinite(update.values).all())
+            problem = None if bool(torch.isfinite(update.values).all()) else "contains NaN or Inf"
+        elif update.holds_invalid_code():
+            problem = update.INVALID_CODES
+        elif bool((torch.isfinite(update.scales) & ~(update.scales > 0)).any()):
+            problem = "has a compressed scale <= 0"
         else:
-            if update.holds_invalid_code():
-                raise ReplyError(f"{update.INVALID_CODES}")
-            if bool((torch.isfinite(update.scales) & ~(update.scales > 0)).any()):
-                raise ReplyError("has a compressed scale <= 0")
-            finite = bool(torch.isfinite(update.scales).all())
-        if not finite or not all(np.isfinite(v).all() for v in bufs.values() if v.dtype.kind == "f"):
-            raise ReplyError("contains NaN or Inf")
-        return CompressedReply(update, bufs)
+            problem = None if bool(torch.isfinite(update.scales).all()) else "contains NaN or Inf"
+        if problem is None and not all(np.isfinite(v).all() for v in bufs.values() if v.dtype.kind == "f"):
+            problem = "contains NaN or Inf"
+        robust_rule = isinstance(self.optimizer.aggregate, robust.RULES)
+        if problem is None and robust_rule and any((np.asarray(v) < 0).any() for k, v in bufs.items()
+                                                   if k.rsplit(".", 1)[-1] == "running_var"):
+            problem = "has a negative running_var"  # (as a float reply's: an attack under a robust rule)
+        if problem is not None and not robust_rule:
+            raise ReplyError(problem)
+        return CompressedReply(update, bufs, problem)
 
     def _check_like_buffers(self, bufs: dict, names: list, where: str) -> None:
         if set(bufs) != set(names):
@@ -494,8 +516,10 @@ class _Fastagg:
             stats = self._optimizer_step(usable, weights)
             if stats.robust is not None:  # a robust rule: NaN/Inf replies were left out (attacks), not refused
                 for i in stats.robust.excluded.nonzero().flatten().tolist():
-                    log(WARNING, "aggregate_train: node %d left out of round %d: its reply holds NaN or Inf",
-                        usable[i][0].metadata.src_node_id, server_round)
+                    v = usable[i][1]
+                    log(WARNING, "aggregate_train: node %d left out of round %d: its reply %s",
+                        usable[i][0].metadata.src_node_id, server_round,
+                        v.problem if isinstance(v, CompressedReply) and v.problem else "holds NaN or Inf")
                 self.last_stats = stats
                 return stats, [u for i, u in enumerate(usable) if bool(stats.robust.selected[i])]
             if bool(stats.finite):
@@ -545,13 +569,13 @@ class _Fastagg:
         (integer counters: the rounded average advance), written only when the step is taken."""
         opt = self.optimizer
         if all(isinstance(v, CompressedReply) for _, v, _ in usable):
-            updates = [v.update for _, v, _ in usable]
+            updates = [v.rule_update() for _, v, _ in usable]
         else:
             sent = dict(split_entries(self._sent, where="the model sent")[0])
             rows = []
             for _, v, _ in usable:
                 if isinstance(v, CompressedReply):
-                    rows.append(v.update.dequantize(opt._cdt))
+                    rows.append(v.rule_update().dequantize(opt._cdt))
                 else:
                     params = split_entries(v, where="the reply")[0]
                     rows.append(torch.cat([as_tensor(x).reshape(-1).to(opt._cdt) -
@@ -569,9 +593,14 @@ class _Fastagg:
         if not bool(stats.finite):  # the model is unchanged; _step decides what the flagged round means
             return stats
         w = np.ones(len(usable)) if weights is None else np.asarray(weights, dtype=np.float64)
+        kept = list(range(len(usable)))
+        if stats.robust is not None:  # the replies a robust rule left out bring no buffers (0 * NaN is NaN)
+            kept = (~stats.robust.excluded).nonzero().flatten().tolist()
+        w = w[kept]
         p = w / w.sum()
         for name, _ in opt._p.buffers:
-            got = [v.buffers[name] if isinstance(v, CompressedReply) else v[name] for _, v, _ in usable]
+            got = [v.buffers[name] if isinstance(v, CompressedReply) else v[name]
+                   for _, v, _ in (usable[i] for i in kept)]
             old = self._sent[name]
             if old.is_floating_point():
                 avg = sum(pi * np.asarray(g, dtype=np.float64) for pi, g in zip(p, got))
