@@ -50,7 +50,7 @@ inline const char* kind_name(int k) {
     case kF64: return "float64";
     case kI64: return "int64";
     case kI32: return "int32";
-    case kBool: return "bool";
+    case kBool: return "uint8 (or bool)";  // one kind for both 8-bit unsigned codes: a uint8 named as bool misled
     case kI8: return "int8";
     case kAnyIndex: return "int64 or int32";
     default: return "a floating dtype";

@@ -44,7 +44,7 @@ import torch
 
 from ._checks import check_number, normalized_weights
 from .backends import reference, resolve
-from .compress.fold import compressed_list, dense_rows, numel_of
+from .compress.fold import densified
 from .passes import RoundStats, run_stats
 from .rows import Buffers, ClientRows, attach_base, client_rows, compute_dtype, subset_rows
 
@@ -588,15 +588,7 @@ def aggregate(deltas: Any, rule: _Rule, *, weights: Any = None, base: Any = None
     beside them) are dequantized into rows, float32 (float64 when a float update beside them is), as the server's
     ``aggregate=`` path reads them: one that no quantizer writes (NaN/Inf, an invalid code, a scale <= 0) is a
     non-finite row, left out."""
-    updates = compressed_list(deltas)
-    if updates is not None:
-        if base is not None:
-            raise TypeError("base= does not apply to compressed updates: they are the updates themselves")
-        first = updates[0]
-        dtype = torch.float64 if any(isinstance(u, torch.Tensor) and u.dtype == torch.float64 for u in updates) \
-            else torch.float32
-        deltas = dense_rows(updates, [f"deltas[{i}]" for i in range(len(updates))], numel=numel_of(first),
-                            device=first.device, dtype=dtype)
+    deltas = densified(deltas, base)
     rows = client_rows(deltas, name="models" if base is not None else "deltas")
     if base is not None:
         rows, _ = attach_base(rows, base)

@@ -953,8 +953,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         ws = [1.0] * len(deltas) if weights is None else weights
         folded = acc.add_many(deltas, ws, on_nonfinite=self.on_nonfinite)
         if not any(folded):
-            raise ValueError(f"every one of the {len(deltas)} {name} has a NaN or Inf scale or value; nothing was "
-                             "updated")
+            raise ValueError(f"every one of the {len(deltas)} {name} has a NaN or Inf scale or value, or codes "
+                             "standing for values beyond float32; nothing was updated")
         return acc
 
     def _robust_stats(self, deltas: Any, weights: Any, name: str, base: Any, sign: float) -> RoundStats:

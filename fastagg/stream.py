@@ -397,7 +397,8 @@ class Accumulator:
         try:
             skipped = nonfinite_scales(updates, names, scans)
             if skipped and on_nonfinite == "raise":
-                raise ValueError(f"{', '.join(names[j] for j in skipped)} has a NaN or Inf scale or value")
+                raise ValueError(f"{', '.join(names[j] for j in skipped)} has a NaN or Inf scale or value, or codes "
+                                 "standing for values beyond float32")
             for j in skipped:
                 folded[j] = False
             live = [j for j in range(len(updates)) if folded[j]]

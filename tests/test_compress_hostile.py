@@ -259,3 +259,15 @@ def test_the_coord_select_binding_refuses_a_window_outside_the_clients_without_w
     assert torch.equal(out, torch.full((d,), 7.0))
     compiled().coord_select(x.__dlpack__(), None, [d], 0, 1, 3, out.__dlpack__(), sq.__dlpack__(), bad.__dlpack__())
     assert torch.allclose(out, x.sort(0).values[1:4].mean(0))  # the last window inside still works
+
+
+def test_a_client_beyond_float32_is_named_as_such_not_as_nan():
+    """An int8 update of scale 3e38 and codes 127 is finite but stands for values beyond float32: refused by the
+    fold naming it as that (the message said only 'NaN or Inf scale or value')."""
+    d = 64
+    bad = Int8Blockwise(torch.full((d,), 127, dtype=torch.int8), torch.full((2,), 3e38), 32)
+    acc = fastagg.Accumulator(like=torch.zeros(d))
+    with pytest.raises(ValueError, match=r"deltas\[0\] has a NaN or Inf scale or value, or codes standing for "
+                                         r"values beyond float32"):
+        acc.add_many([bad], [1.0])
+    assert acc.num_clients == 0

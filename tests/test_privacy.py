@@ -609,3 +609,28 @@ def test_accountant_load_state_dict_refuses_another_configuration(key, value):
     assert (other.state_dict(), other.epsilon()) == before
     other.load_state_dict(acc.state_dict())
     assert other.epsilon() == acc.epsilon() and other.releases == 50
+
+
+def test_release_takes_compressed_updates_as_their_dequantized_rows():
+    """privacy.release takes what fastagg.fedexp_step takes, compressed updates included (a TypeError before): the
+    release of int8 clients is the release of their dequantized values (x_j = s_b q_j, written from the format's
+    definition) under the same mechanism state, bit for bit; a client no quantizer writes (code -128) is left out
+    as a non-finite one; base= does not apply to them."""
+    from fastagg.compress import Int8Blockwise, quantize_int8
+
+    g = torch.Generator().manual_seed(5)
+    d, block = 32, 8
+    updates = [quantize_int8(0.05 * torch.randn(d, generator=g), block=block) for _ in range(4)]
+    dense = [torch.from_numpy(u.codes.double().numpy() * np.repeat(u.scales.double().numpy(), block)[:d]).float()
+             for u in updates]
+    bad = Int8Blockwise(torch.full((d,), -128, dtype=torch.int8), torch.ones(d // block), block)
+    a = privacy.ServerSideFixedClipping(1.0, 0.1, 5, seed=11)
+    b = privacy.ServerSideFixedClipping(1.0, 0.1, 5, seed=11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (4 finite replies where 5 were sampled: Flower's warning)
+        ra = privacy.release(updates + [bad], a)
+        rb = privacy.release(dense + [torch.full((d,), float("nan"))], b)
+    assert torch.equal(ra.estimate, rb.estimate) and ra.noise_std == rb.noise_std > 0
+    assert ra.excluded.tolist() == rb.excluded.tolist() == [False] * 4 + [True]
+    with pytest.raises(TypeError, match="base="):
+        privacy.release(updates, privacy.ServerSideFixedClipping(1.0, 0.1, 4, seed=1), base=torch.zeros(d))

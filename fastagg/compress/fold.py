@@ -5,6 +5,7 @@ the backends): the checks every backend relies on, then the backends' ``blockwis
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import torch
@@ -375,3 +376,21 @@ class CompressedRows:
         else:
             out.zero_()
         return out, sq, flags
+
+
+def densified(deltas: Any, base: Any = None) -> Any:
+    """``deltas`` as the rules that read every client take them (:func:`fastagg.robust.aggregate`,
+    :func:`fastagg.privacy.release`): a list holding compressed updates (float ones beside them allowed) as
+    dequantized rows of the model's size, float64 if any float client is float64, else float32 -- one that no
+    quantizer writes (NaN/Inf, an invalid code, a scale <= 0) a non-finite row, which those rules leave out --;
+    anything else as it is. ``base=`` (full models) does not apply to compressed updates: a TypeError."""
+    updates = compressed_list(deltas)
+    if updates is None:
+        return deltas
+    if base is not None:
+        raise TypeError("base= does not apply to compressed updates: they are the updates themselves")
+    first = updates[0]
+    dtype = torch.float64 if any(isinstance(u, torch.Tensor) and u.dtype == torch.float64 for u in updates) \
+        else torch.float32
+    return dense_rows(updates, [f"deltas[{i}]" for i in range(len(updates))], numel=numel_of(first),
+                      device=first.device, dtype=dtype)

@@ -26,11 +26,14 @@ __all__ = ["ServerSideFixedClipping", "ServerSideAdaptiveClipping", "ClientSideF
 
 def release(deltas: Any, mechanism, *, weights: Any = None, base: Any = None, backend: str = "auto") -> DPResult:
     """One private release of the clients' mean update by ``mechanism`` (any form :func:`fastagg.fedexp_step`
-    accepts; with ``base`` the clients' full models, the updates formed against it inside the passes). Returns a
+    accepts, compressed updates included: dequantized rows, one that no quantizer writes left out as a non-finite
+    client; with ``base`` the clients' full models, the updates formed against it inside the passes). Returns a
     :class:`DPResult`; the inputs are never written. Advances the mechanism (release count, clipping norm)."""
     from ..backends import resolve
+    from ..compress.fold import densified
     from ..rows import attach_base, client_rows
 
+    deltas = densified(deltas, base)
     rows = client_rows(deltas, name="models" if base is not None else "deltas")
     if base is not None:
         rows, _ = attach_base(rows, base)
