@@ -6,17 +6,19 @@ import tempfile
 import torch
 
 # What the suite's processes leave behind -- Flower's telemetry (it writes ~/.flwr/source unless FLWR_HOME says
-# otherwise), Ray's session folders, torchrun's torchelastic_* log folders, uv's locks from Flower's runtime installs --
-# goes into one scratch folder per pytest process, removed when that process ends: the suite writes nothing to the
-# user's home and leaves nothing in the temp directory. pytest's own tmp_path folders stay where pytest keeps them
-# (the temp directory as it was: tempfile caches it before TMPDIR changes, so only child processes and libraries
-# that read TMPDIR themselves, as Ray does, see the scratch folder).
+# otherwise), matplotlib's font cache and config (~/.cache/matplotlib, ~/.config/matplotlib unless MPLCONFIGDIR),
+# Ray's session folders, torchrun's torchelastic_* log folders, uv's locks from Flower's runtime installs -- goes into
+# one scratch folder per pytest process, removed when that process ends: the suite writes nothing to the user's home
+# and leaves nothing in the temp directory but pytest's own pytest-of-<user>/ (its tmp_path folders, the last three
+# runs kept for debugging, as pytest always does: tempfile caches the temp directory before TMPDIR changes, so only
+# child processes and libraries that read TMPDIR themselves, as Ray does, see the scratch folder).
 _TEMP = tempfile.gettempdir()
 SCRATCH = tempfile.mkdtemp(prefix="fastagg-tests-", dir=_TEMP)
 atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
 os.environ["TMPDIR"] = SCRATCH
 os.environ["FLWR_HOME"] = os.path.join(SCRATCH, "flwr")
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
+os.environ["MPLCONFIGDIR"] = os.path.join(SCRATCH, "matplotlib")
 
 # The Triton interpreter must be chosen before any @triton.jit function is defined.
 if not torch.cuda.is_available():

@@ -1,6 +1,7 @@
-"""The suite leaves nothing behind: a pytest session that starts torchrun (its torchelastic_* log folder) and emits
-Flower telemetry (Flower writes ~/.flwr/source unless FLWR_HOME says otherwise) -- what the distributed and Flower
-tests do -- leaves the home directory and the temp directory as they were, but for pytest's own folder."""
+"""The suite leaves nothing behind: a pytest session that starts torchrun (its torchelastic_* log folder), emits
+Flower telemetry (Flower writes ~/.flwr/source unless FLWR_HOME says otherwise) and draws a matplotlib figure (its
+font cache in ~/.cache/matplotlib) -- what the distributed, Flower and simulator tests do -- leaves the home
+directory as it was and the temp directory as it was but for pytest's own pytest-of-<user>/ folder."""
 import os
 import subprocess
 import sys
@@ -19,6 +20,12 @@ def test_torchrun_one_process():
 def test_flower_telemetry_source_id():
     from flwr.supercore.telemetry import _get_source_id
     assert _get_source_id() != "unavailable"
+
+def test_matplotlib_figure(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig = plt.figure(); fig.savefig(tmp_path / "f.png"); plt.close(fig)
 '''
 
 
@@ -37,8 +44,8 @@ def test_a_session_with_torchrun_and_flower_leaves_home_and_temp_as_they_were(tm
                         "-o", "addopts=", "--rootdir", str(case), str(case / "test_case.py")],
                        cwd=case, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "2 passed" in r.stdout, r.stdout[-2000:]
-    left_home = {p for p in _tree(home) if not p.startswith(".cache")}  # pip / torch caches are not ours to judge
+    assert "3 passed" in r.stdout, r.stdout[-2000:]
+    left_home = _tree(home)
     assert not left_home, f"left in HOME: {sorted(left_home)}"
     left_tmp = {p for p in os.listdir(tmp) if not p.startswith("pytest-of-")}
     assert not left_tmp, f"left in the temp directory: {sorted(left_tmp)}"
