@@ -102,6 +102,21 @@ def test_the_folder_is_checked_before_a_named_factory_is_imported(tmp_path, monk
     (["--dp", "server-fixed:clip=1,z=1,seed=-1"], "seed must be an integer in [0, 2^64), got -1"),
     (["--dp", f"server-fixed:clip=1,z=1,seed={1 << 64}"], f"got {1 << 64}"),
     (["--dp", "server-fixed:clip=1,z=1,seed=1,seed=2"], "seed is given twice"),
+    # review 4: each of these was accepted, or refused only after config.json and metrics.csv were written
+    (["--dp", "server-fixed:clip=1,z=1e-300"], "z must be 0 (no noise) or at least 0.001, got 1e-300"),
+    (["--dp", "server-fixed:clip=1,z=0.0009"], "z must be 0 (no noise) or at least 0.001"),
+    (["--dp", "server-fixed:clip=1.0"], "z must be given"),
+    (["--dp", "client-adaptive:z=1"], "clip must be given"),
+    (["--mode", "async", "--client-time", "exponential:mean=1", "--max-staleness", "-1"],
+     "max_staleness must be an integer >= 0"),
+    (["--mode", "async", "--client-time", "exponential:mean=1", "--staleness", "hinge:1"], "takes hinge:a,b"),
+    (["--mode", "async", "--client-time", "exponential:mean=1", "--staleness", "polynomial"], "takes polynomial:a"),
+    (["--mode", "async", "--client-time", "exponential:mean=1", "--staleness", "hinge:-1,2"], "a must be"),
+    (["--mode", "async", "--client-time", "exponential:mean=1", "--buffer-size", "1000"],
+     "buffer_size 1000 exceeds the 5 clients training at once"),
+    (["--mode", "async", "--client-time", "exponential:mean=1", "--concurrency", "1000"],
+     "concurrency 1000 exceeds the 20 clients"),
+    (["--seeds", "0,0"], "seeds given twice: 0"),
 ])
 def test_bad_settings_are_refused_before_the_folder_is_created(tmp_path, capsys, flags, text):
     out = tmp_path / "run"
@@ -329,3 +344,82 @@ def test_one_process_settings_are_refused_under_torchrun_before_the_folder_is_cl
         runner.run(runner.Config(**{"dataset": "digits", "algorithms": ("fedavg",), "rounds": 1, **kw},
                                  out=str(out)))
     assert not out.exists()
+
+
+# -- review 4: a saved state belongs to one run; a refused run leaves the folder as it was -----------------------------
+
+@pytest.mark.parametrize("theirs, setting", [
+    (["--lr", "0.2"], "it was saved with lr=0.2; "),
+    (["--attack", "scale", "--malicious", "0.2"], "it was saved with attack='scale'; "),
+    (["--dp", "server-fixed:clip=1.0,z=1.0,seed=7"], "it was saved with dp='server-fixed:clip=1.0,z=1.0,seed=7'; "),
+])
+def test_another_runs_saved_state_is_refused_on_resume(tmp_path, capsys, theirs, setting):
+    """Two runs differing in a hyperparameter only: B's final state (or checkpoint) copied into A's folder is
+    refused naming the setting (it was continued as A's: A's metrics.csv held B's trajectory), the folder
+    byte-identical."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main([*DIGITS, "--rounds", "2", "--lr", "0.05", "--out", str(a)]) == 0
+    assert main([*DIGITS, "--rounds", "2", "--lr", "0.05", *theirs, "--out", str(b)]) == 0
+    capsys.readouterr()
+    for name in ("final-0-0.pt", "checkpoint.pt"):
+        mine = (a / name).read_bytes()
+        (a / name).write_bytes((b / name).read_bytes())
+        before = _files(a)
+        _error(capsys, ["--resume", "--out", str(a), "--rounds", "3"], f"{name}' belongs to another run: {setting}")
+        assert _files(a) == before
+        (a / name).write_bytes(mine)
+    assert main(["--resume", "--out", str(a), "--rounds", "3"]) == 0  # its own state: extended
+
+
+def test_a_legacy_signed_folder_resumes_and_an_unsigned_final_state_does_not(tmp_path, capsys):
+    """A checkpoint signed before every setting was (its "run" holds the 7 legacy keys; its final states carry
+    none) is resumed with a warning; in a folder signed whole, a final state without a signature is refused."""
+    out = tmp_path / "run"
+    assert main([*DIGITS, "--rounds", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    final = torch.load(out / "final-0-0.pt", weights_only=True)
+    assert final["run"]["settings"]["lr"] == json.loads((out / "config.json").read_text())["lr"]
+    del final["run"]
+    torch.save(final, out / "final-0-0.pt")
+    before = _files(out)
+    _error(capsys, ["--resume", "--out", str(out), "--rounds", "3"], "final-0-0.pt' belongs to another run: it "
+           "carries no signature")
+    assert _files(out) == before
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    saved = json.loads((out / "config.json").read_text())
+    ckpt["run"] = {k: saved[k] for k in runner.outdir.LEGACY_SIGNATURE}
+    torch.save(ckpt, out / "checkpoint.pt")
+    with pytest.warns(UserWarning, match="saved before checkpoints recorded every setting"):
+        assert main(["--resume", "--out", str(out), "--rounds", "3"]) == 0
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["run"] == runner.outdir.signature(
+        runner.Config(**{**runner.saved_config(str(out)), "out": str(out)}))  # signed whole from now on
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_refused_in_its_first_round_leaves_the_folder_as_it_was(tmp_path, capsys, monkeypatch, resume):
+    """--overwrite (or --resume) then an error at the first evaluation (as dp-accounting's ZeroDivisionError
+    was): config.json and metrics.csv were replaced before it, the old run's checkpoint left beside them."""
+    out = tmp_path / "run"
+    assert main([*DIGITS, "--rounds", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    before = _files(out)
+
+    def refused(*args, **kwargs):
+        raise ValueError("refused at the first evaluation")
+
+    monkeypatch.setattr(runner, "_evaluate", refused)
+    argv = ["--resume", "--out", str(out), "--rounds", "3"] if resume else \
+        [*DIGITS, "--rounds", "3", "--lr", "0.01", "--overwrite", "--out", str(out)]
+    _error(capsys, argv, "refused at the first evaluation")
+    assert _files(out) == before
+
+
+def test_a_config_file_with_a_key_given_twice_is_refused(tmp_path, capsys):
+    dup = tmp_path / "dup.json"
+    dup.write_text('{"dataset": "digits", "rounds": 2, "rounds": 3}')
+    _error(capsys, ["--config", str(dup), "--out", str(tmp_path / "run")], "the key 'rounds' is given twice")
+    pytest.importorskip("yaml")
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("dataset: digits\nrounds: 2\nrounds: 3\n")
+    _error(capsys, ["--config", str(dup), "--out", str(tmp_path / "run")], "the key 'rounds' is given twice")
+    assert not (tmp_path / "run").exists()

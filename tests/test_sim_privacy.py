@@ -75,9 +75,10 @@ def test_resume_continues_the_noise_stream_and_the_account(tmp_path):
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("laplace:clip=1", "kind"), ("server-fixed:clip=-1", "clipping_norm"), ("server-fixed:z=nan", "noise_multiplier"),
-    ("server-fixed:clip", "key=value"), ("server-fixed:quantile=0.5", "adaptive"), ("server-fixed:clip=x", "float"),
-    ("server-adaptive:quantile=2", "quantile"), ("client-fixed:delta=2", "delta"),
+    ("laplace:clip=1", "kind"), ("server-fixed:clip=-1,z=1", "clipping_norm"),
+    ("server-fixed:clip=1,z=nan", "noise_multiplier"), ("server-fixed:clip", "key=value"),
+    ("server-fixed:clip=1,z=1,quantile=0.5", "adaptive"), ("server-fixed:clip=x,z=1", "float"),
+    ("server-adaptive:clip=1,z=1,quantile=2", "quantile"), ("client-fixed:clip=1,z=1,delta=2", "delta"),
 ])
 def test_bad_specs_fail_before_any_work(spec, match):
     with pytest.raises(ValueError, match=match):

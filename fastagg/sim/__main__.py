@@ -113,8 +113,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attack-scale", type=float, help="the attack's strength (sign-flip 1, scale 10, gaussian 10, "
                    "ipm 0.5, alie: the paper's z) (default: the attack's)")
     p.add_argument("--dp", help="central differential privacy for every algorithm's server step: "
-                   "server-fixed:clip=C,z=Z | server-adaptive:clip=C0,z=Z,quantile=Q,lr=L | client-fixed:... | "
-                   "client-adaptive:... (optional delta=, default 1 / clients^1.1; seed=, an integer in [0, 2^64), "
+                   "server-fixed:clip=C,z=Z | server-adaptive:clip=C0,z=Z[,quantile=Q][,lr=L] | client-fixed:... | "
+                   "client-adaptive:... (clip= and z= required; z = 0: no noise, else z >= 1e-3; adaptive quantile "
+                   "0.5, lr 0.2 by default; optional delta=, default 1 / clients^1.1; seed=, an integer in [0, 2^64), "
                    "default derived from the run's seed); epsilon after each round in metrics.csv, the summary "
                    "and epsilon.png (fastagg/sim/privacy.py)")
     p.add_argument("--compress", help="what each client uploads, folded by the server where it lies: none (fp32) | "
@@ -129,9 +130,12 @@ def parser() -> argparse.ArgumentParser:
                    "fastagg.asynchronous.AsyncServer on the virtual clock (--client-time); --rounds counts server "
                    "steps (versions); not resumable")
     p.add_argument("--concurrency", type=int, help="async: clients training at once (default: participants per round)")
-    p.add_argument("--buffer-size", type=int, help="async: updates per server step (default: half the participants)")
-    p.add_argument("--staleness", default="polynomial:0.5", help="async: constant | polynomial:a | hinge:a,b")
-    p.add_argument("--max-staleness", type=int, help="async: staler updates are refused (default: none)")
+    p.add_argument("--buffer-size", type=int, help="async: updates per server step, at most --concurrency "
+                   "(default: half the participants)")
+    p.add_argument("--staleness", default="polynomial:0.5", help="async: constant | polynomial:a | hinge:a,b "
+                   "(exactly those numbers)")
+    p.add_argument("--max-staleness", type=int, help="async: staler updates are refused, an integer >= 0 "
+                   "(default: none)")
     p.add_argument("--target", type=float, help="a train loss; the summary reports the rounds to reach it "
                    "(default: none)")
     p.add_argument("--seed", type=int, default=None, help="one seed (overrides --seeds; default: --seeds)")
@@ -219,9 +223,20 @@ def _read_config(path: str) -> dict:
         require("yaml", "sim", "a YAML --config")
         import yaml
 
+        class UniqueKeys(yaml.SafeLoader):  # the safe loader, refusing a key given twice (it takes the last)
+            def construct_mapping(self, node, deep=False):
+                seen = set()
+                for key_node, _ in node.value:
+                    key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+                    if key is not None and key != "<<" and key in seen:
+                        raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                                key_node.start_mark)
+                    seen.add(key)
+                return super().construct_mapping(node, deep=deep)
+
         try:
             with open(path) as f:
-                return yaml.safe_load(f)
+                return yaml.load(f, Loader=UniqueKeys)  # noqa: S506 (a SafeLoader)
         except RecursionError:
             raise ValueError(f"cannot read --config {path!r}: nested too deeply") from None
         except (OSError, yaml.YAMLError) as e:
@@ -235,11 +250,21 @@ def _read_config(path: str) -> dict:
             with open(path, "rb") as f:
                 return tomllib.load(f)
         with open(path) as f:
-            return json.load(f)
+            return json.load(f, object_pairs_hook=_unique_keys)
     except RecursionError:  # a JSON or TOML file nested thousands deep
         raise ValueError(f"cannot read --config {path!r}: nested too deeply") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read --config {path!r}: {e}") from None
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object whose keys are all different: json takes the last of a key given twice, silently."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} is given twice")
+        out[key] = value
+    return out
 
 
 def _given(argv) -> set:

@@ -29,6 +29,7 @@ from ..asynchronous import AsyncServer, Constant, Hinge, Polynomial
 
 DISTRIBUTIONS = {"exponential": {"mean": 1.0}, "lognormal": {"mu": 0.0, "sigma": 0.5}}
 STALENESS = {"constant": Constant, "polynomial": Polynomial, "hinge": Hinge}
+STALENESS_ARGS = {"constant": (), "polynomial": ("a",), "hinge": ("a", "b")}  # --staleness hinge:a,b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,10 @@ def parse_staleness(spec: str):
         args = [float(a) if kind != "hinge" or i == 0 else int(a) for i, a in enumerate(filter(None, rest.split(",")))]
     except ValueError:
         raise ValueError(f"--staleness {kind}: {rest!r} is not numbers") from None
+    if len(args) != len(STALENESS_ARGS[kind]):  # never a default filled in for a number left out
+        names = STALENESS_ARGS[kind]
+        raise ValueError(f"--staleness {kind} takes {kind + ':' + ','.join(names) if names else 'no numbers'}, "
+                         f"got {len(args)}: {spec!r}")
     return STALENESS[kind](*args)
 
 

@@ -6,6 +6,7 @@ run it belongs to."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import errno
 import fcntl
 import os
@@ -19,7 +20,13 @@ import torch
 LOCK = ".fastagg-sim.lock"
 RESULTS = ("metrics.csv", "checkpoint.pt", "config.json")
 CHECKPOINT = "checkpoint.pt"
-SIGNATURE = ("dataset", "model", "algorithms", "seeds", "clients", "dirichlet", "dtype")
+# the settings a checkpoint signed before fastagg 2026-11-28 (a checkpoint whose "run" holds these keys alone): a
+# folder written then is still resumed when they match, with a warning that its other settings are not checked
+LEGACY_SIGNATURE = ("dataset", "model", "algorithms", "seeds", "clients", "dirichlet", "dtype")
+# the settings a resumed run may change: rounds (a finished run extended) and out (the folder, wherever it moved);
+# every other setting of the resolved config changes the results and is part of a saved state's signature
+UNSIGNED = ("rounds", "out")
+SIGNATURE_VERSION = 2
 
 
 class Lock:
@@ -114,8 +121,44 @@ def write_file(out: str, name: str, write: Callable, *, binary: bool = False) ->
 
 
 def signature(cfg) -> dict:
-    """What makes a checkpoint belong to a run: its data set, model, algorithms, seeds, clients and dtype."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(cfg, k)) for k in SIGNATURE)}
+    """What makes a saved state (checkpoint.pt, a finished run's final-A-S.pt) belong to a run: every setting of its
+    resolved config but ``UNSIGNED`` (lr, participation, the attack, --dp with its seed, --compress, the local
+    steps... any of which changes the trajectory), kept whole so a mismatch names the setting."""
+    settings = {f.name: list(v) if isinstance(v := getattr(cfg, f.name), tuple) else v
+                for f in dataclasses.fields(cfg) if f.name not in UNSIGNED}
+    return {"version": SIGNATURE_VERSION, "settings": settings}
+
+
+def is_legacy(sig) -> bool:
+    """A signature written before every setting was signed (``LEGACY_SIGNATURE``'s keys alone)."""
+    return isinstance(sig, dict) and set(sig) == set(LEGACY_SIGNATURE)
+
+
+def check_signature(sig, cfg, path: str, out: str) -> None:
+    """``sig`` (a saved state's "run") is ``cfg``'s :func:`signature`; else a one-line ValueError naming the first
+    setting that differs. A legacy signature (``is_legacy``) is checked on its own keys, with a warning that the
+    other settings cannot be."""
+    if is_legacy(sig):
+        mine = {k: list(v) if isinstance(v := getattr(cfg, k), tuple) else v for k in LEGACY_SIGNATURE}
+        theirs = sig
+        if theirs == mine:
+            warnings.warn(f"{path!r} was saved before checkpoints recorded every setting: only its "
+                          f"{', '.join(LEGACY_SIGNATURE)} are checked against {out!r}'s config.json", stacklevel=3)
+            return
+    else:
+        mine = signature(cfg)["settings"]
+        theirs = sig.get("settings") if isinstance(sig, dict) and sig.get("version") == SIGNATURE_VERSION else None
+        if theirs == mine:
+            return
+        if not isinstance(theirs, dict):
+            raise ValueError(f"{path!r} belongs to another run: it carries no signature of its settings (not "
+                             f"saved by this run of {out!r})")
+    diff = [k for k in mine if k not in theirs or theirs[k] != mine[k]] + sorted(set(theirs) - set(mine))
+    k = diff[0]
+    more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])}{', ...' if len(diff) > 4 else ''})" \
+        if len(diff) > 1 else ""
+    raise ValueError(f"{path!r} belongs to another run: it was saved with {k}={theirs.get(k, '(unset)')!r:.60}; "
+                     f"{os.path.join(out, 'config.json')!r} has {k}={mine.get(k, '(unset)')!r:.60}{more}")
 
 
 def save_checkpoint(out: str, ckpt: dict) -> None:
@@ -133,13 +176,7 @@ def load_checkpoint(out: str, cfg) -> dict:
     if not isinstance(ckpt, dict) or not {"done", "current", "run"} <= set(ckpt) or \
             not ({"rows", "rows_written"} & set(ckpt)):
         raise ValueError(f"{path!r} is not a fastagg-sim checkpoint (missing entries)")
-    mine, theirs = signature(cfg), ckpt["run"]
-    if not isinstance(theirs, dict) or theirs != mine:
-        theirs = theirs if isinstance(theirs, dict) else {}
-        diff = [k for k in SIGNATURE if theirs.get(k) != mine.get(k)]
-        shown = ", ".join(f"{k}={theirs.get(k)!r}" for k in diff)
-        raise ValueError(f"{path!r} belongs to another run: its {', '.join(diff)} differ from {out!r}'s config.json "
-                         f"({shown})")
+    check_signature(ckpt["run"], cfg, path, out)
     return ckpt
 
 

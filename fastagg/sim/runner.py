@@ -1,6 +1,7 @@
 """The round loop: clients of a round train together as rows of one [M, d] buffer, then one server step."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import errno
@@ -20,6 +21,7 @@ from .._optional import require
 from . import algorithms, attacks, data as datasets, graphs as step_graphs, models, outdir
 from . import asynchronous as sim_async
 from . import privacy as sim_privacy
+from ..asynchronous import AsyncServer
 from ..compress import spec as compress_spec
 
 # seconds: wall time of the rounds since the previous row, as the user waits for it: local steps, server step and
@@ -177,6 +179,23 @@ class Config:
                         v = getattr(cfg, key)
                         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                             raise ValueError(f"{key} must be an integer >= 1, got {v!r}")
+                    if cfg.clients:  # (run_async refused a concurrency above the clients after round 0's row)
+                        m = max(1, int(round(cfg.participation * cfg.clients)))
+                        concurrency, buffer = cfg.concurrency or m, cfg.buffer_size or max(1, m // 2)
+                        if concurrency > cfg.clients:
+                            raise ValueError(f"concurrency {concurrency} exceeds the {cfg.clients} clients")
+                        if buffer > concurrency:  # FedBuff's K is below its concurrency: K = 10 of 1,000
+                            raise ValueError(f"buffer_size {buffer} exceeds the {concurrency} clients training at "
+                                             "once (--concurrency, default: the participants per round): each "
+                                             "server step would wait for several updates of the same clients")
+                    v = cfg.max_staleness
+                    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                        raise ValueError(f"max_staleness must be an integer >= 0 (None: no bound), got {v!r}")
+                    if cfg.clients:  # the server the run builds, with the run's settings: its own checks, now
+                        AsyncServer(alg.server_cls(torch.zeros(2, dtype=torch.float64), **alg.server_kwargs),
+                                    buffer_size=buffer,
+                                    staleness=sim_async.parse_staleness(cfg.staleness),
+                                    max_staleness=cfg.max_staleness)
                     if cfg.client_time is None:  # its clients are scheduled by the virtual clock
                         raise ValueError("--mode async needs --client-time (the virtual clock that decides when "
                                          "each client's update arrives), e.g. --client-time exponential:mean=1")
@@ -188,6 +207,9 @@ class Config:
             raise ValueError(f"target must be a finite number, got {self.target!r}")
         if not self.seeds or not all(isinstance(x, int) and not isinstance(x, bool) for x in self.seeds):
             raise ValueError(f"seeds must be integers, got {self.seeds!r}")
+        if len(set(self.seeds)) != len(self.seeds):  # it would run once: the summary's count of seeds would lie
+            twice = sorted({x for x in self.seeds if list(self.seeds).count(x) > 1})
+            raise ValueError(f"seeds given twice: {', '.join(map(str, twice))} (in {list(self.seeds)})")
         if self.seed_scope not in SEED_SCOPES:
             raise ValueError(f"seed_scope must be one of {SEED_SCOPES}, got {self.seed_scope!r}")
         try:
@@ -698,7 +720,7 @@ def _resume_state(cfg: Config, data) -> tuple:
     rows = _rows_of(cfg, ckpt)
     check_resume_state(cfg, data, ckpt, rows)
     extensions = {(a, sd): snap for a, sd in map(tuple, ckpt["done"])
-                  if (snap := _extension(cfg, data, ckpt.get("finals", []), rows, a, sd)) is not None}
+                  if (snap := _extension(cfg, data, ckpt.get("finals", []), rows, a, sd, ckpt["run"])) is not None}
     return ckpt, rows, extensions
 
 
@@ -1040,24 +1062,47 @@ def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool, extension
     ckpt.pop("rows", None)  # an old-format checkpoint is rewritten in the current one
     ckpt["rows_written"] = len(rows)
     planned = {spec: cfg.for_algorithm(spec, data)[1].rounds for spec in cfg.algorithms}
+    ckpt["run"] = outdir.signature(cfg)  # a folder of a legacy checkpoint is signed whole from now on
     out_file = writer = None
-    if cfg.out:  # never through a link planted in the folder (outdir.open_new / write_file)
-        outdir.write_file(cfg.out, "config.json", lambda f: json.dump(dataclasses.asdict(cfg), f, indent=2))
-        out_file = outdir.open_new(cfg.out, "metrics.csv")
+    staged = False
+    if cfg.out:  # never through a link planted in the folder (outdir.open_new)
+        # staged: config.json and metrics.csv are written under STAGED names and renamed into place at the first
+        # checkpoint (commit): a run that fails before it (a setting refused at round 0 or 1) leaves the folder as
+        # it was -- the results --overwrite was to replace, or the run --resume was to continue, untouched
+        with outdir.open_new(cfg.out, STAGED["config.json"]) as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        out_file = outdir.open_new(cfg.out, STAGED["metrics.csv"])
         writer = csv.DictWriter(out_file, fieldnames=metric_fields(cfg))
         writer.writeheader()
         writer.writerows(rows)
+        out_file.flush()
+        staged = True
+
+    def commit(save: bool) -> None:
+        """The staged files renamed into place (metrics first: a config.json whose checkpoint is not saved yet is
+        refused on --resume by the signature), then, with ``save``, the checkpoint as it stands."""
+        nonlocal staged
+        if not staged:
+            return
+        for name in ("metrics.csv", "config.json"):
+            os.replace(os.path.join(cfg.out, STAGED[name]), os.path.join(cfg.out, name))
+        staged = False
+        if save:
+            outdir.save_checkpoint(cfg.out, ckpt)
 
     def on_row(row):
         rows.append(row)
         if writer:
             writer.writerow(row)
             out_file.flush()
+            if cfg.mode == "async" and row["round"] >= 1:  # no checkpoints: committed at its first server step
+                commit(save=True)
 
     def on_round(snapshot):
         if cfg.out:  # after the round's metrics row (if any) was flushed to metrics.csv
             ckpt["current"] = snapshot
             ckpt["rows_written"] = len(rows)
+            commit(save=False)
             outdir.save_checkpoint(cfg.out, ckpt)
 
     progress = _progress if verbose else None
@@ -1079,9 +1124,10 @@ def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool, extension
                 t0 = time.perf_counter()
                 stop = run_one(cfg, data, algorithm, seed, on_row=on_row, on_round=on_round, resume=snap,
                                progress=progress)
+                commit(save=False)  # (saved just below)
                 if cfg.out and not stop and ckpt["current"] is not None:  # its final state, once: O(state)
                     name = f"final-{cfg.algorithms.index(algorithm)}-{cfg.seeds.index(seed)}.pt"
-                    final = ckpt["current"]
+                    final = {**ckpt["current"], "run": ckpt["run"]}  # signed: never another run's to extend
                     outdir.write_file(cfg.out, name, lambda f: torch.save(final, f), binary=True)
                     finals[:] = [e for e in finals if e[:2] != [algorithm, seed]] + [[algorithm, seed, name]]
                 ckpt["done"].append([algorithm, seed])
@@ -1104,6 +1150,14 @@ def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool, extension
         last = rows[-1] if rows else None
         where = f" after round {last['round']} of {last['algorithm']} seed {last['seed']}" if last else ""
         stopped = f"interrupted (Ctrl-C){where}; every metric so far is in metrics.csv; --resume continues"
+        commit(save=True)  # the user stopped a run that was under way: its files are its folder's now
+    except BaseException:
+        if staged:  # refused before its first checkpoint: the folder keeps what it held
+            out_file.close()
+            for name in STAGED.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(cfg.out, name))
+        raise
     finally:
         if out_file:
             out_file.close()
@@ -1125,9 +1179,15 @@ def _run_all(cfg: Config, data, ckpt: dict, rows: list, verbose: bool, extension
     return history
 
 
-def _extension(cfg: Config, data, finals: list, rows: list, algorithm: str, seed: int) -> dict | None:
+# the names _run_all writes config.json and metrics.csv under until its first checkpoint (commit)
+STAGED = {"config.json": "config.json.staged", "metrics.csv": "metrics.csv.staged"}
+
+
+def _extension(cfg: Config, data, finals: list, rows: list, algorithm: str, seed: int, run_sig) -> dict | None:
     """A finished run to extend: its final state when ``cfg.rounds`` is past the rounds it ran (its last metrics
-    row), else None. The state is loaded without running code (``weights_only``) and checked like a checkpoint's."""
+    row), else None. The state is loaded without running code (``weights_only``) and checked like a checkpoint's,
+    its signature too (another run's final state copied in is refused); one saved without a signature is taken only
+    in a folder whose checkpoint predates full signatures (``run_sig``, the checkpoint's, is legacy)."""
     done_rounds = max((r["round"] for r in rows if r["algorithm"] == algorithm and r["seed"] == seed), default=None)
     if done_rounds is None or done_rounds >= cfg.rounds:
         return None
@@ -1137,6 +1197,8 @@ def _extension(cfg: Config, data, finals: list, rows: list, algorithm: str, seed
                          f"(a stopped run, or a folder written before extensions existed): it cannot be extended")
     where = repr(os.path.join(cfg.out, entry[2]))
     snap = outdir.load_state(cfg.out, entry[2])
+    if "run" in snap or not outdir.is_legacy(run_sig):
+        outdir.check_signature(snap.get("run"), cfg, os.path.join(cfg.out, entry[2]), cfg.out)
     check_snapshot(cfg, data, snap, where)
     if snap["round"] != done_rounds:
         raise ValueError(f"{where} holds round {snap['round']}; the metrics end at round {done_rounds}")
