@@ -65,7 +65,9 @@ def test_your_own_model_from_the_command_line_runs_records_and_resumes(user_dir,
     h = run(Config(dataset="digits", algorithms=("fedavg",), model="mymodels:conv", rounds=6, out="part"),
             verbose=True)
     assert h.stopped
-    r = sim("--resume", "--out", "part", cwd=user_dir)
+    r = sim("--resume", "--out", "part", cwd=user_dir)  # the folder alone names the factory: not imported
+    assert r.returncode == 2 and "pass --model mymodels:conv beside --resume" in r.stderr, r.stderr
+    r = sim("--resume", "--out", "part", "--model", "mymodels:conv", cwd=user_dir)
     assert r.returncode == 0, r.stderr
     losses = [[line.split(",")[3] for line in (user_dir / d / "metrics.csv").read_text().splitlines()[1:]]
               for d in ("whole", "part")]
