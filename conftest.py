@@ -12,9 +12,15 @@ import torch
 # and leaves nothing in the temp directory but pytest's own pytest-of-<user>/ (its tmp_path folders, the last three
 # runs kept for debugging, as pytest always does: tempfile caches the temp directory before TMPDIR changes, so only
 # child processes and libraries that read TMPDIR themselves, as Ray does, see the scratch folder).
+# pytest-xdist's workers share their controller's folder (FASTAGG_TEST_SCRATCH, inherited): a folder nested per
+# worker made Ray's socket paths (.../ray/session_<date>_<pid>/sockets/plasma_store) longer than the 107 bytes
+# AF_UNIX allows. The short prefix keeps them well inside it.
 _TEMP = tempfile.gettempdir()
-SCRATCH = tempfile.mkdtemp(prefix="fastagg-tests-", dir=_TEMP)
-atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
+SCRATCH = os.environ.get("FASTAGG_TEST_SCRATCH", "")
+if not (SCRATCH and os.path.isdir(SCRATCH)):
+    SCRATCH = tempfile.mkdtemp(prefix="fa-", dir=_TEMP)
+    os.environ["FASTAGG_TEST_SCRATCH"] = SCRATCH
+    atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)  # by the process that made it, when it ends
 os.environ["TMPDIR"] = SCRATCH
 os.environ["FLWR_HOME"] = os.path.join(SCRATCH, "flwr")
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"

@@ -38,7 +38,8 @@ def test_a_session_with_torchrun_and_flower_leaves_home_and_temp_as_they_were(tm
     for d in (home, tmp, case):
         d.mkdir()
     (case / "test_case.py").write_text(CASE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLWR_", "PYTEST_", "TORCHELASTIC_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FLWR_", "PYTEST_", "TORCHELASTIC_", "FASTAGG_TEST_SCRATCH", "MPLCONFIGDIR"))}
     env.update(HOME=str(home), TMPDIR=str(tmp), PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
                         "-o", "addopts=", "--rootdir", str(case), str(case / "test_case.py")],

@@ -53,10 +53,10 @@ def parser() -> argparse.ArgumentParser:
                 "kernels.")
     p.add_argument("--dataset", default="fedexp-linreg",
                    help=f"{', '.join(sorted(data.DATASETS))}, or npz:PATH (arrays x, y, optional client)")
-    p.add_argument("--model", help="linear | softmax | mlp | cnn | pfl-cnn, or your own classifier as "
-                   "package.module:factory (factory(data) or factory() -> nn.Module over data.num_features inputs, "
-                   "or (module, input_shape); built with torch seeded by the run's seed, 0 under --seed-scope "
-                   "sampling; --resume imports it only when named again here)")
+    p.add_argument("--model", help="(default: the data set's own) linear | softmax | mlp | cnn | pfl-cnn, or your "
+                   "own classifier as package.module:factory (factory(data) or factory() -> nn.Module over "
+                   "data.num_features inputs, or (module, input_shape); built with torch seeded by the run's seed, 0 "
+                   "when the seed scope is 'sampling'; --resume imports it only when named again here)")
     p.add_argument("--clients", type=int, help="number of clients (digits, synthetic, cifar-synthetic, npz)")
     p.add_argument("--dirichlet", type=float, help="digits and npz: Dirichlet label-split alpha (0 = IID; "
                    "default: 0.3)")
@@ -124,14 +124,14 @@ def parser() -> argparse.ArgumentParser:
                    "summary bytes_per_round (fastagg/compress/spec.py)")
     p.add_argument("--client-time", help="a virtual clock: how long each client trains, e.g. "
                    "exponential:mean=1,slow=0.1,factor=10 (10%% of the clients 10x slower) or lognormal:mu=0,sigma=0.5; "
-                   "metrics.csv gets the virtual_time of every row (fastagg/sim/asynchronous.py); --mode async "
+                   "metrics.csv gets the virtual_time of every row (fastagg/sim/asynchronous.py); the async mode "
                    "needs it")
     p.add_argument("--mode", default="sync", choices=["sync", "async"], help="async: FedBuff/FedAsync through "
                    "fastagg.asynchronous.AsyncServer on the virtual clock (--client-time); --rounds counts server "
                    "steps (versions); not resumable")
     p.add_argument("--concurrency", type=int, help="async: clients training at once (default: participants per round)")
-    p.add_argument("--buffer-size", type=int, help="async: updates per server step, at most --concurrency "
-                   "(default: half the participants)")
+    p.add_argument("--buffer-size", type=int, help="async: updates per server step (default: half the "
+                   "participants), at most the concurrency")
     p.add_argument("--staleness", default="polynomial:0.5", help="async: constant | polynomial:a | hinge:a,b "
                    "(exactly those numbers)")
     p.add_argument("--max-staleness", type=int, help="async: staler updates are refused, an integer >= 0 "
