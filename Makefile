@@ -12,6 +12,8 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP = $(TORCH) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+# (torch is installed alone from there, --no-deps, then its dependencies from the default index: with the extra
+# index on the whole install every dependency was looked up there too, retried 5 times each where it is unreachable)
 TRITON ?= triton==3.7.1
 
 .PHONY: run demo test test-large test-asan test-nvflare test-package bench flower-example mutation clean print-torch
@@ -21,8 +23,8 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	@echo "== creating $(VENV) and installing $(TORCH) $(TRITON), then fastagg with its test and simulator extras"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install $(TORCH_PIP)
-	$(PY) -m pip install $(TRITON)
+	$(PY) -m pip install --no-deps $(TORCH_PIP)
+	$(PY) -m pip install $(TORCH) $(TRITON)
 	@echo "== fastagg (editable: compiles fastagg._C and fastagg._C_avx2, about 2 minutes)"
 	$(PY) -m pip install -e '.[test,sim]'
 	touch $@
@@ -69,7 +71,8 @@ NVPY := $(NVFLARE_VENV)/bin/python
 $(NVFLARE_VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) $(shell find fastagg -name '*.py')
 	test -x $(NVPY) || $(PYTHON) -m venv $(NVFLARE_VENV)
 	$(NVPY) -m pip install --upgrade pip
-	$(NVPY) -m pip install $(TORCH_PIP)
+	$(NVPY) -m pip install --no-deps $(TORCH_PIP)
+	$(NVPY) -m pip install $(TORCH)
 	$(NVPY) -m pip install 'nvflare==2.9.0' pytest
 	# FLARE's quantization filters import bitsandbytes (tests_nvflare/test_blockwise8.py runs them on the CPU);
 	# --no-deps: its requirements (torch, numpy, packaging) are already here, and pip must not swap the torch build

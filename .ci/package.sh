@@ -32,7 +32,8 @@ fi
 echo "== fresh venv: $TORCH, then the wheel"
 python3 -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install --upgrade pip
-"$work/venv/bin/python" -m pip install "$TORCH" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
+"$work/venv/bin/python" -m pip install --no-deps "$TORCH" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
+"$work/venv/bin/python" -m pip install "$TORCH"  # its dependencies, from the default index
 "$work/venv/bin/python" -m pip install "$work"/wheels/fastagg-*.whl
 
 echo "== import from another directory, one fused step on the C++ backend"
