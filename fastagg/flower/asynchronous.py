@@ -36,10 +36,9 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
 from .. import server
-from .._checks import check_number
 from ..asynchronous import AsyncServer, Polynomial, StaleUpdate, StepError
 from .compressed import is_compressed_record, read_compressed
-from .records import ReplyError, record_views, to_record
+from .records import ReplyError, record_views, reply_weight, to_record
 from .strategies import _metric_kind
 
 __all__ = ["FedBuff", "AsyncResult"]
@@ -227,17 +226,7 @@ class FedBuff:
 
     def _weight(self, metrics: MetricRecord) -> float:
         """The reply's weight (its ``weighted_by_key`` metric); ReplyError when missing or not a number >= 0."""
-        if self.weighted_by_key not in metrics:
-            raise ReplyError(f"has no {self.weighted_by_key!r} metric (its weight)")
-        weight = metrics[self.weighted_by_key]
-        try:  # (an int too large for a float, 10**400, is refused like any other bad weight)
-            weight = check_number(weight, self.weighted_by_key) if isinstance(weight, (int, float)) else None
-        except (TypeError, ValueError):
-            weight = None
-        if weight is None:
-            raise ReplyError(f"has {self.weighted_by_key!r} = {metrics[self.weighted_by_key]!r:.60}; expected a "
-                             "finite number >= 0")
-        return float(weight)
+        return reply_weight(metrics, self.weighted_by_key)
 
     def _fold(self, srv: AsyncServer, reply: Message, v: int, base: dict, node: int, result: AsyncResult,
               contents: list, kinds: dict) -> str | None:

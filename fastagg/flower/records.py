@@ -28,6 +28,24 @@ class ReplyError(ValueError):
     """A client's reply that cannot be aggregated (wrong form, shape, dtype or bytes)."""
 
 
+def reply_weight(metrics: Mapping, key: str) -> float:
+    """A reply's weight, its ``key`` metric (Flower's ``weighted_by_key``, e.g. ``"num-examples"``): a finite number
+    >= 0, else ReplyError saying what is wrong (missing, not a number, NaN/Inf, negative, an int too large for a
+    float such as 10**400)."""
+    from .._checks import check_number
+
+    if key not in metrics:
+        raise ReplyError(f"has no {key!r} metric (its weight)")
+    weight = metrics[key]
+    try:
+        weight = check_number(weight, key) if isinstance(weight, (int, float)) else None
+    except (TypeError, ValueError):
+        weight = None
+    if weight is None:
+        raise ReplyError(f"has {key!r} = {metrics[key]!r:.60}; expected a finite number >= 0")
+    return float(weight)
+
+
 def _header(data) -> tuple[tuple, bool, np.dtype, int]:
     """(shape, fortran_order, dtype, data offset) of the ``.npy`` bytes ``data``."""
     head = io.BytesIO(bytes(memoryview(data)[:_HEADER_LIMIT]))

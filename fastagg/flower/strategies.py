@@ -65,11 +65,11 @@ from flwr.serverapp.strategy.fedopt import FedOpt as _FlFedOpt
 from flwr.supercore import log
 
 from .. import robust, server
-from .._checks import check_number, check_on_nonfinite
+from .._checks import check_on_nonfinite
 from ..compress import SparseUpdate
 from ..flat import as_tensor, is_buffer_name, split_entries
 from .compressed import is_compressed_record, read_compressed
-from .records import ReplyError, record_views, to_record
+from .records import ReplyError, record_views, reply_weight, to_record
 
 __all__ = ["FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad", "FedAMS", "FedExP", "FedExPM",
            "FedACG", "QFedAvg"]
@@ -306,17 +306,7 @@ class _Fastagg:
             raise ReplyError(f"has {len(content.array_records)} ArrayRecords; expected exactly one")
         if len(content.metric_records) != 1:
             raise ReplyError(f"has {len(content.metric_records)} MetricRecords; expected exactly one")
-        metrics = next(iter(content.metric_records.values()))
-        if self.weighted_by_key not in metrics:
-            raise ReplyError(f"has no {self.weighted_by_key!r} metric (its weight)")
-        weight = metrics[self.weighted_by_key]
-        try:  # (an int too large for a float, 10**400, is refused like any other bad weight)
-            weight = check_number(weight, self.weighted_by_key) if isinstance(weight, (int, float)) else None
-        except (TypeError, ValueError):
-            weight = None
-        if weight is None:
-            raise ReplyError(f"has {self.weighted_by_key!r} = {metrics[self.weighted_by_key]!r:.60}; expected a "
-                             "finite number >= 0")
+        weight = reply_weight(next(iter(content.metric_records.values())), self.weighted_by_key)
         key, record = next(iter(content.array_records.items()))
         if is_compressed_record(record):
             return self._read_compressed(record, f"ArrayRecord {key!r}"), weight
