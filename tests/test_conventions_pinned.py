@@ -38,7 +38,7 @@ def test_median_even_conventions_on_even_and_odd_counts(backend, m):
 def test_trimmed_mean_cuts_int_beta_m_as_scipy_and_flower(beta, m):
     """beta * M = 2.7, 1.5, 2.2, 4.05: int(), round() and ceil() cut different counts on the first two; scipy's
     trim_mean (and Flower's FedTrimmedAvg) cut int(beta * M) from each end."""
-    stats = pytest.importorskip("scipy.stats")
+    from scipy import stats  # a test requirement ([test]): a missing one fails, never skips
     x = _columns(m, d=9, seed=m)
     got = robust.aggregate(x, robust.TrimmedMean(beta), backend="reference").estimate.double()
     want = torch.from_numpy(stats.trim_mean(x.numpy(), beta, axis=0))
@@ -99,8 +99,7 @@ def test_poisson_accountant_rate_is_num_sampled_over_population(pop, n):
     """Poisson sampling at rate q = num_sampled / population (McMahan et al. 2018): fastagg's RDP epsilon against
     Opacus's RDP accountant (an independent implementation) at that q, within 10% both ways; a rate of
     1 / population gives an epsilon several times smaller."""
-    pytest.importorskip("dp_accounting")
-    opacus = pytest.importorskip("opacus.accountants")
+    from opacus import accountants as opacus  # a test requirement ([test]): a missing one fails, never skips
     import warnings
 
     from fastagg.privacy import PrivacyAccountant
@@ -120,7 +119,6 @@ def test_poisson_accountant_rate_is_num_sampled_over_population(pop, n):
 def test_accountant_default_delta_is_the_documented_population_power():
     """The default delta is 1 / population^1.1 (PrivacyAccountant's docstring; README and docs/PRIVACY.md report
     epsilons at it): below 1 / population, the level at which leaking one client's data outright is allowed."""
-    pytest.importorskip("dp_accounting")
     from fastagg.privacy import PrivacyAccountant
 
     for pop in (50, 1000):
@@ -134,7 +132,7 @@ def test_an_update_of_norm_exactly_c_is_not_clipped(backend):
     """min(1, C / ||d||) < 1 only for ||d|| > C: an update of norm exactly C (3-4-5, exact in float32) is neither
     scaled nor counted as clipped, as Flower 1.42's adaptive_clip_inputs_inplace reports it (its norm_bit is
     scaling_factor < 1); one a float32 step longer is. The count is what adaptive clipping moves C with."""
-    sup = pytest.importorskip("flwr.supercore.differential_privacy")
+    from flwr.supercore import differential_privacy as sup  # a test requirement ([test]): a missing one fails, never skips
     from fastagg import privacy
 
     c = 5.0
@@ -157,7 +155,7 @@ def test_client_side_adaptive_counts_the_clients_that_clipped_without_their_bits
     without norm bits: the server must count exactly the clients whose norm_bit Flower returned (their clipped
     norms land on C up to float32 rounding, either side of it), so the next C is C exp(lr (count / M - q))
     (Andrew et al.; zero noise here, so the fraction is the count's)."""
-    sup = pytest.importorskip("flwr.supercore.differential_privacy")
+    from flwr.supercore import differential_privacy as sup  # a test requirement ([test]): a missing one fails, never skips
     from fastagg import privacy
 
     c, lr, q = 0.7, 0.2, 0.5

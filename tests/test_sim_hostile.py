@@ -201,8 +201,6 @@ def test_a_final_state_name_out_of_the_folder_is_refused(tmp_path, capsys):
     (".toml", "lr = " + "[" * 100_000 + "]" * 100_000 + "\n"),
 ])
 def test_a_config_nested_100000_deep_is_one_line(tmp_path, capsys, suffix, text):
-    if suffix == ".yaml":
-        pytest.importorskip("yaml")
     path = tmp_path / f"deep{suffix}"
     path.write_text(text)
     _error(capsys, ["--config", str(path)], "nested too deeply")
@@ -215,7 +213,7 @@ def test_settings_nested_or_multiplied_past_the_limits_are_one_line(tmp_path, ca
     ok = tmp_path / "ok.json"  # 8 levels: the type check speaks, not the depth check
     ok.write_text('{"lr": ' + "[" * 7 + "]" * 7 + "}")
     _error(capsys, ["--config", str(ok)], "lr must be float")
-    yaml = pytest.importorskip("yaml")
+    import yaml  # a test requirement ([test]): a missing one fails, never skips
     laughs = tmp_path / "laughs.yaml"  # aliases: 10^6 values from a few lines, 6 levels deep
     laughs.write_text("a: &a [1,1,1,1,1,1,1,1,1,1]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(5)))
@@ -418,7 +416,6 @@ def test_a_config_file_with_a_key_given_twice_is_refused(tmp_path, capsys):
     dup = tmp_path / "dup.json"
     dup.write_text('{"dataset": "digits", "rounds": 2, "rounds": 3}')
     _error(capsys, ["--config", str(dup), "--out", str(tmp_path / "run")], "the key 'rounds' is given twice")
-    pytest.importorskip("yaml")
     dup = tmp_path / "dup.yaml"
     dup.write_text("dataset: digits\nrounds: 2\nrounds: 3\n")
     _error(capsys, ["--config", str(dup), "--out", str(tmp_path / "run")], "the key 'rounds' is given twice")
