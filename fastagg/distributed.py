@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ._checks import _weights_array, normalized_weights
+from .checkpoint import flat_checkpoint, torch_checkpoint
 from .passes import RoundStats, run_stats, weighted_f64
 from .rows import Buffers, ClientRows, client_rows, compute_dtype
 
@@ -472,7 +473,6 @@ def reshard(state_dicts: list, world: int) -> list:
         raise ValueError(f"reshard needs a list of the ranks' state_dicts, got {type(state_dicts).__name__}")
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"reshard needs a world size >= 1, got {world!r}")
-    from .server import flat_checkpoint, torch_checkpoint
 
     flat = []
     for r, sd in enumerate(state_dicts):

@@ -4,7 +4,7 @@ optimizers:
 1. a stats pass (:func:`client_stats`, or :func:`sum_stats` from sums) that reads the client rows once and
    gives the mean, per-client squared norms and non-finite flags, ``||mean||^2`` and the weighted mean
    squared norm;
-2. the rule's scalars on the device (``rules.py``), :func:`check_finite`, then the rule's apply pass (a
+2. the rule's scalars on the device (``fedexp_rule.py`` for FedExP), :func:`check_finite`, then the rule's apply pass (a
    backend's ``momentum_apply`` or ``adam_apply``), which does nothing to params or state when the round is
    not finite.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import _buffers, rules
+from . import _buffers
 from ._checks import check_number, normalized_weights
 from .flat import Layout
 from .rows import Buffers, ClientRows, ParamRows, client_rows, compute_dtype
@@ -136,7 +136,7 @@ def check_finite(stats: RoundStats, eta: torch.Tensor, on_nonfinite: str, *, dty
     dtype) the step fits that dtype (:func:`step_fits`). ``"raise"`` reads the flag to the host: the one sync of
     such a call.
     """
-    finite = rules.round_is_finite(stats.nonfinite, eta, stats.mean_sq)
+    finite = round_is_finite(stats.nonfinite, eta, stats.mean_sq)
     if dtype is not None:
         finite = finite & step_fits(eta, stats.mean_sq, dtype)
     if on_nonfinite == "raise" and not bool(finite):
@@ -146,7 +146,7 @@ def check_finite(stats: RoundStats, eta: torch.Tensor, on_nonfinite: str, *, dty
             shown = ", ".join(f"{name}[{i}]" for i in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
             raise ValueError(f"{shown} contain NaN or Inf; nothing was updated "
                              "(on_nonfinite='skip' flags the round instead of raising)")
-        if not bool(rules.round_is_finite(stats.nonfinite, eta, stats.mean_sq)):
+        if not bool(round_is_finite(stats.nonfinite, eta, stats.mean_sq)):
             raise ValueError(f"the round's statistics overflowed (eta={eta.item()!r}, "
                              f"||mean||^2={stats.mean_sq.item()!r}); nothing was updated")
         raise ValueError(f"the step overflows {dtype} (step size {eta.item()!r}, ||mean||^2={stats.mean_sq.item()!r}"
@@ -276,3 +276,8 @@ def device_scalar(value, like: torch.Tensor) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.to(device=like.device, dtype=torch.float64).reshape(())
     return torch.full((), float(value), dtype=torch.float64, device=like.device)
+
+
+def round_is_finite(nonfinite: torch.Tensor, eta: torch.Tensor, mean_sq: torch.Tensor) -> torch.Tensor:
+    """Device bool: no client flagged non-finite, and eta and ||mean||^2 finite (no overflow)."""
+    return ~nonfinite.any() & torch.isfinite(eta) & torch.isfinite(mean_sq)

@@ -411,3 +411,11 @@ def with_base(rows: ClientRows, p: ParamRows) -> ClientRows:
     flat_rows = rows.rows[0]
     new_rows = [[r[o : o + n] for r in flat_rows] for o, n in zip(segs.offs, segs.lens)]
     return dataclasses.replace(rows, rows=new_rows, segments=segs, base=list(p.parts), matrix=None)
+
+
+def round_reads(rows: ClientRows) -> list:
+    """(name, tensor) of the client updates a stats pass over ``rows`` reads, for the aliasing checks (the base of
+    ``models=`` is the params themselves: read by the stats pass, written only by the apply pass after it)."""
+    if rows.matrix is not None:
+        return [("deltas", rows.matrix)]
+    return [(f"client {i}'s entry {s}", r) for s, seg in enumerate(rows.rows) for i, r in enumerate(seg)]

@@ -25,20 +25,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import rules
+from . import fedexp_rule as rules
 from ._aliasing import check_writes
 from ._checks import check_number, check_on_nonfinite, check_prob
 from .backends import resolve
-from .ops import round_reads
 from .compress.fold import CompressedRows, check_batch, compressed_list, dense_rows, nonfinite_scales
 from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, client_stats, device_scalar,
                      like_params, overflow_counter, warn_unmatched_buffers, write_buffers)
 from .flat import as_tensor, split_entries
-from .rows import ParamRows, attach_base, client_rows, compute_dtype, param_rows
+from .rows import ParamRows, attach_base, client_rows, compute_dtype, param_rows, round_reads
 from .stream import Accumulator
+from .checkpoint import (FORMAT_VERSION, GROUP_KEYS, SCALAR_STATE, check_layout, flat_checkpoint, plain_number,
+                         scalar_tensor, torch_checkpoint)
 
-FORMAT_VERSION = 2  # torch's {state, param_groups} shape with a "fastagg" entry; 1: flat buffers by name
-_GROUP_KEYS = ("params", "param_names")  # param_groups entries that are not settings
 
 __all__ = ["ServerOptimizer", "FedAvg", "FedAvgM", "FedExP", "FedExPM", "Scaffold", "ScaffoldExP", "FedACG", "FedAdam",
            "FedYogi", "FedAdagrad", "FedAMS", "QFedAvg", "StepStats"]
@@ -67,156 +66,6 @@ def _per_client(stats) -> torch.Tensor:
     (a non-finite client was refused at ``add``, so each folded client gets the sum's flag)."""
     flags = stats.nonfinite
     return flags if flags.numel() == stats.num_clients else flags.reshape(-1)[:1].expand(stats.num_clients).clone()
-
-
-_SCALAR_STATE = ("step", "numerator")  # the 0-d buffers any optimizer keeps; every other buffer is a vector
-
-
-def torch_checkpoint(flat: dict) -> dict:
-    """A checkpoint in the flat form (:func:`flat_checkpoint`) in torch's shape: each vector buffer cut into one
-    slice per layout entry, shaped like it; each 0-d buffer repeated per parameter, as torch keeps ``step``."""
-    layout = [(n, tuple(int(x) for x in shape), str(dt)) for n, shape, dt in flat["layout"]]
-    per_param: dict = {k: {} for k in range(len(layout))}
-    for name, t in flat["state"].items():
-        t = t.detach()
-        if name in _SCALAR_STATE:
-            for k in per_param:
-                per_param[k][name] = t.clone()
-            continue
-        off = 0
-        for k, (_, shape, _) in enumerate(layout):
-            n = math.prod(shape)
-            per_param[k][name] = t[off:off + n].reshape(shape).clone()
-            off += n
-    meta = {"format": FORMAT_VERSION, "optimizer": flat["optimizer"], "layout": [list(e) for e in layout]}
-    if flat.get("shard") is not None:
-        meta["shard"] = dict(flat["shard"])
-    group = {**flat["hyperparameters"], **flat.get("group", {}), "params": list(range(len(layout)))}
-    return {"state": per_param, "param_groups": [group], "fastagg": meta}
-
-
-def flat_checkpoint(state_dict: Any) -> dict:
-    """A fastagg optimizer checkpoint in the flat form every check reads: ``{"optimizer", "format",
-    "hyperparameters", "group", "layout", "state": name -> flat buffer or 0-d tensor, ["shard"]}``, from torch's
-    shape (:meth:`ServerOptimizer.state_dict`) or fastagg's format 1 (already flat). The structure is checked here
-    (one parameter group, one state entry per layout entry, each slice shaped like its entry, one dtype per buffer,
-    0-d buffers equal across parameters); ranges and names are checked by ``load_state_dict``."""
-    if not isinstance(state_dict, Mapping):
-        raise ValueError(f"not a fastagg optimizer state_dict (a {type(state_dict).__name__})")
-    if "fastagg" not in state_dict:
-        if "optimizer" in state_dict and state_dict.get("format") in (1, FORMAT_VERSION):  # already flat
-            for key in ("layout", "hyperparameters", "state"):
-                if key not in state_dict:
-                    raise ValueError(f"state_dict has no {key!r} entry")
-            group = state_dict.get("group", {}) if state_dict.get("format") == FORMAT_VERSION else {}
-            if not isinstance(group, Mapping):
-                raise ValueError(f"state_dict's 'group' is a {type(group).__name__}; expected a dict")
-            return {**state_dict, "group": dict(group)}
-        if "optimizer" in state_dict:
-            raise ValueError(f"state_dict has format {state_dict.get('format')!r}; expected {FORMAT_VERSION} or 1")
-        what = ("a torch optimizer's state_dict (no 'fastagg' entry)" if "param_groups" in state_dict
-                else "not a fastagg optimizer state_dict (no 'fastagg' entry)")
-        raise ValueError(what)
-    meta = state_dict["fastagg"]
-    if not isinstance(meta, Mapping) or meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"state_dict has format {meta.get('format') if isinstance(meta, Mapping) else meta!r}; "
-                         f"expected {FORMAT_VERSION}")
-    for key in ("optimizer", "layout"):
-        if key not in meta:
-            raise ValueError(f"state_dict['fastagg'] has no {key!r} entry")
-    groups, state = state_dict.get("param_groups"), state_dict.get("state")
-    if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], Mapping):
-        raise ValueError("state_dict['param_groups'] must be a list of one group (a fastagg optimizer holds one)")
-    if not isinstance(state, Mapping):
-        raise ValueError("state_dict['state'] must map parameter indices to their state")
-    layout = meta["layout"]
-    try:
-        shapes = [tuple(int(x) for x in e[1]) for e in layout]
-    except (TypeError, ValueError, IndexError):
-        raise ValueError(f"state_dict['fastagg']['layout'] is malformed: {layout!r}") from None
-    ids = groups[0].get("params")
-    if not isinstance(ids, list) or len(ids) != len(shapes):
-        raise ValueError(f"state_dict's parameter group lists {ids!r}; its layout has {len(shapes)} entries")
-    slices = [state.get(i, {}) for i in ids]
-    names = sorted({n for sl in slices if isinstance(sl, Mapping) for n in sl})
-    flat = {}
-    for k, sl in enumerate(slices):
-        if not isinstance(sl, Mapping):
-            raise ValueError(f"state_dict['state'][{ids[k]!r}] is a {type(sl).__name__}; expected a dict")
-        for name in names:
-            if name not in sl:
-                raise ValueError(f"state_dict['state'][{ids[k]!r}] has no {name!r} (parameter 0 has it)")
-            if name in _SCALAR_STATE and _plain_number(sl[name]):  # torch takes a plain-number step, as older
-                continue  # checkpoints kept it
-            if not isinstance(sl[name], torch.Tensor):
-                raise TypeError(f"state_dict buffer {name!r} of parameter {ids[k]!r} is a {type(sl[name]).__name__}; "
-                                "expected a tensor")
-    for name in names:
-        parts = [sl[name] for sl in slices]
-        if name in _SCALAR_STATE:
-            parts = [_scalar_tensor(t) for t in parts]
-            for k, t in enumerate(parts):
-                if t.dim() != 0:
-                    raise ValueError(f"state_dict's {name!r} of parameter {ids[k]!r} has shape {tuple(t.shape)}; "
-                                     "expected a number or a 0-d tensor")
-                if not bool(torch.isfinite(t)):
-                    raise ValueError(f"state_dict's {name!r} of parameter {ids[k]!r} is {float(t)!r}; expected a "
-                                     "finite number")
-                if not torch.equal(t.to(parts[0].device), parts[0]):
-                    raise ValueError(f"state_dict's {name!r} differs between parameters 0 and {ids[k]!r} "
-                                     "(one round counter for the whole model)")
-            flat[name] = parts[0]
-            continue
-        for k, (t, shape) in enumerate(zip(parts, shapes)):
-            if tuple(t.shape) != shape:
-                raise ValueError(f"state_dict buffer {name!r} of parameter {ids[k]!r} has shape {tuple(t.shape)}; "
-                                 f"the parameter has shape {shape}")
-            if t.dtype != parts[0].dtype:
-                raise TypeError(f"state_dict buffer {name!r} of parameter {ids[k]!r} has dtype {t.dtype}; "
-                                f"parameter 0's has {parts[0].dtype}")
-        flat[name] = torch.cat([t.reshape(-1).to(parts[0].device) for t in parts]) if parts else parts
-    hyper = {k: v for k, v in groups[0].items() if k not in _GROUP_KEYS}
-    return {"optimizer": meta["optimizer"], "format": FORMAT_VERSION, "hyperparameters": hyper, "group": {},
-            "layout": layout, "state": flat, **({"shard": meta["shard"]} if "shard" in meta else {})}
-
-
-def _check_layout(mine: tuple, given: Any) -> None:
-    """A checkpoint's layout against the params': entry by entry the same shape and dtype, and the same name where
-    both have one (a checkpoint from ``parameters()`` has none); the error names what differs."""
-    try:
-        theirs = [(e[0], tuple(int(x) for x in e[1]), str(e[2])) for e in given]
-    except (TypeError, ValueError, IndexError):
-        raise ValueError(f"state_dict's parameter layout is malformed: {given!r:.200}") from None
-    for k, ((name, shape, dtype), (t_name, t_shape, t_dtype)) in enumerate(zip(mine, theirs)):
-        label = f"entry {k} ({name or t_name})" if name or t_name else f"entry {k}"
-        if name and t_name and name != t_name:
-            raise ValueError(f"state_dict's parameter layout differs at entry {k}: it is named {t_name!r}; "
-                             f"this parameter is {name!r}")
-        if t_shape != tuple(shape):
-            raise ValueError(f"state_dict's parameter layout differs at {label}: its shape is {t_shape}; this "
-                             f"parameter's is {tuple(shape)}")
-        if t_dtype != dtype:
-            raise ValueError(f"state_dict's parameter layout differs at {label}: its dtype is {t_dtype}; this "
-                             f"parameter's is {dtype}")
-    if len(mine) != len(theirs):
-        raise ValueError(f"state_dict's parameter layout has {len(theirs)} entries; these params have {len(mine)}")
-
-
-def _plain_number(v: Any) -> bool:
-    """An int or float (not a bool): how torch's older checkpoints, and hand-made ones, keep ``step``."""
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-
-
-def _scalar_tensor(v: Any) -> Any:
-    """A plain-number or real 0-d tensor state entry as the float64 0-d tensor fastagg keeps: torch's optimizers
-    take a plain-number ``step`` on load, and keep it as a float32 tensor (Adam) or an int64 one; float32 and ints
-    within 2^53 convert exactly. Anything else as it is, for the checks to judge."""
-    if _plain_number(v):
-        return torch.tensor(float(v), dtype=torch.float64)
-    if (isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype != torch.bool and not v.is_complex()
-            and v.dtype != torch.float64):
-        return v.detach().to(torch.float64)
-    return v
 
 
 def _no_clients_given(x: Any) -> bool:
@@ -609,7 +458,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         self._follow()
         flat = {"optimizer": type(self).__name__, "format": FORMAT_VERSION, "hyperparameters": self.hyperparameters,
                 "group": {k: v for k, v in self.param_groups[0].items() if k not in self._hyper and k not in
-                          _GROUP_KEYS}, "layout": self.layout.signature(), "state": dict(self._flat)}
+                          GROUP_KEYS}, "layout": self.layout.signature(), "state": dict(self._flat)}
         if self.sharded:  # which slice this is: distributed.reshard puts the slices back in order by it
             import torch.distributed as dist
 
@@ -656,7 +505,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         if ck["optimizer"] != type(self).__name__:
             raise ValueError(f"state_dict is from {ck['optimizer']}; this optimizer is {type(self).__name__}")
         self._check_shard(ck.get("shard"))
-        _check_layout(self.layout.signature(), ck["layout"])
+        check_layout(self.layout.signature(), ck["layout"])
         hyper, extras = ck["hyperparameters"], {}
         if ck["format"] == 1 and isinstance(hyper, dict) and "lr" in self._hyper and "lr" not in hyper:
             hyper = {**hyper, "lr": 1.0}  # format 1 of FedExP, FedExP-M, SCAFFOLD-ExP, FedACG: no lr (it was 1)
@@ -732,7 +581,7 @@ class ServerOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"state_dict buffer {name!r} is not one {type(self).__name__} keeps "
                                  f"({', '.join(sorted(kinds))})")
             if kinds[name][0] == ():
-                t = _scalar_tensor(t)
+                t = scalar_tensor(t)
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"state_dict buffer {name!r} is a {type(t).__name__}; expected a tensor")
             shape, dtype = kinds[name]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import ops
+from . import result
 from ._aliasing import check_writes
 from ._checks import check_number, check_on_nonfinite, expect_like
 from ._docs import share_docs
@@ -24,9 +24,8 @@ from .combining import FlatCombiner
 from .compress.fold import check_batch, compressed_list, fold, nonfinite_scales
 from .compress.fold import FORMATS as COMPRESSED
 from .flat import Layout
-from .ops import round_reads
 from .passes import RoundStats, run_stats, sum_stats
-from .rows import Buffers, ClientRows, attach_base, check_buffer, client_rows, compute_dtype, param_rows
+from .rows import Buffers, ClientRows, attach_base, check_buffer, client_rows, compute_dtype, param_rows, round_reads
 
 
 class Accumulator:
@@ -708,7 +707,7 @@ class Accumulator:
                 stats.buffer_sums = [None if s is None else s / r.total_weight for s in r.buffer_sums]
             return stats
 
-    def _from_sums(self, rule, *, params, on_nonfinite, want_eval, group=None) -> ops.RoundResult:
+    def _from_sums(self, rule, *, params, on_nonfinite, want_eval, group=None) -> result.RoundResult:
         check_on_nonfinite(on_nonfinite)
         p = None
         if params is not None:
@@ -728,7 +727,7 @@ class Accumulator:
 
                 stats = accumulator_stats(self, lambda device: self._backend, group=group, mean_dtype=mean_dtype)
             eta = rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
-            res = ops.apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
+            res = result.apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
                                         backend=self._backend)
         res.nonfinite = torch.zeros(stats.num_clients, dtype=torch.bool, device=self.device)
         res.sq_norms = stats.sq_norms
@@ -738,7 +737,7 @@ class Accumulator:
 
     @share_docs
     def fedexp_step(self, eps=None, *, eps_mode: str = "paper", params=None, on_nonfinite: str = "raise",
-                    group=None) -> ops.RoundResult:
+                    group=None) -> result.RoundResult:
         """FedExP from the accumulated sums (see :func:`fastagg.fedexp_step_from_sums`)::
 
             mean = weighted_sum / total_weight
@@ -752,15 +751,15 @@ class Accumulator:
             group: a torch.distributed group whose every rank folded its own clients into its accumulator: the
                 step is over all of them, the same on every rank (:mod:`fastagg.distributed`).
         """
-        rule = ops.fedexp_rule(eps, eps_mode)
+        rule = result.fedexp_rule(eps, eps_mode)
         self._need_norms("fedexp_step")
         return self._from_sums(rule, params=params, on_nonfinite=on_nonfinite, want_eval=True, group=group)
 
     def fedavg_step(self, lr: float = 1.0, *, params=None, on_nonfinite: str = "raise",
-                    group=None) -> ops.RoundResult:
+                    group=None) -> result.RoundResult:
         """FedAvg from the accumulated sums: ``params <- params + lr * weighted_sum / total_weight`` (``group``: as
         in :meth:`fedexp_step`)."""
-        return self._from_sums(ops.fixed_rule(lr), params=params, on_nonfinite=on_nonfinite, want_eval=False,
+        return self._from_sums(result.fixed_rule(lr), params=params, on_nonfinite=on_nonfinite, want_eval=False,
                                group=group)
 
 

@@ -1,11 +1,16 @@
-"""Server step-size rules on device scalars, written once above the backends.
+"""FedExP's server step size (Jhunjhunwala et al., ICLR 2023, eq. 9) on device scalars, written once for the
+functional :func:`fastagg.fedexp_step`, the :class:`fastagg.Accumulator`'s step and the FedExP family of
+:mod:`fastagg.server`::
 
-These run as a handful of torch ops on 0-d tensors (no host sync). The round statistics they consume come
-from a backend's ``round_stats``.
+    eta = max(floor, scale * sum_i p_i ||delta_i||^2 / (||mean||^2 + eps_eff))     (floor 1, scale 1/2: eq. 9)
+
+A handful of torch ops on 0-d tensors (no host sync); the statistics come from the stats pass.
 """
 from __future__ import annotations
 
 import torch
+
+from ._checks import check_number
 
 EPS_MODES = ("paper", "official")
 
@@ -30,6 +35,11 @@ def fedexp_eta(avg_sq: torch.Tensor, mean_sq: torch.Tensor, eps_eff: float, *, s
     return torch.where(positive, torch.clamp(ratio, min=floor), torch.ones_like(ratio))
 
 
-def round_is_finite(nonfinite: torch.Tensor, eta: torch.Tensor, mean_sq: torch.Tensor) -> torch.Tensor:
-    """Device bool: no client flagged non-finite, and eta and ||mean||^2 finite (no overflow)."""
-    return ~nonfinite.any() & torch.isfinite(eta) & torch.isfinite(mean_sq)
+def check_eps(eps, eps_mode: str, *, what: str = "fedexp_step") -> float:
+    """``eps`` (finite, >= 0; required) and ``eps_mode`` checked as every FedExP entry point checks them."""
+    if eps is None:
+        raise TypeError(f"{what} needs eps (FedExP's denominator term, e.g. eps=1e-3)")
+    eps = check_number(eps, "eps")
+    if eps_mode not in EPS_MODES:
+        raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
+    return eps
