@@ -58,6 +58,19 @@ def check_number(value: Any, name: str, *, minimum: float = 0.0, allow_equal: bo
     return value
 
 
+def check_int(value: Any, name: str, *, minimum: int = 0, maximum: int | None = None, what: str | None = None) -> int:
+    """An integer in ``[minimum, maximum]`` (no upper bound when ``maximum`` is None) as a Python int: Python and
+    numpy integers are taken, bools, floats (even ``3.0``) and strings refused with a ValueError
+    ``"{name} must be {what}, got {value!r}"``, ``what`` being ``an integer >= {minimum}`` or
+    ``an integer in [{minimum}, {maximum}]`` unless given (for a range stated otherwise, e.g. ``[0, 2^63)``)."""
+    if (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+            and (maximum is None or value <= maximum)):
+        return int(value)
+    if what is None:
+        what = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+    raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
 def normalized_weights(weights: Any, num_clients: int, device: torch.device, *, sync: bool = True) -> torch.Tensor:
     """``p_i = n_i / sum_j n_j`` as float64 on ``device`` (``1/M`` each when ``weights`` is None), computed as
     ``(n_i / max n) / sum_j (n_j / max n)`` so weights near float64's largest value cannot overflow the sum.
