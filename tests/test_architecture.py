@@ -1,0 +1,499 @@
+"""The house rules of fastagg/ (issue 41), checked by reading the source: no import of fastagg is needed.
+
+Every ``.py`` under ``fastagg/`` except ``fastagg/sim/``, ``fastagg/flower/`` and ``fastagg/nvflare.py`` (the
+integrations, which sit on top of everything and are out of scope) is parsed with :mod:`ast`, and EVERY import of a
+fastagg module in it is collected: at the top, inside functions, inside ``if`` / ``try``. An edge ``a -> b`` means
+"running module a's code imports module b". The rules, one test each:
+
+- the import graph has no cycle (``test_no_import_cycle``);
+- every module has a layer and imports only from its own layer or lower ones (``test_every_module_has_a_layer``,
+  ``test_no_upward_import``);
+- only ``fastagg/backends/`` itself imports a backend module; the rest goes through the dispatch in
+  ``fastagg/backends/__init__.py`` (``test_backends_only_through_the_dispatch``);
+- no fastagg module is imported inside a function, where it would hide a cycle (``test_no_function_level_import``);
+- no module is longer than 600 lines, no class longer than 300 (``test_no_oversized_module_or_class``).
+
+How an import becomes edges (the way Python runs it):
+
+- ``import fastagg.a.b`` / ``from fastagg.a.b import y`` / ``from .a.b import y``: an edge to ``fastagg.a.b``, and
+  to the package ``fastagg.a`` too, because importing a submodule first runs its package's ``__init__.py``. The
+  packages that contain the importing module itself are left out (they are already running when it runs);
+- ``from .a import y``: also an edge to ``fastagg.a.y`` when ``y`` is a submodule;
+- ``from . import x``: an edge to the submodule ``x`` when there is one, else to the package's ``__init__`` (``x`` is
+  a name defined there). So a submodule that imports a name from its own package's ``__init__``, which imports the
+  submodule back, IS a cycle;
+- ``importlib.import_module("...")`` with a string (``fastagg/__init__.py``'s lazy ``__getattr__``, the backend
+  dispatch's Triton import) is not an import statement and is not counted.
+
+The checks are plain functions of a package root, so the tests at the bottom run them on small synthetic packages
+written into ``tmp_path`` to prove each one fails when it should.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / "fastagg"  # the package the checks walk; the tests of the test pass another root
+
+# Out of scope: the integrations on top of the core. They are not walked; a core module importing one of them is an
+# upward import (they sit above every layer).
+OUT_OF_SCOPE = ("fastagg.sim", "fastagg.flower", "fastagg.nvflare")
+
+# The layers, bottom to top. A module imports only modules of its own layer or lower ones; inside a layer any
+# direction is allowed (the cycle check still applies). A package listed here covers its submodules (so a new file in
+# fastagg/server/ is layer 7), except the root package "fastagg", which stands for fastagg/__init__.py alone: a new
+# top-level module must be added to a layer here.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # 1. foundations: argument checks, aliasing and buffer helpers, docstring helpers, optional-dependency hints,
+    #    signal masking, the flat layout, the row table's C layout, the flat-combining queue, FedExP's step size
+    #    (fedexp_rule), the optimizer checkpoint file format (checkpoint)
+    ("fastagg._checks", "fastagg._aliasing", "fastagg._buffers", "fastagg._docs", "fastagg._optional",
+     "fastagg._uninterruptible", "fastagg.flat", "fastagg.rowtable", "fastagg.combining", "fastagg.fedexp_rule",
+     "fastagg.checkpoint"),
+    # 2. the row table: a round's client updates and the parameters as rows the kernels read
+    ("fastagg.rows",),
+    # 3. the backends: the dispatch (backends/__init__.py: resolve / available / dispatch functions) and the backend
+    #    modules under it (reference, cpu, triton). Outside fastagg/backends/ only the dispatch may be imported.
+    ("fastagg.backends",),
+    # 4. the compressed formats, the stats passes, then the compressed fold that runs them over compressed rows
+    ("fastagg.compress", "fastagg.passes", "fastagg.compress.fold"),
+    # 5. torch.distributed rounds, robust rules, differential privacy
+    ("fastagg.distributed", "fastagg.robust", "fastagg.privacy"),
+    # 6. a round's result and the functional apply (result), the streaming Accumulator (stream)
+    ("fastagg.result", "fastagg.stream"),
+    # 7. the one input path (inputs), the functional API (ops), the server optimizers (server)
+    ("fastagg.inputs", "fastagg.ops", "fastagg.server"),
+    # 8. what users call on top: client steps, host feeding, environment report, async FedBuff, test helpers, the
+    #    demo, the memory check, and the package itself (fastagg/__init__.py: lazy submodules by name)
+    ("fastagg.client", "fastagg.feed", "fastagg.env", "fastagg.asynchronous", "fastagg.testing", "fastagg.demo",
+     "fastagg._memcheck", "fastagg"),
+)
+
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 300
+# (module or "module.Class", reason): only with the coordinator's agreement. None today.
+SIZE_EXEMPTIONS: dict[str, str] = {}
+
+BACKENDS = "fastagg.backends"  # the dispatch; everything below it is a backend module
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    importer: str  # dotted module name
+    target: str  # dotted module name
+    path: Path
+    line: int
+    statement: str  # the import as written
+    in_function: bool
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _out_of_scope(name: str) -> bool:
+    return any(name == o or name.startswith(o + ".") for o in OUT_OF_SCOPE)
+
+
+def all_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the package under ``root`` (out-of-scope ones included), dotted name -> file."""
+    return {_module_name(p, root): p for p in sorted(root.rglob("*.py")) if "__pycache__" not in p.parts}
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """The modules the rules apply to."""
+    return {name: path for name, path in all_modules(root).items() if not _out_of_scope(name)}
+
+
+def _statement(node: ast.AST) -> str:
+    return ast.unparse(node)
+
+
+def _ancestors(name: str) -> set[str]:
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def _targets(importer: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str],
+             top: str) -> set[str]:
+    """The fastagg modules one import statement runs (see the module docstring)."""
+    named: set[str] = set()  # the modules the statement names, or reads names from
+    if isinstance(node, ast.Import):
+        named = {a.name for a in node.names if a.name == top or a.name.startswith(top + ".")}
+    else:
+        if node.level:
+            package = importer if is_package else importer.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                package = package.rpartition(".")[0]
+            base = f"{package}.{node.module}" if node.module else package
+        else:
+            base = node.module or ""
+        if base == top or base.startswith(top + "."):
+            named = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+            if len(named) < len(node.names):
+                named.add(base)  # reads a name defined in base (its __init__, when base is a package)
+    # importing a.b runs the package a first, unless a contains the importer (then it is already running)
+    implied = {parent for name in named for parent in _ancestors(name)} - _ancestors(importer)
+    return (named | implied) - {importer}
+
+
+def edges(root: Path = ROOT) -> list[Edge]:
+    """Every import of a fastagg module by an in-scope module, with where it is written (parsed once per state of
+    the files: each check calls this)."""
+    files = tuple((p, p.stat().st_mtime_ns, p.stat().st_size) for p in all_modules(root).values())
+    return list(_edges(root, files))
+
+
+@functools.lru_cache(maxsize=16)
+def _edges(root: Path, files: tuple) -> tuple[Edge, ...]:
+    top = root.name
+    everything = all_modules(root)
+    known = set(everything)
+    out: list[Edge] = []
+    for importer, path in modules(root).items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+
+        def visit(node: ast.AST, in_function: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    for target in sorted(_targets(importer, is_package, child, known, top)):
+                        out.append(Edge(importer, target, path, child.lineno, _statement(child), in_function))
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+        visit(tree, False)
+    return tuple(out)
+
+
+def _where(edge: Edge, root: Path) -> str:
+    return f"{edge.path.relative_to(root.parent)}:{edge.line}: {edge.statement}"
+
+
+# ---------------------------------------------------------------------------------------------------------- checks
+def layer_of(name: str) -> int | None:
+    """The layer (1 = lowest) of a module: the longest listed name it is, or is inside of; None when unassigned."""
+    best, best_len = None, -1
+    for number, layer in enumerate(LAYERS, start=1):
+        for listed in layer:
+            inside = name == listed or (listed != "fastagg" and name.startswith(listed + "."))
+            if inside and len(listed) > best_len:
+                best, best_len = number, len(listed)
+    return best
+
+
+def unassigned(root: Path = ROOT) -> list[str]:
+    return [f"assign {name} a layer ({path.relative_to(root.parent)})"
+            for name, path in modules(root).items() if layer_of(name) is None]
+
+
+def upward_imports(root: Path = ROOT) -> list[str]:
+    problems = []
+    for e in edges(root):
+        low = layer_of(e.importer)
+        if low is None:
+            continue  # reported by unassigned()
+        if _out_of_scope(e.target):
+            problems.append(f"{e.importer} (layer {low}) imports {e.target}, an integration above every layer: "
+                            f"{_where(e, root)}")
+            continue
+        high = layer_of(e.target)
+        if high is not None and high > low:
+            problems.append(f"{e.importer} (layer {low}) imports {e.target} (layer {high}): {_where(e, root)}")
+    return problems
+
+
+def backend_bypasses(root: Path = ROOT) -> list[str]:
+    return [f"{e.importer} imports the backend module {e.target} directly: {_where(e, root)}"
+            for e in edges(root)
+            if e.target.startswith(BACKENDS + ".") and not (e.importer == BACKENDS
+                                                            or e.importer.startswith(BACKENDS + "."))]
+
+
+def function_level_imports(root: Path = ROOT) -> list[str]:
+    seen, problems = set(), []
+    for e in edges(root):
+        if e.in_function and (e.path, e.line) not in seen:
+            seen.add((e.path, e.line))
+            problems.append(f"{_where(e, root)} (in a function, in {e.importer})")
+    return problems
+
+
+def graph(root: Path = ROOT) -> dict[str, set[str]]:
+    g: dict[str, set[str]] = {name: set() for name in modules(root)}
+    for e in edges(root):
+        if e.target in g:
+            g[e.importer].add(e.target)
+    return g
+
+
+def cycles(root: Path = ROOT) -> list[str]:
+    """One cycle per strongly connected component of the import graph (Tarjan), as ``a -> b -> a``."""
+    g = graph(root)
+    by_pair = {(e.importer, e.target): e for e in reversed(edges(root))}  # the first place each edge is written
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:  # recursion depth <= number of modules (~70)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            components.append(component)
+
+    for v in sorted(g):
+        if v not in index:
+            strongconnect(v)
+    out = []
+    for component in components:
+        members = set(component)
+        start = min(component)
+        if len(component) == 1 and start not in g[start]:
+            continue
+        # the shortest path start -> ... -> start inside the component (breadth first)
+        previous: dict[str, str] = {}
+        frontier, found = [start], None
+        while frontier and found is None:
+            nxt = []
+            for v in frontier:
+                for w in sorted(g[v] & members):
+                    if w == start:
+                        found = v
+                        break
+                    if w not in previous:
+                        previous[w] = v
+                        nxt.append(w)
+                if found is not None:
+                    break
+            frontier = nxt
+        path = [start]
+        v = found
+        while v != start:
+            path.append(v)
+            v = previous[v]
+        path.append(start)
+        path = [path[0]] + path[1:-1][::-1] + [start]
+        where = []
+        for a, b in zip(path, path[1:]):
+            where.append(f"    {_where(by_pair[a, b], root)}")
+        extra = "" if len(component) == len(path) - 1 else f" (all of {sorted(component)} import each other)"
+        out.append(" -> ".join(path) + extra + "\n" + "\n".join(where))
+    return out
+
+
+def oversized(root: Path = ROOT) -> list[str]:
+    problems = []
+    for name, path in modules(root).items():
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES and name not in SIZE_EXEMPTIONS:
+            problems.append(f"{path.relative_to(root.parent)} ({name}) has {lines} lines > {MAX_MODULE_LINES}")
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_CLASS_LINES and f"{name}.{node.name}" not in SIZE_EXEMPTIONS:
+                    problems.append(f"class {node.name} in {path.relative_to(root.parent)}:{node.lineno} has "
+                                    f"{length} lines > {MAX_CLASS_LINES}")
+    return problems
+
+
+def _report(problems: list[str], rule: str, why: str, fix: str) -> str:
+    return f"{rule}\nWhy: {why}\nHow to fix: {fix}\n\n" + "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------------ the rules, on fastagg/
+def test_no_import_cycle():
+    found = cycles()
+    assert not found, _report(
+        found, "The import graph of fastagg/ has a cycle (each line: where one edge of it is written).",
+        "a cycle means neither module can be read, tested or changed without the other, and the import order decides "
+        "which half-initialised module the other sees.",
+        "move the code both sides need down to a module of a lower layer (see LAYERS in this file and "
+        "docs/ARCHITECTURE.md), so that the lower module no longer imports the higher one. A function-level import "
+        "does not fix a cycle: it is counted here like a top-level one.")
+
+
+def test_every_module_has_a_layer():
+    found = unassigned()
+    assert not found, _report(
+        found, "A module of fastagg/ is not in any layer.",
+        "the layer decides what a module may import; an unplaced module would escape the upward-import check.",
+        "add its dotted name to the right layer of LAYERS in tests/test_architecture.py, and its one line to the "
+        "layer list of docs/ARCHITECTURE.md.")
+
+
+def test_no_upward_import():
+    found = upward_imports()
+    assert not found, _report(
+        found, "A module imports a module of a higher layer.",
+        "the layers keep the core a stack a newcomer reads bottom up; an upward import is a cycle waiting to happen.",
+        "move what is needed down to the importer's layer or below (or, if the importer really belongs higher, "
+        "move it up in LAYERS and in docs/ARCHITECTURE.md). The out-of-scope integrations (fastagg.sim, "
+        "fastagg.flower, fastagg.nvflare) sit above every layer: the core never imports them.")
+
+
+def test_backends_only_through_the_dispatch():
+    found = backend_bypasses()
+    assert not found, _report(
+        found, "A module outside fastagg/backends/ imports a backend module (cpu, reference, triton...) directly.",
+        "a backend must be addable or swappable without touching the rule families; they reach backend primitives "
+        "through fastagg/backends/__init__.py (resolve / available / the dispatch functions).",
+        "import from fastagg.backends instead (add a small dispatch function there if the primitive has none).")
+
+
+def test_no_function_level_import():
+    found = function_level_imports()
+    assert not found, _report(
+        found, "A fastagg module is imported inside a function.",
+        "an import inside a function hides a cycle or an upward import from whoever reads the top of the file. It "
+        "is acceptable only for an optional third-party package or torch.distributed, never for a fastagg module.",
+        "move the import to the top of the file; if that makes a cycle, move the code it needs to a lower layer.")
+
+
+def test_no_oversized_module_or_class():
+    found = oversized()
+    assert not found, _report(
+        found, f"A module is longer than {MAX_MODULE_LINES} lines or a class longer than {MAX_CLASS_LINES}.",
+        "a module a newcomer reads in one sitting holds one job; a long class is usually several jobs in one.",
+        "split by job into modules of their own (functions, not mixins); exemptions (SIZE_EXEMPTIONS) only with the "
+        "maintainers' agreement.")
+
+
+# ---------------------------------------------------------------------------------- the tests of the test (synthetic)
+def _write(root: Path, files: dict[str, str]) -> Path:
+    package = root / "fastagg"
+    for relative, text in files.items():
+        path = package / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return package
+
+
+# A small house that keeps every rule (relative and absolute imports, a package, an ancestor edge, the dispatch).
+CLEAN = {
+    "__init__.py": "from .ops import run\nfrom .stream import Accumulator\n",
+    "_checks.py": "def check_int(x):\n    return x\n",
+    "rows.py": "from ._checks import check_int\nimport fastagg.flat\n",
+    "flat.py": "",
+    "backends/__init__.py": "from . import reference\nfrom .reference import round_stats\n\ndef resolve():\n"
+                            "    import importlib\n    return importlib.import_module('fastagg.backends.cpu')\n",
+    "backends/reference.py": "from ..rows import check_int\n\ndef round_stats():\n    pass\n",
+    "backends/cpu.py": "from . import reference\n",
+    "passes.py": "from .backends import resolve\n",
+    "stream/__init__.py": "from .log import Log\n\nclass Accumulator:\n    pass\n",
+    "stream/log.py": "from ..passes import resolve\n\nclass Log:\n    pass\n",
+    "ops.py": "from fastagg.stream.log import Log\n\ndef run():\n    import torch.distributed as dist\n",
+    "server/__init__.py": "from .base import ServerOptimizer\nfrom .fedavg import FedAvg\n",
+    "server/base.py": "from ..ops import run\n\nclass ServerOptimizer:\n    pass\n",
+    "server/fedavg.py": "from .base import ServerOptimizer\n\nclass FedAvg(ServerOptimizer):\n    pass\n",
+    "sim/__init__.py": "from fastagg.server import FedAvg\nfrom fastagg.sim import x\n",
+    "nvflare.py": "def f():\n    from .server import FedAvg\n",
+}
+
+
+def test_a_clean_house_passes(tmp_path):
+    root = _write(tmp_path, CLEAN)
+    assert cycles(root) == [] and unassigned(root) == [] and upward_imports(root) == []
+    assert backend_bypasses(root) == [] and function_level_imports(root) == [] and oversized(root) == []
+    g = graph(root)
+    assert g["fastagg.rows"] == {"fastagg._checks", "fastagg.flat"}
+    assert g["fastagg.ops"] == {"fastagg.stream", "fastagg.stream.log"}  # the package's __init__ runs first
+    assert g["fastagg.server.fedavg"] == {"fastagg.server.base"}  # its own package is already running
+    assert g["fastagg.backends"] == {"fastagg.backends.reference"}
+    assert "fastagg.sim" not in g and "fastagg.nvflare" not in g  # out of scope: not walked
+
+
+def test_a_planted_cycle_is_named(tmp_path):
+    root = _write(tmp_path, {**CLEAN, "flat.py": "from .rows import something\n"})
+    (found,) = cycles(root)
+    assert found.splitlines()[0] == "fastagg.flat -> fastagg.rows -> fastagg.flat"
+    assert "fastagg/flat.py:1: from .rows import something" in found
+    assert "fastagg/rows.py:2: import fastagg.flat" in found
+
+
+def test_a_submodule_reading_its_own_package_init_is_a_cycle(tmp_path):
+    # fastagg/server/__init__.py imports fedavg, which reads ServerOptimizer back from the package's __init__
+    root = _write(tmp_path, {**CLEAN, "server/fedavg.py": "from fastagg.server import ServerOptimizer\n"})
+    (found,) = cycles(root)
+    assert found.splitlines()[0] == "fastagg.server -> fastagg.server.fedavg -> fastagg.server"
+    root = _write(tmp_path / "relative", {**CLEAN, "server/fedavg.py": "from . import ServerOptimizer\n"})
+    assert cycles(root)[0].splitlines()[0] == "fastagg.server -> fastagg.server.fedavg -> fastagg.server"
+
+
+def test_a_cycle_hidden_in_a_function_is_still_a_cycle(tmp_path):
+    root = _write(tmp_path, {**CLEAN, "_checks.py": "def check_int(x):\n    if x:\n        try:\n"
+                                                    "            from fastagg import rows\n        except ImportError:\n"
+                                                    "            pass\n"})
+    (found,) = cycles(root)
+    assert found.splitlines()[0] == "fastagg._checks -> fastagg.rows -> fastagg._checks"
+    assert function_level_imports(root) == [
+        "fastagg/_checks.py:4: from fastagg import rows (in a function, in fastagg._checks)"]
+
+
+def test_a_planted_upward_import_is_named(tmp_path):
+    root = _write(tmp_path, {**CLEAN, "rows.py": "from .server import base\n", "passes.py": "import fastagg.sim\n",
+                             "ops.py": "from . import stream\n"})
+    found = upward_imports(root)
+    assert ("fastagg.rows (layer 2) imports fastagg.server (layer 7): fastagg/rows.py:1: from .server import base"
+            in found)
+    assert ("fastagg.rows (layer 2) imports fastagg.server.base (layer 7): fastagg/rows.py:1: from .server import "
+            "base" in found)
+    assert any(p.startswith("fastagg.passes (layer 4) imports fastagg.sim, an integration above every layer")
+               for p in found)
+    assert len(found) == 3  # ops (7) importing stream (6) is downward
+
+
+def test_an_unplaced_module_must_be_assigned_a_layer(tmp_path):
+    root = _write(tmp_path, {**CLEAN, "newthing.py": "", "server/adaptive.py": "from .base import ServerOptimizer\n"})
+    assert unassigned(root) == ["assign fastagg.newthing a layer (fastagg/newthing.py)"]  # server/* is layer 7
+
+
+def test_a_planted_direct_backend_import_is_named(tmp_path):
+    root = _write(tmp_path, {**CLEAN, "passes.py": "from .backends import resolve, cpu\n",
+                             "stream/log.py": "from fastagg.backends.reference import round_stats\n"})
+    found = backend_bypasses(root)
+    assert found == [
+        "fastagg.passes imports the backend module fastagg.backends.cpu directly: fastagg/passes.py:1: from "
+        ".backends import resolve, cpu",
+        "fastagg.stream.log imports the backend module fastagg.backends.reference directly: fastagg/stream/log.py:1: "
+        "from fastagg.backends.reference import round_stats"]
+
+
+def test_a_planted_function_level_import_is_named(tmp_path):
+    root = _write(tmp_path, {**CLEAN, "ops.py": "class A:\n    def f(self):\n        from .stream import log\n"
+                                                "        import json\n"})
+    assert function_level_imports(root) == [
+        "fastagg/ops.py:3: from .stream import log (in a function, in fastagg.ops)"]
+    assert upward_imports(root) == [] and cycles(root) == []
+
+
+def test_planted_oversized_module_and_class_are_named(tmp_path):
+    long_class = "class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES
+    fine_class = "class Fine:\n" + "    x = 1\n" * (MAX_CLASS_LINES - 1)
+    root = _write(tmp_path, {**CLEAN, "rows.py": "\n" * (MAX_MODULE_LINES + 1), "flat.py": long_class + fine_class,
+                             "_checks.py": "\n" * MAX_MODULE_LINES})
+    assert oversized(root) == [f"fastagg/flat.py (fastagg.flat) has {2 * MAX_CLASS_LINES + 1} lines > 600",
+                               "class Big in fastagg/flat.py:1 has 301 lines > 300",
+                               f"fastagg/rows.py (fastagg.rows) has {MAX_MODULE_LINES + 1} lines > 600"]
