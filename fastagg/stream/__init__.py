@@ -110,7 +110,6 @@ class Accumulator:
     _scratch = property(lambda self: self._round.scratch)
     _weighted_sq = property(lambda self: self._round.weighted_sq)
     _buffer_sums = property(lambda self: list(self._round.buffer_sums))
-    _ids = property(lambda self: self._round.ids())
     total_weight = property(lambda self: self._round.total_weight,
                             doc="``sum_i n_i`` over the clients folded in (float).")
 
@@ -149,13 +148,7 @@ class Accumulator:
     def sq_norms(self) -> torch.Tensor:
         """``||delta_i||^2`` of every client added so far, float64 ``(M,)`` (with ``client_norms=True``)."""
         self._need_norms("sq_norms")
-        return self._norms(self._round)
-
-    def _norms(self, r: Round) -> torch.Tensor:
-        norms = r.norms()
-        if not norms:
-            return torch.zeros(0, dtype=torch.float64, device=self.device)
-        return torch.stack(norms)
+        return self._round.norm_tensor(self.device)
 
     def _need_norms(self, what: str) -> None:
         if not self._client_norms:

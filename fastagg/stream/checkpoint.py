@@ -25,7 +25,7 @@ def state_dict(acc) -> dict:
                  "layout": [list(e) for e in acc._form.signature()],
                  "sum": r.sum.detach().cpu().clone(),
                  # (client_norms=False: zeros, and the flag, so that an accumulator keeping norms refuses them)
-                 "sq_norms": acc._norms(r).cpu().clone() if acc._client_norms else
+                 "sq_norms": r.norm_tensor(acc.device).cpu().clone() if acc._client_norms else
                  torch.zeros(r.n, dtype=torch.float64),
                  "weighted_sq": float(r.weighted_sq) if acc._client_norms else 0.0,
                  "total_weight": float(r.total_weight), "client_ids": r.ids(),

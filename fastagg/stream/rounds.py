@@ -75,6 +75,13 @@ class Round:
     def norms(self) -> list:
         return self.log.norms[:self.n]
 
+    def norm_tensor(self, device: torch.device) -> torch.Tensor:
+        """The clients' squared norms as one float64 ``(n,)`` tensor on ``device``."""
+        norms = self.norms()
+        if not norms:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        return torch.stack(norms)
+
     def has_id(self, client_id: Any) -> bool:
         return self.log.id_pos.get(client_id, self.n) < self.n
 

@@ -26,7 +26,7 @@ def round_stats(acc, backend_of, *, aux=None, aux_coef: float = 0.0, mean_out=No
                           mean_out=mean_out, mean_dtype=mean_dtype, keep_mean=keep_mean)
         if not keep_mean:
             stats.mean_sum = acc._written_sum()
-        stats.sq_norms = acc._norms(r) if acc._client_norms else \
+        stats.sq_norms = r.norm_tensor(acc.device) if acc._client_norms else \
             torch.full((r.n,), math.nan, dtype=torch.float64, device=acc.device)
         if acc._buffer_names:
             stats.buffers = Buffers(acc._buffer_names, [])
