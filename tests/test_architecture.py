@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import re
 from pathlib import Path
 
 
@@ -497,3 +498,154 @@ def test_planted_oversized_module_and_class_are_named(tmp_path):
     assert oversized(root) == [f"fastagg/flat.py (fastagg.flat) has {2 * MAX_CLASS_LINES + 1} lines > 600",
                                "class Big in fastagg/flat.py:1 has 301 lines > 300",
                                f"fastagg/rows.py (fastagg.rows) has {MAX_MODULE_LINES + 1} lines > 600"]
+
+
+# --------------------------------------------------------------------------------------------- docs/ARCHITECTURE.md
+DOC = REPO / "docs" / "ARCHITECTURE.md"
+_PATH = re.compile(r"(?<![\w/.])(?:fastagg|tests|csrc|docs)/[A-Za-z0-9_./-]*|(?<![\w/.])setup\.py")
+_DOTTED = re.compile(r"(?<![\w/.])fastagg(?:\.[A-Za-z_]\w*)+")
+
+
+def _defines(body: list, name: str) -> ast.AST | bool:
+    """The node that binds ``name`` in a module's or class's ``body`` (True for an assignment or import)."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return node
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name.split(".")[0]) == name
+                                                                     for a in node.names):
+            return True
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return True
+    return False
+
+
+def missing_citations(doc: Path = DOC, root: Path = ROOT) -> list[str]:
+    """Paths (``fastagg/...``, ``tests/...``, ``csrc/...``, ``docs/...``, ``setup.py``) and dotted fastagg names the
+    page cites that do not exist (a ``<placeholder>`` ends a path: its folder must exist)."""
+    text = doc.read_text()
+    problems = []
+    for path in sorted(set(_PATH.findall(text))):
+        path = path.rstrip(".")
+        if not (root.parent / path).exists():
+            problems.append(f"{doc.name} cites {path}, which does not exist")
+    known = all_modules(root)
+    for dotted in sorted(set(_DOTTED.findall(text))):
+        parts = dotted.split(".")
+        k = max(i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in known)
+        body = ast.parse(known[".".join(parts[:k])].read_text()).body
+        for i, name in enumerate(parts[k:]):
+            if f"{'.'.join(parts[:k + i])}.{name}" in known:
+                break  # (a submodule the parent does not import)
+            node = _defines(body, name)
+            if not node:
+                problems.append(f"{doc.name} cites {dotted}: {'.'.join(parts[:k + i])} defines no {name!r}")
+            if not isinstance(node, ast.ClassDef):
+                break  # (a function's, an assignment's or an import's attributes are not followed)
+            body = node.body
+    return problems
+
+
+def test_every_path_and_name_the_architecture_page_cites_exists():
+    found = missing_citations()
+    assert not found, _report(
+        found, "docs/ARCHITECTURE.md cites a file or a fastagg name that does not exist.",
+        "a newcomer follows the page to the files it names; a stale name sends them nowhere.",
+        "update the page (a moved module: its new path; a renamed function: its new name).")
+
+
+def test_the_citation_check_catches_a_stale_path_and_name(tmp_path):
+    doc = tmp_path / "ARCHITECTURE.md"
+    doc.write_text("`fastagg/rows.py`, `fastagg/server.py`, `fastagg/backends/<name>.py`, `tests/nothing.py`.\n"
+                   "`fastagg.rows.client_rows`, `fastagg.rows.ClientRows.row_ptrs`, `fastagg.rows.no_such`, "
+                   "fastagg.rows.ClientRows.nope, fastagg.passes.RoundStats.anything, fastagg.server.base\n")
+    root = _write(tmp_path, {**CLEAN, "rows.py": "class ClientRows:\n    def row_ptrs(self):\n        pass\n\n"
+                                                 "def client_rows():\n    pass\n",
+                             "passes.py": "from .rows import ClientRows as RoundStats\n"})
+    assert missing_citations(doc, root) == [
+        "ARCHITECTURE.md cites fastagg/server.py, which does not exist",
+        "ARCHITECTURE.md cites tests/nothing.py, which does not exist",
+        "ARCHITECTURE.md cites fastagg.rows.ClientRows.nope: fastagg.rows.ClientRows defines no 'nope'",
+        "ARCHITECTURE.md cites fastagg.rows.no_such: fastagg.rows defines no 'no_such'"]
+
+
+def _doc_example() -> tuple[str, str]:
+    """The server rule example of docs/ARCHITECTURE.md, "Adding a server rule": (its file, its export line)."""
+    text = DOC.read_text()
+    section = text[text.index("## 3. Adding a server rule"):text.index("## 4. ")]
+    source, export = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
+    return source, export.strip()
+
+
+def _load_example(tmp_path: Path, monkeypatch) -> type:
+    """The example's file, written into ``tmp_path`` and imported as the submodule of fastagg.server its export line
+    names (its relative imports then resolve as they would in fastagg/server/)."""
+    import importlib.util
+    import sys
+
+    source, export = _doc_example()
+    match = re.fullmatch(r"from \.(\w+) import (\w+)", export)
+    assert match, f"the example's export line is not `from .<module> import <Rule>`: {export!r}"
+    module_name, rule = match.groups()
+    path = tmp_path / f"{module_name}.py"
+    path.write_text(source)
+    name = f"fastagg.server.{module_name}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    assert module.__all__ == [rule]
+    assert len(source.splitlines()) <= 45, "the example is meant to be read in one glance"
+    return getattr(module, rule)
+
+
+def _example_oracle(w0, rounds, lr: float, momentum: float) -> list:
+    """The example's formula in float64, from its docstring: ``v <- momentum v + mean; w <- w + lr/sqrt(t+1) v``."""
+    import torch
+
+    w, v, out = w0.double(), torch.zeros(w0.numel(), dtype=torch.float64), []
+    for t, (x, n) in enumerate(rounds):
+        p = torch.as_tensor(n, dtype=torch.float64) / sum(n)
+        v = momentum * v + p @ x.double()
+        w = w + lr / (t + 1) ** 0.5 * v
+        out.append(w)
+    return out
+
+
+def test_the_example_server_rule_steps_as_its_formula_and_checkpoints(tmp_path, monkeypatch):
+    import torch
+
+    from fastagg.testing import assert_close, cpu_backends
+
+    rule = _load_example(tmp_path, monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    d, lr, momentum = 53, 0.5, 0.8
+    w0 = torch.randn(d, generator=g)
+    rounds = [((0.1 * torch.randn(m, d, generator=g, dtype=torch.float64) + 0.02).float(),
+               torch.randint(1, 20, (m,), generator=g).tolist()) for m in (3, 5, 4)]
+    want = _example_oracle(w0, rounds, lr, momentum)
+    for backend in cpu_backends():
+        w = w0.clone()
+        opt = rule(w, lr=lr, momentum=momentum, backend=backend)
+        for t, (x, n) in enumerate(rounds):
+            stats = opt.step(x, weights=n)
+            assert bool(stats.finite)
+            assert_close(w, want[t], rtol=1e-5, atol=1e-6, name=f"{backend}, round {t}")
+        assert opt.round == 3
+
+        # a checkpoint after round 2 restores the rule exactly: round 3 from it gives the same bits
+        w = w0.clone()
+        opt = rule(w, lr=lr, momentum=momentum, backend=backend)
+        for x, n in rounds[:2]:
+            opt.step(x, weights=n)
+        saved = opt.state_dict()
+        w2 = w.clone()
+        resumed = rule(w2, backend=backend)  # the defaults: the checkpoint brings lr and momentum back
+        resumed.load_state_dict(saved)
+        assert (resumed.lr, resumed.momentum, resumed.round) == (lr, momentum, 2)
+        opt.step(*rounds[2][:1], weights=rounds[2][1])
+        resumed.step(*rounds[2][:1], weights=rounds[2][1])
+        assert torch.equal(w, w2), backend
+        assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"],
+                           resumed.state_dict()["state"][0]["momentum_buffer"])
