@@ -324,7 +324,7 @@ def _report(problems: list[str], rule: str, why: str, fix: str) -> str:
     return f"{rule}\nWhy: {why}\nHow to fix: {fix}\n\n" + "\n".join(problems)
 
 
-# ------------------------------------------------------------------------------------------------ the rules, on fastagg/
+# ----------------------------------------------------------------------------------------------- the rules, on fastagg/
 def test_no_import_cycle():
     found = cycles()
     assert not found, _report(
@@ -444,9 +444,8 @@ def test_a_submodule_reading_its_own_package_init_is_a_cycle(tmp_path):
 
 
 def test_a_cycle_hidden_in_a_function_is_still_a_cycle(tmp_path):
-    root = _write(tmp_path, {**CLEAN, "_checks.py": "def check_int(x):\n    if x:\n        try:\n"
-                                                    "            from fastagg import rows\n        except ImportError:\n"
-                                                    "            pass\n"})
+    hidden = "def check_int(x):\n    if x:\n        try:\n            from fastagg import rows\n"
+    root = _write(tmp_path, {**CLEAN, "_checks.py": hidden + "        except ImportError:\n            pass\n"})
     (found,) = cycles(root)
     assert found.splitlines()[0] == "fastagg._checks -> fastagg.rows -> fastagg._checks"
     assert function_level_imports(root) == [
@@ -547,6 +546,27 @@ def missing_citations(doc: Path = DOC, root: Path = ROOT) -> list[str]:
     return problems
 
 
+def unlisted_modules(doc: Path = DOC, root: Path = ROOT) -> list[str]:
+    """The in-scope modules the page's layer list does not name: neither their file nor a folder above it is cited
+    (``fastagg/server/`` covers the files in it)."""
+    cited = {p.rstrip(".") for p in _PATH.findall(doc.read_text())}
+    out = []
+    for name, path in modules(root).items():
+        relative = path.relative_to(root.parent)
+        folders = {f"{parent.as_posix()}/" for parent in relative.parents if parent.name}
+        if relative.as_posix() not in cited and not folders & (cited - {f"{root.name}/"}):
+            out.append(f"{relative} ({name})")
+    return out
+
+
+def test_every_module_is_on_the_architecture_page():
+    found = unlisted_modules()
+    assert not found, _report(
+        found, "A module of fastagg/ is missing from docs/ARCHITECTURE.md's layer list.",
+        "the page is the newcomer's map of the house: every module has its one line there.",
+        "add the module to its layer's table in docs/ARCHITECTURE.md (one line: what it is), and to LAYERS here.")
+
+
 def test_every_path_and_name_the_architecture_page_cites_exists():
     found = missing_citations()
     assert not found, _report(
@@ -568,6 +588,12 @@ def test_the_citation_check_catches_a_stale_path_and_name(tmp_path):
         "ARCHITECTURE.md cites tests/nothing.py, which does not exist",
         "ARCHITECTURE.md cites fastagg.rows.ClientRows.nope: fastagg.rows.ClientRows defines no 'nope'",
         "ARCHITECTURE.md cites fastagg.rows.no_such: fastagg.rows defines no 'no_such'"]
+    # the layer list names rows.py and the backends/ folder (its files); `fastagg/` alone covers nothing
+    assert sorted(unlisted_modules(doc, root)) == sorted(f"fastagg/{f} ({m})" for f, m in [
+        ("__init__.py", "fastagg"), ("_checks.py", "fastagg._checks"), ("flat.py", "fastagg.flat"),
+        ("passes.py", "fastagg.passes"), ("stream/__init__.py", "fastagg.stream"),
+        ("stream/log.py", "fastagg.stream.log"), ("ops.py", "fastagg.ops"), ("server/__init__.py", "fastagg.server"),
+        ("server/base.py", "fastagg.server.base"), ("server/fedavg.py", "fastagg.server.fedavg")])
 
 
 def _doc_example() -> tuple[str, str]:
