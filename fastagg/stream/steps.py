@@ -10,7 +10,6 @@ import torch
 from .. import result
 from .._aliasing import check_writes
 from .._checks import check_on_nonfinite
-from ..distributed import accumulator_stats
 from ..passes import RoundStats, sum_stats
 from ..rows import Buffers, compute_dtype, param_rows
 
@@ -59,6 +58,10 @@ def from_sums(acc, rule, *, params, on_nonfinite, want_eval, group=None) -> resu
             stats = acc.round_stats(lambda device: acc._backend, mean_dtype=mean_dtype,
                                     mean_out=acc._take_spare(mean_dtype or acc._sum.dtype))
         else:  # every rank's accumulator (fastagg.distributed)
+            # loaded by the first step over a group, so that ``import fastagg`` (which imports this module) stays
+            # light (tests/test_user_habits.py pins it); a downward import, as fastagg/inputs.py's
+            from ..distributed import accumulator_stats
+
             stats = accumulator_stats(acc, lambda device: acc._backend, group=group, mean_dtype=mean_dtype)
         eta = rule(stats.avg_sq, stats.mean_sq, stats.num_clients)
         res = result.apply_and_package(stats, eta, params=p, want_eval=want_eval, on_nonfinite=on_nonfinite,
