@@ -6,17 +6,22 @@ Versions: 2 (current) keeps each vector buffer cut into one slice per parameter,
 ["shard": {"rank", "world"}], ["aggregate": {"class", "state"}]}``. 1 (read only): the flat form below, by name.
 
 Every check reads the flat form (:func:`flat_checkpoint`): ``{"optimizer", "format", "hyperparameters", "group",
-"layout", "state": name -> flat buffer or 0-d tensor, ["shard"]}``. This module knows the file format only; what an
-optimizer keeps and the ranges of its values are checked by :mod:`fastagg.server.state`.
+"layout", "state": name -> flat buffer or 0-d tensor, ["shard"]}``. The functions at the end check a checkpoint
+against the optimizer loading it (its buffers, ranges, shard and aggregate state), as
+:meth:`fastagg.server.ServerOptimizer.load_state_dict` calls them before it changes anything.
 """
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
+
+__all__ = ["FORMAT_VERSION", "flat_checkpoint", "torch_checkpoint", "check_layout", "state_kinds", "checked_state",
+           "check_shard", "checked_aggregate_state"]
 
 FORMAT_VERSION = 2  # torch's {state, param_groups} shape with a "fastagg" entry; 1: flat buffers by name
 GROUP_KEYS = ("params", "param_names")  # param_groups entries that are not settings
@@ -170,4 +175,79 @@ def scalar_tensor(v: Any) -> Any:
     return v
 
 
-__all__ = ["FORMAT_VERSION", "flat_checkpoint", "torch_checkpoint", "check_layout"]
+
+
+# -- an optimizer's checks on load (fastagg.server.ServerOptimizer.load_state_dict) ---------------------------------
+def state_kinds(numel: int, param_dtype: torch.dtype, compute_dtype: torch.dtype, vector_state: tuple,
+                scalar_state: tuple) -> dict:
+    """Name -> (shape, dtype) of every buffer an optimizer keeps: the round counter ``step``, the evaluation /
+    broadcast copy ``extra`` (the params' dtype), its d-vector buffers (the compute dtype), its 0-d ones."""
+    kinds = {"step": ((), torch.float64), "extra": ((numel,), param_dtype)}
+    for name in vector_state:
+        kinds[name] = ((numel,), compute_dtype)
+    for name in scalar_state:
+        kinds[name] = ((), torch.float64)
+    return kinds
+
+
+def checked_state(given: Any, kinds: dict, *, nonnegative: tuple, owner: str, device: torch.device) -> dict:
+    """A checkpoint's flat state checked against ``kinds`` (:func:`state_kinds`) and copied to ``device``: every
+    buffer one ``owner`` keeps, shaped and typed as it keeps it, finite, those in ``nonnegative`` >= 0, and a round
+    counter that is a whole number in [0, 2^53]. Raises naming the first problem."""
+    if not isinstance(given, dict) or "step" not in given:
+        raise ValueError("state_dict['state'] must be a dict with at least the round counter 'step'")
+    out = {}
+    for name, t in given.items():
+        if name not in kinds:
+            raise ValueError(f"state_dict buffer {name!r} is not one {owner} keeps ({', '.join(sorted(kinds))})")
+        if kinds[name][0] == ():
+            t = scalar_tensor(t)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict buffer {name!r} is a {type(t).__name__}; expected a tensor")
+        shape, dtype = kinds[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"state_dict buffer {name!r} has shape {tuple(t.shape)}; expected {shape}")
+        if t.dtype != dtype:
+            raise TypeError(f"state_dict buffer {name!r} has dtype {t.dtype}; expected {dtype}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"state_dict buffer {name!r} holds NaN or Inf")
+        if name in nonnegative and bool((t < 0).any()):
+            raise ValueError(f"state_dict buffer {name!r} holds negative values; {owner}'s {name} is a sum of "
+                             "squares (a step would divide by the square root of it)")
+        out[name] = t.detach().to(device=device, copy=True)
+    step = float(out["step"])
+    if step < 0 or step != int(step) or step > 2.0**53:  # beyond 2^53 the float64 counter stops counting
+        raise ValueError(f"state_dict's round counter 'step' is {step!r}; expected a whole number in [0, 2^53]")
+    return out
+
+
+def check_shard(tag: Any, *, sharded: bool, mine: Callable[[], dict]) -> None:
+    """A sharded checkpoint is one rank's slice: only that rank (``mine()``: ``{"rank", "world"}``) of a group of
+    that size may load it."""
+    if tag is None:
+        return
+    if not sharded:
+        raise ValueError(f"state_dict is one slice of a sharded optimizer ({tag!r}); this one is not sharded "
+                         "(fastagg.distributed.reshard(..., 1) joins the slices)")
+    here = mine()
+    if not isinstance(tag, dict) or {k: tag.get(k) for k in here} != here:
+        raise ValueError(f"state_dict is the slice of {tag!r}; this optimizer is rank {here['rank']} of "
+                         f"{here['world']} (fastagg.distributed.reshard re-cuts the slices)")
+
+
+def checked_aggregate_state(state_dict: Any, aggregate: Any) -> Any:
+    """The aggregate's (a DP mechanism's) state in a checkpoint, checked on a copy of the mechanism; None when the
+    checkpoint has none or ``aggregate`` keeps none."""
+    meta = state_dict.get("fastagg") if isinstance(state_dict, Mapping) else None
+    saved = meta.get("aggregate") if isinstance(meta, Mapping) else None
+    if saved is None or not hasattr(aggregate, "load_state_dict"):
+        return None
+    if not isinstance(saved, Mapping) or saved.get("class") != type(aggregate).__name__:
+        got = saved.get("class") if isinstance(saved, Mapping) else type(saved).__name__
+        raise ValueError(f"state_dict's aggregate state is of {got!r}; this optimizer aggregates with "
+                         f"{type(aggregate).__name__}")
+    try:
+        copy.copy(aggregate).load_state_dict(saved["state"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"state_dict's aggregate state is invalid: {e!r}") from None
+    return saved["state"]

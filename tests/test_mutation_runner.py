@@ -152,8 +152,8 @@ def test_the_curated_list_covers_every_area_with_at_least_40_mutants():
     mutants = mr.load(mr.DEFAULT_LIST)
     assert len(mutants) >= 40
     files = {m.file for m in mutants}
-    for area in ("fastagg/server.py", "fastagg/rules.py", "fastagg/ops.py", "fastagg/privacy/", "fastagg/robust.py",
-                 "fastagg/compress/", "fastagg/asynchronous.py", "fastagg/stream.py"):
+    for area in ("fastagg/server/", "fastagg/fedexp_rule.py", "fastagg/result.py", "fastagg/privacy/",
+                 "fastagg/robust.py", "fastagg/compress/", "fastagg/asynchronous.py", "fastagg/stream/"):
         assert any(f.startswith(area) for f in files), area
     ids = {m.id for m in mutants}
     for named in ("fedadam-tau-default", "median-lower-takes-upper", "accountant-poisson-rate",
@@ -162,8 +162,8 @@ def test_the_curated_list_covers_every_area_with_at_least_40_mutants():
 
 
 def test_in_a_copy_of_fastagg_the_copy_is_imported_not_the_editable_install(tmp_path, monkeypatch):
-    """The editable install's finder must not win over the copy: a probe test imports fastagg.rules there, and the
-    guard reports where it came from."""
+    """The editable install's finder must not win over the copy: a probe test imports fastagg.fedexp_rule there, and
+    the guard reports where it came from."""
     monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD")  # fastagg's pytest settings name installed plugins
     copy = str(tmp_path / "copy")
     os.makedirs(copy)
@@ -171,9 +171,9 @@ def test_in_a_copy_of_fastagg_the_copy_is_imported_not_the_editable_install(tmp_
     with open(os.path.join(copy, "_mutation_guard.py"), "w") as f:
         f.write(mr.GUARD)
     with open(os.path.join(copy, "tests", "test_probe_import.py"), "w") as f:
-        f.write("def test_probe():\n    import fastagg.rules\n")
+        f.write("def test_probe():\n    import fastagg.fedexp_rule\n")
     rc, _, out, guard = mr.run_tests(copy, ["tests/test_probe_import.py"], python=sys.executable, package="fastagg",
-                                     module="fastagg.rules", timeout=120, pytest_args=["-q", "-n", "0"])
+                                     module="fastagg.fedexp_rule", timeout=120, pytest_args=["-q", "-n", "0"])
     assert rc == 0, out
     real = os.path.realpath(copy)
     assert guard["package"].startswith(real + os.sep) and guard["module_imported"].startswith(real + os.sep), guard
