@@ -5,6 +5,10 @@ import importlib.util
 import os
 import platform
 
+import torch
+
+from .backends import available, cpu_build
+
 
 def openmp_runtime() -> str:
     """The OpenMP runtime libraries mapped into this process (the compiled kernels use the one torch loaded first:
@@ -19,22 +23,20 @@ def openmp_runtime() -> str:
 
 def env_report() -> str:
     """A few lines saying which backends are active here and why (paste it into bug reports)."""
-    import torch
-
-    from .backends import available, cpu
-
+    cpu = cpu_build()
     lines = [f"fastagg {__import__('fastagg').__version__}  python {platform.python_version()}  torch {torch.__version__}"]
-    if cpu.IMPORT_ERROR is None:
-        lines.append(f"cpu backend: compiled module {cpu._C.__file__} (OpenMP {cpu._C.openmp}, "
-                     f"{cpu._C.num_threads()} threads; torch reports CPU capability "
-                     f"{torch.backends.cpu.get_cpu_capability()}; {cpu.ISA_ENV}=default forces the portable _C)")
-        unit = cpu._C.bytes_per_thread()
-        lines.append(f"cpu threads: a pass of n bytes gets max(1, min(n // {unit}, {cpu._C.num_threads()})) threads, "
-                     f"so one below {2 * unit} ({cpu.THREADS_ENV} sets the {unit}); OpenMP runtime {openmp_runtime()}, "
+    if cpu["error"] is None:
+        lines.append(f"cpu backend: compiled module {cpu['file']} (OpenMP {cpu['openmp']}, "
+                     f"{cpu['threads']} threads; torch reports CPU capability "
+                     f"{torch.backends.cpu.get_cpu_capability()}; {cpu['isa_env']}=default forces the portable _C)")
+        unit = cpu["bytes_per_thread"]
+        lines.append(f"cpu threads: a pass of n bytes gets max(1, min(n // {unit}, {cpu['threads']})) threads, "
+                     f"so one below {2 * unit} ({cpu['threads_env']} sets the {unit}); "
+                     f"OpenMP runtime {openmp_runtime()}, "
                      f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')} "
                      f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')} (unset: its threads spin)")
     else:
-        lines.append(f"cpu backend: NOT available: {cpu.IMPORT_ERROR}")
+        lines.append(f"cpu backend: NOT available: {cpu['error']}")
     if importlib.util.find_spec("triton") is not None:
         import triton
 

@@ -13,7 +13,13 @@ from types import ModuleType
 
 import torch
 
+from . import cpu, reference
+from .reference import column_blocks, gaussian, philox4x32_10, select_sorted
+
 BACKENDS = ("auto", "reference", "cpu", "triton")
+
+__all__ = ["BACKENDS", "available", "resolve", "sparse_scan", "scale_scan", "cpu_build", "column_blocks",
+           "gaussian", "philox4x32_10", "select_sorted"]
 
 
 def _triton_module() -> ModuleType:
@@ -28,8 +34,6 @@ def available(device: torch.device | str) -> list[str]:
     device = torch.device(device)
     out = ["reference"]
     if device.type == "cpu":
-        from . import cpu
-
         if cpu.IMPORT_ERROR is None:
             out.append("cpu")
         if os.environ.get("TRITON_INTERPRET", "0") == "1" and importlib.util.find_spec("triton") is not None:
@@ -61,15 +65,11 @@ def _resolve(backend: str, device: torch.device) -> ModuleType:
     if backend == "auto":
         backend = {"cuda": "triton", "cpu": "cpu"}.get(device.type, "reference")
     if backend == "reference":
-        from . import reference
-
         return reference
     if backend == "cpu":
         if device.type != "cpu":
             raise ValueError(f"backend='cpu' runs on CPU tensors; these are on {device}. "
                              f"Available here: {available(device)}")
-        from . import cpu
-
         cpu.compiled()
         return cpu
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
@@ -79,3 +79,38 @@ def _resolve(backend: str, device: torch.device) -> ModuleType:
         raise ValueError(f"backend='triton' runs on CUDA tensors; these are on {device}. "
                          f"Available here: {available(device)}")
     return _triton_module()
+
+
+# -- primitives that one backend alone provides ----------------------------------------------------------------------
+# The rule families call these, never a backend module: a backend added or swapped touches this file, not them.
+# column_blocks, gaussian, philox4x32_10 and select_sorted (imported above) are the reference backend's torch
+# definitions, run on any device: the robust rules' order statistics, the adaptive clipping's count noise and the
+# stochastic rounding's uniforms.
+def sparse_scan(indices: list, values: list) -> list | None:
+    """Per sparse update ``(first entry whose index does not exceed the one before or -1, every value finite)`` for
+    contiguous CPU ``indices`` (one integer dtype for all) and ``values``, by the one backend that provides it: the
+    compiled CPU module's parallel pass (csrc/bindings.cpp ``sparse_scan``). None when that module does not load:
+    the caller then uses torch ops."""
+    if cpu.IMPORT_ERROR is not None:
+        return None
+    return cpu.sparse_scan(indices=indices, values=values)
+
+
+def scale_scan(scales: list) -> list | None:
+    """Per blockwise update ``(every scale finite, first block whose scale is <= 0 or -1)`` for contiguous CPU
+    float32 ``scales``, by the compiled CPU module's parallel pass (csrc/bindings.cpp ``scale_scan``); None when that
+    module does not load: the caller then uses torch ops."""
+    if cpu.IMPORT_ERROR is not None:
+        return None
+    return cpu.scale_scan(scales=scales)
+
+
+def cpu_build() -> dict:
+    """What ``fastagg.env_report`` says of the compiled CPU module: ``error`` (why it does not load, None when it
+    does), ``isa_env`` / ``threads_env`` (the variables choosing the build and a thread's bytes) and, when it loads,
+    ``file``, ``openmp``, ``threads`` and ``bytes_per_thread``."""
+    info = {"error": cpu.IMPORT_ERROR, "isa_env": cpu.ISA_ENV, "threads_env": cpu.THREADS_ENV}
+    if cpu.IMPORT_ERROR is None:
+        c = cpu.compiled()
+        info.update(file=c.__file__, openmp=c.openmp, threads=c.num_threads(), bytes_per_thread=c.bytes_per_thread())
+    return info

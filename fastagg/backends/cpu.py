@@ -142,6 +142,14 @@ def philox4x32_10(counter, key) -> list:
     return compiled().philox4x32_10(list(counter), list(key))
 
 
+def sparse_scan(*, indices: list, values: list) -> list:
+    return compiled().sparse_scan([_dl(i) for i in indices], [_dl(v) for v in values])
+
+
+def scale_scan(*, scales: list) -> list:
+    return compiled().scale_scan([_dl(s) for s in scales])
+
+
 SELECT_RULES = {"window": 0, "nearest": 1}
 
 

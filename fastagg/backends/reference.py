@@ -147,7 +147,7 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
 SELECT_BLOCK = 1 << 14  # columns per block of the robust passes: M x SELECT_BLOCK values at a time
 
 
-def _column_blocks(rows: ClientRows):
+def column_blocks(rows: ClientRows):
     """(flat offset, [M, n] block of every client's update), SELECT_BLOCK columns at a time: in the rows' dtype
     (order statistics are exact in it), float64 when formed against ``base``."""
     for s, (off, n) in enumerate(zip(rows.segments.offs, rows.segments.lens)):
@@ -184,7 +184,7 @@ def coord_select(*, rows: ClientRows, rule: str, first: int, count: int, out: to
     each client's ``||x_i - base||^2`` (float64) and whether it holds NaN or Inf, from the same blocks."""
     sq = torch.zeros(rows.num_clients, dtype=torch.float64, device=out.device)
     bad = torch.zeros(rows.num_clients, dtype=torch.bool, device=out.device)
-    for off, x in _column_blocks(rows):
+    for off, x in column_blocks(rows):
         sq += x.to(torch.float64).square().sum(dim=1)
         bad |= ~torch.isfinite(x).all(dim=1)
         out[off:off + x.shape[1]] = select_sorted(torch.sort(x.T, dim=1).values, rule, first, count).to(out.dtype)
@@ -199,7 +199,7 @@ def gram(*, rows: ClientRows, gram_out: torch.Tensor, nonfinite_out: torch.Tenso
     m = rows.num_clients
     g = torch.zeros(m, m, dtype=torch.float64, device=gram_out.device)
     bad = torch.zeros(m, dtype=torch.bool, device=gram_out.device)
-    for _, x in _column_blocks(rows):
+    for _, x in column_blocks(rows):
         bad |= ~torch.isfinite(x).all(dim=1)
         x = x.to(torch.float64)
         g += x @ x.T
