@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from ._checks import check_number, normalized_weights
-from .backends import reference, resolve
+from ._checks import check_int, check_number, normalized_weights
+from .backends import column_blocks, resolve, select_sorted
 from .compress.fold import densified
 from .passes import RoundStats, run_stats
 from .rows import Buffers, ClientRows, attach_base, client_rows, compute_dtype, subset_rows
@@ -87,7 +87,7 @@ def gram(rows: ClientRows, backend="auto") -> tuple[torch.Tensor, torch.Tensor]:
 
 def _select_coords(rows: ClientRows, selection: tuple, backend, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The coordinate-select pass: ``out[j]`` from the sorted values of coordinate j (``selection``: a rule's
-    ``positions(M)``, ``(rule, first, count)``, see ``reference.select_sorted``); returns the clients' squared
+    ``positions(M)``, ``(rule, first, count)``, see ``backends.select_sorted``); returns the clients' squared
     norms and non-finite marks from the same read. More clients than the Triton kernel sorts in registers: the
     reference pass (torch.sort over column blocks, on the same device)."""
     backend = resolve(backend, rows.device) if isinstance(backend, str) else backend
@@ -95,7 +95,7 @@ def _select_coords(rows: ClientRows, selection: tuple, backend, out: torch.Tenso
     sq = torch.empty(m, dtype=torch.float64, device=rows.device)
     bad = torch.zeros(m, dtype=torch.bool, device=rows.device)
     if backend.name == "triton" and m > backend.robust.MAX_SELECT_CLIENTS:
-        backend = reference
+        backend = resolve("reference", rows.device)
     rule, first, count = selection
     backend.coord_select(rows=rows, rule=rule, first=first, count=count, out=out, sq_norms_out=sq, nonfinite_out=bad)
     return sq, bad
@@ -117,11 +117,6 @@ def _buffers_valid(rows: ClientRows) -> torch.Tensor:
 
 
 # -- rules -------------------------------------------------------------------------------------------------------
-def _check_f(f: Any, name: str) -> int:
-    if not isinstance(f, int) or isinstance(f, bool) or f < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {f!r}")
-    return f
-
 
 class _Rule:
     coordinatewise = False
@@ -185,7 +180,7 @@ class MeaMed(_Rule):
     coordinatewise = True
 
     def __init__(self, num_malicious: int):
-        self.num_malicious = _check_f(num_malicious, "num_malicious")
+        self.num_malicious = check_int(num_malicious, "num_malicious")
 
     def check(self, m: int) -> None:
         if not self.num_malicious < m:
@@ -221,11 +216,11 @@ def _scaled_gram(rows: ClientRows, big: torch.Tensor) -> tuple[torch.Tensor, tor
     blocks): a round with such a client is an attack, not the fast path."""
     m = rows.num_clients
     peak = torch.zeros(m, dtype=torch.float64, device=rows.device)
-    for _, x in reference._column_blocks(rows):
+    for _, x in column_blocks(rows):
         peak = torch.maximum(peak, x.to(torch.float64).abs().amax(dim=1))
     n = torch.where(big, torch.ldexp(torch.full_like(peak, 0.5), torch.frexp(peak).exponent), torch.ones_like(peak))
     h = torch.zeros(m, m, dtype=torch.float64, device=rows.device)
-    for _, x in reference._column_blocks(rows):
+    for _, x in column_blocks(rows):
         y = x.to(torch.float64) / n[:, None]
         h += y @ y.T
     return h, n
@@ -251,7 +246,7 @@ class Krum(_Rule):
     ``num_selected`` best-scored."""
 
     def __init__(self, num_malicious: int, *, strict: bool = True):
-        self.num_malicious = _check_f(num_malicious, "num_malicious")
+        self.num_malicious = check_int(num_malicious, "num_malicious")
         self.strict = bool(strict)
 
     num_selected = 1
@@ -279,8 +274,7 @@ class MultiKrum(Krum):
     def __init__(self, num_malicious: int, num_selected: int | None = None, *, strict: bool = True):
         super().__init__(num_malicious, strict=strict)
         if num_selected is not None:
-            if not isinstance(num_selected, int) or isinstance(num_selected, bool) or num_selected < 1:
-                raise ValueError(f"num_selected must be an integer >= 1, got {num_selected!r}")
+            num_selected = check_int(num_selected, "num_selected", minimum=1)
         self._num_selected = num_selected
 
     def check(self, m: int) -> None:
@@ -299,7 +293,7 @@ class Bulyan(_Rule):
     coordinatewise = False
 
     def __init__(self, num_malicious: int, *, selection: str = "iterated"):
-        self.num_malicious = _check_f(num_malicious, "num_malicious")
+        self.num_malicious = check_int(num_malicious, "num_malicious")
         if selection not in ("iterated", "multikrum"):
             raise ValueError(f"selection must be 'iterated' (the paper's) or 'multikrum' (Flower's), got {selection!r}")
         self.selection = selection
@@ -344,9 +338,7 @@ class GeometricMedian(_Rule):
 
     def __init__(self, nu: float = 1e-6, max_iter: int = 100, tol: float = 1e-10):
         self.nu = check_number(nu, "nu", minimum=0.0, allow_equal=False)
-        if not isinstance(max_iter, int) or isinstance(max_iter, bool) or max_iter < 1:
-            raise ValueError(f"max_iter must be an integer >= 1, got {max_iter!r}")
-        self.max_iter = max_iter
+        self.max_iter = check_int(max_iter, "max_iter", minimum=1)
         self.tol = check_number(tol, "tol")
 
     def coefficients(self, g: torch.Tensor, a: torch.Tensor, n: torch.Tensor | None = None,
@@ -402,9 +394,7 @@ class CenteredClipping(_Rule):
 
     def __init__(self, tau: float, iters: int = 3):
         self.tau = check_number(tau, "tau", minimum=0.0, allow_equal=False)
-        if not isinstance(iters, int) or isinstance(iters, bool) or iters < 1:
-            raise ValueError(f"iters must be an integer >= 1, got {iters!r}")
-        self.iters = iters
+        self.iters = check_int(iters, "iters", minimum=1)
 
     def coefficients(self, g: torch.Tensor, a: torch.Tensor, n: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, int]:
@@ -575,7 +565,7 @@ def _robust_buffers(rows: ClientRows, rule: _Rule, res: RobustResult, model_buff
         vals = torch.stack([values[i].reshape(-1).to(torch.float64) for i in kept])
         if models and not values[0].is_floating_point() and g is not None:
             vals = vals - g.reshape(-1).to(device=vals.device, dtype=torch.float64)  # the clients' advances
-        est = reference.select_sorted(torch.sort(vals.T, dim=1).values, *positions(len(kept)))
+        est = select_sorted(torch.sort(vals.T, dim=1).values, *positions(len(kept)))
         out.append(est.reshape(values[0].shape))
     return out
 

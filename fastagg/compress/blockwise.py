@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._checks import check_int
+from ..backends import philox4x32_10, resolve
 from ..flat import flatten
 
 MAX_BLOCK = (1 << 31) - 1
@@ -41,6 +43,7 @@ class Blockwise:
 
     def __post_init__(self):
         check_blockwise(self, "the update")
+        object.__setattr__(self, "block", int(self.block))  # (a numpy integer kept as a Python int)
 
     @property
     def numel(self) -> int:
@@ -87,8 +90,7 @@ class Blockwise:
 
 def check_blockwise(u: Any, name: str) -> None:
     """Shapes, dtypes, device and block of a :class:`Blockwise` update."""
-    if isinstance(u.block, bool) or not isinstance(u.block, int) or not 1 <= u.block <= MAX_BLOCK:
-        raise ValueError(f"{name}: block must be an integer in [1, {MAX_BLOCK}], got {u.block!r}")
+    check_int(u.block, f"{name}: block", minimum=1, maximum=MAX_BLOCK)
     for field, t, dtype in (("codes", u.codes, u.CODE_DTYPE), ("scales", u.scales, torch.float32)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {field} must be a torch tensor, got {type(t).__name__}")
@@ -130,19 +132,14 @@ def check_representable(scales: torch.Tensor, top: float, what: str) -> None:
 
 
 def check_block(block: Any) -> int:
-    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
-        raise ValueError(f"block must be an integer in [1, {MAX_BLOCK}], got {block!r}")
-    return block
+    return check_int(block, "block", minimum=1, maximum=MAX_BLOCK)
 
 
-def check_keys(seed: Any, round: Any, clients: Any) -> None:
-    """The stochastic rounding's keys: seed in [0, 2^64), round and every client id in [0, 2^32)."""
-    for name, value, bits in (("seed", seed, 64), ("round", round, 32)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** bits:
-            raise ValueError(f"{name} must be an integer in [0, 2^{bits}), got {value!r}")
-    for c in clients:
-        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < 2 ** 32:
-            raise ValueError(f"client must be an integer in [0, 2^32), got {c!r}")
+def check_keys(seed: Any, round: Any, clients: list) -> tuple[int, int, list]:
+    """The stochastic rounding's keys as Python ints: seed in [0, 2^64), round and every client id in [0, 2^32)."""
+    seed = check_int(seed, "seed", maximum=2 ** 64 - 1, what="an integer in [0, 2^64)")
+    round = check_int(round, "round", maximum=2 ** 32 - 1, what="an integer in [0, 2^32)")
+    return seed, round, [check_int(c, "client", maximum=2 ** 32 - 1, what="an integer in [0, 2^32)") for c in clients]
 
 
 def as_rows(update: Any, what: str = "the update", *, finite: bool = True) -> torch.Tensor:
@@ -165,8 +162,6 @@ def quantizer(backend: str, x: torch.Tensor, name: str):
     """The fused quantizer ``name`` of the backend for ``x``'s device (C++ for CPU float32/float64 rows, Triton for
     CUDA rows), or None for the torch ops of the definition (``backend="reference"``, other dtypes or devices, or
     with "auto" a backend whose kernels cannot load)."""
-    from ..backends import resolve
-
     try:
         module = resolve(backend, x.device)
     except (ImportError, RuntimeError, ValueError):
@@ -198,8 +193,6 @@ def uniforms(shape: tuple, *, seed: int, round: int, clients: list, device) -> t
     """``u[i, j]`` in [0, 1), float64, ``shape = (M, n)``: the ``(j mod 4)``-th 32-bit word of Philox4x32-10 with
     counter ``(j // 4 low, high 32 bits, round, clients[i])`` and key ``seed`` (two 32-bit words), times 2^-32: the
     same numbers for the same keys on any machine."""
-    from ..backends.reference import philox4x32_10
-
     m, n = shape
     groups = torch.arange((n + 3) // 4, dtype=torch.int64, device=device)[None].expand(m, -1)
     client = torch.tensor(clients, dtype=torch.int64, device=device)[:, None].expand_as(groups)

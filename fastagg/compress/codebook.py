@@ -21,8 +21,11 @@ import numpy as np
 import torch
 
 from .blockwise import Blockwise
+from .sparse import SparseUpdate
 
 __all__ = ["Codebook8", "LayerwiseUpdate"]
+
+LAYER_FORMATS = (Blockwise, SparseUpdate)  # what one layer of a LayerwiseUpdate may be
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +66,6 @@ class LayerwiseUpdate:
     FORMAT = "layerwise"
 
     def __post_init__(self):
-        from .fold import LAYER_FORMATS
-
         if not isinstance(self.parts, (tuple, list)) or not self.parts:
             raise TypeError("a LayerwiseUpdate holds a non-empty tuple of compressed parts, one per layer")
         for i, p in enumerate(self.parts):

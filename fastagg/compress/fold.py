@@ -10,15 +10,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..backends import scale_scan
 from ..flat import as_tensor
-from ..rows import _check_dtype, _flat_view
+from ..passes import run_stats
+from ..rows import _check_dtype, _flat_view, client_rows
 
 from .blockwise import FLOAT32_OVERFLOW, Blockwise, block_scales, check_blockwise
-from .codebook import Codebook8, LayerwiseUpdate
+from .codebook import LAYER_FORMATS, Codebook8, LayerwiseUpdate
 from .fp8 import Fp8Blockwise
 from .sparse import SparseUpdate, check_sparse, scan
 
-LAYER_FORMATS = (Blockwise, SparseUpdate)  # what one layer of a LayerwiseUpdate may be
 FORMATS = LAYER_FORMATS + (LayerwiseUpdate,)
 
 
@@ -121,11 +122,8 @@ def _part_status(parts: list, scans: dict | None = None) -> list:
         out[j] = (r[1], -1)
     blocks = [j for j, p in enumerate(parts) if isinstance(p, Blockwise)]
     if blocks and all(parts[j].scales.device.type == "cpu" and parts[j].scales.is_contiguous() for j in blocks):
-        from ..backends import cpu
-
-        if cpu.IMPORT_ERROR is None:
-            for j, r in zip(blocks, cpu.compiled().scale_scan([cpu._dl(parts[j].scales) for j in blocks])):
-                out[j] = r
+        for j, r in zip(blocks, scale_scan([parts[j].scales for j in blocks]) or []):
+            out[j] = r
     rest: dict = {}
     for j, p in enumerate(parts):  # what no C++ pass answered, by device
         if out[j] is None:
@@ -275,9 +273,6 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
         gsq = torch.empty(len(group), dtype=torch.float64, device=dev)
         gcoef = coef[group] if len(group) < m else coef
         if isinstance(first, torch.Tensor):  # float clients of a mixed round: the stats pass of float rows
-            from ..passes import run_stats
-            from ..rows import client_rows
-
             rows = client_rows([_flat_view(updates[j], names[j]) for j in group], name="deltas")
             if src is not None and src.data_ptr() == out.data_ptr():  # the pass reads its start apart from out
                 src = src.clone()

@@ -58,7 +58,7 @@ def quantize_fp8_rows(rows: torch.Tensor, block: int = 256, *, backend: str = "a
     """Each row of an ``[M, d]`` batch quantized as :func:`quantize_fp8`, in one pass: fused in C++ for CPU
     float32/float64 rows (csrc/quantized.h) and in Triton for CUDA rows (fastagg/backends/triton/quantize.py), the
     same codes and scales bit for bit; the torch ops of the definition elsewhere (``backend="reference"``)."""
-    check_block(block)
+    block = check_block(block)
     x = as_rows(rows, "the updates", finite=False)
     kernel = quantizer(backend, x, "quantize_fp8_rows")
     if kernel is not None:

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 
-from .blockwise import (MAX_BLOCK, Blockwise, as_rows, check_block, check_blockwise, check_keys,
-                        check_representable, float32_scales, quantizer, raise_nonfinite, tiles, uniforms)
+from .blockwise import (MAX_BLOCK, Blockwise, as_rows, check_block, check_keys, check_representable,
+                        float32_scales, quantizer, raise_nonfinite, tiles, uniforms)
 
 __all__ = ["Int8Blockwise", "quantize_int8", "quantize_int8_rows", "dequantize", "MAX_BLOCK"]
 
@@ -36,9 +36,6 @@ class Int8Blockwise(Blockwise):
     CODE_DTYPE = torch.int8
     FORMAT = "int8"
     INVALID_CODES = "holds the code -128 (int8 blockwise codes lie in [-127, 127])"
-
-
-check_format = check_blockwise
 
 
 def quantize_int8(update: Any, block: int = 256, *, stochastic: bool = False, seed: int = 0, round: int = 0,
@@ -59,11 +56,11 @@ def quantize_int8_rows(rows: torch.Tensor, block: int = 256, *, stochastic: bool
     ``clients[i]``, default ``i``), in one pass: fused in C++ for CPU float32/float64 rows (csrc/quantized.h) and in
     Triton for CUDA rows (fastagg/backends/triton/quantize.py), the same codes and scales bit for bit; the torch ops
     of the definition elsewhere (``backend="reference"``)."""
-    check_block(block)
+    block = check_block(block)
     x = as_rows(rows, "the updates", finite=False)
     m, d = x.shape
     clients = list(range(m)) if clients is None else list(clients)
-    check_keys(seed, round, clients)
+    seed, round, clients = check_keys(seed, round, clients)
     if len(clients) != m:
         raise ValueError(f"{m} rows but {len(clients)} client ids")
     kernel = quantizer(backend, x, "quantize_int8_rows")

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._checks import check_int
 from .blockwise import as_rows, check_block, check_keys, check_representable, tiles, uniforms
 from .int8 import Int8Blockwise
 
@@ -34,13 +35,12 @@ def quantize_qsgd_rows(rows: torch.Tensor, s: int = 16, *, bucket: int | None = 
                        clients: list | None = None) -> list:
     """Each row of an ``[M, d]`` batch quantized as :func:`quantize_qsgd` (row ``i`` keyed by ``clients[i]``,
     default ``i``), in one vectorized pass."""
-    if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 127:
-        raise ValueError(f"QSGD's levels s must be an integer in [1, 127] (int8 codes), got {s!r}")
+    s = check_int(s, "QSGD's levels s", minimum=1, maximum=127, what="an integer in [1, 127] (int8 codes)")
     x = as_rows(rows, "the updates")
     m, d = x.shape
     block = check_block(max(1, d) if bucket is None else bucket)
     clients = list(range(m)) if clients is None else list(clients)
-    check_keys(seed, round, clients)
+    seed, round, clients = check_keys(seed, round, clients)
     if len(clients) != m:
         raise ValueError(f"{m} rows but {len(clients)} client ids")
     t = tiles(x, block)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .._checks import check_int
+from ..backends import sparse_scan
 from .blockwise import FLOAT32_MAX, FLOAT32_OVERFLOW, as_rows, check_keys
 
 __all__ = ["SparseUpdate", "sparsify_topk", "sparsify_randk", "sparsify_rows"]
@@ -40,6 +42,7 @@ class SparseUpdate:
 
     def __post_init__(self):
         check_sparse(self, "the update")
+        object.__setattr__(self, "numel", int(self.numel))  # (a numpy integer kept as a Python int)
 
     @property
     def device(self) -> torch.device:
@@ -84,24 +87,20 @@ def scan(updates: list) -> list | None:
     if not updates or any(u.indices.device.type != "cpu" or not (u.indices.is_contiguous() and
                                                                  u.values.is_contiguous()) for u in updates):
         return None
-    from ..backends import cpu
-
-    if cpu.IMPORT_ERROR is not None:
-        return None
     out: list = [None] * len(updates)
     for dtype in (torch.int32, torch.int64):  # one index dtype per call
         at = [j for j, u in enumerate(updates) if u.indices.dtype == dtype]
         if at:
-            found = cpu.compiled().sparse_scan([cpu._dl(updates[j].indices) for j in at],
-                                               [cpu._dl(updates[j].values) for j in at])
+            found = sparse_scan([updates[j].indices for j in at], [updates[j].values for j in at])
+            if found is None:
+                return None
             for j, r in zip(at, found):
                 out[j] = r
     return out
 
 
 def check_sparse(u: Any, name: str) -> None:
-    if isinstance(u.numel, bool) or not isinstance(u.numel, int) or u.numel < 0:
-        raise ValueError(f"{name}: numel must be an integer >= 0, got {u.numel!r}")
+    check_int(u.numel, f"{name}: numel")
     for field, t, dtypes in (("indices", u.indices, (torch.int32, torch.int64)), ("values", u.values, (torch.float32,))):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {field} must be a torch tensor, got {type(t).__name__}")
@@ -120,9 +119,7 @@ def _count(d: int, fraction: Any, k: Any) -> int:
     if (fraction is None) == (k is None):
         raise TypeError("give one of fraction= (of the entries, in (0, 1]) and k= (how many)")
     if k is not None:
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= d:
-            raise ValueError(f"k must be an integer in [0, {d}], got {k!r}")
-        return k
+        return check_int(k, "k", maximum=d)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
     return min(d, max(1, math.ceil(fraction * d))) if d else 0
@@ -138,7 +135,7 @@ def sparsify_rows(rows: torch.Tensor, *, kind: str = "topk", fraction: float | N
     m, d = x.shape
     kk = _count(d, fraction, k)
     clients = list(range(m)) if clients is None else list(clients)
-    check_keys(seed, round, clients)
+    seed, round, clients = check_keys(seed, round, clients)
     if len(clients) != m:
         raise ValueError(f"{m} rows but {len(clients)} client ids")
     if kind == "topk":

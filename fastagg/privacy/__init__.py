@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..backends import resolve
+from ..compress.fold import densified
+from ..rows import attach_base, client_rows
 from .accountant import PrivacyAccountant
 from .mechanisms import (MECHANISMS, ClientSideAdaptiveClipping, ClientSideFixedClipping, DPResult,
                          ServerSideAdaptiveClipping, ServerSideFixedClipping, adaptive_noise_params, dp_round)
@@ -29,10 +32,6 @@ def release(deltas: Any, mechanism, *, weights: Any = None, base: Any = None, ba
     accepts, compressed updates included: dequantized rows, one that no quantizer writes left out as a non-finite
     client; with ``base`` the clients' full models, the updates formed against it inside the passes). Returns a
     :class:`DPResult`; the inputs are never written. Advances the mechanism (release count, clipping norm)."""
-    from ..backends import resolve
-    from ..compress.fold import densified
-    from ..rows import attach_base, client_rows
-
     deltas = densified(deltas, base)
     rows = client_rows(deltas, name="models" if base is not None else "deltas")
     if base is not None:

@@ -33,6 +33,7 @@ import numbers
 
 import numpy as np
 
+from .._checks import check_int
 from .._optional import require
 
 __all__ = ["PrivacyAccountant"]
@@ -47,8 +48,8 @@ STATE_KEYS = ("noise_multiplier", "sampling", "method", "population_size", "num_
 
 def _dp_accounting():
     require("dp_accounting", "dp", "privacy accounting")
-    import dp_accounting
-    from dp_accounting import pld, rdp  # noqa: F401 (submodules: dp_accounting.pld / .rdp)
+    import dp_accounting.pld  # (loads the submodules dp_accounting.pld / .rdp the callers read)
+    import dp_accounting.rdp
 
     return dp_accounting
 
@@ -87,9 +88,9 @@ class PrivacyAccountant:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if sampling != "none":
-            for name, v in (("population_size", population_size), ("num_sampled", num_sampled)):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise ValueError(f"sampling={sampling!r} needs {name} (an integer >= 1), got {v!r}")
+            need = f"an integer >= 1 (sampling={sampling!r} needs it)"
+            population_size = check_int(population_size, "population_size", minimum=1, what=need)
+            num_sampled = check_int(num_sampled, "num_sampled", minimum=1, what=need)
             if num_sampled > population_size:
                 raise ValueError(f"num_sampled={num_sampled} exceeds population_size={population_size}")
         if sampling == "without-replacement" and method != "rdp":
@@ -139,8 +140,7 @@ class PrivacyAccountant:
 
     def step(self, count: int = 1) -> None:
         """Compose ``count`` more releases."""
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ValueError(f"count must be an integer >= 0, got {count!r}")
+        count = check_int(count, "count")
         if self.releases + count >= MAX_RELEASES:
             raise ValueError(f"count={count} would take the releases past 2^63 (they are {self.releases})")
         self.releases += count
@@ -185,13 +185,6 @@ class PrivacyAccountant:
             self._memo = {key: float(eps)}
         return self._memo[key]
 
-    def from_scratch(self) -> float:
-        """Epsilon at the accountant's delta from dp-accounting composing the event ``releases`` times in a fresh
-        accountant (what :meth:`epsilon` computes incrementally; slow: for checks)."""
-        if self.releases == 0:
-            return 0.0
-        return float(self._new().compose(self._event(), self.releases).get_epsilon(self.delta))
-
     def state_dict(self) -> dict:
         """The releases so far and the configuration: a restored accountant recomposes them."""
         return {"noise_multiplier": self.noise_multiplier, "sampling": self.sampling, "method": self.method,
@@ -214,10 +207,8 @@ class PrivacyAccountant:
                 raise ValueError(f"state's {key}={got!r} is not this accountant's {key}={want!r}: a state of another "
                                  "configuration would account for releases this accountant's mechanism did not make "
                                  "(build the accountant with the checkpoint's configuration)")
-        releases = state["releases"]
-        if not isinstance(releases, int) or isinstance(releases, bool) or not 0 <= releases < MAX_RELEASES:
-            raise ValueError(f"state's releases must be an integer in [0, 2^63), got {releases!r}")
-        self.releases = releases
+        self.releases = check_int(state["releases"], "state's releases", maximum=MAX_RELEASES - 1,
+                                  what="an integer in [0, 2^63)")
 
     def __repr__(self) -> str:
         return (f"PrivacyAccountant(z={self.noise_multiplier}, sampling={self.sampling!r}, releases={self.releases}, "

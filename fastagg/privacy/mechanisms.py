@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from .._checks import check_number, normalized_weights
+from .._checks import check_int, check_number, normalized_weights
 from ..passes import RoundStats, run_stats
-from ..rows import Buffers, ClientRows, compute_dtype, subset_rows
+from ..rows import Buffers, ClientRows, client_rows, compute_dtype, subset_rows
 from .noise import COUNT_QUERY_ROUND, NoiseSource, check_seed, count_noise
 
 __all__ = ["ServerSideFixedClipping", "ServerSideAdaptiveClipping", "ClientSideFixedClipping",
@@ -84,15 +84,8 @@ class DPResult:
 def _check_rounds(rounds: Any) -> int:
     """A release count: an integer in [0, 2^63). Round 2^63 and beyond would key the update's noise with the top
     bit set, the adaptive count query's stream (noise.COUNT_QUERY_ROUND), and past 2^64 no kernel takes it."""
-    if not isinstance(rounds, int) or isinstance(rounds, bool) or not 0 <= rounds < COUNT_QUERY_ROUND:
-        raise ValueError(f"rounds must be an integer in [0, 2^63) (the release count keying the noise), got {rounds!r}")
-    return rounds
-
-
-def _check_count(value: Any, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    return check_int(rounds, "rounds", maximum=COUNT_QUERY_ROUND - 1,
+                     what="an integer in [0, 2^63) (the release count keying the noise)")
 
 
 class _Mechanism:
@@ -108,7 +101,7 @@ class _Mechanism:
                  denominator: str | None = None):
         self.denominator = denominator
         self.noise_multiplier = check_number(noise_multiplier, "noise_multiplier")
-        self.num_sampled_clients = _check_count(num_sampled_clients, "num_sampled_clients")
+        self.num_sampled_clients = check_int(num_sampled_clients, "num_sampled_clients", minimum=1)
         self.seed = check_seed(seed)
         if noise_source is not None and not callable(noise_source):
             raise TypeError(f"noise_source must be callable (numel, round, dtype, device) -> tensor, got "
@@ -185,7 +178,7 @@ class _Mechanism:
         """The settings a release uses, checked again (attributes may have been set since the constructor)."""
         check_number(self.clipping_norm, "clipping_norm", allow_equal=False)
         check_number(self.noise_multiplier, "noise_multiplier")
-        _check_count(self.num_sampled_clients, "num_sampled_clients")
+        check_int(self.num_sampled_clients, "num_sampled_clients", minimum=1)
         _check_rounds(self.rounds)
         self._check_denominator()
         self._check_accountant()
@@ -479,8 +472,6 @@ def release_from_sum(clipped_sum: Any, clipped: list, mech: _Mechanism, backend,
     for aggregators that stream results instead of holding them (fastagg.nvflare): one pass reads the sum, scales
     it by ``1/D`` (``1/n`` or ``1/M``, the mechanism's ``denominator``) and writes the release with the noise as it goes. ``clipped``: one bool per folded client
     (whether it was scaled), for adaptive clipping's count. The clipping norm used is ``mech.clipping_norm``."""
-    from ..rows import client_rows
-
     if mech.client_side:
         raise TypeError("release_from_sum releases a server-side mechanism's sum of clipped updates")
     mech._check_live()

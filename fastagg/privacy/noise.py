@@ -21,13 +21,13 @@ noise of your own with ``noise_source=`` (see :class:`NoiseSource`).
 """
 from __future__ import annotations
 
-import numbers
 import secrets
 from typing import Protocol
 
 import torch
 
-from ..backends import resolve
+from .._checks import check_int
+from ..backends import gaussian, resolve
 
 SEED_BITS = 64
 COUNT_QUERY_ROUND = 1 << 63  # rounds with the top bit set key the adaptive clip count's noise, never an update's
@@ -46,27 +46,20 @@ def check_seed(seed) -> int:
     """A seed as fastagg keys Philox with: an integer in [0, 2^64); None draws one from ``secrets``."""
     if seed is None:
         return secrets.randbits(SEED_BITS)
-    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):  # numpy and torch integers too
-        seed = int(seed)
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << SEED_BITS:
-        raise ValueError(f"seed must be an integer in [0, 2^64) (or None: drawn from the secrets module), got {seed!r}")
-    return seed
+    return check_int(seed, "seed", maximum=(1 << SEED_BITS) - 1,
+                     what="an integer in [0, 2^64) (or None: drawn from the secrets module)")
 
 
 def check_round(round) -> int:
-    if not isinstance(round, int) or isinstance(round, bool) or not 0 <= round < COUNT_QUERY_ROUND:
-        raise ValueError(f"round must be an integer in [0, 2^63), got {round!r}")
-    return round
+    return check_int(round, "round", maximum=COUNT_QUERY_ROUND - 1, what="an integer in [0, 2^63)")
 
 
 def gaussian_noise(numel: int, *, seed: int, round: int = 0, first: int = 0, device="cpu",
                    backend: str = "auto") -> torch.Tensor:
     """``z_j ~ N(0, 1)`` for flat coordinates ``j = first, ..., first + numel - 1`` of round ``round`` (float32), from
     fastagg's counter-based generator (module docstring): the noise the DP mechanisms add, materialized."""
-    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
-        raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
-    if not isinstance(first, int) or isinstance(first, bool) or first < 0 or first + numel > 1 << 62:
-        raise ValueError(f"first must be an integer >= 0 (with first + numel < 2^62), got {first!r}")
+    numel = check_int(numel, "numel")
+    first = check_int(first, "first", maximum=(1 << 62) - numel, what="an integer >= 0 (with first + numel < 2^62)")
     seed, round = check_seed(seed), check_round(round)
     out = torch.empty(numel, dtype=torch.float32, device=device)
     resolve(backend, out.device).gaussian_noise(out=out, seed=seed, round=round, first=first)
@@ -76,6 +69,4 @@ def gaussian_noise(numel: int, *, seed: int, round: int = 0, first: int = 0, dev
 def count_noise(seed: int, round: int) -> float:
     """One N(0, 1) sample for the adaptive clipping count of ``round`` (a stream of its own: top bit of the round
     set), from the reference backend (one value)."""
-    from ..backends import reference
-
-    return float(reference.gaussian(1, seed=seed, round=COUNT_QUERY_ROUND | round)[0])
+    return float(gaussian(1, seed=seed, round=COUNT_QUERY_ROUND | round)[0])
