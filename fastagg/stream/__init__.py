@@ -2,6 +2,12 @@
 
 FedExP needs only ``sum_i n_i delta_i``, ``sum_i n_i ||delta_i||^2``, ``sum_i n_i`` and M, so the streamed
 step is exact (the same formula as the batched call; equal to float32 rounding).
+
+The :class:`Accumulator` below keeps thin methods over the package's modules: :mod:`.rounds` (a round's state,
+replaced whole by each fold), :mod:`.fold` (``add`` / ``add_many`` / ``merge``, and the fold of float clients),
+:mod:`.compressed` (the fold of compressed clients), :mod:`.steps` (the stats pass over the sums, the functional
+steps), :mod:`.layout` (another layout's entries matched to this one's) and :mod:`.checkpoint` (the saved round,
+its format and CRC-32). The concurrent adds' queue is :mod:`fastagg.combining`'s.
 """
 from __future__ import annotations
 
@@ -19,10 +25,8 @@ from ..combining import FlatCombiner
 from ..flat import Layout
 from ..passes import RoundStats
 from ..rows import client_rows, compute_dtype
-from . import checkpoint
-from .fold import add_many, add_one, fold_group, merge
+from . import checkpoint, fold, steps
 from .rounds import Round
-from .steps import from_sums, round_stats
 
 
 class Accumulator:
@@ -78,7 +82,7 @@ class Accumulator:
         # Python's cycle collector ran, so a server making an Accumulator per step grew by ~16 KB a step
         me = weakref.ref(self)
         self._combiner = FlatCombiner(self._lock, lambda group: me()._fold_group(group),
-                                      lambda fold: me()._round.has_token(fold.token))
+                                      lambda f: me()._round.has_token(f.token))
         self._round = Round.empty(torch.zeros(rows.numel, dtype=cdt, device=rows.device),
                                    torch.empty(rows.numel, dtype=cdt, device=rows.device), len(self._buffer_names))
 
@@ -191,7 +195,7 @@ class Accumulator:
         all). A call interrupted while it waits withdraws its client; one interrupted after its client was
         folded raises, and the client stays folded (``client_ids`` shows it); the other threads' adds go on.
         """
-        return add_one(self, delta, weight, base=base, on_nonfinite=on_nonfinite, client_id=client_id, scale=scale)
+        return fold.add_one(self, delta, weight, base=base, on_nonfinite=on_nonfinite, client_id=client_id, scale=scale)
 
     def add_many(self, deltas: Any, weights: Any = None, *, base: Any = None, on_nonfinite: str = "raise",
                  client_ids: Any = None) -> list:
@@ -205,11 +209,11 @@ class Accumulator:
         deltas are then full models, their updates formed in the kernel). A client with NaN/Inf raises (the
         accumulator unchanged) or, with ``on_nonfinite="skip"``, is left out while the others are folded. Returns
         one bool per client: whether it was folded."""
-        return add_many(self, deltas, weights, base=base, on_nonfinite=on_nonfinite, client_ids=client_ids)
+        return fold.add_many(self, deltas, weights, base=base, on_nonfinite=on_nonfinite, client_ids=client_ids)
 
     def _fold_group(self, group: list) -> None:
         """Fold queued adds (caller holds the lock; the combiner calls it): see :func:`.fold.fold_group`."""
-        fold_group(self, group)
+        fold.fold_group(self, group)
 
     def merge(self, other: "Accumulator") -> None:
         """Fold in every client of ``other`` (an accumulator of the same ``like``: entries matched by key, size, dtype,
@@ -220,7 +224,7 @@ class Accumulator:
             raise TypeError(f"merge takes an Accumulator, got {type(other).__name__}")
         if other is self:
             raise ValueError("an accumulator cannot merge itself (its clients would count twice)")
-        merge(self, other)
+        fold.merge(self, other)
 
     def __reduce_ex__(self, protocol):
         raise TypeError("an Accumulator cannot be pickled or copied (it holds a lock and its backend): save "
@@ -292,8 +296,8 @@ class Accumulator:
         client's squared norm and the buffers' weighted averages. Used by the steps below and by the server
         optimizers. ``keep_mean=False``: the mean is not written; ``stats.mean_sum`` is the flat sum (valid until
         the accumulator changes) and ``stats.mean_scale`` 1 / total_weight."""
-        return round_stats(self, backend_of, aux=aux, aux_coef=aux_coef, mean_out=mean_out, mean_dtype=mean_dtype,
-                           keep_mean=keep_mean)
+        return steps.round_stats(self, backend_of, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
+                                 mean_dtype=mean_dtype, keep_mean=keep_mean)
 
     @share_docs
     def fedexp_step(self, eps=None, *, eps_mode: str = "paper", params=None, on_nonfinite: str = "raise",
@@ -313,14 +317,14 @@ class Accumulator:
         """
         rule = result.fedexp_rule(eps, eps_mode)
         self._need_norms("fedexp_step")
-        return from_sums(self, rule, params=params, on_nonfinite=on_nonfinite, want_eval=True, group=group)
+        return steps.from_sums(self, rule, params=params, on_nonfinite=on_nonfinite, want_eval=True, group=group)
 
     def fedavg_step(self, lr: float = 1.0, *, params=None, on_nonfinite: str = "raise",
                     group=None) -> result.RoundResult:
         """FedAvg from the accumulated sums: ``params <- params + lr * weighted_sum / total_weight`` (``group``: as
         in :meth:`fedexp_step`)."""
-        return from_sums(self, result.fixed_rule(lr), params=params, on_nonfinite=on_nonfinite, want_eval=False,
-                         group=group)
+        return steps.from_sums(self, result.fixed_rule(lr), params=params, on_nonfinite=on_nonfinite,
+                               want_eval=False, group=group)
 
 
 __all__ = ["Accumulator"]
