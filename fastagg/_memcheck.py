@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+import fastagg
+
 
 def status(field: str) -> int:
     """A /proc/self/status memory field (VmRSS, VmHWM, ...) in bytes."""
@@ -38,8 +40,6 @@ class PeakAbove:
 
 
 def main(method: str, m: int, d: int) -> int:
-    import fastagg
-
     clients = [torch.randn(d) for _ in range(m)]
     fastagg.fedexp_step([torch.randn(8) for _ in range(2)], eps=1e-3)  # load everything once
     (torch.stack([torch.randn(8)] * 2)).sum()

@@ -48,8 +48,9 @@ from typing import Any
 
 import torch
 
-from ._checks import check_number
+from ._checks import check_int, check_number
 from ._uninterruptible import uninterruptible
+from .server import ServerOptimizer
 from .stream import Accumulator
 
 __all__ = ["AsyncServer", "SubmitResult", "Constant", "Polynomial", "Hinge", "Threshold", "StaleUpdate", "StepError"]
@@ -88,12 +89,6 @@ class Constant(_Staleness):
         return 1.0
 
 
-def _avg_staleness(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"avg_staleness must be an integer >= 0, got {value!r}")
-    return value
-
-
 class Polynomial(_Staleness):
     """``s(tau) = (1 + tau)^-exponent`` (FedBuff's choice with ``exponent = 0.5``; FedAsync's polynomial; FLSim's
     ``PolynomialStalenessWeight``, whose exponent is in [0, 1]).
@@ -104,7 +99,7 @@ class Polynomial(_Staleness):
 
     def __init__(self, exponent: float = 0.5, *, avg_staleness: int = 0):
         self.exponent = check_number(exponent, "exponent")
-        self.avg_staleness = _avg_staleness(avg_staleness)
+        self.avg_staleness = check_int(avg_staleness, "avg_staleness")
 
     def __call__(self, s: int) -> float:
         return ((1.0 + s) / (1.0 + self.avg_staleness)) ** -self.exponent
@@ -115,9 +110,7 @@ class Hinge(_Staleness):
 
     def __init__(self, a: float = 10.0, b: int = 4):
         self.a = check_number(a, "a")
-        if not isinstance(b, int) or isinstance(b, bool) or b < 0:
-            raise ValueError(f"b must be an integer >= 0, got {b!r}")
-        self.b = b
+        self.b = check_int(b, "b")
 
     def __call__(self, s: int) -> float:
         return 1.0 if s <= self.b else 1.0 / (self.a * (s - self.b) + 1.0)
@@ -128,11 +121,9 @@ class Threshold(_Staleness):
     does, by its value at ``avg_staleness`` (default 0, FLSim's 1: the same unless ``cutoff`` is 0)."""
 
     def __init__(self, cutoff: int, value_after_cutoff: float = 0.0, *, avg_staleness: int = 0):
-        if not isinstance(cutoff, int) or isinstance(cutoff, bool) or cutoff < 0:
-            raise ValueError(f"cutoff must be an integer >= 0, got {cutoff!r}")
-        self.cutoff = cutoff
+        self.cutoff = check_int(cutoff, "cutoff")
         self.value_after_cutoff = check_number(value_after_cutoff, "value_after_cutoff")
-        self.avg_staleness = _avg_staleness(avg_staleness)
+        self.avg_staleness = check_int(avg_staleness, "avg_staleness")
         if self._raw(self.avg_staleness) == 0:
             raise ValueError(f"Threshold's value at avg_staleness={avg_staleness} is 0 (value_after_cutoff=0 beyond "
                              f"cutoff={cutoff}): it cannot be divided by")
@@ -180,6 +171,17 @@ def _zeros_like(like: Any) -> Any:
     return [torch.zeros_like(v) for v in like]
 
 
+def _refused_content(opt, head: _Buffer) -> bool:
+    """After the step of optimizer ``opt`` on ``head`` raised a ValueError: True when the buffer's numbers were
+    refused (the optimizer's hyperparameters are valid and the accumulator fits its parameters), False when the
+    failure is the optimizer's own (kept and retried)."""
+    try:
+        opt._check_group()
+    except Exception:  # noqa: BLE001 (an invalid hyperparameter, however the check says it)
+        return False
+    return head.acc.device == opt.device and head.acc.numel == opt._p.segments.numel
+
+
 def _version(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         if isinstance(v, float) and v.is_integer():
@@ -220,18 +222,14 @@ class AsyncServer:
 
     def __init__(self, optimizer, *, buffer_size: int = 10, staleness: _Staleness | None = None,
                  max_staleness: int | None = None, on_nonfinite: str = "raise", normalize: str = "weights"):
-        from .server import ServerOptimizer
-
         if not isinstance(optimizer, ServerOptimizer):
             raise TypeError(f"optimizer must be a fastagg.server optimizer, got {type(optimizer).__name__}")
         if optimizer.aggregate is not None:
             raise TypeError("the asynchronous server folds updates into running sums; an optimizer whose aggregate= "
                             "needs every update at once (robust rules, DP mechanisms) cannot step on them")
-        if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
-            raise ValueError(f"buffer_size must be an integer >= 1, got {buffer_size!r}")
-        if max_staleness is not None and (not isinstance(max_staleness, int) or isinstance(max_staleness, bool)
-                                          or max_staleness < 0):
-            raise ValueError(f"max_staleness must be an integer >= 0 or None, got {max_staleness!r}")
+        buffer_size = check_int(buffer_size, "buffer_size", minimum=1)
+        if max_staleness is not None:
+            max_staleness = check_int(max_staleness, "max_staleness", what="an integer >= 0 or None")
         if staleness is None:
             staleness = Polynomial(0.5)
         if not callable(staleness):
@@ -380,7 +378,7 @@ class AsyncServer:
                 try:
                     self.optimizer.step(self._summed(head))
                 except ValueError as e:
-                    if not self._refused_content(head):
+                    if not _refused_content(self.optimizer, head):
                         with self._lock:
                             head.stepping = False
                         raise
@@ -403,17 +401,6 @@ class AsyncServer:
                 self._dropped_ids = []
                 self._forget_ids()
                 return self.version
-
-    def _refused_content(self, head: _Buffer) -> bool:
-        """After the step on ``head`` raised a ValueError: True when the buffer's numbers were refused (the
-        optimizer's hyperparameters are valid and the accumulator fits its parameters), False when the failure is
-        the optimizer's own (kept and retried)."""
-        opt = self.optimizer
-        try:
-            opt._check_group()
-        except Exception:  # noqa: BLE001 (an invalid hyperparameter, however the check says it)
-            return False
-        return head.acc.device == opt.device and head.acc.numel == opt._p.segments.numel
 
     def _summed(self, head: _Buffer) -> Accumulator:
         """What the step takes: the buffer's accumulator; with ``normalize="flsim"`` a partial buffer's (a flush)
@@ -496,86 +483,106 @@ class AsyncServer:
         if state.get("normalize", "weights") != self.normalize:  # (its buffers' sums are of the other kind)
             raise ValueError(f"the state is of a server with normalize={state.get('normalize', 'weights')!r}; this "
                              f"one has normalize={self.normalize!r}")
-        if not isinstance(state["buffers"], (list, tuple)):
-            raise ValueError(f"the state's buffers must be a list, got {type(state['buffers']).__name__}")
-        buffers = []
-        for i, b in enumerate(state["buffers"]):
-            if not isinstance(b, dict) or not {"acc", "folded", "ids"} <= set(b):
-                raise ValueError(f"buffer {i} of the state must be a dict with 'acc', 'folded' and 'ids' (the ids of "
-                                 f"its updates)")
-            buf = self._new_buffer()
-            try:
-                buf.acc.load_state_dict(b["acc"])
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"buffer {i} of the state: {e}") from e
-            folded = b["folded"]
-            if (not isinstance(folded, int) or isinstance(folded, bool) or not 0 <= folded <= self.buffer_size
-                    or folded != buf.acc.num_clients):
-                raise ValueError(f"buffer {i} of the state holds {buf.acc.num_clients} updates but says {folded!r} "
-                                 f"(buffer_size {self.buffer_size})")
-            buf.folded = folded
-            if not isinstance(b["ids"], (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2
-                                                                  for p in b["ids"]):
-                raise ValueError(f"buffer {i} of the state: its ids must be a list of (version, client id) pairs")
-            if len(b["ids"]) > folded:
-                raise ValueError(f"buffer {i} of the state lists {len(b['ids'])} client ids for {folded} updates")
-            for p in b["ids"]:
-                try:
-                    buf.ids.append((_version(p[0]), p[1]))
-                except StaleUpdate:
-                    raise ValueError(f"buffer {i} of the state: {p[0]!r} is not a version") from None
-            buffers.append(buf)
-        if not isinstance(state["ids"], dict):
-            raise ValueError(f"the state's ids must be a dict (version -> client ids), got "
-                             f"{type(state['ids']).__name__}")
-        ids = {}
-        for k, v in state["ids"].items():
-            try:
-                key = _version(k)
-            except StaleUpdate:
-                raise ValueError(f"the state's ids are keyed by version; {k!r} is not one") from None
-            if key > version:
-                raise ValueError(f"the state's ids list version {key}, after the state's version {version}")
-            if not isinstance(v, (list, tuple, set)):
-                raise ValueError(f"the state's ids of version {key} must be a list, got {type(v).__name__}")
-            try:
-                ids[key] = set(v)
-            except TypeError:
-                raise TypeError(f"the state's ids of version {key} hold an unhashable client id") from None
-            if len(ids[key]) != len(v):
-                raise ValueError(f"the state's ids of version {key} list a client twice")
-        where: dict = {}  # (version, client id) -> the buffer holding it
-        for i, buf in enumerate(buffers):
-            for key, cid in buf.ids:
-                try:
-                    first = where.setdefault((key, cid), i)
-                except TypeError:
-                    raise TypeError(f"buffer {i} of the state holds an unhashable client id") from None
-                if first != i or buf.ids.count((key, cid)) > 1:
-                    raise ValueError(f"client {cid!r} (from version {key}) is pending in buffers {first} and {i} of "
-                                     f"the state: its update would step twice")
-                if cid not in ids.get(key, ()):
-                    raise ValueError(f"buffer {i} of the state holds client {cid!r} from version {key}, which the "
-                                     f"state's ids do not list")
-        dropped = state.get("discarded_ids", [])  # (updates folded from this version, then discarded)
-        if not isinstance(dropped, (list, tuple)):
-            raise ValueError(f"the state's discarded_ids must be a list, got {type(dropped).__name__}")
-        try:
-            bad = next((cid for cid in dropped if (version, cid) in where or cid not in ids.get(version, ())), None)
-        except TypeError:
-            raise TypeError("the state's discarded_ids hold an unhashable client id") from None
-        if bad is not None:
-            raise ValueError(f"the state's discarded_ids list client {bad!r} (from version {version}), which "
-                             f"{'a buffer holds' if (version, bad) in where else 'the ids do not list'}")
-        dropped = list(dropped)
-        missing = [cid for cid in ids.get(version, ()) if (version, cid) not in where and cid not in dropped]
-        if missing:
-            raise ValueError(f"the state's ids list {len(missing)} client(s) folded from version {version} (the "
-                             f"state's own: no step since), e.g. {missing[0]!r}, that no buffer holds (nor was "
-                             f"discarded): their updates would be lost")
+        buffers = _restored_buffers(state["buffers"], self.buffer_size, self._new_buffer)
+        ids = _restored_ids(state["ids"], version)
+        dropped = _restored_dropped(state.get("discarded_ids", []), buffers, ids, version)
         with self._quiesced():  # (a fold under way would land in a buffer that is replaced)
             self.optimizer.load_state_dict(state["optimizer"])  # checked before it changes anything; last to fail
             self.version = version
             self._buffers = buffers or [self._new_buffer()]
             self._ids = ids
             self._dropped_ids = dropped
+
+
+# -- restoring a state_dict: AsyncServer.load_state_dict's checks, in its order ---------------------------------------
+def _restored_buffers(raw: Any, buffer_size: int, new_buffer) -> list:
+    """The state's buffers as new ones (``new_buffer()``), each accumulator restored and its count and ids
+    checked."""
+    if not isinstance(raw, (list, tuple)):
+        raise ValueError(f"the state's buffers must be a list, got {type(raw).__name__}")
+    buffers = []
+    for i, b in enumerate(raw):
+        if not isinstance(b, dict) or not {"acc", "folded", "ids"} <= set(b):
+            raise ValueError(f"buffer {i} of the state must be a dict with 'acc', 'folded' and 'ids' (the ids of "
+                             f"its updates)")
+        buf = new_buffer()
+        try:
+            buf.acc.load_state_dict(b["acc"])
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"buffer {i} of the state: {e}") from e
+        folded = b["folded"]
+        if (not isinstance(folded, int) or isinstance(folded, bool) or not 0 <= folded <= buffer_size
+                or folded != buf.acc.num_clients):
+            raise ValueError(f"buffer {i} of the state holds {buf.acc.num_clients} updates but says {folded!r} "
+                             f"(buffer_size {buffer_size})")
+        buf.folded = folded
+        if not isinstance(b["ids"], (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2
+                                                              for p in b["ids"]):
+            raise ValueError(f"buffer {i} of the state: its ids must be a list of (version, client id) pairs")
+        if len(b["ids"]) > folded:
+            raise ValueError(f"buffer {i} of the state lists {len(b['ids'])} client ids for {folded} updates")
+        for p in b["ids"]:
+            try:
+                buf.ids.append((_version(p[0]), p[1]))
+            except StaleUpdate:
+                raise ValueError(f"buffer {i} of the state: {p[0]!r} is not a version") from None
+        buffers.append(buf)
+    return buffers
+
+
+def _restored_ids(raw: Any, version: int) -> dict:
+    """The state's ids folded per version (none after ``version``), as sets."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"the state's ids must be a dict (version -> client ids), got {type(raw).__name__}")
+    ids = {}
+    for k, v in raw.items():
+        try:
+            key = _version(k)
+        except StaleUpdate:
+            raise ValueError(f"the state's ids are keyed by version; {k!r} is not one") from None
+        if key > version:
+            raise ValueError(f"the state's ids list version {key}, after the state's version {version}")
+        if not isinstance(v, (list, tuple, set)):
+            raise ValueError(f"the state's ids of version {key} must be a list, got {type(v).__name__}")
+        try:
+            ids[key] = set(v)
+        except TypeError:
+            raise TypeError(f"the state's ids of version {key} hold an unhashable client id") from None
+        if len(ids[key]) != len(v):
+            raise ValueError(f"the state's ids of version {key} list a client twice")
+    return ids
+
+
+def _restored_dropped(dropped: Any, buffers: list, ids: dict, version: int) -> list:
+    """The state's discarded ids of ``version``, once every buffer's ids were checked against ``ids``: each pending
+    update in one buffer only and listed there; every id folded from ``version`` pending or discarded (the updates
+    folded from this version, then discarded)."""
+    where: dict = {}  # (version, client id) -> the buffer holding it
+    for i, buf in enumerate(buffers):
+        for key, cid in buf.ids:
+            try:
+                first = where.setdefault((key, cid), i)
+            except TypeError:
+                raise TypeError(f"buffer {i} of the state holds an unhashable client id") from None
+            if first != i or buf.ids.count((key, cid)) > 1:
+                raise ValueError(f"client {cid!r} (from version {key}) is pending in buffers {first} and {i} of "
+                                 f"the state: its update would step twice")
+            if cid not in ids.get(key, ()):
+                raise ValueError(f"buffer {i} of the state holds client {cid!r} from version {key}, which the "
+                                 f"state's ids do not list")
+    if not isinstance(dropped, (list, tuple)):
+        raise ValueError(f"the state's discarded_ids must be a list, got {type(dropped).__name__}")
+    try:
+        bad = next((cid for cid in dropped if (version, cid) in where or cid not in ids.get(version, ())), None)
+    except TypeError:
+        raise TypeError("the state's discarded_ids hold an unhashable client id") from None
+    if bad is not None:
+        raise ValueError(f"the state's discarded_ids list client {bad!r} (from version {version}), which "
+                         f"{'a buffer holds' if (version, bad) in where else 'the ids do not list'}")
+    dropped = list(dropped)
+    missing = [cid for cid in ids.get(version, ()) if (version, cid) not in where and cid not in dropped]
+    if missing:
+        raise ValueError(f"the state's ids list {len(missing)} client(s) folded from version {version} (the "
+                         f"state's own: no step since), e.g. {missing[0]!r}, that no buffer holds (nor was "
+                         f"discarded): their updates would be lost")
+    return dropped

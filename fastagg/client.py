@@ -23,11 +23,15 @@ import math
 import numbers
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._aliasing import check_writes
-from ._checks import canonical_device, check_number, check_prob, expect_like
+from ._checks import canonical_device, check_int, check_number, check_prob, expect_like
 from .backends import resolve
+from .compress.spec import parse
+from .passes import run_stats
+from .rows import attach_base, client_rows
 from .rowtable import RowTable, PerRow
 
 __all__ = ["ClientState", "sps_step", "decsps_step", "local_step", "mass_step", "clip_updates", "update_norms",
@@ -49,10 +53,7 @@ class ClientState:
 
     def __init__(self, num_clients: int, dim: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-        if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
-            raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
-        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
-            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+        num_clients, dim = check_int(num_clients, "num_clients", minimum=1), check_int(dim, "dim", minimum=1)
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"ClientState dtype must be torch.float32 or torch.float64, got {dtype}")
         self.num_clients, self.dim, self.dtype = num_clients, dim, dtype
@@ -478,9 +479,6 @@ def update_norms(models: Any, base: Any, *, backend: str = "auto") -> torch.Tens
 
 
 def _update_norms(models: Any, base: Any, backend: str):
-    from .passes import run_stats
-    from .rows import attach_base, client_rows
-
     rows = client_rows(models, name="models")
     rows, _ = attach_base(rows, base)
     m = rows.num_clients
@@ -492,8 +490,6 @@ def _update_norms(models: Any, base: Any, backend: str):
 def _check_in_place(models: Any) -> None:
     """Refuse client models that clipping could not write back to: a read-only numpy array, a tensor that is not
     contiguous (its flat row would be a copy), anything that is not a tensor or array."""
-    import numpy as np
-
     def visit(x, where):
         if isinstance(x, torch.Tensor):
             if not x.is_contiguous():
@@ -522,8 +518,6 @@ def compress_updates(updates: torch.Tensor, compression: Any, *, state: ClientSt
     ``state.vector("residual")`` at its ``client_ids`` row (Karimireddy et al. 2019, EF-SGD). Returns a list of
     compressed updates (or, for fp32 / bf16 / fp16, an ``[M, d]`` tensor); the residuals are written only once every
     row was compressed."""
-    from .compress.spec import parse
-
     comp = parse(compression)
     x = _matrix(updates, "updates")
     m = x.shape[0]

@@ -7,6 +7,9 @@ import time
 
 import torch
 
+import fastagg
+from fastagg.backends import available
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -15,9 +18,6 @@ def main(argv=None) -> None:
     ap.add_argument("--eps", type=float, default=1e-3)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
-
-    import fastagg
-    from fastagg.backends import available
 
     print(fastagg.env_report(), "\n")
     device = "cuda" if torch.cuda.is_available() else "cpu"

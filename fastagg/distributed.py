@@ -9,15 +9,14 @@ spread over R ranks is, exactly in exact arithmetic, the round of all M clients:
     mean = sum_r sum_{i on r} p_i x_i     (one stats pass per rank, then one all_reduce of a d-vector)
     avg_sq = sum_r sum_{i on r} p_i ||x_i||^2,  ||mean||^2 from the reduced mean
 
-Collectives per round, all on the caller's group (torch.distributed itself, no other transport): one all_gather
-of a small header (numel, dtype, clients per rank: mismatched shapes are refused on every rank before any data
-moves) that also carries the weights of up to 64 clients a rank (else one more all_gather for them), one
-all_reduce of the d-vector and one all_gather of the per-client norms and finite flags (so every rank knows which
-global client was bad and all skip or raise together), with each rank's share of ||mean||^2 (every rank measures
-1/R of the reduced mean). With one rank the step is today's
-single-process step, bit for bit. With several, the mean's sum runs in the collective's
-order, so results agree with the single-process step to rounding (float32: ~1e-7 relative), and every rank holds
-the same bits. A rank that dies or hangs makes the collectives fail after the group's timeout
+Collectives per round, all on the caller's group (torch.distributed itself, no other transport): one all_gather of a
+small header (numel, dtype, clients per rank: mismatched shapes are refused on every rank before any data moves)
+that also carries the weights of up to 64 clients a rank (else one more all_gather for them), one all_reduce of the
+d-vector and one all_gather of the per-client norms and finite flags (so every rank knows which global client was
+bad and all skip or raise together), with each rank's share of ||mean||^2 (every rank measures 1/R of the reduced
+mean). With one rank the step is today's single-process step, bit for bit. With several, the mean's sum runs in the
+collective's order, so results agree with the single-process step to rounding (float32: ~1e-7 relative), and every
+rank holds the same bits. A rank that dies or hangs makes the collectives fail after the group's timeout
 (``init_process_group(timeout=...)``); the error says so and no rank has changed its params.
 
 Every exchange opens with one fixed-size header that all ranks gather (:func:`_exchange`): the exchange's number on
@@ -45,9 +44,10 @@ from typing import Any
 
 import torch
 
-from ._checks import _weights_array, normalized_weights
+from ._checks import _weights_array, check_int, normalized_weights
 from .checkpoint import flat_checkpoint, torch_checkpoint
-from .passes import RoundStats, run_stats, weighted_f64
+from .compress.fold import CompressedRows
+from .passes import RoundStats, client_stats, run_stats, sum_stats, weighted_f64
 from .rows import Buffers, ClientRows, client_rows, compute_dtype
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -240,9 +240,6 @@ def all_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, aux=
     model's buffers (``model_buffers``: (name, tensor) pairs), which must be the clients' (names and shapes)."""
     import torch.distributed as dist
 
-    from .compress.fold import CompressedRows
-    from .passes import client_stats
-
     if _local(group) and not isinstance(rows, CompressedRows):  # (compressed clients take the general path)
         return client_stats(rows, weights, backend, name=name, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
                             sync=sync, mean_dtype=mean_dtype)
@@ -388,8 +385,6 @@ def sharded_stats(rows: ClientRows, weights: Any, backend, *, group, name: str, 
     the slice's mean locally, the norms and ||mean||^2 summed over the slices (one all_reduce of scalars)."""
     import torch.distributed as dist
 
-    from .passes import client_stats
-
     if _local(group):
         return client_stats(rows, weights, backend, name=name, aux=aux, aux_coef=aux_coef, mean_out=mean_out,
                             sync=sync, mean_dtype=mean_dtype)
@@ -471,8 +466,7 @@ def reshard(state_dicts: list, world: int) -> list:
     gives its rank, a vector buffer whose length disagrees with its slice, and malformed input."""
     if not isinstance(state_dicts, (list, tuple)) or not state_dicts:
         raise ValueError(f"reshard needs a list of the ranks' state_dicts, got {type(state_dicts).__name__}")
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise ValueError(f"reshard needs a world size >= 1, got {world!r}")
+    world = check_int(world, "reshard's world size", minimum=1)
 
     flat = []
     for r, sd in enumerate(state_dicts):
@@ -551,8 +545,6 @@ def accumulator_stats(acc, backend_of, *, group, aux=None, aux_coef: float = 0.0
     three scalars; the per-client norms gathered), then the stats of the sums. The accumulators are not changed; a
     rank may hold no client as long as some rank does."""
     import torch.distributed as dist
-
-    from .passes import sum_stats
 
     with acc._lock:
         if _local(group):

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import warnings
 from typing import Any
 
 import torch
 
 from . import _buffers
-from ._checks import check_number, normalized_weights
+from ._checks import check_int, check_number, normalized_weights
 from .flat import Layout
 from .rows import Buffers, ClientRows, ParamRows, client_rows, compute_dtype
 
@@ -90,8 +89,7 @@ def sum_stats(weighted_sum: Any, weighted_sq_norm_sum: Any, total_weight: Any, n
     ``keep_mean=False``: the mean is not written (``mean`` None, ``mean_scale = 1 / total_weight``; the caller sets
     ``mean_sum``), for an apply pass that reads the sum scaled.
     """
-    if not isinstance(num_clients, numbers.Integral) or isinstance(num_clients, bool) or num_clients < 1:
-        raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
+    num_clients = check_int(num_clients, "num_clients", minimum=1)
     total = check_number(total_weight, "total_weight", minimum=0.0, allow_equal=False)
     rows = client_rows([weighted_sum], name=name)
     dev = rows.device

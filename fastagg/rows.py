@@ -18,7 +18,6 @@ from ._aliasing import check_writes
 from .flat import Layout, as_tensor, split_entries
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -137,10 +136,6 @@ class ParamRows:
 
     def ptrs(self) -> torch.Tensor:
         return _ptr_table(self.parts)
-
-    def flat_view(self) -> torch.Tensor | None:
-        """The parameters as one 1-D tensor when they are one (no copy), else None."""
-        return self.parts[0] if len(self.parts) == 1 else None
 
 
 def _check_dtype(t: torch.Tensor, where: str) -> None:

@@ -44,12 +44,6 @@ class RowTable:
     def row_stride_bytes(self) -> int:
         return 0 if self.shared or self.base.shape[0] <= 1 else self.base.stride(0) * self.base.element_size()
 
-    def addressing(self) -> tuple[int, int, int]:
-        """(address of base, row stride in bytes, address of the int64 index or 0): row i lives at
-        ``address + stride * (index[i] if index else i)``."""
-        return (self.base.data_ptr(), self.row_stride_bytes(),
-                0 if self.index is None else self.index.data_ptr())
-
     def ptrs(self) -> torch.Tensor:
         """Addresses of the selected rows, int64 [M], computed on the tensors' device (no host copy)."""
         rows = self.index if self.index is not None else torch.arange(self.num_rows, device=self.base.device)

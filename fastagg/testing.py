@@ -15,7 +15,6 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 # d: 1, odd, just under a power of two, and a large ragged size (not a multiple of any block).
 SIZES = (1, 7, 1023, 278011)
-NUM_CLIENTS = (1, 3, 16)
 
 
 def cpu_backends() -> list[str]:
