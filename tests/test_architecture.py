@@ -660,6 +660,18 @@ def test_the_example_server_rule_steps_as_its_formula_and_checkpoints(tmp_path, 
             assert_close(w, want[t], rtol=1e-5, atol=1e-6, name=f"{backend}, round {t}")
         assert opt.round == 3
 
+        # the rule declares _apply_reads_sum: stepping on an Accumulator reads its sum in place, same rounds
+        import fastagg
+
+        w = w0.clone()
+        opt = rule(w, lr=lr, momentum=momentum, backend=backend)
+        for t, (x, n) in enumerate(rounds):
+            acc = fastagg.Accumulator(like=x[0], backend=backend)
+            for row, weight in zip(x, n):
+                acc.add(row, float(weight))
+            opt.step(acc)
+            assert_close(w, want[t], rtol=1e-5, atol=1e-6, name=f"{backend}, round {t} from an Accumulator")
+
         # a checkpoint after round 2 restores the rule exactly: round 3 from it gives the same bits
         w = w0.clone()
         opt = rule(w, lr=lr, momentum=momentum, backend=backend)
