@@ -13,13 +13,19 @@ from types import ModuleType
 
 import torch
 
-from . import cpu, reference
+from . import reference
 from .reference import column_blocks, gaussian, philox4x32_10, select_sorted
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
 
 __all__ = ["BACKENDS", "available", "resolve", "sparse_scan", "scale_scan", "cpu_build", "column_blocks",
            "gaussian", "philox4x32_10", "select_sorted"]
+
+
+def _cpu() -> ModuleType:
+    """The CPU backend, loaded on first use like Triton's: it loads the compiled module and reads FASTAGG_CPU_ISA
+    and FASTAGG_CPU_BYTES_PER_THREAD then, not when fastagg is imported."""
+    return importlib.import_module(__name__ + ".cpu")
 
 
 def _triton_module() -> ModuleType:
@@ -34,7 +40,7 @@ def available(device: torch.device | str) -> list[str]:
     device = torch.device(device)
     out = ["reference"]
     if device.type == "cpu":
-        if cpu.IMPORT_ERROR is None:
+        if _cpu().IMPORT_ERROR is None:
             out.append("cpu")
         if os.environ.get("TRITON_INTERPRET", "0") == "1" and importlib.util.find_spec("triton") is not None:
             out.append("triton")
@@ -70,6 +76,7 @@ def _resolve(backend: str, device: torch.device) -> ModuleType:
         if device.type != "cpu":
             raise ValueError(f"backend='cpu' runs on CPU tensors; these are on {device}. "
                              f"Available here: {available(device)}")
+        cpu = _cpu()
         cpu.compiled()
         return cpu
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
@@ -91,6 +98,7 @@ def sparse_scan(indices: list, values: list) -> list | None:
     contiguous CPU ``indices`` (one integer dtype for all) and ``values``, by the one backend that provides it: the
     compiled CPU module's parallel pass (csrc/bindings.cpp ``sparse_scan``). None when that module does not load:
     the caller then uses torch ops."""
+    cpu = _cpu()
     if cpu.IMPORT_ERROR is not None:
         return None
     return cpu.sparse_scan(indices=indices, values=values)
@@ -100,6 +108,7 @@ def scale_scan(scales: list) -> list | None:
     """Per blockwise update ``(every scale finite, first block whose scale is <= 0 or -1)`` for contiguous CPU
     float32 ``scales``, by the compiled CPU module's parallel pass (csrc/bindings.cpp ``scale_scan``); None when that
     module does not load: the caller then uses torch ops."""
+    cpu = _cpu()
     if cpu.IMPORT_ERROR is not None:
         return None
     return cpu.scale_scan(scales=scales)
@@ -109,6 +118,7 @@ def cpu_build() -> dict:
     """What ``fastagg.env_report`` says of the compiled CPU module: ``error`` (why it does not load, None when it
     does), ``isa_env`` / ``threads_env`` (the variables choosing the build and a thread's bytes) and, when it loads,
     ``file``, ``openmp``, ``threads`` and ``bytes_per_thread``."""
+    cpu = _cpu()
     info = {"error": cpu.IMPORT_ERROR, "isa_env": cpu.ISA_ENV, "threads_env": cpu.THREADS_ENV}
     if cpu.IMPORT_ERROR is None:
         c = cpu.compiled()
