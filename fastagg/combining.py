@@ -1,7 +1,8 @@
 """Flat combining (Hendler, Incze, Shavit and Tzafrir, SPAA 2010): many threads each bring one item to fold into
 a shared structure; they queue their items, and whichever thread takes the structure's lock folds every item
 queued by then in one sweep. The :class:`fastagg.Accumulator` folds concurrent adds this way (one pass over the
-running sum for k clients instead of k passes); its arithmetic stays in stream.py, the concurrency is here.
+running sum for k clients instead of k passes); its arithmetic stays in fastagg/stream/fold.py, the concurrency is
+here.
 
 An item has ``done`` and ``finish(folded=..., error=...)``; whether it is in the structure is asked of the
 structure itself (``committed(item)``), never remembered here, so an item taken by a folder that a signal

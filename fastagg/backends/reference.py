@@ -1,7 +1,8 @@
 """The reference backend: plain torch, written to be read, float64-capable. It is the oracle that every
 other backend and every benchmark is checked against (run it on float64 copies for the fp64 truth).
 
-Each primitive has the same keyword-only signature in every backend; ``ops.py`` validates before calling.
+Each primitive has the same keyword-only signature in every backend; the callers validate before calling
+(fastagg/inputs.py, fastagg/passes.py).
 """
 from __future__ import annotations
 

@@ -342,7 +342,8 @@ class ServerOptimizer(torch.optim.Optimizer):
                          stats.num_clients, self._overflow, self._robust if self.aggregate is not None else None)
 
     def _step_from(self, start: Any, *args, **kw) -> StepStats:
-        """``step(*args, **kw)`` as if the params had first been set to ``start``: :func:`fastagg.server.start.step_from`."""
+        """``step(*args, **kw)`` as if the params had first been set to ``start``
+        (:func:`fastagg.server.start.step_from`)."""
         return starting.step_from(self, start, *args, **kw)
 
     def _assign(self, start: Any) -> None:

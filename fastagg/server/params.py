@@ -14,7 +14,8 @@ from ..flat import as_tensor, split_entries
 from ..passes import like_params
 from ..rows import ParamRows, compute_dtype, param_rows
 
-__all__ = ["one_group", "named_pairs", "torch_params", "binding", "moved", "follow", "user_form", "gradients", "extra_out"]
+__all__ = ["one_group", "named_pairs", "torch_params", "binding", "moved", "follow", "user_form", "gradients",
+           "extra_out"]
 
 
 def named_pairs(params: list) -> bool:

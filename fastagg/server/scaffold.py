@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import fedexp_rule
-from .._checks import check_number
+from .._checks import check_int, check_number
 from ..inputs import give_back
 from ..passes import buffer_updates, check_overflow, device_scalar, like_params, overflow_counter
 from ..rows import ParamRows
@@ -27,9 +27,7 @@ class _ControlVariate:
     """
 
     def _init_control(self, num_clients):
-        if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
-            raise ValueError(f"num_clients must be an integer >= 1 (N, all clients), got {num_clients!r}")
-        self.num_clients = num_clients
+        self.num_clients = check_int(num_clients, "num_clients", minimum=1, what="an integer >= 1 (N, all clients)")
         self._control: ParamRows | None = None
 
     @property
