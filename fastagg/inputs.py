@@ -81,8 +81,9 @@ class Target:
     sharded: bool = False           # with a group: each rank holds one slice of every client
     aggregate: Any = None           # a fastagg.robust rule or fastagg.privacy mechanism reading every client
     aggregate_stats: Callable | None = None  # its stats: fastagg.robust.robust_stats or privacy.mechanisms.dp_stats
-    aux: Any = None                 # a vector whose combination mean + sign * aux_coef * aux the pass measures
-    aux_coef: float = 0.0
+    # () -> (vector, coef): the vector whose combination mean + sign * coef * vector the pass measures, or
+    # (None, 0); asked only after the input passed its checks (FedExP-M's creates its buffer v on first use)
+    aux_of: Callable = lambda: (None, 0.0)
     needs_client_norms: bool = False  # the rule reads the clients' norms (an Accumulator must keep them)
     reads_sum: bool = False         # the apply reads an Accumulator's sum itself: the stats pass writes no mean
     lend_spare: bool = False        # an Accumulator may lend its spare sum as the mean (no buffer kept here)
@@ -123,23 +124,24 @@ def round_stats(t: Target, deltas: Any, weights: Any, *, name: str = "deltas", b
             kind = "sharded" if t.sharded else "accumulator" if isinstance(deltas, Accumulator) else "clients"
             _distributed().fail_step(t.group, kind, e, t.params.device)
         raise
-    aux_coef = sign * t.aux_coef
+    aux, aux_coef = t.aux_of()
+    aux_coef = sign * aux_coef
     if base is not None:
         name = "models"
     if isinstance(deltas, Accumulator):
-        return _accumulator_stats(t, deltas, name, aux_coef)
+        return _accumulator_stats(t, deltas, name, aux, aux_coef)
     numel = rows.numel
     if t.group is not None and t.sharded:  # this rank's slice of every client
-        return _distributed().sharded_stats(rows, weights, t.backend, group=t.group, name=name, aux=t.aux,
+        return _distributed().sharded_stats(rows, weights, t.backend, group=t.group, name=name, aux=aux,
                                             aux_coef=aux_coef, sync=t.sync, mean_dtype=t.mean_dtype,
                                             mean_out=t.mean_buffer(name, t.mean_dtype, numel))
     if t.group is not None:  # the clients of every rank
-        return _distributed().all_stats(rows, weights, t.backend, group=t.group, name=name, aux=t.aux,
+        return _distributed().all_stats(rows, weights, t.backend, group=t.group, name=name, aux=aux,
                                         aux_coef=aux_coef, sync=t.sync, mean_dtype=t.mean_dtype,
                                         mean_out=t.mean_buffer(name, t.mean_dtype, numel),
                                         scratch=t.mean_buffer("norm scratch", t.mean_dtype, numel),
                                         model_buffers=t.params.buffers)
-    return client_stats(rows, weights, t.backend, name=name, aux=t.aux, aux_coef=aux_coef, sync=t.sync,
+    return client_stats(rows, weights, t.backend, name=name, aux=aux, aux_coef=aux_coef, sync=t.sync,
                         mean_dtype=t.mean_dtype, mean_out=t.mean_buffer(name, t.mean_dtype, numel))
 
 
@@ -187,21 +189,21 @@ def _checked_rows(t: Target, deltas: Any, weights: Any, name: str, base: Any) ->
     return rows
 
 
-def _accumulator_stats(t: Target, acc: Accumulator, name: str, aux_coef: float) -> RoundStats:
+def _accumulator_stats(t: Target, acc: Accumulator, name: str, aux: Any, aux_coef: float) -> RoundStats:
     """The stats of an Accumulator's sums: every rank's with a group; without a mean where the apply reads the sum
     itself; else into the accumulator's spare sum, lent for the step (no model-sized buffer kept by the optimizer),
     or the optimizer's reused buffer."""
     cdt = t.mean_dtype
     if t.group is not None:  # every rank folded its own clients
-        return _distributed().accumulator_stats(acc, lambda device: t.backend, group=t.group, aux=t.aux,
+        return _distributed().accumulator_stats(acc, lambda device: t.backend, group=t.group, aux=aux,
                                                 aux_coef=aux_coef, mean_out=t.mean_buffer(name, cdt, acc.numel))
-    if t.reads_sum and t.aux is None and acc.compute_dtype == cdt:
+    if t.reads_sum and aux is None and acc.compute_dtype == cdt:
         return acc.round_stats(lambda device: t.backend, keep_mean=False)
     with acc._lock:
         spare = acc._take_spare(cdt) if t.lend_spare else None
         if spare is not None:
             t.borrowed.append((acc, spare))
-        return acc.round_stats(lambda device: t.backend, aux=t.aux, aux_coef=aux_coef,
+        return acc.round_stats(lambda device: t.backend, aux=aux, aux_coef=aux_coef,
                                mean_out=spare if spare is not None else t.mean_buffer(name, cdt, acc.numel))
 
 
@@ -234,8 +236,9 @@ def _group_compressed_stats(t: Target, deltas: list, weights: Any, name: str, si
     except Exception as e:  # noqa: BLE001 (every other rank learns at once, then this one raises)
         _distributed().fail_step(t.group, "clients", e, p.device)
         raise
-    return _distributed().all_stats(rows, weights, t.backend, group=t.group, name=name, aux=t.aux,
-                                    aux_coef=sign * t.aux_coef, sync=t.sync, mean_dtype=t.mean_dtype,
+    aux, aux_coef = t.aux_of()
+    return _distributed().all_stats(rows, weights, t.backend, group=t.group, name=name, aux=aux,
+                                    aux_coef=sign * aux_coef, sync=t.sync, mean_dtype=t.mean_dtype,
                                     mean_out=t.mean_buffer(name, t.mean_dtype, rows.numel),
                                     scratch=t.mean_buffer("norm scratch", t.mean_dtype, rows.numel),
                                     model_buffers=p.buffers)
@@ -267,8 +270,9 @@ def _robust_stats(t: Target, deltas: Any, weights: Any, name: str, base: Any, si
     label = "models" if base is not None else name
     stats, t.robust = t.aggregate_stats(rows, weights, t.aggregate, t.backend, name=label, mean_out=mean_out,
                                         mean_dtype=t.mean_dtype)
-    if t.aux is not None:  # FedExP-M measures ||mean + beta v||^2
-        v = stats.mean.to(torch.float64) + sign * t.aux_coef * t.aux.to(torch.float64)
+    aux, aux_coef = t.aux_of()
+    if aux is not None:  # FedExP-M measures ||mean + beta v||^2
+        v = stats.mean.to(torch.float64) + sign * aux_coef * aux.to(torch.float64)
         stats.mean_sq = v @ v
     return stats
 

@@ -185,6 +185,13 @@ class PrivacyAccountant:
             self._memo = {key: float(eps)}
         return self._memo[key]
 
+    def from_scratch(self) -> float:
+        """Epsilon at the accountant's delta from dp-accounting composing the event ``releases`` times in a fresh
+        accountant (what :meth:`epsilon` computes incrementally; slow: for checks)."""
+        if self.releases == 0:
+            return 0.0
+        return float(self._new().compose(self._event(), self.releases).get_epsilon(self.delta))
+
     def state_dict(self) -> dict:
         """The releases so far and the configuration: a restored accountant recomposes them."""
         return {"noise_multiplier": self.noise_multiplier, "sampling": self.sampling, "method": self.method,

@@ -22,6 +22,8 @@ from .fedavg import FedAvg, FedAvgM
 from .fedexp import FedExP, FedExPM
 from .qfedavg import QFedAvg
 from .scaffold import Scaffold, ScaffoldExP
+from .torch_compat import GroupRef as _GroupRef  # (the name pickles made before the package split refer to)
+from .torch_compat import ParamState
 
 __all__ = ["ServerOptimizer", "FedAvg", "FedAvgM", "FedExP", "FedExPM", "Scaffold", "ScaffoldExP", "FedACG", "FedAdam",
            "FedYogi", "FedAdagrad", "FedAMS", "QFedAvg", "StepStats"]

@@ -69,12 +69,11 @@ def _checked_aggregate(aggregate: Any, group: Any) -> Any:
 
 def _target(opt: "ServerOptimizer") -> Target:
     """What the input path (:func:`fastagg.inputs.round_stats`) needs to know of ``opt`` for one stats pass."""
-    aux, aux_coef = opt._aux()
     aggregate_stats = None if opt.aggregate is None else dp_stats if isinstance(opt.aggregate, MECHANISMS) \
         else functools.partial(robust_stats, model_buffers=opt._p.buffers)
     return Target(opt._p, opt._backend, opt._backend_name, opt.on_nonfinite, opt._cdt, opt._mean_buffer,
                   opt._written, group=opt.group, sharded=opt.sharded, aggregate=opt.aggregate,
-                  aggregate_stats=aggregate_stats, aux=aux, aux_coef=aux_coef,
+                  aggregate_stats=aggregate_stats, aux_of=opt._aux,
                   needs_client_norms=opt.needs_client_norms, reads_sum=opt._apply_reads_sum,
                   lend_spare=not opt._means, what=f"{type(opt).__name__}'s step", borrowed=opt._borrowed)
 
