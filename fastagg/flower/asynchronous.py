@@ -36,6 +36,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
 from .. import server
+from .._checks import check_int
 from ..asynchronous import AsyncServer, Polynomial, StaleUpdate, StepError
 from .compressed import is_compressed_record, read_compressed
 from .records import ReplyError, record_views, reply_weight, to_record
@@ -97,11 +98,9 @@ class FedBuff:
         self._make(torch.zeros(1))  # the hyperparameters are checked now, not at the first reply
         AsyncServer(server.FedAvg(torch.zeros(1)), buffer_size=buffer_size, staleness=staleness,
                     max_staleness=max_staleness, normalize=normalize)  # (checks these)
-        if concurrency is not None and (not isinstance(concurrency, int) or isinstance(concurrency, bool)
-                                        or concurrency < 1):
-            raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
-        if not isinstance(min_available_nodes, int) or isinstance(min_available_nodes, bool) or min_available_nodes < 1:
-            raise ValueError(f"min_available_nodes must be an integer >= 1, got {min_available_nodes!r}")
+        if concurrency is not None:
+            concurrency = check_int(concurrency, "concurrency", minimum=1)
+        min_available_nodes = check_int(min_available_nodes, "min_available_nodes", minimum=1)
         for name, value in (("node_poll_interval", node_poll_interval), ("pull_interval", pull_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -117,8 +116,7 @@ class FedBuff:
               train_config: ConfigRecord | None = None, timeout: float = 3600.0) -> AsyncResult:
         """Run until the server has taken ``num_steps`` steps (or ``timeout`` seconds pass); returns the
         :class:`AsyncResult`."""
-        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
-            raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
+        num_steps = check_int(num_steps, "num_steps", minimum=1)
         params = {k: torch.from_numpy(np.array(v)) for k, v in record_views(initial_arrays, "initial_arrays").items()}
         srv = AsyncServer(self._make(params), buffer_size=self.buffer_size, staleness=self.staleness,
                           max_staleness=self.max_staleness, on_nonfinite="skip", normalize=self.normalize)

@@ -24,8 +24,9 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType
+from flwr.app import ArrayRecord, Error, Message, MessageType
 
+from .._checks import check_int
 from ..compress import Fp8Blockwise, Int8Blockwise, SparseUpdate
 from ..compress.spec import parse
 from ..flat import as_tensor, split_entries
@@ -107,8 +108,7 @@ def compress_mod(spec: str = "int8:block=256", *, seed: int = 0):
     if comp.kind in ("bf16", "fp16"):
         raise ValueError(f"compress_mod sends the update compressed; {comp.kind} would round the whole model (and "
                          "numpy has no bf16): use int8, fp8, qsgd, topk or randk")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
-        raise ValueError(f"seed must be an integer in [0, 2^64), got {seed!r}")
+    seed = check_int(seed, "seed", maximum=2 ** 64 - 1, what="an integer in [0, 2^64)")
 
     def mod(msg: Message, context, call_next) -> Message:
         if msg.metadata.message_type != MessageType.TRAIN or not comp.lossy:
