@@ -14,6 +14,7 @@ import zipfile
 import numpy as np
 import torch
 
+from .._checks import check_int
 from .._optional import require
 
 __all__ = ["FederatedData", "fedexp_linreg", "synthetic", "quadratic", "digits", "cifar_synthetic", "dirichlet_split",
@@ -415,8 +416,8 @@ def _check_targets(y: np.ndarray, name: str, n: int, classification: bool, where
 def load(name: str, *, clients: int | None = None, dirichlet: float | None = None, seed: int = 0) -> FederatedData:
     """A data set by name (or ``npz:PATH``); ``clients`` and ``dirichlet`` (label-split alpha, 0 = IID) where the
     data set has them; ``seed`` draws its random parts (samples, split) where it has them."""
-    if clients is not None and (not isinstance(clients, int) or isinstance(clients, bool) or clients < 1):
-        raise ValueError(f"clients must be an integer >= 1, got {clients!r}")
+    if clients is not None:
+        clients = check_int(clients, "clients", minimum=1)
     if dirichlet is not None and not (isinstance(dirichlet, (int, float)) and dirichlet >= 0):
         raise ValueError(f"dirichlet must be a number >= 0, got {dirichlet!r}")
     if name.startswith("npz:"):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import client
-from .._checks import check_number, check_prob, did_you_mean
+from .._checks import check_int, check_number, check_prob, did_you_mean
 from .._optional import require
 from . import algorithms, attacks, data as datasets, graphs as step_graphs, models, outdir
 from . import asynchronous as sim_async
@@ -989,9 +989,11 @@ def _rows_of(cfg: Config, ckpt: dict) -> list:
     format carries its rows itself."""
     if "rows" in ckpt:
         return ckpt["rows"]
-    count = ckpt["rows_written"]
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise ValueError(f"{os.path.join(cfg.out, CHECKPOINT)!r}: its metric row count {count!r} is malformed")
+    try:
+        count = check_int(ckpt["rows_written"], "rows_written")
+    except ValueError:
+        raise ValueError(f"{os.path.join(cfg.out, CHECKPOINT)!r}: its metric row count {ckpt['rows_written']!r} is "
+                         "malformed") from None
     return outdir.read_metrics(cfg.out, count, metric_fields(cfg))
 
 
@@ -1024,9 +1026,10 @@ def check_snapshot(cfg: Config, data, current: dict, where: str, pairs: set | No
         raise ValueError(f"{where}: its run in progress ({current['algorithm']!r}, seed {current['seed']!r}) is not "
                          "one of this run's")
     name, acfg = cfg.for_algorithm(current["algorithm"], data)
-    rnd = current["round"]
-    if not isinstance(rnd, int) or isinstance(rnd, bool) or not 0 <= rnd <= acfg.rounds:
-        raise ValueError(f"{where}: its round {rnd!r} is not in 0..{acfg.rounds}")
+    try:
+        check_int(current["round"], "round", maximum=acfg.rounds)
+    except ValueError:
+        raise ValueError(f"{where}: its round {current['round']!r} is not in 0..{acfg.rounds}") from None
     device, dtype = torch.device(acfg.device), getattr(torch, acfg.dtype)
     model = models.make(acfg.model, data)
     params = current["params"]
