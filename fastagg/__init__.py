@@ -7,8 +7,8 @@ from .feed import FeedReport, HostFeeder
 from .flat import Layout, flatten
 from .ops import RoundResult, fedavg_step, fedexp_step, fedexp_step_from_sums
 from .stream import Accumulator
+from ._version import __version__
 
-__version__ = "0.1.0"
 
 # Submodules reachable as attributes (``fastagg.server.FedAdam``) without importing them with the package: the
 # server optimizers, client steps and torch.distributed support load on first use, so ``import fastagg`` stays

@@ -25,17 +25,19 @@ __all__ = ["FORMAT_VERSION", "flat_checkpoint", "torch_checkpoint", "check_layou
 
 FORMAT_VERSION = 2  # torch's {state, param_groups} shape with a "fastagg" entry; 1: flat buffers by name
 GROUP_KEYS = ("params", "param_names")  # param_groups entries that are not settings
-SCALAR_STATE = ("step", "numerator")  # the 0-d buffers any optimizer keeps; every other buffer is a vector
+SCALAR_STATE = ("step", "numerator")  # 0-d buffers of fastagg's own rules; a rule's others are named in the file
 
 
 def torch_checkpoint(flat: dict) -> dict:
     """A checkpoint in the flat form (:func:`flat_checkpoint`) in torch's shape: each vector buffer cut into one
-    slice per layout entry, shaped like it; each 0-d buffer repeated per parameter, as torch keeps ``step``."""
+    slice per layout entry, shaped like it; each 0-d buffer repeated per parameter, as torch keeps ``step`` (the
+    0-d buffers beyond SCALAR_STATE -- a new rule's ``_scalar_state`` -- named in ``"fastagg"["scalar_state"]``, so
+    a load reads them as 0-d again)."""
     layout = [(n, tuple(int(x) for x in shape), str(dt)) for n, shape, dt in flat["layout"]]
     per_param: dict = {k: {} for k in range(len(layout))}
     for name, t in flat["state"].items():
         t = t.detach()
-        if name in SCALAR_STATE:
+        if t.dim() == 0:
             for k in per_param:
                 per_param[k][name] = t.clone()
             continue
@@ -47,6 +49,9 @@ def torch_checkpoint(flat: dict) -> dict:
     meta = {"format": FORMAT_VERSION, "optimizer": flat["optimizer"], "layout": [list(e) for e in layout]}
     if flat.get("shard") is not None:
         meta["shard"] = dict(flat["shard"])
+    extra_scalars = sorted(n for n, t in flat["state"].items() if t.dim() == 0 and n not in SCALAR_STATE)
+    if extra_scalars:
+        meta["scalar_state"] = extra_scalars
     group = {**flat["hyperparameters"], **flat.get("group", {}), "params": list(range(len(layout)))}
     return {"state": per_param, "param_groups": [group], "fastagg": meta}
 
@@ -90,6 +95,10 @@ def flat_checkpoint(state_dict: Any) -> dict:
         shapes = [tuple(int(x) for x in e[1]) for e in layout]
     except (TypeError, ValueError, IndexError):
         raise ValueError(f"state_dict['fastagg']['layout'] is malformed: {layout!r}") from None
+    scalars = meta.get("scalar_state", [])
+    if not isinstance(scalars, list) or not all(isinstance(n, str) for n in scalars):
+        raise ValueError(f"state_dict['fastagg']['scalar_state'] must list buffer names, got {scalars!r:.200}")
+    scalars = SCALAR_STATE + tuple(scalars)
     ids = groups[0].get("params")
     if not isinstance(ids, list) or len(ids) != len(shapes):
         raise ValueError(f"state_dict's parameter group lists {ids!r}; its layout has {len(shapes)} entries")
@@ -102,14 +111,17 @@ def flat_checkpoint(state_dict: Any) -> dict:
         for name in names:
             if name not in sl:
                 raise ValueError(f"state_dict['state'][{ids[k]!r}] has no {name!r} (parameter 0 has it)")
-            if name in SCALAR_STATE and plain_number(sl[name]):  # torch takes a plain-number step, as older
+            if name in scalars and plain_number(sl[name]):  # torch takes a plain-number step, as older
                 continue  # checkpoints kept it
             if not isinstance(sl[name], torch.Tensor):
                 raise TypeError(f"state_dict buffer {name!r} of parameter {ids[k]!r} is a {type(sl[name]).__name__}; "
                                 "expected a tensor")
+            if sl[name].layout != torch.strided or sl[name].device.type == "meta":
+                raise TypeError(f"state_dict buffer {name!r} of parameter {ids[k]!r} is a {sl[name].layout} tensor "
+                                f"on {sl[name].device}; expected a dense tensor holding values")
     for name in names:
         parts = [sl[name] for sl in slices]
-        if name in SCALAR_STATE:
+        if name in scalars:
             parts = [scalar_tensor(t) for t in parts]
             for k, t in enumerate(parts):
                 if t.dim() != 0:
@@ -204,6 +216,9 @@ def checked_state(given: Any, kinds: dict, *, nonnegative: tuple, owner: str, de
             t = scalar_tensor(t)
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict buffer {name!r} is a {type(t).__name__}; expected a tensor")
+        if t.layout != torch.strided or t.device.type == "meta":
+            raise TypeError(f"state_dict buffer {name!r} is a {t.layout} tensor on {t.device}; expected a dense "
+                            "tensor holding values")
         shape, dtype = kinds[name]
         if tuple(t.shape) != shape:
             raise ValueError(f"state_dict buffer {name!r} has shape {tuple(t.shape)}; expected {shape}")

@@ -8,6 +8,7 @@ import platform
 import torch
 
 from .backends import available, cpu_build
+from ._version import __version__
 
 
 def openmp_runtime() -> str:
@@ -24,7 +25,7 @@ def openmp_runtime() -> str:
 def env_report() -> str:
     """A few lines saying which backends are active here and why (paste it into bug reports)."""
     cpu = cpu_build()
-    lines = [f"fastagg {__import__('fastagg').__version__}  python {platform.python_version()}  torch {torch.__version__}"]
+    lines = [f"fastagg {__version__}  python {platform.python_version()}  torch {torch.__version__}"]
     if cpu["error"] is None:
         lines.append(f"cpu backend: compiled module {cpu['file']} (OpenMP {cpu['openmp']}, "
                      f"{cpu['threads']} threads; torch reports CPU capability "

@@ -54,7 +54,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     #    (fedexp_rule), the optimizer checkpoint file format (checkpoint)
     ("fastagg._checks", "fastagg._aliasing", "fastagg._buffers", "fastagg._docs", "fastagg._optional",
      "fastagg._uninterruptible", "fastagg.flat", "fastagg.rowtable", "fastagg.combining", "fastagg.fedexp_rule",
-     "fastagg.checkpoint"),
+     "fastagg.checkpoint", "fastagg._version"),
     # 2. the row table: a round's client updates and the parameters as rows the kernels read
     ("fastagg.rows",),
     # 3. the backends: the dispatch (backends/__init__.py: resolve / available / dispatch functions) and the backend
@@ -227,6 +227,64 @@ def backend_bypasses(root: Path = ROOT) -> list[str]:
                                                             or e.importer.startswith(BACKENDS + "."))]
 
 
+# Where a module may be loaded by a name in a string (importlib / __import__): the package's lazy submodules
+# (fastagg/__init__.py) and the backend choice (fastagg/backends/, which loads the compiled _C and Triton on demand).
+DYNAMIC_IMPORTERS = ("fastagg", "fastagg.backends")
+_BACKEND_MODULES = ("cpu", "reference", "triton")
+
+
+def _string_of(node: ast.AST) -> str | None:
+    """The literal start of a string argument (a constant, or an f-string's leading text), else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+        return str(node.values[0].value)
+    return None
+
+
+def hidden_imports(root: Path = ROOT) -> list[str]:
+    """What the ast walk of import statements cannot see: a fastagg module loaded by a name in a string
+    (``importlib.import_module``, ``__import__``, ``exec`` / ``eval`` of an import, ``sys.modules[...]``) outside
+    DYNAMIC_IMPORTERS, and a backend module reached as an attribute of ``fastagg.backends`` outside fastagg/backends/
+    (``from fastagg import backends; backends.reference.x``)."""
+    top, problems = root.name, []
+    for name, path in modules(root).items():
+        allowed = name in DYNAMIC_IMPORTERS or name.startswith(BACKENDS + ".")
+        tree = ast.parse(path.read_text(), filename=str(path))
+        backend_names = set()  # local names bound to the fastagg.backends package
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                for _ in range(max(node.level - 1, 0)):
+                    package = package.rpartition(".")[0]
+                base = (f"{package}.{node.module}" if node.module else package) if node.level else (node.module or "")
+                backend_names |= {a.asname or a.name for a in node.names if f"{base}.{a.name}" == BACKENDS}
+            elif isinstance(node, ast.Import):
+                backend_names |= {a.asname for a in node.names if a.name == BACKENDS and a.asname}
+        rel = path.relative_to(root.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and not allowed:
+                fn = node.func
+                fname = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+                text = _string_of(node.args[0]) if node.args else None
+                if fname in ("import_module", "__import__") and text is not None and \
+                        (text == top or text.startswith((top + ".", "."))):
+                    problems.append(f"{rel}:{node.lineno}: {ast.unparse(node)} (a module loaded by name, in {name})")
+                elif fname in ("exec", "eval") and text is not None and f"import {top}" in text or \
+                        fname in ("exec", "eval") and text is not None and f"from {top}" in text:
+                    problems.append(f"{rel}:{node.lineno}: {ast.unparse(node)} (an import in a string, in {name})")
+            if isinstance(node, ast.Subscript) and not allowed and ast.unparse(node.value) == "sys.modules":
+                text = _string_of(node.slice)
+                if text is not None and (text == top or text.startswith(top + ".")):
+                    problems.append(f"{rel}:{node.lineno}: {ast.unparse(node)} (a module read from sys.modules, "
+                                    f"in {name})")
+            if isinstance(node, ast.Attribute) and node.attr in _BACKEND_MODULES and \
+                    not name.startswith(BACKENDS) and ast.unparse(node.value) in backend_names | {BACKENDS}:
+                problems.append(f"{rel}:{node.lineno}: {ast.unparse(node)} (a backend module reached through the "
+                                f"package, in {name})")
+    return problems
+
+
 def function_level_imports(root: Path = ROOT) -> list[str]:
     """Imports of fastagg modules written inside a function, except a downward one of a LAZY module (every edge of
     the statement points at that module or a package the importer already runs)."""
@@ -381,6 +439,16 @@ def test_backends_only_through_the_dispatch():
         "import from fastagg.backends instead (add a small dispatch function there if the primitive has none).")
 
 
+def test_no_import_hidden_in_a_string_or_an_attribute():
+    found = hidden_imports()
+    assert not found, _report(
+        found, "A fastagg module is loaded by a name in a string, or a backend module reached as an attribute.",
+        "the import rules read import statements; a module loaded by name (importlib, __import__, exec, sys.modules) "
+        "or fastagg.backends.reference reached as an attribute escapes them and can hide a cycle or a bypass. Only "
+        "fastagg/__init__.py (lazy submodules) and fastagg/backends/ (the backend choice) load modules by name.",
+        "write a plain import at the top of the file (or call the dispatch in fastagg/backends/__init__.py).")
+
+
 def test_no_function_level_import():
     found = function_level_imports()
     assert not found, _report(
@@ -519,6 +587,18 @@ def test_a_lazy_module_may_be_imported_downward_inside_a_function_and_still_coun
     upward = {**CLEAN, "distributed.py": "", "rows.py": "def f():\n    from .distributed import x\n"}
     root = _write(tmp_path / "b", upward)
     assert function_level_imports(root) == [] and any("fastagg.rows" in u for u in upward_imports(root))
+
+
+def test_imports_hidden_in_strings_and_attributes_are_named(tmp_path):
+    root = _write(tmp_path, {**CLEAN,
+                             "rows.py": "import importlib\n\ndef f():\n    return importlib.import_module('fastagg.server')\n",
+                             "passes.py": "from .backends import resolve\nx = __import__('fastagg.stream')\n",
+                             "flat.py": "import sys\nexec('import fastagg.server')\ny = sys.modules['fastagg.ops']\n",
+                             "stream/log.py": "from .. import backends as b\n\nclass Log:\n    r = b.reference\n"})
+    found = hidden_imports(root)
+    assert [f.split(":")[0] + ":" + f.split(":")[1] for f in found] == [
+        "fastagg/flat.py:2", "fastagg/flat.py:3", "fastagg/passes.py:2", "fastagg/rows.py:4", "fastagg/stream/log.py:4"]
+    assert hidden_imports(_write(tmp_path / "clean", CLEAN)) == []
 
 
 def test_planted_oversized_module_and_class_are_named(tmp_path):

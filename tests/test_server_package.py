@@ -81,3 +81,99 @@ def test_public_names_of_the_single_file_modules_remain():
     for _ in range(3):
         acc.step()
     assert acc.from_scratch() == pytest.approx(acc.epsilon(), rel=1e-3)
+
+
+class _CountedFedAvg(server.ServerOptimizer):
+    """A rule with a 0-d buffer of its own: ``w <- w + lr * mean``, ``total <- total + ||mean||^2``."""
+
+    _hyper = ("lr",)
+    _scalar_state = ("total",)
+
+    def __init__(self, params, lr: float = 1.0, **kw):
+        super().__init__(params, **kw)
+        self.lr = lr
+        self._flat["total"] = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def _round(self, stats):
+        from fastagg.passes import device_scalar
+
+        eta = device_scalar(self.lr, stats.mean_sq)
+        finite = self._check_finite(stats, eta)
+        self._apply(stats, eta, finite=finite)
+        total = self._flat["total"]
+        total.copy_(torch.where(finite, total + stats.mean_sq, total))
+        return eta, finite
+
+
+def test_a_new_rules_own_scalar_state_round_trips_a_checkpoint():
+    """A rule's ``_scalar_state`` beyond fastagg's own (step, numerator) is saved as 0-d per parameter and read
+    back as 0-d: the page's recipe (declare it, create it in __init__) is all a new rule needs."""
+    params = [torch.zeros(3, 2), torch.zeros(5)]
+    opt = _CountedFedAvg(params, lr=0.5)
+    g = torch.Generator().manual_seed(0)
+    expect = 0.0
+    for _ in range(3):
+        deltas = [[torch.randn(3, 2, generator=g), torch.randn(5, generator=g)] for _ in range(2)]
+        mean = [(a + b) / 2 for a, b in zip(*deltas)]
+        expect += sum(float((m.double() ** 2).sum()) for m in mean)
+        opt.step(deltas)
+    sd = opt.state_dict()
+    assert all(sd["state"][k]["total"].dim() == 0 for k in range(2))
+    back = _CountedFedAvg([torch.zeros(3, 2), torch.zeros(5)], lr=0.5)
+    back.load_state_dict(sd)
+    assert float(back.flat_state["total"]) == pytest.approx(expect, rel=1e-6)
+    assert float(back.flat_state["total"]) == float(opt.flat_state["total"]) and back.round == 3
+    sd["state"][1]["total"] = torch.tensor(1.0, dtype=torch.float64)  # the per-parameter copies must agree
+    with pytest.raises(ValueError, match="'total' differs between parameters 0 and 1"):
+        back.load_state_dict(sd)
+
+
+def test_fedexpm_refuses_a_negative_numerator():
+    """FedExP-M's A is a discounted sum of squared norms: a checkpoint holding A < 0 (eta 0 forever after: the
+    model stops while rounds are counted) is refused, nothing changed."""
+    opt = server.FedExPM(torch.zeros(D), eps=1e-3)
+    opt.step([torch.randn(D), torch.randn(D)])
+    sd = opt.state_dict()
+    for k in sd["state"]:
+        sd["state"][k]["numerator"] = torch.tensor(-1e6, dtype=torch.float64)
+    before = {k: v.clone() for k, v in opt.flat_state.items()}
+    with pytest.raises(ValueError, match="'numerator' holds negative values"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(before[k], v) for k, v in opt.flat_state.items())
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_a_buffer_that_holds_no_values_is_named(kind):
+    opt = server.FedAvgM(torch.zeros(D), momentum=0.9)
+    opt.step([torch.randn(D)])
+    sd = opt.state_dict()
+    buf = sd["state"][0]["momentum_buffer"]
+    sd["state"][0]["momentum_buffer"] = buf.to("meta") if kind == "meta" else buf.to_sparse()
+    with pytest.raises(TypeError, match="state_dict buffer 'momentum_buffer' .*is a .* tensor on .*; expected a dense"):
+        opt.load_state_dict(sd)
+
+
+def test_two_threads_stepping_one_optimizer_lose_no_round():
+    """Steps share the optimizer's mean buffers: two threads stepping at once are taken one after the other, so
+    every round's mean reaches the params (before: wrong params, no error)."""
+    import threading
+
+    w = torch.zeros(4096)
+    opt = server.FedAvg(w, backend="cpu")
+    g = torch.Generator().manual_seed(1)
+    rounds = [[torch.randn(4096, generator=g) for _ in range(3)] for _ in range(60)]
+    expect = sum(torch.stack(r).double().mean(0) for r in rounds)
+    start = threading.Barrier(2)
+
+    def run(part):
+        start.wait()
+        for r in part:
+            opt.step(r)
+
+    threads = [threading.Thread(target=run, args=(rounds[i::2],)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert opt.round == 60
+    assert torch.allclose(w.double(), expect, atol=1e-4)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -165,6 +166,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         self._borrowed: list = []  # (accumulator, spare) lent as a step's mean, given back when the step ends
         self._start: list | None = None  # _step_from's start model (flat parts), until the apply pass reads it
         self._checked_hyper: dict | None = None  # the group's values as last checked
+        self._serial = threading.RLock()  # one step, load or save at a time: steps share the mean buffers and state
         self._bound = following.binding(self.param_groups[0]["params"], self._p.original)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -178,7 +180,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         zero_grad(self.param_groups[0]["params"], set_to_none)
 
     def __getstate__(self) -> dict:  # torch's keeps only defaults, state and param_groups; the backend by name
-        return {k: v for k, v in self.__dict__.items() if k not in ("_backend", "state")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_backend", "state", "_serial")}
 
     def __setstate__(self, state: dict) -> None:
         restore(self, state)
@@ -307,7 +309,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         With ``on_nonfinite="raise"`` a non-finite client raises ``ValueError`` and params and state stay exactly as
         they were.
         """
-        return with_closure(self._step, deltas, weights, base, closure)
+        with self._serial:  # two threads stepping at once would share the mean buffers: one after the other
+            return with_closure(self._step, deltas, weights, base, closure)
 
     def _step(self, deltas: Any, weights: Any, *, base: Any) -> StepStats:
         with torch.no_grad():

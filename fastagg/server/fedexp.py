@@ -108,6 +108,7 @@ class FedExPM(_FedExPFamily):
     _hyper = ("eps", "eps_mode", "eps_decay", "beta", "lr")
     _vector_state = ("v",)
     _scalar_state = ("numerator",)
+    _nonnegative_state = ("numerator",)  # A, a discounted sum of squared norms: a negative one would stop the model
 
     def __init__(self, params, eps: float | None = None, beta: float = 0.9, eps_mode: str = "paper",
                  eps_decay: float = 1.0, lr: float = 1.0, **kw):

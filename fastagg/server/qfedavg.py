@@ -49,15 +49,16 @@ class QFedAvg(ServerOptimizer):
             raise TypeError("QFedAvg weighs each client by its loss and its own norm: pass the updates, not an "
                             "Accumulator of their sum")
         f = _losses(losses) + 1e-10
-        self._f = f
-        try:
-            return super().step(deltas, weights=f ** self.q, base=base)
-        except ValueError as e:
-            if str(e).startswith("weights must have shape"):
-                raise ValueError(f"losses must hold one value per client ({e})") from None
-            raise
-        finally:
-            self._f = None
+        with self._serial:  # (re-entered by the base step) self._f is this step's
+            self._f = f
+            try:
+                return super().step(deltas, weights=f ** self.q, base=base)
+            except ValueError as e:
+                if str(e).startswith("weights must have shape"):
+                    raise ValueError(f"losses must hold one value per client ({e})") from None
+                raise
+            finally:
+                self._f = None
 
     def _round(self, stats):
         inv_lr = 1.0 / self.client_learning_rate

@@ -41,7 +41,7 @@ class _ControlVariate:
         if deltas is None or control_deltas is None:
             raise TypeError(f"{type(self).__name__}.step needs deltas and control_deltas (each participant's "
                             "c_i_new - c_i); it has no pseudo-gradient form")
-        with torch.no_grad():
+        with self._serial, torch.no_grad():
             self._follow()
             self._check_group()
             try:

@@ -18,24 +18,25 @@ def step_from(opt, start: Any, *args, **kw):
     pass; their old values are never read: ``_apply_reads_start``), so an aggregator whose params take fresh storage
     every round sets them by the step itself (fastagg.nvflare). Other rules, and a step that ends before its apply
     (a raise), copy ``start`` in."""
-    with torch.no_grad():
-        opt._follow()
-        parts = start_parts(opt, start)
-        if not opt._apply_reads_start:
-            _copy_in(opt, parts)
+    with opt._serial:
+        with torch.no_grad():
+            opt._follow()
+            parts = start_parts(opt, start)
+            if not opt._apply_reads_start:
+                _copy_in(opt, parts)
+                return opt.step(*args, **kw)
+            opt._start = parts
+        try:
             return opt.step(*args, **kw)
-        opt._start = parts
-    try:
-        return opt.step(*args, **kw)
-    finally:
-        left, opt._start = opt._start, None
-        if left is not None:  # no apply pass ran: the params are start's
-            _copy_in(opt, left)
+        finally:
+            left, opt._start = opt._start, None
+            if left is not None:  # no apply pass ran: the params are start's
+                _copy_in(opt, left)
 
 
 def assign(opt, start: Any) -> None:
     """Set the params (and the model's buffers) to ``start``, a model of their form, layout, dtype and device."""
-    with torch.no_grad():
+    with opt._serial, torch.no_grad():
         opt._follow()
         _copy_in(opt, start_parts(opt, start))
 

@@ -25,6 +25,11 @@ def state_dict(opt) -> dict:
     checks. Tensors are copies. Like torch optimizers, the parameters themselves are not included: save the model
     alongside. Hooks registered with ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run as
     torch.optim.Optimizer.state_dict runs them (a post hook's returned dict replaces the checkpoint)."""
+    with opt._serial:  # (not torn by a step in another thread)
+        return _state_dict(opt)
+
+
+def _state_dict(opt) -> dict:
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
         pre_hook(opt)
     opt._follow()
@@ -66,7 +71,8 @@ def load_state_dict(opt, state_dict: Any) -> None:
         result = pre_hook(opt, state_dict)
         if result is not None:
             state_dict = result
-    _load(opt, state_dict)
+    with opt._serial:  # (not mixed with a step in another thread)
+        _load(opt, state_dict)
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
 

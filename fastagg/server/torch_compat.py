@@ -4,6 +4,7 @@ torch.distributed group held weakly."""
 from __future__ import annotations
 
 import collections
+import threading
 import weakref
 from collections.abc import Mapping
 
@@ -149,13 +150,15 @@ def zero_grad(tensors: list, set_to_none: bool = True) -> None:
 
 def restore(opt, state: dict) -> None:
     """``__setstate__`` (unpickling): the attributes back, torch's hook tables where an older pickle has none (as
-    torch's ``__setstate__``), the backend resolved by name, and ``state`` as a view of the restored buffers."""
+    torch's ``__setstate__``), the backend resolved by name, ``state`` as a view of the restored buffers, and a
+    fresh lock for the steps."""
     opt.__dict__.update(state)
     for name in ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                  "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
         opt.__dict__.setdefault(name, collections.OrderedDict())
     opt._backend = resolve(opt._backend_name, opt.device)
     opt.state = ParamState(opt)
+    opt._serial = threading.RLock()
 
 
 def with_closure(step, deltas, weights, base, closure):
