@@ -591,7 +591,8 @@ def test_a_lazy_module_may_be_imported_downward_inside_a_function_and_still_coun
 
 def test_imports_hidden_in_strings_and_attributes_are_named(tmp_path):
     root = _write(tmp_path, {**CLEAN,
-                             "rows.py": "import importlib\n\ndef f():\n    return importlib.import_module('fastagg.server')\n",
+                             "rows.py": "import importlib\n\ndef f():\n"
+                                        "    return importlib.import_module('fastagg.server')\n",
                              "passes.py": "from .backends import resolve\nx = __import__('fastagg.stream')\n",
                              "flat.py": "import sys\nexec('import fastagg.server')\ny = sys.modules['fastagg.ops']\n",
                              "stream/log.py": "from .. import backends as b\n\nclass Log:\n    r = b.reference\n"})

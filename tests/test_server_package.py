@@ -177,3 +177,29 @@ def test_two_threads_stepping_one_optimizer_lose_no_round():
         t.join()
     assert opt.round == 60
     assert torch.allclose(w.double(), expect, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, drop", [("FedAvgM", "momentum_buffer"), ("FedAdam", "m"), ("FedAdam", "v"),
+                                        ("FedExPM", "v"), ("FedExPM", "numerator"), ("Scaffold", "control"),
+                                        ("FedACG", "momentum")])
+def test_a_checkpoint_past_round_0_missing_a_buffer_is_refused(name, drop):
+    """A checkpoint of a rule past its first round that lacks one of the rule's buffers (say FedAdam without v)
+    loaded before, restarting the buffer at zero: FedAdam's next step then moved the model ~80x further. It is
+    refused, naming the buffer, nothing changed; FedAvgM without momentum keeps no buffer and loads."""
+    make = {"FedAvgM": lambda w: server.FedAvgM(w, momentum=0.9), "FedAdam": server.FedAdam,
+            "FedExPM": lambda w: server.FedExPM(w, eps=1e-3), "Scaffold": lambda w: server.Scaffold(w, num_clients=4),
+            "FedACG": server.FedACG}[name]
+    opt = make(torch.zeros(D))
+    deltas = [torch.randn(D), torch.randn(D)]
+    opt.step(deltas, deltas) if name == "Scaffold" else opt.step(deltas)
+    sd = opt.state_dict()
+    for k in sd["state"]:
+        del sd["state"][k][drop]
+    fresh = make(torch.zeros(D))
+    before = {k: v.clone() for k, v in fresh.flat_state.items()}
+    with pytest.raises(ValueError, match=f"state_dict has no '{drop}' buffer, which {name} keeps"):
+        fresh.load_state_dict(sd)
+    assert before.keys() == fresh.flat_state.keys() and all(torch.equal(before[k], fresh.flat_state[k]) for k in before)
+    plain = server.FedAvgM(torch.zeros(D))
+    plain.step(deltas)
+    server.FedAvgM(torch.zeros(D)).load_state_dict(plain.state_dict())

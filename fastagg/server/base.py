@@ -123,6 +123,10 @@ class ServerOptimizer(torch.optim.Optimizer):
     def _forget_views(self) -> None:
         """Drop views of the state buffers the rule keeps (after the buffers were replaced: a load, a move)."""
 
+    def _used_state(self) -> tuple:
+        """The buffers every applied round keeps (a checkpoint past round 0 must hold them): all it declares."""
+        return self._vector_state + self._scalar_state
+
     # A rule may also override broadcast() (what clients start from: FedACG), eval_params() (the model to evaluate:
     # the FedExP family) and step() with its own arguments (SCAFFOLD's control_deltas, q-FedAvg's losses).
 
@@ -143,8 +147,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         self._robust = None
         params = following.one_group(params, type(self).__name__)
         check_on_nonfinite(on_nonfinite)
-        # torch.distributed (fastagg.distributed): with a group, each rank holds some clients' updates (default) or,
-        # sharded, one slice of the params, of the state and of every client's update
+        # with a group (fastagg.distributed) each rank holds some clients (default) or, sharded, a slice of everything
         if sharded and group is None:
             raise ValueError("sharded=True needs group= (the ranks that hold the other slices)")
         self._group = GroupRef(group)
@@ -153,11 +156,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, [{"params": following.torch_params(self._p, buffers == "optimizer")}],
                                        {})
         self.state = ParamState(self)  # torch's per-parameter view of the flat buffers below
-        self.layout = self._p.form
-        self.device = self._p.device
-        self.on_nonfinite = on_nonfinite
-        self._backend_name = backend
-        self._backend = resolve(backend, self.device)
+        self.layout, self.device, self.on_nonfinite = self._p.form, self._p.device, on_nonfinite
+        self._backend_name, self._backend = backend, resolve(backend, self.device)
         self._cdt = compute_dtype(self._p.dtype)
         self._flat: dict[str, torch.Tensor] = {"step": torch.zeros((), dtype=torch.float64, device=self.device)}
         self.last_stats: StepStats | None = None

@@ -49,6 +49,9 @@ class FedAvgM(ServerOptimizer):
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0")
 
+    def _used_state(self) -> tuple:
+        return self._vector_state if self.momentum > 0 else ()  # momentum 0: no buffer, FedAvg's update
+
     def _round(self, stats):
         eta = device_scalar(self.lr, stats.mean_sq)
         finite = self._check_finite(stats, eta)

@@ -101,6 +101,12 @@ def _load(opt, state_dict: Any) -> None:
                                    opt._scalar_state)
     state = checkpoint.checked_state(ck["state"], kinds, nonnegative=opt._nonnegative_state,
                                      owner=type(opt).__name__, device=opt.device)
+    applied = float(state["step"]) > 0  # a rule's 0-d buffers exist from its construction, its vectors from round 1
+    missing = [n for n in probe._used_state() if n not in state and (applied or n in opt._scalar_state)]
+    if missing:
+        raise ValueError(f"state_dict has no {missing[0]!r} buffer, which {type(opt).__name__} keeps from its first "
+                         f"round on (round counter {float(state['step']):g}): loaded without it the rule would restart "
+                         "it from zero")
     agg = checkpoint.checked_aggregate_state(state_dict, opt.aggregate)
     for k in opt._hyper:
         setattr(opt, k, getattr(probe, k))
