@@ -66,9 +66,8 @@ def no_clients_given(x: Any) -> bool:
 
 @dataclasses.dataclass(eq=False)
 class Target:
-    """What a server optimizer's round is read for: the params it steps and what its rule needs. Built by
-    :meth:`fastagg.server.ServerOptimizer._target` for each step; :func:`round_stats` fills ``robust`` and
-    ``borrowed``."""
+    """What a server optimizer's round is read for: the params it steps and what its rule needs. Built for each
+    stats pass by ``_target`` in fastagg/server/base.py; :func:`round_stats` fills ``robust`` and ``borrowed``."""
 
     params: ParamRows
     backend: Any                    # the resolved backend module (fastagg.backends.resolve)
