@@ -400,6 +400,18 @@ def _report(problems: list[str], rule: str, why: str, fix: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- the rules, on fastagg/
+def test_every_package_is_shipped():
+    """pyproject.toml lists the packages the wheel ships, by name: a package of fastagg/ missing there installs as
+    nothing, and ``import fastagg`` fails for users while every test of the checkout passes (issue 41's split of
+    server.py and stream.py into packages was caught only by CI's wheel install)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {_module_name(init, ROOT) for init in ROOT.rglob("__init__.py")}
+    missing = sorted(packages - listed)
+    assert not missing, f"packages of fastagg/ missing from pyproject.toml's [tool.setuptools] packages: {missing}"
+
+
 def test_no_import_cycle():
     found = cycles()
     assert not found, _report(
