@@ -164,3 +164,51 @@ def test_extreme_seeds_and_rounds_agree_on_every_backend(seed, rnd):
     for backend in cpu_backends():
         got = gaussian_noise(999, seed=seed, round=rnd, first=2, backend=backend)
         assert float((got - ref).abs().max()) < 1e-5, backend
+
+
+def _triton_interpreted() -> bool:
+    return "triton" in cpu_backends()
+
+
+@pytest.mark.skipif(not _triton_interpreted(), reason="the Triton backend runs here only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("first", [0, 1, 2, 3, 4, 5, 6, 7, (1 << 34) + 1, (1 << 34) + 6])
+def test_triton_shared_philox_noise_is_the_reference_at_every_offset(first):
+    """The Triton generator computes one Philox call per four coordinates and one Box-Muller pair per two, the
+    lanes interleaved back (noise.py): every start modulo 4, lengths not a multiple of 4 or of the block, a block
+    index past 2^32. It must give the reference's normals, and exactly the per-element path's bits."""
+    from fastagg.backends.triton import noise as tnoise
+
+    seed, rnd = 0x1234_5678_9ABC_DEF0, (7 << 32) + 5
+    for n in (1, 3, 6, 1021, 1024, 2051):
+        ref = gaussian_noise(n, seed=seed, round=rnd, first=first, backend="reference")
+        got = torch.full((n,), float("nan"))
+        tnoise.gaussian_noise(out=got, seed=seed, round=rnd, first=first)
+        err = (got.double() - ref.double()).abs() / (1 + ref.double().abs())
+        assert float(err.max()) < 1e-5, (first, n, int(err.argmax()))
+        per_element = torch.full((n,), float("nan"))
+        tnoise.gaussian_noise(out=per_element, seed=seed, round=rnd, first=first, _paired=False)
+        assert torch.equal(got, per_element), (first, n)
+
+
+@pytest.mark.skipif(not _triton_interpreted(), reason="the Triton backend runs here only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("lens", [(5000,), (8, 4096, 12, 1500), (5, 1030, 3, 2100, 7), (1, 2, 4099)])
+def test_triton_stats_pass_noise_at_every_segment_offset(lens):
+    """The stats pass adds sigma times the noise of coordinate ``off + col`` as each block of the mean is written:
+    blocks start at segment offsets of every residue modulo 4 (the shared path where the start is a multiple of
+    4, known at compile time for one segment or chosen at run time, the per-element path elsewhere), segments
+    shorter than a block and ending mid-block."""
+    from fastagg.backends import resolve
+    from fastagg.passes import run_stats
+    from fastagg.rows import client_rows
+
+    d, m = sum(lens), 3
+    x = torch.randn(m, d, generator=torch.Generator().manual_seed(sum(lens)))
+    rows = client_rows([list(r.split(list(lens))) for r in x] if len(lens) > 1 else x, name="deltas")
+    coefs = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    sigma, seed, rnd = 0.75, 2 ** 64 - 5, (3 << 32) + 9
+    got, sq, _, msq = run_stats(rows, coefs, resolve("triton", x.device), noise=(sigma, seed, rnd))
+    want = (coefs[:, None] * x.double()).sum(0) + sigma * reference.gaussian(d, seed=seed, round=rnd).double()
+    err = (got.double() - want).abs()
+    assert float(err.max()) < 1e-5, int(err.argmax())
+    assert float(msq) == pytest.approx(float(got.double() @ got.double()), rel=1e-6)
+    torch.testing.assert_close(sq, x.double().pow(2).sum(1), rtol=1e-6, atol=0)

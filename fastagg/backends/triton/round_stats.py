@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ...rows import ClientRows, unkept_mean
-from .noise import normal_at
+from .noise import normal_block
 from .launch import (address_table, addresses_aligned, block_columns, finalize_config, off_mult,
                      rows_aligned, scalar_table, segment_tables, stats_config, table_address)
 
@@ -89,15 +89,15 @@ def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_l
         acc = _stats_block(row_ptrs, seg, start, cmask, base, weights, acc, part_sq, part_bad, pid, M, like,
                            HAS_BASE, ALIGNED, True, ACC, BLOCK_M, BLOCK_D)
         if NOISE:  # differential privacy: the noise is added as the mean is written (sigma: aux_coef_ptr[1])
-            acc += tl.load(aux_coef_ptr + 1).to(ACC) * normal_at(off + cols, noise_seed, noise_round_lo,
-                                                                  noise_round_hi).to(ACC)
+            acc += tl.load(aux_coef_ptr + 1).to(ACC) * normal_block(off + start, noise_seed, noise_round_lo,
+                                                                     noise_round_hi, BLOCK_D, OFF_MULT).to(ACC)
         tl.store(mean_out + off + cols, acc)
     else:
         acc = _stats_block(row_ptrs, seg, start, cmask, base, weights, acc, part_sq, part_bad, pid, M, like,
                            HAS_BASE, ALIGNED, False, ACC, BLOCK_M, BLOCK_D)
         if NOISE:
-            acc += tl.load(aux_coef_ptr + 1).to(ACC) * normal_at(off + cols, noise_seed, noise_round_lo,
-                                                                  noise_round_hi).to(ACC)
+            acc += tl.load(aux_coef_ptr + 1).to(ACC) * normal_block(off + start, noise_seed, noise_round_lo,
+                                                                     noise_round_hi, BLOCK_D, OFF_MULT).to(ACC)
         tl.store(mean_out + off + cols, acc, mask=cmask)
     if HAS_AUX:  # ||mean + aux_coef * aux||^2 (FedExP-M's momentum norm) instead of ||mean||^2
         acc += tl.load(aux_coef_ptr).to(ACC) * tl.load(aux + off + cols, mask=cmask, other=0.0).to(ACC)
