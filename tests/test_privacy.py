@@ -634,3 +634,39 @@ def test_release_takes_compressed_updates_as_their_dequantized_rows():
     assert ra.excluded.tolist() == rb.excluded.tolist() == [False] * 4 + [True]
     with pytest.raises(TypeError, match="base="):
         privacy.release(updates, privacy.ServerSideFixedClipping(1.0, 0.1, 4, seed=1), base=torch.zeros(d))
+
+
+@pytest.mark.parametrize("make", [lambda c, m: privacy.ServerSideFixedClipping(1.0, c, m, seed=2),
+                                  lambda c, m: privacy.ClientSideFixedClipping(1.0, c, m, seed=2)],
+                         ids=["server", "client"])
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_release_reads_the_host_once(make, clip):
+    """One host read a release (a sync on a GPU, which leaves the device idle until the host launches again): the
+    non-finite flags (client-side with the clipped flags), read after the server-side clipped sum was launched.
+    Counted as the mechanism's own calls of the tensor methods that read values to the host."""
+    import fastagg.privacy.mechanisms as mechanisms_mod
+
+    m, d = 6, 700
+    x = _clients(m, d, seed=9)
+    c = float(x.double().norm(dim=1).median()) if clip else 10.0
+    reads = []
+    names = ("tolist", "item", "__bool__", "__float__", "__int__", "nonzero", "cpu", "numpy")
+    originals = {n: getattr(torch.Tensor, n) for n in names}
+
+    def counted(name):
+        def read(self, *a, **k):
+            import sys
+            if sys._getframe(1).f_code.co_filename == mechanisms_mod.__file__:
+                reads.append(name)
+            return originals[name](self, *a, **k)
+        return read
+
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, counted(n))
+        r = privacy.release(x, make(c, m), backend="reference")
+    finally:
+        for n, f in originals.items():
+            setattr(torch.Tensor, n, f)
+    assert bool(r.clipped.any()) == clip
+    assert reads == ["tolist"]

@@ -20,10 +20,14 @@ mean (Flower's own accountant accepts only FedAvg for that reason).
 The kernels: the stats pass yields every client's squared norm; the clipped, noised mean is then one more
 weighted-sum pass with the coefficients ``p_i min(1, C / ||delta_i||)`` and the noise added as each block of the
 mean is written (csrc/round_stats.cpp, the Triton stats kernel), never materialized as a d-vector of its own.
-Server-side clipping reads the updates twice; client-side clipping once (a second time only when some client
-sent an update longer than ``C``: the server clips it again, so a buggy or hostile client cannot break the
-sensitivity bound). The noise comes from fastagg's counter-based generator keyed by ``(seed, round, coordinate)``
-(:mod:`fastagg.privacy.noise`), or from ``noise_source=``.
+Server-side clipping reads the updates twice (the second pass launched before the round's one host read, so the
+two run back to back; a third time, without those clients, when some update holds NaN or Inf); client-side once (a
+second time only when some client sent an update longer than ``C``: the server clips it again, so a buggy or hostile
+client cannot break the sensitivity bound). One read is not possible server-side: a client's clip factor needs the
+norm of its whole update before any coordinate of the clipped sum, and holding the M updates until then (or
+writing per-client partial sums) would cost more than reading them again. The noise comes from fastagg's
+counter-based generator keyed by ``(seed, round, coordinate)`` (:mod:`fastagg.privacy.noise`), or from
+``noise_source=``.
 
 A client whose update holds NaN or Inf contributes nothing (coefficient 0, reported in ``excluded``): that is
 clipping it to zero, which keeps the sensitivity bound. The model's buffers (BatchNorm statistics) are not
@@ -388,12 +392,23 @@ def dp_round(rows: ClientRows, weights: Any, mech: _Mechanism, backend, *, mean_
     scale = torch.where(norms > c, c / norms, torch.ones_like(norms))
     scale = torch.where(finite, scale, torch.zeros_like(scale))
     clipped = finite & (norms > c)
-    if not bool(finite.any()):
+    # one host read a release: which clients are non-finite (and, client-side, whether any must be clipped). The
+    # server-side clipped sum over every client is launched before it, so the two passes run back to back; it is
+    # redone without the non-finite clients when there are some (0 * NaN would be NaN)
+    if mech.client_side:
+        bad_host, clipped_host = torch.stack((bad, clipped)).tolist()
+        again = any(bad_host) or any(clipped_host)
+    else:
+        _, _, _, msq = run_stats(rows, p * scale, backend, mean_out=out, mean_dtype=dtype, noise=fused)
+        bad_host = bad.tolist()
+        again = any(bad_host)
+    if all(bad_host):
         raise ValueError(f"every one of the {m} clients' updates holds NaN or Inf: nothing to release")
-    if not mech.client_side or bool(clipped.any()) or not bool(finite.all()):
-        keep = finite.nonzero().flatten().tolist()  # a non-finite client is left out (0 * NaN would be NaN)
+    if again:
+        keep = [i for i, b in enumerate(bad_host) if not b]  # a non-finite client is left out
         sub = rows if len(keep) == m else subset_rows(rows, keep)
-        _, _, _, msq = run_stats(sub, (p * scale)[finite], backend, mean_out=out, mean_dtype=dtype, noise=fused)
+        coefs = p * scale if len(keep) == m else (p * scale)[torch.tensor(keep, device=dev)]
+        _, _, _, msq = run_stats(sub, coefs, backend, mean_out=out, mean_dtype=dtype, noise=fused)
     if _add_source_noise(mech, out, sigma, round_):
         msq = None
     if mech.adaptive and mech.client_side:
