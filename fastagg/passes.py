@@ -200,7 +200,7 @@ def buffer_updates(params: ParamRows, stats: RoundStats, *, models: bool) -> lis
         sums = {n: b for n, b in zip(stats.buffers.names, stats.buffer_sums) if b is not None}
     elif stats.buffers is not None:
         raw = dict(zip(stats.buffers.names, stats.buffers.values))
-    out = []
+    taken = []
     for name, g in params.buffers:
         if name not in sums and name not in raw:
             continue
@@ -208,28 +208,69 @@ def buffer_updates(params: ParamRows, stats: RoundStats, *, models: bool) -> lis
         if shape != tuple(g.shape):
             raise ValueError(f"the clients' buffer {name!r} has shape {shape}; the global model's has "
                              f"{tuple(g.shape)}; nothing was updated")
+        taken.append((name, g))
+    # the clients' raw buffers, averaged together: one float64 row per client holding every floating buffer (and
+    # one int64 row per counter dtype), each row added as the per-buffer loop added it (same order, same values)
+    floating = [(n, g) for n, g in taken if n in raw and g.is_floating_point()]
+    avgs = dict(zip([n for n, _ in floating], _weighted_rows([raw[n] for n, _ in floating], [g for _, g in floating],
+                                                              stats.coefs, params.device)))
+    counters = [(n, g) for n, g in taken if n in raw and not g.is_floating_point()]
+    advances = {}
+    for dtype in dict.fromkeys(g.dtype for _, g in counters):
+        group = [(n, g) for n, g in counters if g.dtype == dtype]
+        advances.update(zip([n for n, _ in group], _counter_advances([raw[n] for n, _ in group],
+                                                                     [g for _, g in group], stats.coefs,
+                                                                     params.device, models)))
+    out = []
+    for name, g in taken:
         if g.is_floating_point():
-            avg = sums[name] if name in sums else weighted_f64(raw[name], stats.coefs, params.device, g.shape)
+            avg = sums[name] if name in sums else avgs[name]
             new = avg if models else g.to(torch.float64) + avg
             out.append((g, new, None))
         else:
-            ok = torch.ones(g.shape, dtype=torch.bool, device=g.device)
-            if name in sums:
-                advance = sums[name]
-            elif models:  # each client's advance b_i - g, exact in int64 (or refused where it overflows)
-                g64 = g.to(torch.int64)
-                diffs = []
-                for v in raw[name]:
-                    v64 = v.to(device=g.device, dtype=torch.int64)
-                    d = v64 - g64
-                    ok &= ~(((v64 ^ g64) < 0) & ((d ^ v64) < 0))
-                    diffs.append(d)
-                advance = weighted_f64(diffs, stats.coefs, params.device, g.shape)
-            else:
-                advance = weighted_f64(raw[name], stats.coefs, params.device, g.shape)
+            advance, ok = (sums[name], None) if name in sums else advances[name]
             new, fits = _advanced(g, advance)
-            out.append((g, new, ok & fits))
+            out.append((g, new, fits if ok is None else ok & fits))
     return out
+
+
+def _weighted_rows(values: list, like: list, coefs: torch.Tensor, device) -> list:
+    """``sum_i coefs_i values[k][i]`` in float64 for every buffer k at once (shaped as ``like[k]``): client i's
+    buffers copied into one float64 row, the rows added in client order (elementwise what :func:`weighted_f64`
+    computes per buffer, in two torch calls a client instead of two a buffer and client)."""
+    if not values:
+        return []
+    sizes = [g.numel() for g in like]
+    acc = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
+    row = torch.empty_like(acc)
+    views = [v.view(g.shape) for v, g in zip(row.split(sizes), like)]
+    for i, c in enumerate(coefs):
+        torch._foreach_copy_(views, [vals[i] for vals in values])
+        acc += c * row
+    return [a.view(g.shape) for a, g in zip(acc.split(sizes), like)]
+
+
+def _counter_advances(values: list, like: list, coefs: torch.Tensor, device, models: bool) -> list:
+    """Integer buffers of one dtype (``like``: the model's): the weighted average of each client's advance
+    (``models``: ``b_i - g``, exact in int64, with the elements where it overflows int64 marked not ok; else the
+    sent ``b_i`` itself) in float64, for every buffer at once. Returns (advance, ok or None) per buffer."""
+    sizes = [g.numel() for g in like]
+    row = torch.empty(sum(sizes), dtype=torch.int64, device=like[0].device)
+    views = [v.view(g.shape) for v, g in zip(row.split(sizes), like)]
+    g64 = torch.cat([g.reshape(-1) for g in like]).to(torch.int64)
+    acc = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
+    ok = torch.ones(sum(sizes), dtype=torch.bool, device=like[0].device) if models else None
+    for i, c in enumerate(coefs):
+        torch._foreach_copy_(views, [vals[i] for vals in values])
+        if models:  # each client's advance b_i - g, exact in int64 (or refused where it overflows)
+            d = row - g64
+            ok &= ~(((row ^ g64) < 0) & ((d ^ row) < 0))
+        else:
+            d = row
+        acc += c * d.to(device=device, dtype=torch.float64)
+    adv = [a.view(g.shape) for a, g in zip(acc.split(sizes), like)]
+    oks = [o.view(g.shape) for o, g in zip(ok.split(sizes), like)] if models else [None] * len(like)
+    return list(zip(adv, oks))
 
 
 def weighted_f64(values: list, coefs: torch.Tensor, device, shape) -> torch.Tensor:
