@@ -155,6 +155,13 @@ def drive_later_launchers():
                 quantize_mod.quantize_fp8_rows(x=x, block=block, codes_out=torch.zeros(3, 1000, dtype=torch.uint8),
                                                scales_out=torch.zeros(3, nb))
     noise_mod.gaussian_noise(out=torch.zeros(10), seed=2 ** 64 - 1, round=7, first=3)
+    noise_mod.gaussian_noise(out=torch.zeros(10), seed=1, round=7, first=3, _paired=False)  # (the benchmark's)
+    for dtype in (torch.float32, torch.float64):  # segment offsets not known to be multiples of 4: chosen per block
+        rows = client_rows([[r[:3], r[3:]] for r in torch.zeros(3, 10, dtype=dtype)], name="deltas")
+        stats_mod.round_stats(rows=rows, weights=torch.ones(3, **f64), mean_init=None, aux=None, aux_coef=0.0,
+                              mean_out=torch.zeros(10, dtype=dtype), sq_norms_out=torch.zeros(3, **f64),
+                              nonfinite_out=torch.zeros(3, dtype=torch.bool), mean_sq_out=torch.zeros((), **f64),
+                              noise=(0.5, 1, 2))
     for init in (None, torch.zeros(1000)):
         # a power-of-two block (per-block scales and integer squares) and any other; aligned codes and not
         for block, offset in ((256, 0), (100, 0), (256, 1)):

@@ -1,10 +1,11 @@
 """Counter-based Gaussian noise on the GPU (the definition: csrc/noise.h): Triton's own Philox4x32-10 (the same
-words as the C++ and reference backends, tested), then Box-Muller with the device's float32 log / sin / cos.
+words as the C++ and reference backends, tested), then Box-Muller in float32: the device's log and sqrt, and the
+cosine and sine of 2 pi u2 from one exact quadrant reduction and Cephes' polynomials (csrc/noise.cpp's sincos_2pi).
 
 Coordinate j takes lane ``j mod 4`` of the Philox block ``j // 4``, whose four words give two Box-Muller pairs
 (x0, x1) -> (n0, n1) and (x2, x3) -> (n2, n3). ``normal_block`` computes a run of coordinates starting at a
-multiple of 4 as a [BLOCK/4, 4] tile: one Philox call per four coordinates and one log, sqrt, sin and cos per
-pair, the four lanes interleaved back in place (``tl.join`` / ``tl.reshape``). A run starting elsewhere (a segment
+multiple of 4 as a [BLOCK/4, 4] tile: one Philox call per four coordinates and one log, sqrt and cosine-sine
+reduction per pair, the four lanes interleaved back in place (``tl.join`` / ``tl.reshape``). A run starting elsewhere (a segment
 offset not a multiple of 4) falls back to ``normal_at``, where each element computes its own block's Philox call
 and its pair's transform: four times the Philox work and twice the transcendental work, for any alignment.
 """
@@ -30,13 +31,30 @@ def _philox_words(blk, seed, round_lo, round_hi):
 
 
 @triton.jit
+def _sincos_2pi(u):
+    """(cos(2 pi u), sin(2 pi u)) for float32 u in [0, 1], as csrc/noise.cpp's sincos_2pi: u = k/4 + t with t in
+    [-1/8, 1/8] (exact), x = 2 pi t in [-pi/4, pi/4], Cephes' sinf / cosf polynomials there, then k quarter turns.
+    One exact reduction for both (libdevice's sinf and cosf each reduce their argument, with a slow path for large
+    ones that this range never takes)."""
+    k = (u * 4.0 + 0.5).to(tl.int32)  # the nearest quadrant (u >= 0)
+    x = (u - k.to(tl.float32) * 0.25) * 6.283185307179586
+    z = x * x
+    sp = ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1) * z * x + x
+    cp = ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2) * z * z - 0.5 * z + 1.0
+    odd = (k & 1) != 0  # odd k swaps cos and sin; cos changes sign for k = 1, 2, sin for k = 2, 3
+    c = tl.where(odd, sp, cp)
+    s = tl.where(odd, cp, sp)
+    return tl.where(((k + 1) & 2) != 0, -c, c), tl.where((k & 2) != 0, -s, s)
+
+
+@triton.jit
 def _box_muller(a, b):
     """(r cos(2 pi u2), r sin(2 pi u2)) with r = sqrt(-2 ln u1), u1 = a 2^-32 + 2^-33, u2 = b 2^-32 (float32)."""
     u1 = a.to(tl.float32) * _TWO_M32 + _TWO_M33
     u2 = b.to(tl.float32) * _TWO_M32
     r = tl.sqrt(-2.0 * tl.log(u1))
-    theta = 6.283185307179586 * u2
-    return r * tl.cos(theta), r * tl.sin(theta)
+    c, s = _sincos_2pi(u2)
+    return r * c, r * s
 
 
 @triton.jit
