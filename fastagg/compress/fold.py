@@ -5,12 +5,13 @@ the backends): the checks every backend relies on, then the backends' ``blockwis
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..backends import scale_scan
+from ..backends import resolve, scale_scan
 from ..flat import as_tensor
 from ..passes import run_stats
 from ..rows import _check_dtype, _flat_view, client_rows
@@ -62,12 +63,29 @@ def tensors_of(u) -> list:
 def check_batch(updates: list, names: list, *, numel: int, device: torch.device, where: str,
                 scans: dict | None = None) -> None:
     """Formats, sizes, devices and sparse indices (in range, strictly increasing), each error naming the update.
-    ``scans``: a dict that keeps each sparse part's C++ scan by ``id`` for :func:`nonfinite_scales` of the same call
-    (one pass answers both: index order here, finite values there). Float tensors (a mixed round): contiguous, of a
-    float dtype (converted on load into the sums' dtype, as the codes are)."""
+    ``scans``: a dict that keeps what the scan of every compressed part found (by ``id``: :func:`_scan`) for
+    :func:`nonfinite_scales` of the same call (one pass answers both: index order here, finite values and scales
+    there; on a GPU one launch per kind of part and one host read for the round). Float tensors (a mixed round):
+    contiguous, of a float dtype (converted on load into the sums' dtype, as the codes are)."""
+    parts = _check_forms(updates, names, numel=numel, device=device, where=where)
+    sparse = [(u, name) for u, name in parts if isinstance(u, SparseUpdate)]
+    if scans is None and not sparse:
+        return
+    found = _scan([u for u, _ in (parts if scans is not None else sparse)])
+    if scans is not None:
+        scans.update(found)
+    for u, name in sparse:
+        u.check_indices(name, found[id(u)].first, found[id(u)].bounds)
+
+
+def _check_forms(updates: list, names: list, *, numel: int | None, device: torch.device, where: str) -> list:
+    """:func:`check_batch` but the sparse indices; returns ``(part, name)`` of every compressed part (a layerwise
+    update's layers), in order."""
     layered = [u for u in updates if isinstance(u, LayerwiseUpdate)]
     if layered and any(isinstance(u, FORMATS) and not isinstance(u, LayerwiseUpdate) for u in updates):
         raise TypeError("layerwise updates (one part per layer) and whole-vector ones cannot share a call")
+    parts = []
+    device = torch.device(device)
     for u, name in zip(updates, names):
         if isinstance(u, torch.Tensor):  # the checks of float client rows
             _check_dtype(u, name)
@@ -76,22 +94,100 @@ def check_batch(updates: list, names: list, *, numel: int, device: torch.device,
             if u.sizes() != layered[0].sizes():
                 raise ValueError(f"{name} has layers of {list(u.sizes())[:4]}... elements; the first layerwise "
                                  f"update's are {list(layered[0].sizes())[:4]}...")
-            check_batch(list(u.parts), [f"{name} layer {k}" for k in range(len(u.parts))], numel=None,
-                        device=device, where=where, scans=scans)
-        elif isinstance(u, SparseUpdate):
-            check_sparse(u, name)
+            parts += _check_forms(list(u.parts), [f"{name} layer {k}" for k in range(len(u.parts))], numel=None,
+                                  device=device, where=where)
         else:
-            check_blockwise(u, name)
+            if isinstance(u, SparseUpdate):
+                check_sparse(u, name)
+            else:
+                check_blockwise(u, name)
+            parts.append((u, name))
         if numel is not None and numel_of(u) != numel:
             raise ValueError(f"{name} has {numel_of(u)} elements; {where} has {numel}")
-        if u.device != torch.device(device):
+        if u.device != device:
             raise ValueError(f"{name} is on {u.device}; {where} is on {device}")
-    sparse = [(u, name) for u, name in zip(updates, names) if isinstance(u, SparseUpdate)]
-    found = scan([u for u, _ in sparse]) if sparse else None  # one C++ pass for CPU clients
-    if found is not None and scans is not None:
-        scans.update((id(u), r) for (u, _), r in zip(sparse, found))
-    for k, (u, name) in enumerate(sparse):
-        u.check_indices(name, None if found is None else found[k][0])
+    return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class _Found:
+    """What the scan of one compressed part found. ``first``: a sparse part's first entry whose index does not
+    exceed the one before, a blockwise part's first block whose scale is <= 0 (-1: none; None: not scanned for, the
+    index check then looks itself). ``finite``: every value / scale finite. From the GPU's scan also ``bounds`` (a
+    sparse part's smallest and largest index) and ``largest`` (a blockwise part's largest finite scale times its
+    largest finite ``|v(q)|``), so that no check reads the part again."""
+
+    first: int | None
+    finite: bool
+    bounds: tuple | None = None
+    largest: float | None = None
+
+
+def _device_scanner(device: torch.device):
+    """The Triton backend's ``compressed_scan`` for parts on a CUDA device; None elsewhere (CPU parts: the C++
+    passes; a GPU without Triton: torch ops)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return resolve("triton", device).compressed_scan
+    except (ImportError, RuntimeError, ValueError):
+        return None
+
+
+def _scan(parts: list) -> dict:
+    """``id(part) -> _Found`` of compressed parts: one C++ pass per kind for contiguous CPU parts (``sparse_scan``,
+    ``scale_scan``), the Triton scan for CUDA parts (:func:`_device_scan`), torch ops for the rest."""
+    found: dict = {}
+    devices: dict = {}
+    for p in parts:
+        devices.setdefault(p.device, []).append(p)
+    for dev, ps in devices.items():
+        scanner = _device_scanner(dev)
+        if scanner is not None:
+            found.update(_device_scan(ps, scanner))
+            continue
+        sparse = [p for p in ps if isinstance(p, SparseUpdate)]
+        blocks = [p for p in ps if isinstance(p, Blockwise)]
+        got = scan(sparse) if sparse else None
+        if got is not None:
+            found.update((id(p), _Found(r[0], bool(r[1]))) for p, r in zip(sparse, got))
+            sparse = []
+        if blocks and all(p.scales.device.type == "cpu" and p.scales.is_contiguous() for p in blocks):
+            got = scale_scan([p.scales for p in blocks])
+            if got is not None:
+                found.update((id(p), _Found(r[1], bool(r[0]))) for p, r in zip(blocks, got))
+                blocks = []
+        rest = sparse + blocks
+        for p, (ok, low) in zip(rest, _torch_status(rest) if rest else []):
+            found[id(p)] = _Found(None if isinstance(p, SparseUpdate) else low, ok)
+    return found
+
+
+def _device_scan(parts: list, scanner) -> dict:
+    """:func:`_scan` of parts on one GPU: the backend's scan (one launch per kind of part) and the largest finite
+    ``|v(q)|`` of each distinct code table, read by the host at once -- one read for the round, whatever M."""
+    blocks = [p for p in parts if isinstance(p, Blockwise)]
+    sparse = [p for p in parts if isinstance(p, SparseUpdate)]
+    found = scanner(scales=[p.scales.contiguous() for p in blocks], values=[p.values.contiguous() for p in sparse],
+                    indices=[p.indices.contiguous() for p in sparse])
+    tables = {id(t): t for t in (p.table() for p in blocks) if t is not None}
+    read = found.reshape(-1)
+    if tables:
+        a = torch.stack(list(tables.values())).to(found.device, torch.float64).abs()
+        read = torch.cat([read, torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(1).view(torch.int64)])
+    host = read.tolist()
+    tops = dict(zip(tables, (struct.unpack("<d", struct.pack("<q", v))[0] for v in host[4 * len(parts):])))
+    out = {}
+    for k, p in enumerate(blocks + sparse):
+        nonfinite, first, c, e = host[4 * k:4 * k + 4]
+        first = -1 if first >= 1 << 62 else first
+        if isinstance(p, SparseUpdate):
+            out[id(p)] = _Found(first, nonfinite == 0, bounds=(c, -e))
+        else:
+            t = p.table()
+            top = 127.0 if t is None else tops[id(t)]
+            out[id(p)] = _Found(first, nonfinite == 0, largest=struct.unpack("<f", struct.pack("<i", -c))[0] * top)
+    return out
 
 
 def _parts(u) -> tuple:
@@ -103,42 +199,28 @@ def _layer(u, k: int, at: int, n: int):
     return u.parts[k] if isinstance(u, LayerwiseUpdate) else _flat_view(u, "")[at:at + n]
 
 
-def _part_status(parts: list, scans: dict | None = None) -> list:
+def _part_status(parts: list, found: dict | None = None) -> list:
     """Per part ``(finite, first block whose scale is <= 0 or -1)``: a sparse part's values, a blockwise part's
-    scales, a float tensor's values; one C++ pass over each compressed kind for CPU parts (``sparse_scan``,
-    ``scale_scan``; sparse ones found in ``scans`` are not scanned again), torch ops otherwise."""
+    scales (as :func:`_scan` ``found`` them; None: scanned here), a float tensor's values (one more read of each;
+    one host read for them all)."""
+    if found is None:
+        found = _scan([p for p in parts if not isinstance(p, torch.Tensor)])
     out: list = [None] * len(parts)
     floats = [j for j, p in enumerate(parts) if isinstance(p, torch.Tensor)]
-    if floats:  # one more read of each float update; one host read for them all
+    if floats:
         for j, ok in zip(floats, torch.stack([torch.isfinite(parts[j]).all() for j in floats]).tolist()):
             out[j] = (bool(ok), -1)
-    sparse = [j for j, p in enumerate(parts) if isinstance(p, SparseUpdate)]
-    known = scans or {}
-    if all(id(parts[j]) in known for j in sparse):
-        found = [known[id(parts[j])] for j in sparse]
-    else:
-        found = scan([parts[j] for j in sparse]) if sparse else []
-    for j, r in zip(sparse, found or []):
-        out[j] = (r[1], -1)
-    blocks = [j for j, p in enumerate(parts) if isinstance(p, Blockwise)]
-    if blocks and all(parts[j].scales.device.type == "cpu" and parts[j].scales.is_contiguous() for j in blocks):
-        for j, r in zip(blocks, scale_scan([parts[j].scales for j in blocks]) or []):
-            out[j] = r
-    rest: dict = {}
-    for j, p in enumerate(parts):  # what no C++ pass answered, by device
+    for j, p in enumerate(parts):
         if out[j] is None:
-            rest.setdefault((p.values if isinstance(p, SparseUpdate) else p.scales).device, []).append(j)
-    for js in rest.values():
-        for j, r in zip(js, _device_status([parts[j] for j in js])):
-            out[j] = r
+            r = found[id(p)]
+            out[j] = (r.finite, -1 if isinstance(p, SparseUpdate) else r.first)
     return out
 
 
-def _device_status(parts: list) -> list:
-    """``_part_status`` by torch ops, for all of ``parts`` (one device) at once: parts of one length, dtype and kind
-    stacked into a matrix and reduced along its rows, one host read for the lot (a GPU waited on two reads per
-    client before). No scatter: 16 clients' millions of scales reduced into 16 slots by atomics took 10-20 ms on an
-    H200."""
+def _torch_status(parts: list) -> list:
+    """``(finite, first block whose scale is <= 0 or -1)`` by torch ops, for all of ``parts`` (one device) at once:
+    parts of one length, dtype and kind stacked into a matrix and reduced along its rows, one host read for the lot.
+    No scatter: 16 clients' millions of scales reduced into 16 slots by atomics took 10-20 ms on an H200."""
     ts = [(p.values if isinstance(p, SparseUpdate) else p.scales).reshape(-1) for p in parts]
     groups: dict = {}
     for k, (p, t) in enumerate(zip(parts, ts)):
@@ -166,9 +248,11 @@ def nonfinite_scales(updates: list, names: list, scans: dict | None = None) -> l
     the round's sums with the honest ones): the callers leave them out or raise, per ``on_nonfinite``. Raises naming
     the first blockwise update with a scale <= 0. The one check of scales every path that reads compressed updates
     runs (the folds; :func:`dense_rows`, for the robust rules and DP, leaves a scale <= 0 out first). ``scans``:
-    what :func:`check_batch` found of the same updates."""
+    what :func:`check_batch` found of the same updates (the parts it did not scan are scanned here)."""
     parts = [(j, k, p) for j, u in enumerate(updates) for k, p in enumerate(_parts(u))]
-    status = _part_status([p for _, _, p in parts], scans)
+    found = dict(scans or {})
+    found.update(_scan([p for _, _, p in parts if not isinstance(p, torch.Tensor) and id(p) not in found]))
+    status = _part_status([p for _, _, p in parts], found)
     finite = [True] * len(updates)
     for (j, _, _), (ok, _) in zip(parts, status):
         finite[j] = finite[j] and ok
@@ -179,7 +263,7 @@ def nonfinite_scales(updates: list, names: list, scans: dict | None = None) -> l
                              "be > 0)")
     blockwise = [(j, p) for j, _, p in parts if finite[j] and isinstance(p, Blockwise) and p.scales.numel()]
     if blockwise:
-        for (j, p), big in zip(blockwise, _beyond_float32([p for _, p in blockwise])):
+        for (j, p), big in zip(blockwise, _beyond_float32([p for _, p in blockwise], found)):
             finite[j] = finite[j] and not big
     return [j for j, ok in enumerate(finite) if not ok]
 
@@ -195,15 +279,20 @@ def _largest_code(p: Blockwise, tops: dict) -> float:
     return tops[id(t)]
 
 
-def _beyond_float32(parts: list) -> list:
-    """Per blockwise part (finite scales): whether some ``|s_b v(q_j)|`` rounds to Inf in float32. One host read of
-    every part's largest scale; only a part whose largest scale times its largest code value reaches the overflow
-    (none a quantizer writes) is dequantized to look at its codes."""
-    tops: dict = {}
-    largest = torch.stack(torch._foreach_max([p.scales for p in parts])).to(torch.float64).cpu().tolist()
+def _beyond_float32(parts: list, found: dict) -> list:
+    """Per blockwise part (finite scales > 0): whether some ``|s_b v(q_j)|`` rounds to Inf in float32. The largest
+    scale times the largest code value: from the GPU's scan, else one host read of every part's largest scale;
+    only a part where that product reaches the overflow (none a quantizer writes) is dequantized to look at its
+    codes."""
+    if all(found[id(p)].largest is not None for p in parts):
+        largest = [found[id(p)].largest for p in parts]
+    else:
+        tops: dict = {}
+        scales = torch.stack(torch._foreach_max([p.scales for p in parts])).to(torch.float64).cpu().tolist()
+        largest = [s * _largest_code(p, tops) for p, s in zip(parts, scales)]
     out = []
-    for p, s in zip(parts, largest):
-        big = s * _largest_code(p, tops) >= FLOAT32_OVERFLOW
+    for p, top in zip(parts, largest):
+        big = top >= FLOAT32_OVERFLOW
         if big:  # (NaN codes: refused by the fold itself)
             t, q = p.table(), p.code_bytes()
             v = q.to(torch.float64) if t is None else t.to(q.device, torch.float64)[q.view(torch.uint8).long()]
@@ -216,14 +305,10 @@ def _groups(updates: list) -> list:
     """Positions of the updates grouped by (format, block; float clients by dtype), float groups first, the others
     in order of first appearance."""
     groups: dict = {}
-    books: dict = {}  # id -> bytes of the books seen in this call (clients often share one book tensor)
+    books = _books([u.code for u in updates if isinstance(u, Codebook8)])
     for j, u in enumerate(updates):
         # one sweep per format, block and code book (equal books share it: compared by value)
-        book = None
-        if isinstance(u, Codebook8):
-            book = books.get(id(u.code))
-            if book is None:
-                book = books[id(u.code)] = _book(u.code)
+        book = books[id(u.code)] if isinstance(u, Codebook8) else None
         if isinstance(u, torch.Tensor):
             key = ("float", u.dtype)
         else:
@@ -233,8 +318,14 @@ def _groups(updates: list) -> list:
     return sorted(groups.values(), key=lambda g: not isinstance(updates[g[0]], torch.Tensor))
 
 
-def _book(table: torch.Tensor) -> bytes:
-    return table.detach().cpu().contiguous().numpy().tobytes()
+def _books(tables: list) -> dict:
+    """``id -> bytes`` of the distinct code-book tensors (clients often share one; 16 FLARE clients send 16 equal
+    ones): all read by the host at once."""
+    distinct = {id(t): t for t in tables}
+    if not distinct:
+        return {}
+    host = torch.stack([t.detach() for t in distinct.values()]).cpu().numpy()
+    return {k: row.tobytes() for k, row in zip(distinct, host)}
 
 
 def fold(updates: list, names: list, coef: torch.Tensor, backend, *, init: torch.Tensor | None,
@@ -270,8 +361,9 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
     for n, group in enumerate(groups):
         first = updates[group[0]]
         src = init if n == 0 else out
-        gsq = torch.empty(len(group), dtype=torch.float64, device=dev)
-        gcoef = coef[group] if len(group) < m else coef
+        whole = len(group) == m  # (then the group is 0 .. m - 1: positions are grouped in order)
+        gsq = sq if whole else torch.empty(len(group), dtype=torch.float64, device=dev)
+        gcoef = coef if whole else coef[group]
         if isinstance(first, torch.Tensor):  # float clients of a mixed round: the stats pass of float rows
             rows = client_rows([_flat_view(updates[j], names[j]) for j in group], name="deltas")
             if src is not None and src.data_ptr() == out.data_ptr():  # the pass reads its start apart from out
@@ -295,7 +387,7 @@ def _fold_flat(updates: list, names: list, coef: torch.Tensor, backend, *, init:
             if bool(bad.any()):
                 who = ", ".join(names[group[j]] for j in bad.nonzero().flatten().tolist())
                 raise ValueError(f"{who} {first.INVALID_CODES}")
-        if norms:
+        if norms and not whole:
             sq[group] = gsq
     return (sq if norms else None), msq
 

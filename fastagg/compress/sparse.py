@@ -52,14 +52,15 @@ class SparseUpdate:
     def nbytes(self) -> int:
         return self.indices.numel() * self.indices.element_size() + 4 * self.values.numel()
 
-    def check_indices(self, name: str, first_not_rising: int | None = None) -> None:
+    def check_indices(self, name: str, first_not_rising: int | None = None, bounds: tuple | None = None) -> None:
         """Raises naming ``name`` when an index is outside [0, numel) or the indices are not strictly increasing
         (``first_not_rising``: the first entry whose index does not exceed the one before, -1 for none, when
-        :func:`scan` has found it)."""
+        :func:`scan` or a GPU's scan has found it; ``bounds``: the smallest and largest index, when a GPU's scan has
+        found them -- otherwise the first and last are read)."""
         ix = self.indices
         if ix.numel() == 0:
             return
-        lo, hi = int(ix[0]), int(ix[-1])
+        lo, hi = bounds if bounds is not None else (int(ix[0]), int(ix[-1]))
         if first_not_rising is None:
             bad = (ix[1:] <= ix[:-1]).nonzero() if ix.numel() > 1 else ix[:0]
             first_not_rising = int(bad[0]) + 1 if bad.numel() else -1
