@@ -10,7 +10,9 @@ order the kernel visits elements, and on the GPU on which program runs first.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import methodcaller
 
+import numpy as np
 import torch
 
 Named = tuple[str, torch.Tensor]
@@ -49,22 +51,62 @@ def self_overlapping(t: torch.Tensor) -> bool:
 
 
 def _any_overlap(spans: list, num_writes: int) -> bool:
-    """Whether some written span intersects another span (written or read): one sort and one sweep, O(n log n) for
-    n spans (a state_dict step checks ~100 written entries against ~2000 read ones). Spans in start order: a span
-    meets an earlier one exactly when it starts before that one ends, so it is enough to keep the largest end seen,
-    of any span and of written ones."""
-    order = sorted((s[2][0].type, -1 if s[2][0].index is None else s[2][0].index, s[2][1], s[2][2], j < num_writes)
-                   for j, s in enumerate(spans) if s[2] is not None)
-    device, end_any, end_written = None, 0, 0
-    for dev_type, dev_index, start, end, written in order:
-        if (dev_type, dev_index) != device:
-            device, end_any, end_written = (dev_type, dev_index), 0, 0
-        if start < (end_any if written else end_written):
+    """Whether some written span intersects another span (written or read): one sort and one sweep per device,
+    O(n log n) for n spans (a state_dict step checks ~100 written entries against ~2000 read ones), in numpy. In start
+    order a span meets an earlier one exactly when it starts before that one ends, so it is enough to know, before
+    each span, the largest end of every earlier span (for a written one) and of the earlier written ones (for a read
+    one); spans with equal starts meet whichever comes first."""
+    by_device: dict = {}
+    for j, sp in enumerate(spans):
+        if sp is not None:
+            by_device.setdefault(sp[0], []).append(j)
+    for idx in by_device.values():
+        if len(idx) < 2:
+            continue
+        lo = np.array([spans[j][1] for j in idx], dtype=np.uint64)
+        hi = np.array([spans[j][2] for j in idx], dtype=np.uint64)
+        written = np.array([j < num_writes for j in idx])
+        order = np.argsort(lo, kind="stable")
+        lo, hi, written = lo[order], hi[order], written[order]
+        end_any = np.maximum.accumulate(hi)
+        end_written = np.maximum.accumulate(np.where(written, hi, np.uint64(0)))
+        before_any = np.concatenate(([np.uint64(0)], end_any[:-1]))
+        before_written = np.concatenate(([np.uint64(0)], end_written[:-1]))
+        if np.any(np.where(written, lo < before_any, lo < before_written)):
             return True
-        end_any = max(end_any, end)
-        if written:
-            end_written = max(end_written, end)
     return False
+
+
+class Rows:
+    """Many read tensors, each 1-D with unit stride (a round's client rows), named only when an error needs a name:
+    ``name(j)`` names ``tensors[j]``. Their spans come from two attribute reads each (a ResNet-18 round of 16 clients
+    reads ~1,000 rows; building their names and general spans cost ~5 ms a step)."""
+
+    def __init__(self, tensors: list, name) -> None:
+        self.tensors, self.name = tensors, name
+
+    def spans(self) -> list:
+        ts = self.tensors
+        if not ts:
+            return []
+        if any(t.dim() != 1 or (t.stride(0) != 1 and t.numel() > 1) for t in ts):
+            return [span(t) for t in ts]
+        sizes, out = {}, []
+        for t, ptr, n in zip(ts, map(_DATA_PTR, ts), map(_NUMEL, ts)):
+            if n == 0:
+                out.append(None)
+                continue
+            e = sizes.get(t.dtype)
+            if e is None:
+                e = sizes[t.dtype] = t.element_size()
+            out.append((t.device, ptr, ptr + n * e))
+        return out
+
+    def pairs(self) -> list:
+        return [(self.name(j), t) for j, t in enumerate(self.tensors)]
+
+
+_DATA_PTR, _NUMEL = methodcaller("data_ptr"), methodcaller("numel")
 
 
 def check_writes(writes: Iterable[Named], reads: Iterable[Named] = ()) -> None:
@@ -72,9 +114,16 @@ def check_writes(writes: Iterable[Named], reads: Iterable[Named] = ()) -> None:
     one. ``writes`` and ``reads`` are (name, tensor) pairs; names say where the user gave them. The pairs are
     compared by one sweep over the sorted spans; only when one overlaps are they walked in order, to name the first
     pair as the message always has."""
-    writes, reads = list(writes), list(reads)
+    writes = list(writes)
+    if isinstance(reads, Rows):
+        read_spans = reads.spans()
+        if not any(self_overlapping(t) for _, t in writes) and not _any_overlap(
+                [span(t) for _, t in writes] + read_spans, len(writes)):
+            return
+        reads = reads.pairs()
+    reads = list(reads)
     spans = [(n, t, span(t)) for n, t in writes + reads]
-    if not any(self_overlapping(t) for _, t in writes) and not _any_overlap(spans, len(writes)):
+    if not any(self_overlapping(t) for _, t in writes) and not _any_overlap([sp for _, _, sp in spans], len(writes)):
         return
     for k, (name, t) in enumerate(writes):
         if self_overlapping(t):

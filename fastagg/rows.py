@@ -8,14 +8,16 @@ tensors, a list of M per-layer lists or state_dicts, numpy arrays of any of thes
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._aliasing import check_writes
-from .flat import Layout, as_tensor, split_entries
+from ._aliasing import Rows, check_writes
+from .flat import Layout, as_tensor, is_buffer_name, split_entries
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -223,6 +225,9 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
         buffer_names = set(like.buffers.names) if like.buffers is not None else set()
     if names is None and isinstance(x[0], (Mapping, torch.nn.Module)):
         names = tuple(k for k, _ in split_entries(x[0], where=f"{name}[0]")[0])
+    fast = _tensor_dicts(x, name, names, buffer_names, like, params)
+    if fast is not None:
+        return fast
     parsed = [_client_parts(c, name, i, names, buffer_names, ref) for i, c in enumerate(x)]
     clients = [p for p, _, _ in parsed]
     first = clients[0]
@@ -264,6 +269,74 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
         check_client_buffers(buffers, {n: v[0] for n, v in zip(like.buffers.names, like.buffers.values)}, like_name,
                              name)
     return ClientRows(rows, segs, len(clients), first[0].dtype, first[0].device, form, buffers=buffers)
+
+
+_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
+_GRAD, _CONTIGUOUS, _FLAT = attrgetter("requires_grad"), methodcaller("is_contiguous"), methodcaller("view", -1)
+_DICTS = (dict, OrderedDict)
+
+
+def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, like: "ClientRows | None",
+                  params: "ParamRows | None") -> ClientRows | None:
+    """The hot path of :func:`client_rows` for what real-model rounds send: M state_dicts of plain tensors with the
+    same keys in the same order (the first client's, whose parameter entries are ``names`` in order). The checks of
+    the general path are made over whole lists (shapes, dtypes, devices, contiguity of every entry compared at once,
+    no message built) and the rows are the same 1-D views; on anything else, or any check failing, it returns None
+    and the general path runs, which accepts or names the client and entry at fault. A state_dict of ~120 entries
+    costs a few microseconds of Python per client instead of ~20 per entry."""
+    first = x[0]
+    if type(first) not in _DICTS or not first or names is None:
+        return None
+    keys = tuple(first)
+    if any(type(c) not in _DICTS or tuple(c) != keys for c in x):
+        return None
+    vals0 = list(first.values())
+    if any(type(v) is not torch.Tensor for v in vals0):
+        return None
+    if buffer_names is not None:
+        is_param = [k not in buffer_names and v.is_floating_point() for k, v in zip(keys, vals0)]
+    else:
+        is_param = [not is_buffer_name(str(k)) and v.is_floating_point() for k, v in zip(keys, vals0)]
+    pidx = [j for j, p in enumerate(is_param) if p]
+    bidx = [j for j, p in enumerate(is_param) if not p]
+    if not pidx or tuple(keys[j] for j in pidx) != tuple(names):
+        return None
+    ref_dtype = like.dtype if like is not None else vals0[pidx[0]].dtype
+    device = vals0[pidx[0]].device
+    if ref_dtype not in SUPPORTED_DTYPES or device.type == "meta":
+        return None
+    ref_shapes = [vals0[j].shape for j in pidx]
+    bshapes = [vals0[j].shape for j in bidx]
+    take_p = (lambda v: [v[pidx[0]]]) if len(pidx) == 1 else itemgetter(*pidx)
+    take_b = (lambda v: [v[bidx[0]]]) if len(bidx) == 1 else (itemgetter(*bidx) if bidx else (lambda v: ()))
+    clients, bufs = [], []
+    for c in x:
+        vals = list(c.values())
+        ps, bs = list(take_p(vals)), list(take_b(vals))
+        if (any(type(v) is not torch.Tensor for v in vals) or list(map(_SHAPE, ps)) != ref_shapes
+                or any(t != ref_dtype for t in map(_DTYPE, ps)) or any(d != device for d in map(_DEVICE, ps))
+                or not all(map(_CONTIGUOUS, ps)) or any(map(_GRAD, ps)) or list(map(_SHAPE, bs)) != bshapes
+                or any(t.is_complex for t in map(_DTYPE, bs)) or any(d.type == "meta" for d in map(_DEVICE, bs))):
+            return None
+        clients.append(list(map(_FLAT, ps)))
+        bufs.append(bs)
+    bnames = tuple(keys[j] for j in bidx)
+    buffers = Buffers(bnames, [list(col) for col in zip(*bufs)]) if bidx else None
+    refs = []  # the general path's check_client_buffers, against both models when both are given
+    if params is not None and params.buffers:
+        refs.append(dict(params.buffers))
+    if like is not None and like.buffers is not None:
+        refs.append({n: v[0] for n, v in zip(like.buffers.names, like.buffers.values)})
+    for ref_of in refs:
+        for k, n in enumerate(bnames):  # a floating value for an integer counter is refused (general path)
+            ref = ref_of.get(n)
+            if ref is not None and (bshapes[k] != ref.shape or (not ref.is_floating_point() and any(
+                    t.is_floating_point for t in map(_DTYPE, buffers.values[k])))):
+                return None
+    form = Layout("dict", tuple(names), tuple(tuple(s) for s in ref_shapes), (ref_dtype,) * len(pidx), False)
+    rows = [list(col) for col in zip(*clients)]
+    return ClientRows(rows, Segments.of_lengths([r[0].numel() for r in rows]), len(x), ref_dtype, device, form,
+                      buffers=buffers)
 
 
 def check_buffer(t: torch.Tensor, ref: torch.Tensor, what: str, ref_name: str) -> None:
@@ -408,9 +481,11 @@ def with_base(rows: ClientRows, p: ParamRows) -> ClientRows:
     return dataclasses.replace(rows, rows=new_rows, segments=segs, base=list(p.parts), matrix=None)
 
 
-def round_reads(rows: ClientRows) -> list:
-    """(name, tensor) of the client updates a stats pass over ``rows`` reads, for the aliasing checks (the base of
-    ``models=`` is the params themselves: read by the stats pass, written only by the apply pass after it)."""
+def round_reads(rows: ClientRows) -> list | Rows:
+    """What a stats pass over ``rows`` reads, for the aliasing checks: (name, tensor) pairs, or the rows named only
+    if an error needs it (``_aliasing.Rows``; the base of ``models=`` is the params themselves: read by the stats
+    pass, written only by the apply pass after it)."""
     if rows.matrix is not None:
         return [("deltas", rows.matrix)]
-    return [(f"client {i}'s entry {s}", r) for s, seg in enumerate(rows.rows) for i, r in enumerate(seg)]
+    m = rows.num_clients
+    return Rows([r for seg in rows.rows for r in seg], lambda j: f"client {j % m}'s entry {j // m}")

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from fastagg._aliasing import check_writes
+from fastagg._aliasing import Rows, check_writes
 
 
 def _pairwise(writes, reads):
@@ -67,3 +67,35 @@ def test_many_entries_in_separate_buffers_pass_and_one_shared_one_is_named():
     reads[16 * 122 - 5] = ("client 15's entry 117", writes[40][1][1:])
     with pytest.raises(ValueError, match="params entry 40 overlaps client 15's entry 117, which is read"):
         check_writes(writes, reads)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_reads_named_on_demand_refuse_exactly_what_the_pairs_refuse(seed):
+    """A round's client rows travel as ``Rows`` (1-D unit-stride tensors named only for an error); its spans come
+    from a shortcut (pointer + numel * element size). Same verdict and message as the (name, tensor) pairs, with
+    strided reads (the general span) drawn too."""
+    rng = random.Random(1000 + seed)
+    pool = [torch.zeros(200), torch.zeros(120), torch.zeros(50, dtype=torch.float64), torch.zeros(0)]
+    writes = [(f"w{k}", t) for k, (_, t) in enumerate(_views(rng, pool[:3], rng.randrange(1, 6)))]
+    reads = [t for _, t in _views(rng, pool[:3], rng.randrange(0, 12))]
+    if rng.random() < 0.3:
+        reads.append(pool[3])  # an empty row spans nothing
+    expected = _pairwise(writes, [(f"r{j}", t) for j, t in enumerate(reads)])
+    rows = Rows(reads, lambda j: f"r{j}")
+    if expected is None:
+        check_writes(writes, rows)
+    else:
+        with pytest.raises(ValueError) as e:
+            check_writes(writes, rows)
+        assert str(e.value).startswith(expected), (str(e.value), expected)
+
+
+def test_equal_starts_and_touching_ends():
+    """Spans that only touch do not overlap; a written and a read span starting at the same byte do, in either
+    order of the sort; two reads starting together do not."""
+    buf = torch.zeros(100)
+    check_writes([("w", buf[10:20])], Rows([buf[20:30], buf[0:10], buf[30:30]], lambda j: f"r{j}"))
+    check_writes([("w", buf[50:60])], Rows([buf[0:10], buf[0:10]], lambda j: f"r{j}"))
+    for reads in ([buf[10:12], buf[10:11]], [buf[10:11], buf[10:12]]):
+        with pytest.raises(ValueError, match="w overlaps r1, which is read"):
+            check_writes([("w", buf[10:11])], Rows([buf[40:41]] + reads[1:], lambda j: f"r{j}"))
