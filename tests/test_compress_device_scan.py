@@ -176,3 +176,21 @@ def test_the_scans_records_agree_with_the_c_passes_and_give_the_bounds():
         assert (gpu[id(p)].first, gpu[id(p)].finite) == (cpp[id(p)].first, cpp[id(p)].finite)
     assert gpu[id(parts[4])].bounds == (10, int(ix[-1]))
     assert gpu[id(parts[0])].largest == float(u.scales.max()) * 127.0
+
+
+def test_more_parts_than_a_grid_holds_are_scanned_in_chunks(monkeypatch):
+    """A grid's second dimension holds at most 65535 programs (one a part: 1000 clients of 100 layers exceed it):
+    parts go in chunks. With chunks of 2, five parts of each kind give the one-chunk answer."""
+    g = torch.Generator().manual_seed(4)
+    scales = [torch.rand(n, generator=g) - 0.1 for n in (3, 50, 7, 9000, 1)]
+    indices = [torch.randperm(200, generator=g)[:n].sort().values.to(dt) for n, dt in
+               ((5, torch.int32), (40, torch.int64), (2, torch.int32), (30, torch.int64), (9, torch.int32))]
+    indices[3][7] = indices[3][6]
+    values = [torch.randn(ix.numel(), generator=g) for ix in indices]
+    values[2][1] = float("inf")
+    whole = quantized.compressed_scan(scales=scales, values=values, indices=indices)
+    monkeypatch.setattr(quantized, "_GRID_Y", 2)
+    chunked = quantized.compressed_scan(scales=scales, values=values, indices=indices)
+    assert torch.equal(chunked, whole)
+    want = [_want_scales(s) for s in scales] + [_want_sparse(i, v) for i, v in zip(indices, values)]
+    assert whole.tolist() == want

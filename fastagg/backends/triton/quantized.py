@@ -27,6 +27,7 @@ _SPARSE_TILE = 1024
 _SCAN_TILE = 4096
 _NONE = 1 << 62  # "nothing found": above every position and index a scan can write
 _SCAN_KINDS = {"scales": 0, torch.int32: 1, torch.int64: 2}
+_GRID_Y = 65535
 
 
 @triton.jit
@@ -149,7 +150,7 @@ def sparse_fold(*, indices: list, values: list, coef: torch.Tensor, init: torch.
     for i, (ix, v) in enumerate(zip(indices, values)):
         k = ix.numel()
         if k:
-            _sparse_fold_kernel[(triton.cdiv(k, _SPARSE_TILE),)](ix, v, coef[i:i + 1], out, part_sq[i], k,
+            _sparse_fold_kernel[(-(-k // _SPARSE_TILE),)](ix, v, coef[i:i + 1], out, part_sq[i], k,
                                                                   TILE=_SPARSE_TILE)
     sq_out.copy_(part_sq.sum(1))
     if msq_out is not None:
@@ -211,12 +212,13 @@ def compressed_scan(*, scales: list, values: list, indices: list) -> torch.Tenso
     for kind, parts in kinds:
         if not parts:
             continue
-        width = max(1, max(t for _, _, t in parts))
-        _compressed_scan_kernel[(width, len(parts))](
-            address_table([a.data_ptr() for a, _, _ in parts], dev),
-            address_table([b.data_ptr() for _, b, _ in parts], dev),
-            address_table([a.numel() for a, _, _ in parts], dev), part_out[at:], programs, NONE=_NONE,
-            KIND=_SCAN_KINDS[kind], TILE=_SCAN_TILE)
+        for lo in range(0, len(parts), _GRID_Y):  # (a grid's second dimension holds at most 65535 programs)
+            chunk = parts[lo:lo + _GRID_Y]
+            _compressed_scan_kernel[(max(1, max(t for _, _, t in chunk)), len(chunk))](
+                address_table([a.data_ptr() for a, _, _ in chunk], dev),
+                address_table([b.data_ptr() for _, b, _ in chunk], dev),
+                address_table([a.numel() for a, _, _ in chunk], dev), part_out[at + lo:], programs, NONE=_NONE,
+                KIND=_SCAN_KINDS[kind], TILE=_SCAN_TILE)
         at += len(parts)
         if kind != "scales":
             order += [len(scales) + j for j, ix in enumerate(indices) if ix.dtype == kind]
