@@ -125,6 +125,45 @@ def drive_launchers():
 
 
     drive_later_launchers()
+    drive_pipeline_variants()
+
+
+def drive_pipeline_variants():
+    """The stats pass's and the client step's ways of keeping loads in flight (launch.STATS_PIPELINE and
+    LOCAL_PIPELINE), each in the tiles and calls that bench/gpu_bench.py and tests/test_on_device_stats.py run."""
+    from fastagg.rowtable import RowTable
+    from fastagg.rows import client_rows
+
+    f64 = dict(dtype=torch.float64)
+    chosen = stats_mod.stats_config
+    for dtype, (bm, bd, warps), variants in (
+            (torch.bfloat16, (1, 8192, 4), ((1, True, None), (2, True, None), (2, False, None), (0, False, 3),
+                                             (0, False, 4), (0, True, 4), (1, True, 3))),
+            (torch.bfloat16, (1, 8192, 8), ((0, False, 3),)), (torch.bfloat16, (1, 4096, 4), ((0, False, 4),)),
+            (torch.float32, (2, 2048, 4), ((2, False, None), (0, False, 3)))):
+        for prefetch, raw, stages in variants:
+            stats_mod.stats_config = lambda M, n, es=4, p=prefetch, r=raw, s=stages: dict(
+                BLOCK_M=bm, BLOCK_D=bd, num_warps=warps, PREFETCH=p, RAW=r, STAGES=s)
+            rows = client_rows(torch.zeros(3, 64, dtype=dtype), name="deltas")  # 16-byte-aligned rows
+            stats_mod.round_stats(rows=rows, weights=torch.ones(3, **f64), mean_init=None, aux=None, aux_coef=0.0,
+                                  mean_out=torch.zeros(64), sq_norms_out=torch.zeros(3, **f64),
+                                  nonfinite_out=torch.zeros(3, dtype=torch.bool), mean_sq_out=torch.zeros((), **f64))
+    stats_mod.stats_config = chosen
+    d, vec = 40_000, torch.zeros(3, **f64)
+    for schedule in ("grouped", "chunks", "row"):
+        for prefetch, stages in ((1, None), (0, 2), (0, 3), (1, 3)):
+            local_mod.local_config = lambda m, n, s=schedule, p=prefetch, st=stages: dict(
+                schedule=s, BLOCK=4096, CHUNK=None if s == "row" else 16384, GROUP_ROWS=2, num_warps=8,
+                PREFETCH=p, STAGES=st)
+            rows = RowTable.rows(torch.zeros(3, d))
+            calls = [(None, "sps", "none")] if schedule == "grouped" else []  # the benchmark's FedSPS
+            calls += [(RowTable.broadcast(torch.zeros(d), 3), "sps", "none"), (None, "fixed", "heavy")]
+            for anchor, rule, mode in calls:
+                buf = None if mode == "none" else RowTable.rows(torch.zeros(3, d))
+                local_mod.local_step(x=rows, g=RowTable.rows(torch.zeros(3, d)), anchor=anchor, control=None, ci=None,
+                                     buf=buf, lr=vec, loss=vec, l_star=vec, sps_c=vec, cap=vec, first=None, prox=0.1,
+                                     clip_norm=1.0, weight_decay=0.0, momentum=0.9, eta2=0.0, tiny=1e-30, rule=rule,
+                                     mode=mode, step_out=vec)
 
 
 def drive_later_launchers():
@@ -168,12 +207,17 @@ def drive_later_launchers():
             codes = [torch.zeros(1001, dtype=torch.int8)[offset:offset + 1000] for _ in range(2)]
             scales = [torch.ones(10) for _ in range(2)]
             for table, e4m3 in ((None, False), (None, True), (torch.zeros(256), False)):
-                quantized_mod.blockwise_fold(codes=codes, scales=scales, block=block, table=table, e4m3=e4m3,
-                                             coef=torch.ones(2, **f64), init=init, out=torch.zeros(1000),
-                                             sq_out=torch.zeros(2, **f64), bad_out=torch.zeros(2, dtype=torch.bool),
-                                             msq_out=torch.zeros((), **f64))
+                for prefetch in (True, False):  # (bench/gpu_bench.py times both on the card)
+                    quantized_mod.blockwise_fold(codes=codes, scales=scales, block=block, table=table, e4m3=e4m3,
+                                                 coef=torch.ones(2, **f64), init=init, out=torch.zeros(1000),
+                                                 sq_out=torch.zeros(2, **f64),
+                                                 bad_out=torch.zeros(2, dtype=torch.bool),
+                                                 msq_out=torch.zeros((), **f64), _prefetch=prefetch)
         quantized_mod.sparse_fold(indices=[torch.arange(5)], values=[torch.ones(5)], coef=torch.ones(1, **f64),
                                   init=init, out=torch.zeros(1000), sq_out=torch.zeros(1, **f64))
+    # the checks before a fold: scales and sparse parts with int32 and int64 indices (one kernel variant each)
+    quantized_mod.compressed_scan(scales=[torch.ones(10)], values=[torch.ones(5), torch.ones(5)],
+                                  indices=[torch.arange(5, dtype=torch.int32), torch.arange(5)])
 
 
 local_mod = importlib.import_module("fastagg.backends.triton.local_step")

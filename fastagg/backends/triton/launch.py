@@ -86,6 +86,13 @@ def stats_config(num_clients: int, numel: int, element_size: int = 4) -> dict:
     return dict(BLOCK_M=min(16, _pow2_at_least(num_clients), 4096 // block_d), BLOCK_D=block_d, num_warps=4)
 
 
+# How the stats pass keeps loads in flight across its client loop (round_stats.py ``_stats_block``): PREFETCH chunks'
+# tiles loaded ahead (0, 1, 2), held as stored when RAW, the loop pipelined by the compiler over STAGES iterations
+# (None: not). The default is the one measured on cards (bench/RESULTS.md); a config dict from ``stats_config`` (or
+# one a benchmark passes in its place) may name other values, which give the same bits.
+STATS_PIPELINE = dict(PREFETCH=1, RAW=False, STAGES=None)
+
+
 def finalize_config(num_clients: int, num_blocks: int) -> dict:
     """BLOCK_M clients per program, walking the per-block partials BLOCK_B rows at a time."""
     return dict(BLOCK_M=min(32, _pow2_at_least(num_clients)), BLOCK_B=min(256, _pow2_at_least(num_blocks)),
@@ -124,6 +131,11 @@ def local_config(num_rows: int, numel: int) -> dict:
         return dict(schedule="row", BLOCK=block, CHUNK=None, GROUP_ROWS=None, num_warps=8 if numel >= 4096 else 4)
     return dict(schedule="grouped", BLOCK=block, CHUNK=4 * block, GROUP_ROWS=max(1, (8 << 20) // (4 * numel)),
                 num_warps=8)
+
+
+# The same for the client step's two sweeps (local_step.py): PREFETCH 1 loads each block's inputs while the previous
+# block is reduced (sweep 1) or updated (sweep 2), 0 not; STAGES as above. Every variant gives the same bits.
+LOCAL_PIPELINE = dict(PREFETCH=0, STAGES=None)
 
 
 @functools.lru_cache(maxsize=64)

@@ -15,8 +15,10 @@ Three schedules (``launch.local_config`` picks by shape; each sums a shape in on
   count; the same sums as ``chunks``, bit for bit).
 
 Blocks wholly inside the row take an unmasked path; with 16-byte-aligned rows they compile to 16-byte accesses
-(launch.py). Tried and removed (bench/RESULTS.md): persistent teams of programs that held a row's direction in
-registers across a per-row barrier, so it is read once; on an H200 they ran slower than ``chunks``.
+(launch.py). Whether a sweep loads the next block before it reduces or updates the current one, or leaves that to
+the compiler's loop pipelining, is launch.LOCAL_PIPELINE (variants a benchmark compares; the same bits each).
+Tried and removed (bench/RESULTS.md): persistent teams of programs that held a row's direction in registers across
+a per-row barrier, so it is read once; on an H200 they ran slower than ``chunks``.
 """
 from __future__ import annotations
 
@@ -63,17 +65,29 @@ def _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC: tl.constexpr,
 
 @triton.jit
 def _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr,
-            HAS_CONTROL: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+            HAS_CONTROL: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr, PREFETCH: tl.constexpr,
+            STAGES: tl.constexpr):
     """||dir||^2 over columns [c0, c1): squares and sums in float64, block by block in order. Full blocks first
-    (unmasked), then the ragged tail: the same blocks in the same order as a masked loop."""
+    (unmasked), then the ragged tail: the same blocks in the same order as a masked loop. PREFETCH: the next full
+    block is loaded before this one is reduced (a mask uniform over the block, off past the last); STAGES: the
+    compiler pipelines the loop (launch.LOCAL_PIPELINE). The same sums either way."""
     offs = tl.arange(0, BLOCK).to(tl.int64)
     s = tl.zeros([1], dtype=tl.float64)
     end_full = c0 + (c1 - c0) // BLOCK * BLOCK
     all_in = tl.full([BLOCK], 1, tl.int1)
-    for b0 in range(c0, end_full, BLOCK):
-        v = _direction(x_row, g_row, a_row, control, ci_row, b0 + offs, all_in, prox, ACC, HAS_ANCHOR, HAS_CONTROL,
-                       EVICT)
+    if PREFETCH:
+        v = _direction(x_row, g_row, a_row, control, ci_row, c0 + offs, all_in & (c0 < end_full), prox, ACC,
+                       HAS_ANCHOR, HAS_CONTROL, EVICT)
+    for b0 in tl.range(c0, end_full, BLOCK, num_stages=STAGES):
+        if PREFETCH:
+            v_next = _direction(x_row, g_row, a_row, control, ci_row, b0 + BLOCK + offs,
+                                all_in & (b0 + BLOCK < end_full), prox, ACC, HAS_ANCHOR, HAS_CONTROL, EVICT)
+        else:
+            v = _direction(x_row, g_row, a_row, control, ci_row, b0 + offs, all_in, prox, ACC, HAS_ANCHOR,
+                           HAS_CONTROL, EVICT)
         s += tl.sum(v.to(tl.float64) * v.to(tl.float64))
+        if PREFETCH:
+            v = v_next
     if end_full < c1:
         cols = end_full + offs
         v = _direction(x_row, g_row, a_row, control, ci_row, cols, cols < c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL,
@@ -142,20 +156,34 @@ def _update_block(x_row, b_row, like, first_ptr, i, cols, mask, x_raw, dir, st, 
 def _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, c1, step, scale, prox,
             weight_decay, momentum, eta2, ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr,
             HAS_FIRST: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, SELECT: tl.constexpr,
-            EVICT: tl.constexpr):
-    """Sweep 2 over columns [c0, c1): full blocks unmasked (but for the step), then the tail."""
+            EVICT: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr):
+    """Sweep 2 over columns [c0, c1): full blocks unmasked (but for the step), then the tail. PREFETCH: the next
+    full block's inputs are loaded before this one is updated (other columns than it stores); STAGES as in
+    ``_sq_sum``."""
     offs = tl.arange(0, BLOCK).to(tl.int64)
     st = step.to(ACC)
     sc = scale.to(ACC)
     stepping = tl.full([BLOCK], 1, tl.int1) & ((step > 0).to(tl.int32) != 0)  # (int compare: the interpreter)
     end_full = c0 + (c1 - c0) // BLOCK * BLOCK
-    for b0 in range(c0, end_full, BLOCK):
+    if PREFETCH:
+        dv = _direction(x_row, g_row, a_row, control, ci_row, c0 + offs, stepping & (c0 < end_full), prox, ACC,
+                        HAS_ANCHOR, HAS_CONTROL, EVICT)
+        xv = tl.load(x_row + c0 + offs, mask=stepping & (c0 < end_full), other=0.0)
+    for b0 in tl.range(c0, end_full, BLOCK, num_stages=STAGES):
         cols = b0 + offs
-        dv = _direction(x_row, g_row, a_row, control, ci_row, cols, stepping, prox, ACC, HAS_ANCHOR, HAS_CONTROL,
-                        EVICT)
-        xv = tl.load(x_row + cols, mask=stepping, other=0.0)
+        if PREFETCH:
+            ahead = stepping & (b0 + BLOCK < end_full)
+            dv_next = _direction(x_row, g_row, a_row, control, ci_row, cols + BLOCK, ahead, prox, ACC, HAS_ANCHOR,
+                                 HAS_CONTROL, EVICT)
+            xv_next = tl.load(x_row + cols + BLOCK, mask=ahead, other=0.0)
+        else:
+            dv = _direction(x_row, g_row, a_row, control, ci_row, cols, stepping, prox, ACC, HAS_ANCHOR,
+                            HAS_CONTROL, EVICT)
+            xv = tl.load(x_row + cols, mask=stepping, other=0.0)
         _update_block(x_row, b_row, like, first_ptr, i, cols, stepping, xv, dv, st, sc, weight_decay, momentum,
                       eta2, ACC, HAS_FIRST, MODE, SELECT)
+        if PREFETCH:
+            dv, xv = dv_next, xv_next
     if end_full < c1:
         cols = end_full + offs
         mask = stepping & (cols < c1)
@@ -178,22 +206,23 @@ def _local_step_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like,
                        sps_c, cap, first_ptr, step_out, d, coefs,
                        ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, HAS_FIRST: tl.constexpr,
                        RULE: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
-                       SELECT: tl.constexpr):
+                       SELECT: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr):
     """One program per row: sweep 1, the row's step, sweep 2."""
     prox, clip_norm, weight_decay, momentum, eta2, tiny = _coefs(coefs, ACC)
     i = tl.program_id(0).to(tl.int64)
     x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
-    s = _sq_sum(x_row, g_row, a_row, control, ci_row, 0, d, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK, "")
+    s = _sq_sum(x_row, g_row, a_row, control, ci_row, 0, d, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK, "", PREFETCH,
+                STAGES)
     step, scale = _row_step(s, i, lr, loss, l_star, sps_c, cap, clip_norm, tiny, RULE, ACC)
     tl.store(step_out + i, step)
     _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, 0, d, step, scale, prox, weight_decay,
-            momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK, SELECT, "")
+            momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK, SELECT, "", PREFETCH, STAGES)
 
 
 @triton.jit
 def _chunk_sq_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, partial, d, coefs,
                      ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, ALIGNED: tl.constexpr,
-                     CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                     CHUNK: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr):
     """Split rows, pass 1: program (c, i) writes ||dir||^2 of row i's chunk c to partial[i, c]. (Chunks on grid
     axis 0, which takes 2^31 - 1 programs; axis 1 takes 65535.)"""
     prox = tl.load(coefs).to(ACC)
@@ -202,7 +231,8 @@ def _chunk_sq_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, p
     x_row, g_row, a_row, ci_row, b_row = _rows(x_ptrs, g_ptrs, a_ptrs, ci_ptrs, buf_ptrs, like, i, ACC, ALIGNED)
     c0 = c * CHUNK
     c1 = tl.minimum(c0 + CHUNK, d)
-    s = _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK, "")
+    s = _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK, "",
+                PREFETCH, STAGES)
     tl.store(partial + i * tl.num_programs(0) + c, s)
 
 
@@ -211,7 +241,8 @@ def _chunk_update_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, lik
                          sps_c, cap, first_ptr, step_out, d, coefs,
                          ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr,
                          HAS_FIRST: tl.constexpr, RULE: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr,
-                         CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr, SELECT: tl.constexpr):
+                         CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr, SELECT: tl.constexpr,
+                         PREFETCH: tl.constexpr, STAGES: tl.constexpr):
     """Split rows, pass 2: every program of row i sums the row's chunk partials (the same fixed order in each),
     takes the row's step, and updates its own chunk; chunk 0 reports the step."""
     prox, clip_norm, weight_decay, momentum, eta2, tiny = _coefs(coefs, ACC)
@@ -227,7 +258,7 @@ def _chunk_update_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, lik
     c0 = c * CHUNK
     _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, tl.minimum(c0 + CHUNK, d), step,
             scale, prox, weight_decay, momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK, SELECT,
-            "")
+            "", PREFETCH, STAGES)
 
 
 @triton.jit
@@ -247,7 +278,8 @@ def _grouped_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, pa
                     l_star, sps_c, cap, first_ptr, step_out, d, M, nchunks, group_rows, coefs,
                     ACC: tl.constexpr, HAS_ANCHOR: tl.constexpr, HAS_CONTROL: tl.constexpr, HAS_FIRST: tl.constexpr,
                     RULE: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
-                    CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr, SELECT: tl.constexpr):
+                    CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr, SELECT: tl.constexpr, PREFETCH: tl.constexpr,
+                    STAGES: tl.constexpr):
     """Both sweeps of the ``chunks`` schedule in one launch, rows taken in groups whose gradients fit in L2.
 
     A program takes the next work slot from ``ticket`` (so slots are handed out in the order programs start, whatever
@@ -279,10 +311,10 @@ def _grouped_kernel(x_ptrs, g_ptrs, a_ptrs, control, ci_ptrs, buf_ptrs, like, pa
                 tl.store(step_out + i, step)
             _update(x_row, g_row, a_row, control, ci_row, b_row, like, first_ptr, i, c0, c1, step, scale, prox,
                     weight_decay, momentum, eta2, ACC, HAS_ANCHOR, HAS_CONTROL, HAS_FIRST, MODE, BLOCK, SELECT,
-                    "evict_first")
+                    "evict_first", PREFETCH, STAGES)
         else:
             s = _sq_sum(x_row, g_row, a_row, control, ci_row, c0, c1, prox, ACC, HAS_ANCHOR, HAS_CONTROL, BLOCK,
-                        "evict_last")
+                        "evict_last", PREFETCH, STAGES)
             tl.store(partial + i * nchunks + c, s)
             tl.debug_barrier()  # the partial is written before it is counted
             tl.atomic_add(done + i, 1, sem="release")
@@ -318,6 +350,8 @@ def local_step(*, x, g, anchor, control, ci, buf, lr, loss, l_star, sps_c, cap, 
     scalars = (lr, loss, l_star, sps_c, cap, lr if first is None else first, step_out, d, coefs)
     schedule = cfg["schedule"]
     step_flags["SELECT"] = launch.SELECT_STORES
+    pipe = {k: cfg.get(k, v) for k, v in launch.LOCAL_PIPELINE.items()}
+    flags.update(pipe)
     chunks = triton.cdiv(d, cfg["CHUNK"]) if cfg["CHUNK"] else 1
     if schedule == "grouped":
         group_rows = min(M, cfg["GROUP_ROWS"])

@@ -5,7 +5,8 @@ BLOCK_M x BLOCK_D tile through the row-pointer table, upcast, subtract the base 
 sum_i w_i x_i for the block's mean, and write each client's partial squared norm and non-finite mark; then
 write the mean block and its partial ||mean||^2 (or ||mean + c*aux||^2). Stage 2 (``_finalize_kernel``) adds the
 partials in block order in float64 (long vectors: in up to 128 ranges first, then the ranges in order). No
-atomics: the result is deterministic.
+atomics: the result is deterministic. How many chunks' tiles are loaded ahead of the one being reduced, and in
+which form, is launch.STATS_PIPELINE (variants a benchmark compares; the same bits each).
 
 A block wholly inside its segment takes the unmasked path (``EVEN``), which with aligned rows compiles to 16-byte
 loads (launch.py).
@@ -19,13 +20,14 @@ import triton.language as tl
 from ...rows import ClientRows, unkept_mean
 from .noise import normal_block
 from .launch import (address_table, addresses_aligned, block_columns, finalize_config, off_mult,
-                     rows_aligned, scalar_table, segment_tables, stats_config, table_address)
+                     rows_aligned, scalar_table, segment_tables, STATS_PIPELINE, stats_config, table_address)
 
 
 @triton.jit
 def _client_tile(row_ptrs, seg, ms, M, start, cmask, like, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-                 ACC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Clients ``ms`` x the block's columns (from ``start``), upcast (zeros outside; clients past M load nothing).
+                 ACC: tl.constexpr, BLOCK_D: tl.constexpr, RAW: tl.constexpr):
+    """Clients ``ms`` x the block's columns (from ``start``), upcast unless RAW (zeros outside; clients past M load
+    nothing).
     Addresses are each row's pointer plus the block's start, plus 32-bit lane offsets: an int64 column vector
     costs two registers an element, and kept live across the client loop it pushed this kernel past 200."""
     mmask = ms < M
@@ -37,32 +39,51 @@ def _client_tile(row_ptrs, seg, ms, M, start, cmask, like, ALIGNED: tl.constexpr
     else:
         tmask = mmask[:, None] & cmask[None, :]
     lanes = tl.arange(0, BLOCK_D)
-    return tl.load((rptr + start)[:, None] + lanes[None, :], mask=tmask, other=0.0).to(ACC), tmask
+    x = tl.load((rptr + start)[:, None] + lanes[None, :], mask=tmask, other=0.0)
+    if not RAW:
+        x = x.to(ACC)
+    return x, tmask
 
 
 @triton.jit
 def _stats_block(row_ptrs, seg, start, cmask, base, weights, acc, part_sq, part_bad, pid, M, like,
                  HAS_BASE: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Fold every client chunk of one column block into ``acc``; write the per-client partials. The next chunk's
-    tile is loaded before this chunk's reductions (whose barriers would otherwise leave no load in flight)."""
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, RAW: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """Fold every client chunk of one column block into ``acc``; write the per-client partials. The tiles of the
+    next PREFETCH (1 or 2) chunks are loaded before this chunk's reductions (whose barriers would otherwise leave no
+    load in flight), held upcast or, RAW, as stored (half the registers for 2-byte inputs); PREFETCH 0 loads each
+    chunk in its own iteration and leaves the loads in flight to the compiler's pipelining of the client loop
+    (STAGES iterations: ``tl.range(num_stages=)``; None: none). Every variant folds the same chunks in the same
+    order: the same bits (launch.STATS_PIPELINE: the default)."""
     lanes = tl.arange(0, BLOCK_M).to(tl.int64)
-    x, tmask = _client_tile(row_ptrs, seg, lanes, M, start, cmask, like, ALIGNED, EVEN, ACC, BLOCK_D)
-    for m0 in range(0, M, BLOCK_M):
+    if PREFETCH >= 1:
+        x, tmask = _client_tile(row_ptrs, seg, lanes, M, start, cmask, like, ALIGNED, EVEN, ACC, BLOCK_D, RAW)
+    if PREFETCH == 2:
+        x1, tmask1 = _client_tile(row_ptrs, seg, lanes + BLOCK_M, M, start, cmask, like, ALIGNED, EVEN, ACC, BLOCK_D,
+                                  RAW)
+    for m0 in tl.range(0, M, BLOCK_M, num_stages=STAGES):
         ms = m0 + lanes
         mmask = ms < M
-        x_next, tmask_next = _client_tile(row_ptrs, seg, ms + BLOCK_M, M, start, cmask, like, ALIGNED, EVEN, ACC,
-                                          BLOCK_D)
+        if PREFETCH == 0:
+            x, tmask = _client_tile(row_ptrs, seg, ms, M, start, cmask, like, ALIGNED, EVEN, ACC, BLOCK_D, RAW)
+        else:
+            x_next, tmask_next = _client_tile(row_ptrs, seg, ms + PREFETCH * BLOCK_M, M, start, cmask, like, ALIGNED,
+                                              EVEN, ACC, BLOCK_D, RAW)
+        xa = x.to(ACC)
         if HAS_BASE:
-            x = tl.where(tmask, x - base[None, :], 0.0)
+            xa = tl.where(tmask, xa - base[None, :], 0.0)
         w = tl.load(weights + ms, mask=mmask, other=0.0).to(ACC)
-        acc += tl.sum(x * w[:, None], axis=0)
-        xd = x.to(tl.float64)  # squares and their sums in float64: float32 squares of 1e18 overflow a block's sum
+        acc += tl.sum(xa * w[:, None], axis=0)
+        xd = xa.to(tl.float64)  # squares and their sums in float64: float32 squares of 1e18 overflow a block's sum
         sq = tl.sum(xd * xd, axis=1)
-        bad = tl.sum(x - x, axis=1)  # NaN exactly when the row holds a NaN or Inf
+        bad = tl.sum(xa - xa, axis=1)  # NaN exactly when the row holds a NaN or Inf
         tl.store(part_sq + pid * M + ms, sq.to(tl.float64), mask=mmask)
         tl.store(part_bad + pid * M + ms, (bad != 0).to(tl.int8), mask=mmask)
-        x, tmask = x_next, tmask_next
+        if PREFETCH == 1:
+            x, tmask = x_next, tmask_next
+        elif PREFETCH == 2:
+            x, tmask, x1, tmask1 = x1, tmask1, x_next, tmask_next
     return acc
 
 
@@ -73,7 +94,8 @@ def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_l
                         HAS_BASE: tl.constexpr, HAS_INIT: tl.constexpr, HAS_AUX: tl.constexpr, NOISE: tl.constexpr,
                         SINGLE: tl.constexpr,
                         ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr, ACC: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, RAW: tl.constexpr,
+                        STAGES: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     seg, start, cols, full, cmask, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D,
                                                        OFF_MULT)
@@ -87,14 +109,14 @@ def _round_stats_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_l
         acc = tl.zeros([BLOCK_D], dtype=ACC)
     if full:
         acc = _stats_block(row_ptrs, seg, start, cmask, base, weights, acc, part_sq, part_bad, pid, M, like,
-                           HAS_BASE, ALIGNED, True, ACC, BLOCK_M, BLOCK_D)
+                           HAS_BASE, ALIGNED, True, ACC, BLOCK_M, BLOCK_D, PREFETCH, RAW, STAGES)
         if NOISE:  # differential privacy: the noise is added as the mean is written (sigma: aux_coef_ptr[1])
             acc += tl.load(aux_coef_ptr + 1).to(ACC) * normal_block(off + start, noise_seed, noise_round_lo,
                                                                      noise_round_hi, BLOCK_D, OFF_MULT).to(ACC)
         tl.store(mean_out + off + cols, acc)
     else:
         acc = _stats_block(row_ptrs, seg, start, cmask, base, weights, acc, part_sq, part_bad, pid, M, like,
-                           HAS_BASE, ALIGNED, False, ACC, BLOCK_M, BLOCK_D)
+                           HAS_BASE, ALIGNED, False, ACC, BLOCK_M, BLOCK_D, PREFETCH, RAW, STAGES)
         if NOISE:
             acc += tl.load(aux_coef_ptr + 1).to(ACC) * normal_block(off + start, noise_seed, noise_round_lo,
                                                                      noise_round_hi, BLOCK_D, OFF_MULT).to(ACC)
@@ -199,5 +221,6 @@ def round_stats(*, rows: ClientRows, weights: torch.Tensor, mean_init: torch.Ten
             NOISE=sigma > 0,
             SINGLE=single, ALIGNED=aligned, OFF_MULT=off_mult(rows.segments, mean_out.element_size()), ACC=acc,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+            **{k: cfg.get(k, v) for k, v in STATS_PIPELINE.items()},
         )
     _finalize(part_sq, part_bad, part_mean_sq, sq_norms_out, nonfinite_out, mean_sq_out, M, max(nb, 1))
