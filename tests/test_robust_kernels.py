@@ -239,3 +239,84 @@ def test_cpu_every_sorting_network_sorts():
         for k in range(m):
             out, _, _ = _select(_rows(x), "cpu", "window", k, 1)
             np.testing.assert_array_equal(out.double().numpy(), s[k], err_msg=f"M={m} position {k}")
+
+
+NETWORK_CLIENTS = [2, 3, 15, 16, 17, 33, 100, 128, 129, 256]  # around the network's powers of two, up to the limit
+
+
+def _windows(m: int) -> list[tuple[str, int, int]]:
+    """Every rule's positions at M: medians, trimmed means down to one value, the ends, MeaMed's windows."""
+    ks = sorted({0, 1, m // 5, (m - 1) // 2} - {k for k in range(m) if m - 2 * k < 1})
+    cases = [("window", k, m - 2 * k) for k in ks] + [("window", 0, 1), ("window", m - 1, 1),
+                                                     ("window", (m - 1) // 2, 1 + (m % 2 == 0))]
+    return cases + [("nearest", 0, c) for c in sorted({m, max(1, m - max(1, m // 8)), 1})]
+
+
+@pytest.mark.skipif("triton" not in cpu_backends(), reason="the Triton pass runs on CPU tensors only interpreted")
+@pytest.mark.parametrize("m", NETWORK_CLIENTS)
+def test_triton_select_network_every_client_count_ties_zeros_and_infinities(m):
+    """The Triton pass's min / max network (``_bitonic_rows``) at client counts around its powers of two: values
+    on nine levels (ties everywhere, duplicates at every trim boundary), signed zeros, +-inf in the data (and
+    +inf with -inf in one column: a NaN mean, as the oracle's). Window means of halves are exact in float64, so
+    every rule's output equals the oracle's bit for bit; a wrong stage of the network, a wrong run direction or
+    a padded client read as data changes some column."""
+    g = torch.Generator().manual_seed(m)
+    d = 37
+    x = torch.randint(-4, 5, (m, d), generator=g).double() * 0.5
+    x[0, :4] = torch.tensor([-0.0, 0.0, -0.0, 0.0])
+    x[m - 1, 4] = float("inf")
+    x[m // 2, 5] = float("-inf")
+    x[0, 6], x[m - 1, 6] = float("inf"), float("-inf")
+    for rule, first, count in _windows(m):
+        out, sq, bad = _select(_rows(x.float()), "triton", rule, first, count, torch.float64)
+        np.testing.assert_array_equal(out.numpy(), _oracle(x.numpy(), rule, first, count),
+                                      err_msg=f"M={m} {rule} {first} {count}")
+        np.testing.assert_allclose(sq.numpy(), (x.numpy() ** 2).sum(axis=1), rtol=1e-15)
+        assert bad.tolist() == [i in (0, m // 2, m - 1) for i in range(m)]
+
+
+@pytest.mark.skipif("triton" not in cpu_backends(), reason="the Triton pass runs on CPU tensors only interpreted")
+@pytest.mark.parametrize("m", [17, 100])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_triton_select_network_wide_and_16_bit_rows(m, dtype):
+    """float64 rows (a float64 tile) and bfloat16 rows (widened to float32) through the network, with and without
+    a base, against the oracle on the same values; and the previous ``tl.sort`` pass (``TL_SORT``, kept for the
+    card's benchmark) equal to it."""
+    from fastagg.backends.triton import robust as trobust
+
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 29, generator=g).to(dtype)
+    base = torch.linspace(-2, 2, 29).to(dtype)
+    for with_base in (False, True):
+        rows = _rows(x + base if with_base else x, base=base if with_base else None)
+        upd = ((x + base).double() - base.double() if with_base else x.double()).numpy()
+        for rule, first, count in _windows(m):
+            want = _oracle(upd, rule, first, count)
+            out, sq, bad = _select(rows, "triton", rule, first, count, torch.float64)
+            np.testing.assert_allclose(out.numpy(), want, rtol=1e-13, atol=1e-15, err_msg=f"{rule} {first} {count}")
+            np.testing.assert_allclose(sq.numpy(), (upd ** 2).sum(axis=1), rtol=1e-12)
+            assert not bad.any()
+        old = torch.empty(29, dtype=torch.float64)  # tl.sort is slow interpreted: one window
+        trobust.coord_select(rows=rows, rule="nearest", first=0, count=m - 2, out=old, sq_norms_out=sq.clone(),
+                             nonfinite_out=bad.clone(), _config=dict(TL_SORT=True))
+        np.testing.assert_allclose(old.numpy(), _oracle(upd, "nearest", 0, m - 2), rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.skipif("triton" not in cpu_backends(), reason="the Triton pass runs on CPU tensors only interpreted")
+@pytest.mark.parametrize("m", [5, 17, 100])
+def test_triton_select_network_sorts_nan_as_infinity(m):
+    """A NaN sorts last, as +inf (min and max of a NaN would not be a permutation): its client is marked and its
+    column's estimate is the oracle's with +inf in its place (windows short of the last position: the oracle's
+    own value, NaN sorting last there too); the other columns and clients are untouched, squared norms NaN."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 23, generator=g)
+    x[1, 3] = x[m - 1, 3] = x[m // 2, 9] = float("nan")
+    as_inf = torch.nan_to_num(x.double(), nan=float("inf")).numpy()
+    for rule, first, count in _windows(m):
+        out, sq, bad = _select(_rows(x), "triton", rule, first, count, torch.float64)
+        np.testing.assert_allclose(out.numpy(), _oracle(as_inf, rule, first, count), rtol=1e-13,
+                                   err_msg=f"{rule} {first} {count}")
+        if rule == "window" and first + count <= m - 2:
+            np.testing.assert_allclose(out.numpy(), _oracle(x.double().numpy(), rule, first, count), rtol=1e-13)
+        assert bad.tolist() == [i in (1, m // 2, m - 1) for i in range(m)]
+        assert np.isnan(sq.numpy()[[1, m // 2, m - 1]]).all() and np.isfinite(np.delete(sq.numpy(), [1, m // 2, m - 1])).all()

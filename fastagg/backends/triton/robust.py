@@ -1,10 +1,14 @@
 """The two passes of Byzantine-robust aggregation on the GPU (the rules are in ``fastagg/robust.py``).
 
-``coord_select``: one program per column block loads a BLOCK_D x BLOCK_M tile (each thread owns columns; the
-clients are the minor axis, padded to a power of two with +inf, which sorts last), sorts every column with
-``tl.sort`` (a bitonic network in registers), and writes the mean of fixed sorted positions (median, trimmed mean)
-or of the values nearest the median (MeaMed, the window rule of ``reference.select_sorted``); each client's squared
-norm and non-finite mark come from the same read (partials per block, summed by the stats pass's finalize kernel).
+``coord_select``: one program per column block loads a BLOCK_D x BLOCK_M tile (each thread owns whole columns; the
+clients are the minor axis, padded to a power of two with +inf, which sorts last, as does a NaN), sorts every
+column with a bitonic network of ``tl.minimum`` / ``tl.maximum`` on the registers of its thread (``_bitonic_rows``;
+the client count, the window's positions and the padding are compile-time constants, so the compiler drops the
+comparators whose outputs the window does not read), and writes the mean of fixed sorted positions (median,
+trimmed mean; only they are widened to float64) or of the values nearest the median (MeaMed, the window rule of
+``reference.select_sorted``). Each client's squared norm (float64 column sums of the block, on the tensor cores as
+``ones @ squares``: no shuffle per client) and non-finite mark come from the same read (partials per block, summed
+by the stats pass's finalize kernel).
 
 ``gram``: program (p, t) accumulates tile t (clients bi x bj, upper triangle) of ``G = X X^T`` over its range of
 column blocks with float64 ``tl.dot`` (the updates formed against ``base`` as they are loaded), writing one
@@ -24,9 +28,40 @@ MAX_SELECT_CLIENTS = 256  # more clients: fastagg.robust sorts column blocks wit
 
 
 @triton.jit
+def _bitonic_rows(x, LOG_M: tl.constexpr):
+    """``x`` [D, 2**LOG_M] with every row sorted ascending: a bitonic network along the rows, runs of 2**k sorted
+    up and down alternately and merged (``_exchange`` at distances 2**(k-1), ..., 1) until one run is left. The
+    clients lie within a thread (``select_config``), so the views and splits move no data. NaN-free input (the
+    min and max of a NaN are not a permutation)."""
+    for k in tl.static_range(1, LOG_M + 1):
+        for i in tl.static_range(0, k):
+            x = _exchange(x, k, k - 1 - i, LOG_M)
+    return x
+
+
+@triton.jit
+def _exchange(x, K: tl.constexpr, J: tl.constexpr, LOG_M: tl.constexpr):
+    """One stage of the network: rows of ``x`` [D, N] viewed as [D, A, 2, 2**J], the halves of each pair split
+    (``tl.split``), their min and max written back in order, descending in the runs of 2**K at odd positions
+    (bit K of a position: bit K - J - 1 of its index along A) before the last merge (K = LOG_M)."""
+    D: tl.constexpr = x.shape[0]
+    N: tl.constexpr = 1 << LOG_M
+    B: tl.constexpr = 1 << J
+    A: tl.constexpr = N // (2 * B)
+    a, b = tl.split(tl.permute(tl.reshape(x, [D, A, 2, B]), [0, 1, 3, 2]))
+    lo = tl.minimum(a, b)
+    hi = tl.maximum(a, b)
+    if K < LOG_M:
+        down = (((tl.arange(0, A) >> (K - J - 1)) & 1) == 1)[None, :, None]
+        lo, hi = tl.where(down, hi, lo), tl.where(down, lo, hi)
+    return tl.reshape(tl.permute(tl.join(lo, hi), [0, 1, 3, 2]), [D, N])
+
+
+@triton.jit
 def _select_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, seg_off, out, part_sq, part_bad,
-                   M, first, count, NEAREST: tl.constexpr, HAS_BASE: tl.constexpr, SINGLE: tl.constexpr,
-                   V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                   M: tl.constexpr, FIRST: tl.constexpr, COUNT: tl.constexpr, NEAREST: tl.constexpr, HAS_BASE: tl.constexpr,
+                   SINGLE: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, LOG_M: tl.constexpr,
+                   BLOCK_D: tl.constexpr, TL_SORT: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     seg, start, cols, full, cmask, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, 1)
     ms = tl.arange(0, BLOCK_M).to(tl.int64)
@@ -38,55 +73,73 @@ def _select_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, s
         bptr = tl.load(base_ptrs + seg).to(tl.pointer_type(like.dtype.element_ty))
         x = tl.where(mask, x - tl.load(bptr + cols, mask=cmask, other=0.0).to(V)[:, None], 0.0)
     xd = x.to(tl.float64)
-    tl.store(part_sq + pid * M + ms, tl.sum(xd * xd, axis=0), mask=mmask)
-    tl.store(part_bad + pid * M + ms, (tl.sum(x - x, axis=0) != 0).to(tl.int8), mask=mmask)
-    s = tl.sort(tl.where(mmask[None, :], x, float("inf"))).to(tl.float64)  # every column sorted; padding last
+    if BLOCK_M >= 16:  # the column sums on the tensor cores (every row of ones @ squares): no shuffles per client
+        sums = tl.dot(tl.full([16, BLOCK_D], 1.0, tl.float64), xd * xd)
+        sq = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, sums, 0.0), axis=0)
+    else:
+        sq = tl.sum(xd * xd, axis=0)
+    tl.store(part_sq + pid * M + ms, sq, mask=mmask)
+    if V == tl.float64:  # a finite float64 value may have an infinite square
+        bad = tl.sum(x - x, axis=0) != 0
+    else:  # float64 squares of float32 values: the block's sum is finite exactly when all are
+        bad = sq - sq != 0
+    tl.store(part_bad + pid * M + ms, bad.to(tl.int8), mask=mmask)
+    if TL_SORT:
+        s = tl.sort(tl.where(mmask[None, :], x, float("inf")))  # every column sorted; padding last
+    else:  # NaN sorts as +inf (a column holding one is its client's, marked above), as does the padding
+        s = _bitonic_rows(tl.where(mmask[None, :] & (x == x), x, float("inf")), LOG_M)
     pos = ms[None, :]
-    if NEAREST:
+    if NEAREST:  # one sorted value out of a column: a sum with zeros, exact in V
         half = M // 2
-        mid = tl.sum(tl.where(pos == half, s, 0.0), axis=1)
-        below = tl.sum(tl.where(pos == half - 1, s, 0.0), axis=1)
+        mid = tl.sum(tl.where(pos == half, s, 0.0), axis=1).to(tl.float64)
+        below = tl.sum(tl.where(pos == half - 1, s, 0.0), axis=1).to(tl.float64)
         med = tl.where(M % 2 == 1, mid, 0.5 * (below + mid))
-        f = M - count
+        f = M - COUNT
         lo = tl.zeros([BLOCK_D], dtype=tl.float64)
         for t in range(0, f):  # lo = #{t < f : med - s[t] > s[M - f + t] - med}
-            a = tl.sum(tl.where(pos == t, s, 0.0), axis=1)
-            b = tl.sum(tl.where(pos == M - f + t, s, 0.0), axis=1)
+            a = tl.sum(tl.where(pos == t, s, 0.0), axis=1).to(tl.float64)
+            b = tl.sum(tl.where(pos == M - f + t, s, 0.0), axis=1).to(tl.float64)
             lo += tl.where(med - a > b - med, 1.0, 0.0)
         p = pos.to(tl.float64)
-        take = (p >= lo[:, None]) & (p < lo[:, None] + count)
-    else:
-        take = (pos >= first) & (pos < first + count)
-    est = tl.sum(tl.where(take, s, 0.0), axis=1) / count
+        take = (p >= lo[:, None]) & (p < lo[:, None] + COUNT)
+    else:  # fixed positions of registers (the clients lie within a thread): only the window's are widened
+        take = (pos >= FIRST) & (pos < FIRST + COUNT)
+    est = tl.sum(tl.where(take, s, 0.0).to(tl.float64), axis=1) / COUNT
     tl.store(out + off + cols, est.to(out.dtype.element_ty), mask=cmask)
 
 
-def select_config(num_clients: int, numel: int) -> dict:
-    """BLOCK_M: the clients padded to a power of two (``tl.sort`` needs one); BLOCK_D columns per program, about
-    4096 tile elements on the GPU (a guess to be measured on the card, bench/device_check.sh), few large programs
-    under the interpreter."""
+def select_config(num_clients: int, numel: int, wide: bool = False) -> dict:
+    """BLOCK_M: the clients padded to a power of two (the sorting networks need one). On the GPU each thread holds
+    whole columns (BLOCK_D = 32 lanes x num_warps x columns a thread; the loads cannot be vectorized, the row
+    addresses come from a table, so one column a lane per repetition): 1 column a thread from 32 clients (2 from
+    16, 4 from 8 or fewer; half as many for float64 tiles), so that the network's registers stay within a thread.
+    ``TL_SORT``: ``tl.sort`` in place of the min / max network (the previous pass, kept to compare on the card).
+    Few large programs under the interpreter."""
     block_m = max(2, _pow2_at_least(num_clients))
+    cfg = dict(BLOCK_M=block_m, LOG_M=block_m.bit_length() - 1, TL_SORT=False, num_warps=4)
     if interpreting():
-        return dict(BLOCK_M=block_m, BLOCK_D=max(16, min((1 << 16) // block_m, _pow2_at_least(-(-numel // 32)))),
-                    num_warps=4)
-    return dict(BLOCK_M=block_m, BLOCK_D=max(16, 4096 // block_m), num_warps=4)
+        return dict(cfg, BLOCK_D=max(16, min((1 << 16) // block_m, _pow2_at_least(-(-numel // 32)))))
+    per_thread = max(1, min(4, (16 if wide else 32) // block_m))
+    return dict(cfg, BLOCK_D=32 * cfg["num_warps"] * per_thread)
 
 
 def coord_select(*, rows: ClientRows, rule: str, first: int, count: int, out: torch.Tensor,
-                 sq_norms_out: torch.Tensor, nonfinite_out: torch.Tensor) -> None:
+                 sq_norms_out: torch.Tensor, nonfinite_out: torch.Tensor, _config: dict | None = None) -> None:
+    """``_config``: entries replacing ``select_config``'s (BLOCK_D, num_warps, TL_SORT; the card's benchmark)."""
     M, device = rows.num_clients, out.device
-    cfg = select_config(M, rows.numel)
+    wide = rows.base is not None or rows.dtype == torch.float64
+    cfg = dict(select_config(M, rows.numel, wide), **(_config or {}))
     lens, offs, bseg, bstart, nb, single = segment_tables(rows.segments, cfg["BLOCK_D"], device)
     part_sq = torch.zeros((max(nb, 1), M), dtype=torch.float64, device=device)
     part_bad = torch.zeros((max(nb, 1), M), dtype=torch.int8, device=device)
     row_ptrs, _ = _row_table(rows, device)
     base_ptrs = row_ptrs if rows.base is None else address_table([b.data_ptr() for b in rows.base], device)
-    wide = rows.base is not None or rows.dtype == torch.float64
     if nb > 0:
         _select_kernel[(nb,)](
-            row_ptrs, base_ptrs, rows.rows[0][0], bseg, bstart, lens, offs, out, part_sq, part_bad, M, first, count,
-            NEAREST=rule == "nearest", HAS_BASE=rows.base is not None, SINGLE=single,
-            V=tl.float64 if wide else tl.float32, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"],
+            row_ptrs, base_ptrs, rows.rows[0][0], bseg, bstart, lens, offs, out, part_sq, part_bad, M=M,
+            FIRST=0 if rule == "nearest" else first, COUNT=count, NEAREST=rule == "nearest",
+            HAS_BASE=rows.base is not None, SINGLE=single, V=tl.float64 if wide else tl.float32,
+            BLOCK_M=cfg["BLOCK_M"], LOG_M=cfg["LOG_M"], BLOCK_D=cfg["BLOCK_D"], TL_SORT=cfg["TL_SORT"],
             num_warps=cfg["num_warps"])
     mean_sq = torch.empty(1, dtype=torch.float64, device=device)
     _finalize(part_sq, part_bad, torch.zeros(max(nb, 1), dtype=torch.float64, device=device), sq_norms_out,
