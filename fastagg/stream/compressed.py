@@ -44,7 +44,10 @@ def add_compressed(acc, updates: list, weights: list, ids: list, on_nonfinite: s
                 if on_nonfinite == "skip":
                     return [False] * len(updates)
                 raise ValueError(f"the weights would overflow the round's total weight {r.total_weight:g}")
-            coef = torch.tensor([weights[j] * scale for j in live], dtype=torch.float64, device=acc.device)
+            # the fold's coefficients and the norms' (w_i scale^2), one host-to-device copy for both
+            coef, sq_coef = torch.tensor([[weights[j] * scale for j in live],
+                                          [weights[j] * scale * scale for j in live]], dtype=torch.float64,
+                                         device=acc.device)
             spare = acc._spare()
             sq, msq = fold([updates[j] for j in live], [names[j] for j in live], coef, acc._backend,
                            init=None if r.zero else r.sum, out=spare, norms=acc._client_norms)
@@ -52,15 +55,13 @@ def add_compressed(acc, updates: list, weights: list, ids: list, on_nonfinite: s
                 sq = torch.full((len(live),), math.nan, dtype=torch.float64, device=acc.device)
                 sq_new, fits = r.weighted_sq, torch.isfinite(msq)
             else:
-                sq_coef = torch.tensor([weights[j] * scale * scale for j in live], dtype=torch.float64,
-                                       device=acc.device)
                 sq_new = r.weighted_sq + (sq_coef * sq).sum()
                 fits = torch.isfinite(msq) & torch.isfinite(sq_new) & (sq <= acc._largest_sq).all()
             if not bool(fits):
                 if on_nonfinite == "skip":
                     return [False] * len(updates)
                 raise ValueError("the update(s) would overflow the running sums")
-            acc._round = r.extended([(norm * (scale * scale), ids[j], None) for norm, j in zip(sq.unbind(), live)],
+            acc._round = r.extended([(norm, ids[j], None) for norm, j in zip((sq * (scale * scale)).unbind(), live)],
                                     sum=spare, scratch=r.sum, weighted_sq=sq_new, total_weight=total)
     except ValueError as e:
         raise ValueError(f"{e}; the accumulator is unchanged") from None
