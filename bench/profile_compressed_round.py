@@ -8,17 +8,19 @@ mode) and kernel launches (profiler), then torch.profiler's tables of 5 rounds, 
 Formats: int8 and fp8 block 256; codebook: FLARE's BLOCKWISE8 (block 4096, every client its own 256-entry book
 tensor, as FLARE decodes them); topk: 1% of the entries, int32 indices.
 
-Host reads and launches of one round before / after issue 48's batched checks (counted off the card: the GPU's
+Host reads and launches of one fedexp_step round before / after issue 48's batched checks (counted off the card: the GPU's
 code path driven on CPU tensors through the Triton interpreter, host reads = .tolist / .item / bool / int / float /
 D2H copies and syncing ops such as nonzero, launches = torch ops that launch a kernel + Triton launches):
 
     format      M    before: host reads / launches    after: host reads / launches
-    int8       16                4 / 56                          3 / 40
-    fp8        16                5 / 62                          3 / 48
-    codebook    4               12 / 80                          4 / 49
-    codebook   16               36 / 152                         4 / 49
+    int8     4, 16               4 / 56                          3 / 34
+    fp8      4, 16               5 / 62                          3 / 34
+    codebook    4               12 / 80                          4 / 43
+    codebook   16               36 / 152                         4 / 43
     topk        4               14 / 68                          2 / 39
     topk       16               50 / 152                         2 / 51  (one sparse kernel a client)
+    FedAvg.step, int8 16         6 / 112                         5 / 75  (the Accumulator's path; plus, on a
+                                                                          GPU, 2 -> 1 host-to-device copies)
 
 After: one scan of every client's scales / values / indices (one launch per kind of part) read once; the fold's
 invalid-code verdict read once; the apply's finiteness read once (code books: one more read of the distinct books).

@@ -18,7 +18,7 @@ from ..rows import _check_dtype, _flat_view, client_rows
 
 from .blockwise import FLOAT32_OVERFLOW, Blockwise, block_scales, check_blockwise
 from .codebook import LAYER_FORMATS, Codebook8, LayerwiseUpdate
-from .fp8 import Fp8Blockwise
+from .fp8 import E4M3_MAX, Fp8Blockwise
 from .sparse import SparseUpdate, check_sparse, scan
 
 FORMATS = LAYER_FORMATS + (LayerwiseUpdate,)
@@ -165,12 +165,13 @@ def _scan(parts: list) -> dict:
 
 def _device_scan(parts: list, scanner) -> dict:
     """:func:`_scan` of parts on one GPU: the backend's scan (one launch per kind of part) and the largest finite
-    ``|v(q)|`` of each distinct code table, read by the host at once -- one read for the round, whatever M."""
+    ``|v(q)|`` of each distinct code book (fp8: 448, int8: 127), read by the host at once -- one read for the round,
+    whatever M."""
     blocks = [p for p in parts if isinstance(p, Blockwise)]
     sparse = [p for p in parts if isinstance(p, SparseUpdate)]
     found = scanner(scales=[p.scales.contiguous() for p in blocks], values=[p.values.contiguous() for p in sparse],
                     indices=[p.indices.contiguous() for p in sparse])
-    tables = {id(t): t for t in (p.table() for p in blocks) if t is not None}
+    tables = {id(t): t for t in (p.table() for p in blocks if not isinstance(p, Fp8Blockwise)) if t is not None}
     read = found.reshape(-1)
     if tables:
         a = torch.stack(list(tables.values())).to(found.device, torch.float64).abs()
@@ -185,7 +186,7 @@ def _device_scan(parts: list, scanner) -> dict:
             out[id(p)] = _Found(first, nonfinite == 0, bounds=(c, -e))
         else:
             t = p.table()
-            top = 127.0 if t is None else tops[id(t)]
+            top = E4M3_MAX if isinstance(p, Fp8Blockwise) else 127.0 if t is None else tops[id(t)]
             out[id(p)] = _Found(first, nonfinite == 0, largest=struct.unpack("<f", struct.pack("<i", -c))[0] * top)
     return out
 
