@@ -8,9 +8,9 @@ mode) and kernel launches (profiler), then torch.profiler's tables of 5 rounds, 
 Formats: int8 and fp8 block 256; codebook: FLARE's BLOCKWISE8 (block 4096, every client its own 256-entry book
 tensor, as FLARE decodes them); topk: 1% of the entries, int32 indices.
 
-Host reads and launches of one fedexp_step round before / after issue 48's batched checks (counted off the card: the GPU's
-code path driven on CPU tensors through the Triton interpreter, host reads = .tolist / .item / bool / int / float /
-D2H copies and syncing ops such as nonzero, launches = torch ops that launch a kernel + Triton launches):
+Host reads and launches of one fedexp_step round before / after issue 48's batched checks (counted off the card:
+the GPU's code path driven on CPU tensors through the Triton interpreter, host reads = .tolist / .item / bool / int /
+float / D2H copies and syncing ops such as nonzero, launches = torch ops that launch a kernel + Triton launches):
 
     format      M    before: host reads / launches    after: host reads / launches
     int8     4, 16               4 / 56                          3 / 34
