@@ -61,7 +61,7 @@ def _exchange(x, K: tl.constexpr, J: tl.constexpr, LOG_M: tl.constexpr):
 def _select_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, seg_off, out, part_sq, part_bad,
                    M: tl.constexpr, FIRST: tl.constexpr, COUNT: tl.constexpr, NEAREST: tl.constexpr, HAS_BASE: tl.constexpr,
                    SINGLE: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, LOG_M: tl.constexpr,
-                   BLOCK_D: tl.constexpr, TL_SORT: tl.constexpr):
+                   BLOCK_D: tl.constexpr, TL_SORT: tl.constexpr, DOT_NORMS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     seg, start, cols, full, cmask, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, 1)
     ms = tl.arange(0, BLOCK_M).to(tl.int64)
@@ -73,7 +73,7 @@ def _select_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, s
         bptr = tl.load(base_ptrs + seg).to(tl.pointer_type(like.dtype.element_ty))
         x = tl.where(mask, x - tl.load(bptr + cols, mask=cmask, other=0.0).to(V)[:, None], 0.0)
     xd = x.to(tl.float64)
-    if BLOCK_M >= 16:  # the column sums on the tensor cores (every row of ones @ squares): no shuffles per client
+    if DOT_NORMS:  # the column sums on the tensor cores (every row of ones @ squares): no shuffles per client
         sums = tl.dot(tl.full([16, BLOCK_D], 1.0, tl.float64), xd * xd)
         sq = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, sums, 0.0), axis=0)
     else:
@@ -108,15 +108,18 @@ def _select_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, s
     tl.store(out + off + cols, est.to(out.dtype.element_ty), mask=cmask)
 
 
-def select_config(num_clients: int, numel: int, wide: bool = False) -> dict:
+def select_config(num_clients: int, numel: int, wide: bool = False, element_size: int = 4) -> dict:
     """BLOCK_M: the clients padded to a power of two (the sorting networks need one). On the GPU each thread holds
     whole columns (BLOCK_D = 32 lanes x num_warps x columns a thread; the loads cannot be vectorized, the row
     addresses come from a table, so one column a lane per repetition): 1 column a thread from 32 clients (2 from
     16, 4 from 8 or fewer; half as many for float64 tiles), so that the network's registers stay within a thread.
     ``TL_SORT``: ``tl.sort`` in place of the min / max network (the previous pass, kept to compare on the card).
-    Few large programs under the interpreter."""
+    ``DOT_NORMS``: the squared norms by ``tl.dot`` (16 clients or more, tl.dot's smallest; not from 16-bit rows,
+    whose float64 dot triton 3.7 cannot lower for sm_90, as in ``gram``). Few large programs under the
+    interpreter."""
     block_m = max(2, _pow2_at_least(num_clients))
-    cfg = dict(BLOCK_M=block_m, LOG_M=block_m.bit_length() - 1, TL_SORT=False, num_warps=4)
+    cfg = dict(BLOCK_M=block_m, LOG_M=block_m.bit_length() - 1, TL_SORT=False, num_warps=4,
+               DOT_NORMS=block_m >= 16 and element_size >= 4)
     if interpreting():
         return dict(cfg, BLOCK_D=max(16, min((1 << 16) // block_m, _pow2_at_least(-(-numel // 32)))))
     per_thread = max(1, min(4, (16 if wide else 32) // block_m))
@@ -128,7 +131,7 @@ def coord_select(*, rows: ClientRows, rule: str, first: int, count: int, out: to
     """``_config``: entries replacing ``select_config``'s (BLOCK_D, num_warps, TL_SORT; the card's benchmark)."""
     M, device = rows.num_clients, out.device
     wide = rows.base is not None or rows.dtype == torch.float64
-    cfg = dict(select_config(M, rows.numel, wide), **(_config or {}))
+    cfg = dict(select_config(M, rows.numel, wide, rows.dtype.itemsize), **(_config or {}))
     lens, offs, bseg, bstart, nb, single = segment_tables(rows.segments, cfg["BLOCK_D"], device)
     part_sq = torch.zeros((max(nb, 1), M), dtype=torch.float64, device=device)
     part_bad = torch.zeros((max(nb, 1), M), dtype=torch.int8, device=device)
@@ -140,7 +143,7 @@ def coord_select(*, rows: ClientRows, rule: str, first: int, count: int, out: to
             FIRST=0 if rule == "nearest" else first, COUNT=count, NEAREST=rule == "nearest",
             HAS_BASE=rows.base is not None, SINGLE=single, V=tl.float64 if wide else tl.float32,
             BLOCK_M=cfg["BLOCK_M"], LOG_M=cfg["LOG_M"], BLOCK_D=cfg["BLOCK_D"], TL_SORT=cfg["TL_SORT"],
-            num_warps=cfg["num_warps"])
+            DOT_NORMS=cfg["DOT_NORMS"], num_warps=cfg["num_warps"])
     mean_sq = torch.empty(1, dtype=torch.float64, device=device)
     _finalize(part_sq, part_bad, torch.zeros(max(nb, 1), dtype=torch.float64, device=device), sq_norms_out,
               nonfinite_out, mean_sq, M, max(nb, 1))
