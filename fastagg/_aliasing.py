@@ -10,7 +10,7 @@ order the kernel visits elements, and on the GPU on which program runs first.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from operator import methodcaller
+from operator import attrgetter, methodcaller
 
 import numpy as np
 import torch
@@ -89,24 +89,21 @@ class Rows:
         ts = self.tensors
         if not ts:
             return []
-        if any(t.dim() != 1 or (t.stride(0) != 1 and t.numel() > 1) for t in ts):
+        numels = list(map(_NUMEL, ts))
+        if (set(map(_DIM, ts)) != {1} or len(set(map(_DTYPE, ts))) != 1 or len(set(map(_DEVICE, ts))) != 1
+                or (set(map(_STRIDE0, ts)) != {1} and any(st != 1 and n > 1
+                                                         for st, n in zip(map(_STRIDE0, ts), numels)))):
             return [span(t) for t in ts]
-        sizes, out = {}, []
-        for t, ptr, n in zip(ts, map(_DATA_PTR, ts), map(_NUMEL, ts)):
-            if n == 0:
-                out.append(None)
-                continue
-            e = sizes.get(t.dtype)
-            if e is None:
-                e = sizes[t.dtype] = t.element_size()
-            out.append((t.device, ptr, ptr + n * e))
-        return out
+        device, es = ts[0].device, ts[0].element_size()
+        return [(device, p, p + n * es) if n else None for p, n in zip(map(_DATA_PTR, ts), numels)]
 
     def pairs(self) -> list:
         return [(self.name(j), t) for j, t in enumerate(self.tensors)]
 
 
-_DATA_PTR, _NUMEL = methodcaller("data_ptr"), methodcaller("numel")
+_DATA_PTR, _NUMEL, _DIM, _STRIDE0 = methodcaller("data_ptr"), methodcaller("numel"), methodcaller("dim"), \
+    methodcaller("stride", 0)
+_DTYPE, _DEVICE = attrgetter("dtype"), attrgetter("device")
 
 
 def check_writes(writes: Iterable[Named], reads: Iterable[Named] = ()) -> None:

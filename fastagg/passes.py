@@ -192,7 +192,11 @@ def buffer_updates(params: ParamRows, stats: RoundStats, *, models: bool) -> lis
     (``num_batches_tracked``) advance by the weighted average of the clients' advances, rounded to the nearest
     integer, in int64 arithmetic (a counter near 2^63 has no float64 neighbours 1 apart). ``models``: the clients
     sent full models (else updates: ``b_i - b_global``). A buffer of another shape than the model's raises
-    ``ValueError`` here. Returns (buffer, new value, which elements may take it) for :func:`write_buffers`."""
+    ``ValueError`` here. Returns groups of buffers of one dtype, (buffers, their new values flattened end to end,
+    which of those elements may take them or None: the finite ones) for :func:`write_buffers`; the clients' raw
+    buffers are averaged a group at a time (one row per client holding the whole group, added in client order:
+    elementwise what a loop over buffers computes, in a few torch calls a client instead of a few a buffer and
+    client)."""
     if not params.buffers:
         return []
     sums, raw = {}, {}
@@ -209,37 +213,38 @@ def buffer_updates(params: ParamRows, stats: RoundStats, *, models: bool) -> lis
             raise ValueError(f"the clients' buffer {name!r} has shape {shape}; the global model's has "
                              f"{tuple(g.shape)}; nothing was updated")
         taken.append((name, g))
-    # the clients' raw buffers, averaged together: one float64 row per client holding every floating buffer (and
-    # one int64 row per counter dtype), each row added as the per-buffer loop added it (same order, same values)
-    floating = [(n, g) for n, g in taken if n in raw and g.is_floating_point()]
-    avgs = dict(zip([n for n, _ in floating], _weighted_rows([raw[n] for n, _ in floating], [g for _, g in floating],
-                                                              stats.coefs, params.device)))
-    counters = [(n, g) for n, g in taken if n in raw and not g.is_floating_point()]
-    advances = {}
-    for dtype in dict.fromkeys(g.dtype for _, g in counters):
-        group = [(n, g) for n, g in counters if g.dtype == dtype]
-        advances.update(zip([n for n, _ in group], _counter_advances([raw[n] for n, _ in group],
-                                                                     [g for _, g in group], stats.coefs,
-                                                                     params.device, models)))
     out = []
-    for name, g in taken:
-        if g.is_floating_point():
-            avg = sums[name] if name in sums else avgs[name]
-            new = avg if models else g.to(torch.float64) + avg
-            out.append((g, new, None))
-        else:
-            advance, ok = (sums[name], None) if name in sums else advances[name]
-            new, fits = _advanced(g, advance)
-            out.append((g, new, fits if ok is None else ok & fits))
+    for name, g in taken:  # an Accumulator's sums: one buffer at a time
+        if name in sums:
+            if g.is_floating_point():
+                new = sums[name] if models else g.to(torch.float64) + sums[name]
+                out.append(([g], new.reshape(-1), None))
+            else:
+                new, fits = _advanced(g, sums[name])
+                out.append(([g], new.reshape(-1), fits.reshape(-1)))
+    for floating in (True, False):
+        kind = [(n, g) for n, g in taken if n in raw and g.is_floating_point() == floating]
+        for dtype in dict.fromkeys(g.dtype for _, g in kind):
+            gs = [g for _, g in kind if g.dtype == dtype]
+            values = [raw[n] for n, g in kind if g.dtype == dtype]
+            if floating:
+                avg = _weighted_rows(values, gs, stats.coefs, params.device)
+                out.append((gs, avg if models else _flat_cat(gs).to(torch.float64) + avg, None))
+            else:
+                advance, ok = _counter_advances(values, gs, stats.coefs, params.device, models)
+                new, fits = _advanced(_flat_cat(gs), advance)
+                out.append((gs, new, fits if ok is None else ok & fits))
     return out
 
 
-def _weighted_rows(values: list, like: list, coefs: torch.Tensor, device) -> list:
-    """``sum_i coefs_i values[k][i]`` in float64 for every buffer k at once (shaped as ``like[k]``): client i's
-    buffers copied into one float64 row, the rows added in client order (elementwise what :func:`weighted_f64`
-    computes per buffer, in two torch calls a client instead of two a buffer and client)."""
-    if not values:
-        return []
+def _flat_cat(tensors: list) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+
+
+def _weighted_rows(values: list, like: list, coefs: torch.Tensor, device) -> torch.Tensor:
+    """``sum_i coefs_i values[k][i]`` in float64 for every buffer k at once, flattened end to end (buffer k shaped
+    as ``like[k]``): client i's buffers copied into one float64 row, the rows added in client order (elementwise
+    what :func:`weighted_f64` computes per buffer)."""
     sizes = [g.numel() for g in like]
     acc = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
     row = torch.empty_like(acc)
@@ -247,17 +252,17 @@ def _weighted_rows(values: list, like: list, coefs: torch.Tensor, device) -> lis
     for i, c in enumerate(coefs):
         torch._foreach_copy_(views, [vals[i] for vals in values])
         acc += c * row
-    return [a.view(g.shape) for a, g in zip(acc.split(sizes), like)]
+    return acc
 
 
-def _counter_advances(values: list, like: list, coefs: torch.Tensor, device, models: bool) -> list:
-    """Integer buffers of one dtype (``like``: the model's): the weighted average of each client's advance
-    (``models``: ``b_i - g``, exact in int64, with the elements where it overflows int64 marked not ok; else the
-    sent ``b_i`` itself) in float64, for every buffer at once. Returns (advance, ok or None) per buffer."""
+def _counter_advances(values: list, like: list, coefs: torch.Tensor, device, models: bool) -> tuple:
+    """Integer buffers of one dtype (``like``: the model's), flattened end to end: the weighted average of each
+    client's advance (``models``: ``b_i - g``, exact in int64, with the elements where it overflows int64 marked
+    not ok; else the sent ``b_i`` itself) in float64. Returns (advance, ok or None)."""
     sizes = [g.numel() for g in like]
     row = torch.empty(sum(sizes), dtype=torch.int64, device=like[0].device)
     views = [v.view(g.shape) for v, g in zip(row.split(sizes), like)]
-    g64 = torch.cat([g.reshape(-1) for g in like]).to(torch.int64)
+    g64 = _flat_cat(like).to(torch.int64)
     acc = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
     ok = torch.ones(sum(sizes), dtype=torch.bool, device=like[0].device) if models else None
     for i, c in enumerate(coefs):
@@ -268,9 +273,7 @@ def _counter_advances(values: list, like: list, coefs: torch.Tensor, device, mod
         else:
             d = row
         acc += c * d.to(device=device, dtype=torch.float64)
-    adv = [a.view(g.shape) for a, g in zip(acc.split(sizes), like)]
-    oks = [o.view(g.shape) for o, g in zip(ok.split(sizes), like)] if models else [None] * len(like)
-    return list(zip(adv, oks))
+    return acc, ok
 
 
 def weighted_f64(values: list, coefs: torch.Tensor, device, shape) -> torch.Tensor:
@@ -295,14 +298,17 @@ def _advanced(g: torch.Tensor, advance: torch.Tensor) -> tuple:
 
 
 def write_buffers(updates: list, finite: torch.Tensor) -> None:
-    """Write :func:`buffer_updates`' values (no host sync). Nothing changes when the round is not finite, and an
-    element whose new value the buffer's dtype cannot hold keeps its old value: never Inf in a float16 / float32
-    statistic whose average overflows, never a wrapped integer (an int64 counter at its maximum stays there, a
-    uint8 that would pass 255 stays as it was)."""
-    for g, new, ok in updates:
+    """Write :func:`buffer_updates`' values (no host sync), a group of buffers at a time. Nothing changes when the
+    round is not finite, and an element whose new value the buffer's dtype cannot hold keeps its old value: never
+    Inf in a float16 / float32 statistic whose average overflows, never a wrapped integer (an int64 counter at its
+    maximum stays there, a uint8 that would pass 255 stays as it was)."""
+    for gs, new, ok in updates:
+        vals = new.to(gs[0].dtype)
         if ok is None:
-            ok = torch.isfinite(new.to(g.dtype))
-        g.copy_(torch.where(ok & finite, new.to(g.dtype), g))
+            ok = torch.isfinite(vals)
+        out = torch.where(ok & finite, vals, _flat_cat(gs))
+        sizes = [g.numel() for g in gs]
+        torch._foreach_copy_(gs, [o.view(g.shape) for o, g in zip(out.split(sizes), gs)])
 
 
 def like_params(params: ParamRows, flat: torch.Tensor) -> ParamRows:

@@ -309,14 +309,14 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
     bshapes = [vals0[j].shape for j in bidx]
     take_p = (lambda v: [v[pidx[0]]]) if len(pidx) == 1 else itemgetter(*pidx)
     take_b = (lambda v: [v[bidx[0]]]) if len(bidx) == 1 else (itemgetter(*bidx) if bidx else (lambda v: ()))
-    clients, bufs = [], []
+    clients, bufs, tensor, dtypes, devices = [], [], {torch.Tensor}, {ref_dtype}, {device}
     for c in x:
         vals = list(c.values())
         ps, bs = list(take_p(vals)), list(take_b(vals))
-        if (any(type(v) is not torch.Tensor for v in vals) or list(map(_SHAPE, ps)) != ref_shapes
-                or any(t != ref_dtype for t in map(_DTYPE, ps)) or any(d != device for d in map(_DEVICE, ps))
-                or not all(map(_CONTIGUOUS, ps)) or any(map(_GRAD, ps)) or list(map(_SHAPE, bs)) != bshapes
-                or any(t.is_complex for t in map(_DTYPE, bs)) or any(d.type == "meta" for d in map(_DEVICE, bs))):
+        if (set(map(type, vals)) != tensor or list(map(_SHAPE, ps)) != ref_shapes or set(map(_DTYPE, ps)) != dtypes
+                or set(map(_DEVICE, ps)) != devices or not all(map(_CONTIGUOUS, ps)) or any(map(_GRAD, ps))
+                or list(map(_SHAPE, bs)) != bshapes or any(t.is_complex for t in set(map(_DTYPE, bs)))
+                or any(d.type == "meta" for d in set(map(_DEVICE, bs)))):
             return None
         clients.append(list(map(_FLAT, ps)))
         bufs.append(bs)

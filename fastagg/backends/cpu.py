@@ -87,10 +87,12 @@ def _dl(t: torch.Tensor | None):
 
 
 def _rows(rows: ClientRows):
-    """The client rows as the bindings take them: the [M, d] matrix's capsule, or L lists of M row capsules."""
+    """The client rows as the bindings take them: the [M, d] matrix's capsule, or L lists of M row capsules (rows
+    are floating and never require grad -- rows.py detaches them -- so ``_dl``'s two cases do not arise: the
+    capsules come straight from ``_to_dlpack``, ~1,000 of them a ResNet-18 round)."""
     if rows.matrix is not None and len(rows.segments) == 1:
         return _dl(rows.matrix)
-    return [[_dl(r) for r in seg] for seg in rows.rows]
+    return [list(map(_to_dlpack, seg)) for seg in rows.rows]
 
 
 def _segments(parts) -> list:
