@@ -139,7 +139,8 @@ def drive_pipeline_variants():
     for dtype, (bm, bd, warps), variants in (
             (torch.bfloat16, (1, 8192, 4), ((1, True, None), (2, True, None), (2, False, None), (0, False, 3),
                                              (0, False, 4), (0, True, 4), (1, True, 3))),
-            (torch.bfloat16, (1, 8192, 8), ((0, False, 3),)), (torch.bfloat16, (1, 4096, 4), ((0, False, 4),)),
+            (torch.bfloat16, (1, 8192, 8), ((0, False, 3), (2, True, None))),
+            (torch.bfloat16, (1, 4096, 4), ((0, False, 4),)),
             (torch.float32, (2, 2048, 4), ((2, False, None), (0, False, 3)))):
         for prefetch, raw, stages in variants:
             stats_mod.stats_config = lambda M, n, es=4, p=prefetch, r=raw, s=stages: dict(
@@ -251,7 +252,8 @@ def main(capabilities, shard=0, shards=1):
     seen = {}
     for fn, args, kwargs in captured:
         sig, const, options = signature(fn, args, kwargs)
-        key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in const.items())))
+        key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in const.items())),
+               tuple(sorted(options.items())))  # num_warps too: the same constexprs at other warps compile apart
         seen.setdefault(key, (fn, sig, const, options))
     mine = list(seen.values())[shard::shards]
     for fn, sig, const, options in mine:
