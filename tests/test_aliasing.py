@@ -99,3 +99,28 @@ def test_equal_starts_and_touching_ends():
     for reads in ([buf[10:12], buf[10:11]], [buf[10:11], buf[10:12]]):
         with pytest.raises(ValueError, match="w overlaps r1, which is read"):
             check_writes([("w", buf[10:11])], Rows([buf[40:41]] + reads[1:], lambda j: f"r{j}"))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_contiguous_reads_take_the_array_path_and_refuse_exactly_the_same(seed):
+    """Contiguous reads of one dtype and device (a real round's rows) take ``Rows.arrays``; overlaps drawn at every
+    position of a read's span, its last element included, with writes on the same buffers."""
+    rng = random.Random(5000 + seed)
+    pool = [torch.zeros(200), torch.zeros(120)]
+    def contiguous(count):
+        out = []
+        for _ in range(count):
+            buf = rng.choice(pool)
+            start = rng.randrange(buf.numel())
+            out.append(buf[start:start + rng.randrange(0, min(buf.numel() - start, 30) + 1)])
+        return out
+    writes = [(f"w{k}", t) for k, t in enumerate(contiguous(rng.randrange(1, 4)))]
+    reads = contiguous(rng.randrange(1, 10))
+    assert Rows(reads, str).arrays() is not None
+    expected = _pairwise(writes, [(f"r{j}", t) for j, t in enumerate(reads)])
+    if expected is None:
+        check_writes(writes, Rows(reads, lambda j: f"r{j}"))
+    else:
+        with pytest.raises(ValueError) as e:
+            check_writes(writes, Rows(reads, lambda j: f"r{j}"))
+        assert str(e.value).startswith(expected), (str(e.value), expected)

@@ -12,7 +12,7 @@ import os
 import torch
 from torch.utils.dlpack import to_dlpack as _to_dlpack
 
-from ..rows import ClientRows, ParamRows
+from ..rows import ClientRows, ParamRows, row_entries
 
 name = "cpu"
 ADAM_RULES = {"adam": 0, "yogi": 1, "adagrad": 2, "ams": 3}
@@ -87,12 +87,13 @@ def _dl(t: torch.Tensor | None):
 
 
 def _rows(rows: ClientRows):
-    """The client rows as the bindings take them: the [M, d] matrix's capsule, or L lists of M row capsules (rows
-    are floating and never require grad -- rows.py detaches them -- so ``_dl``'s two cases do not arise: the
-    capsules come straight from ``_to_dlpack``, ~1,000 of them a ResNet-18 round)."""
+    """The client rows as the bindings take them: the [M, d] matrix's capsule, or L lists of M row capsules (the
+    contiguous entries the rows view, when they were built from state_dict entries: the binding checks each one's
+    element count and contiguity). Rows are floating and never require grad (rows.py detaches or refuses them), so
+    ``_dl``'s two cases do not arise: the capsules come straight from ``_to_dlpack``, ~1,000 a ResNet-18 round."""
     if rows.matrix is not None and len(rows.segments) == 1:
         return _dl(rows.matrix)
-    return [list(map(_to_dlpack, seg)) for seg in rows.rows]
+    return [list(map(_to_dlpack, seg)) for seg in row_entries(rows)]
 
 
 def _segments(parts) -> list:
