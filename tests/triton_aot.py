@@ -179,9 +179,15 @@ def drive_later_launchers():
                               mean_out=torch.zeros(10), sq_norms_out=torch.zeros(3, **f64),
                               nonfinite_out=torch.zeros(3, dtype=torch.bool), mean_sq_out=torch.zeros((), **f64),
                               noise=(0.5, 2 ** 64 - 1, 2 ** 40 + 3))
-        for rule in ("median", "trimmed", "meamed"):
-            robust_mod.coord_select(rows=rows, rule=rule, first=1, count=1, out=torch.zeros(10),
-                                    sq_norms_out=torch.zeros(3, **f64), nonfinite_out=torch.zeros(3, dtype=torch.bool))
+        # the select pass: few clients (norms by shuffles) and 17 (norms by tl.dot, but from 16-bit rows), the
+        # window and MeaMed's nearest rule; at fp32 the configs bench/gpu_bench.py times beside the default
+        for m in (3, 17):
+            sel_rows = client_rows(torch.zeros(m, 10, dtype=dtype), name="deltas")
+            configs = [None] + [dict(BLOCK_D=512), dict(TL_SORT=True)] * (dtype == torch.float32 and m == 17)
+            for rule, config in [(r, c) for r in ("window", "nearest") for c in configs]:
+                robust_mod.coord_select(rows=sel_rows, rule=rule, first=1, count=1, out=torch.zeros(10),
+                                        sq_norms_out=torch.zeros(m, **f64),
+                                        nonfinite_out=torch.zeros(m, dtype=torch.bool), _config=config)
         robust_mod.gram(rows=rows, gram_out=torch.zeros(3, 3, **f64), nonfinite_out=torch.zeros(3, dtype=torch.bool))
         if dtype != torch.float64:
             x = torch.zeros(3, 1000, dtype=dtype)
