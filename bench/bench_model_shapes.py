@@ -15,7 +15,8 @@ included for the ResNets). Every call is timed interleaved with the others, one 
   full client models measured from the broadcast point.
 
 It prints each call's time, its ratio to the read, and the per-call overhead (time minus the read: at 1/8 width
-that is almost all Python per entry). Flower's message-API strategies are not in it yet.
+that is almost all Python per entry). Then Flower's message-API FedAvg / FedAdam strategies and fastagg.flower's on
+the same reply Messages (``configure_train`` + ``aggregate_train``; :func:`flower_calls`).
 
     python bench/bench_model_shapes.py                       # every model, full and 1/8 width, 1 and 2 threads
     python bench/bench_model_shapes.py --models resnet18 --widths 8 --threads 1 --rounds 5
@@ -145,6 +146,50 @@ def calls(glob: dict, clients: list) -> dict:
     return out
 
 
+def flower_calls(glob: dict, clients: list) -> dict:
+    """Flower's message-API FedAvg / FedAdam (flwr.serverapp.strategy) and fastagg.flower's, each timed as
+    ``configure_train`` + ``aggregate_train`` over the same reply Messages: one ArrayRecord a client holding its
+    state_dict's entries as numpy arrays (the BatchNorm statistics and counters included, as a Flower client sends
+    ``model.state_dict()``), weighted by ``num-examples``."""
+    import logging
+
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.serverapp import strategy as flower_strategy
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fastagg import flower as fastagg_flower
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # Messages outside a run (flwr 1.42)
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    m = len(clients)
+
+    class Grid:
+        def get_node_ids(self):
+            return list(range(1, m + 1))
+
+    def record(sd):
+        return ArrayRecord({k: Array(v.numpy()) for k, v in sd.items()})
+
+    out = {}
+    for label, module in (("Flower", flower_strategy), ("fastagg.flower", fastagg_flower)):
+        for rule in ("FedAvg", "FedAdam"):
+            strat = getattr(module, rule)(min_available_nodes=1)
+            state = {"arrays": record(glob), "round": 0}
+            msgs = sorted(strat.configure_train(1, state["arrays"], ConfigRecord(), Grid()),
+                          key=lambda msg: msg.metadata.dst_node_id)
+            replies = [Message(content=RecordDict({"arrays": record(c), "metrics": MetricRecord(
+                {"num-examples": 100 + 7 * i})}), reply_to=msg) for i, (c, msg) in enumerate(zip(clients, msgs))]
+
+            def one_round(strat=strat, state=state, replies=replies):
+                state["round"] += 1
+                strat.configure_train(state["round"], state["arrays"], ConfigRecord(), Grid())
+                arrays, _ = strat.aggregate_train(state["round"], replies)
+                state["arrays"] = arrays
+
+            out[f"{label} {rule}"] = one_round
+    return out
+
+
 def interleaved(fns: dict, rounds: int) -> dict:
     times = {k: [] for k in fns}
     for fn in fns.values():  # warm-up
@@ -164,6 +209,8 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="torch / OpenMP thread counts to run (default: 1,2)")
     ap.add_argument("--clients", type=int, default=16, help="clients per round (default: 16)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per call, medians (default: 7)")
+    ap.add_argument("--no-flower-strategies", action="store_true",
+                    help="leave out the message-API strategies (Flower's and fastagg.flower's FedAvg / FedAdam)")
     a = ap.parse_args()
     print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
           f"{a.clients} clients, medians of {a.rounds} interleaved rounds")
@@ -174,7 +221,10 @@ def main() -> None:
                 entries = MODELS[name](w)
                 glob, clients = state_dicts(entries, a.clients)
                 numel = sum(t.numel() for t in glob.values() if t.is_floating_point())
-                med = interleaved(calls(glob, clients), a.rounds)
+                fns = calls(glob, clients)
+                if not a.no_flower_strategies:
+                    fns.update(flower_calls(glob, clients))
+                med = interleaved(fns, a.rounds)
                 read = med["read"]
                 gbs = a.clients * numel * 4 / read / 1e9
                 print(f"\n{name} at 1/{w} width: {len(entries)} entries, {numel / 1e6:.2f}M parameters, {threads} "

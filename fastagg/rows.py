@@ -8,6 +8,7 @@ tensors, a list of M per-layer lists or state_dicts, numpy arrays of any of thes
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from operator import attrgetter, itemgetter, methodcaller
@@ -307,6 +308,11 @@ _GRAD, _CONTIGUOUS, _FLAT = attrgetter("requires_grad"), methodcaller("is_contig
 _DICTS = (dict, OrderedDict)
 
 
+def _wrap(v):
+    """A numpy array as a tensor view (no copy; callers silence torch's read-only warning); anything else as is."""
+    return torch.from_numpy(v) if type(v) is np.ndarray else v
+
+
 def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, like: "ClientRows | None",
                   params: "ParamRows | None") -> ClientRows | None:
     """The hot path of :func:`client_rows` for what real-model rounds send: M state_dicts of plain tensors with the
@@ -321,6 +327,15 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
     keys = tuple(first)
     if any(type(c) not in _DICTS or tuple(c) != keys for c in x):
         return None
+    numpy_in = any(type(v) is np.ndarray for v in first.values())
+    if numpy_in:  # numpy entries (Flower's, FLARE's replies) wrapped without copies, one warnings guard for all
+        try:
+            with warnings.catch_warnings():  # torch warns on read-only arrays; fastagg never writes to them
+                warnings.simplefilter("ignore", UserWarning)
+                x = [dict(zip(keys, map(_wrap, c.values()))) for c in x]
+        except (TypeError, ValueError, RuntimeError):
+            return None  # (an object array, a byte-swapped one...: the general path names it)
+        first = x[0]
     vals0 = list(first.values())
     if any(type(v) is not torch.Tensor for v in vals0):
         return None
@@ -364,7 +379,7 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
             if ref is not None and (bshapes[k] != ref.shape or (not ref.is_floating_point() and any(
                     t.is_floating_point for t in set(map(_DTYPE, buffers.values[k]))))):
                 return None
-    form = Layout("dict", tuple(names), tuple(tuple(s) for s in ref_shapes), (ref_dtype,) * len(pidx), False)
+    form = Layout("dict", tuple(names), tuple(tuple(s) for s in ref_shapes), (ref_dtype,) * len(pidx), numpy_in)
     entries = [list(col) for col in zip(*clients)]
     return ClientRows(EntryRows(entries), Segments.of_lengths([e[0].numel() for e in entries]), len(x), ref_dtype,
                       device, form, buffers=buffers)

@@ -33,7 +33,7 @@ def _hostile(rng: random.Random, clients: list) -> str:
     c = clients[i]
     keys = list(c)
     k = rng.choice(keys)
-    v = c[k]
+    v = c[k] if isinstance(c[k], torch.Tensor) else torch.from_numpy(np.array(c[k]))  # (a copy, for the changes)
     kind = rng.choice(["shape", "dtype", "missing", "extra", "order", "numpy", "strided", "grad", "list", "int",
                        "complex_buffer", "float_counter", "meta", "int_param", "none", "buffer_shape"])
     if kind == "shape" and v.dim() >= 1:
@@ -49,7 +49,7 @@ def _hostile(rng: random.Random, clients: list) -> str:
         rng.shuffle(items)
         clients[i] = dict(items)
     elif kind == "numpy":
-        c[k] = v.numpy()
+        c[k] = v.numpy() if isinstance(v, torch.Tensor) else torch.from_numpy(v.copy())
     elif kind == "strided" and v.dim() == 2 and v.shape[0] > 1:
         c[k] = torch.randn(v.shape[1], v.shape[0]).t()
     elif kind == "grad" and v.is_floating_point():
@@ -73,6 +73,12 @@ def _hostile(rng: random.Random, clients: list) -> str:
     else:
         return "none"
     return kind
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    out = np.frombuffer(a.tobytes(), dtype=a.dtype).reshape(a.shape)
+    assert not out.flags.writeable
+    return out
 
 
 def _outcome(fn):
@@ -104,6 +110,9 @@ def test_shortcut_matches_the_general_path(seed, monkeypatch):
     m = rng.randrange(1, 5)
     clients = [{k: (v + 1 if not v.is_floating_point() else v + torch.randn(v.shape)) for k, v in glob.items()}
                for _ in range(m)]
+    if rng.random() < 0.35:  # replies as Flower / FLARE hand them over: numpy arrays, read-only views of bytes
+        clients = [{k: _readonly(v.numpy()) if rng.random() < 0.5 else v.numpy() for k, v in c.items()}
+                   for c in clients]
     kind = _hostile(rng, clients) if rng.random() < 0.8 else "none"
     with_params = rng.random() < 0.5
     p = param_rows({k: v.clone() for k, v in glob.items()}) if with_params else None

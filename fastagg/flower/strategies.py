@@ -40,6 +40,7 @@ One round, for every strategy:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import pprint
@@ -86,7 +87,9 @@ def _norm_bit(msg: Message) -> int:
     return int(bool(metrics.get("norm_bit", 0)))
 
 
+@functools.lru_cache(maxsize=64)
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """torch's dtype for a numpy dtype (kept: it is asked twice per entry of every reply)."""
     return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
