@@ -47,29 +47,17 @@ def reply_weight(metrics: Mapping, key: str) -> float:
 
 
 _MAGIC = b"\x93NUMPY"
-_PARSED: dict = {}  # header bytes -> _parse_header's result; a model's replies repeat a few hundred headers
-_PARSED_LIMIT = 4096
 
 
-def _header(data) -> tuple[tuple, bool, np.dtype, int]:
-    """(shape, fortran_order, dtype, data offset) of the ``.npy`` bytes ``data``. numpy's parser (``ast.literal_eval``
-    of the header, ~40 us) runs once per distinct header: the result is kept by the header's exact bytes (magic,
-    version, length field and the header itself: everything the parser reads), so equal bytes give what parsing them
-    gave. A ResNet-18 round of 16 replies reads ~2,000 arrays with ~60 distinct headers."""
+def _header_key(data) -> bytes | None:
+    """The bytes numpy's header parser reads from ``data`` (magic, version, length field, header), or None when they
+    do not look like a version 1 / 2 ``.npy`` header (then the parser runs and says what is wrong)."""
     view = memoryview(data).cast("B")
     if len(view) >= 12 and view[:6] == _MAGIC and view[6] in (1, 2) and view[7] == 0:
         end = (10 + view[8] + 256 * view[9]) if view[6] == 1 else (12 + int.from_bytes(view[8:12], "little"))
         if end <= min(len(view), _HEADER_LIMIT):
-            key = bytes(view[:end])
-            got = _PARSED.get(key)
-            if got is None:
-                got = _parse_header(data)
-                if got[3] == end:
-                    if len(_PARSED) >= _PARSED_LIMIT:
-                        _PARSED.clear()
-                    _PARSED[key] = got
-            return got
-    return _parse_header(data)
+            return bytes(view[:end])
+    return None
 
 
 def _parse_header(data) -> tuple[tuple, bool, np.dtype, int]:
@@ -105,19 +93,18 @@ def array_view(array: Array, where: str = "array") -> np.ndarray:
     data = array.data
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ReplyError(f"{where} holds {type(data).__name__} data; expected bytes")
-    shape, fortran, dtype, offset = _header(data)
-    if dtype.hasobject or dtype.names is not None or dtype.kind not in _KINDS or dtype.subdtype is not None:
-        raise ReplyError(f"{where} has dtype {dtype}; expected a float or integer type")
-    try:
-        declared = np.dtype(array.dtype)
-    except (TypeError, ValueError):
-        raise ReplyError(f"{where} declares dtype {array.dtype!r}, which is not a numpy dtype") from None
-    if declared != dtype or shape != tuple(array.shape):
-        raise ReplyError(f"{where} declares dtype {array.dtype} shape {tuple(array.shape)} but its data holds dtype "
-                         f"{dtype} shape {shape}")
-    if any((not isinstance(n, int)) or n < 0 for n in shape):
-        raise ReplyError(f"{where} has shape {shape}")
-    count = math.prod(shape)  # Python ints: a hostile (2**62, 4) must not wrap to a small int64 count
+    header = _header_key(data)
+    key = (header, array.dtype, tuple(array.shape))
+    if header is not None and not (isinstance(array.dtype, str) and all(type(n) is int for n in key[2])):
+        header = None  # (declarations of other types: checked, and refused, by _plan, never kept)
+    plan = _PLANS.get(key) if header is not None else None
+    if plan is None:
+        plan = _plan(data, array, where)
+        if header is not None and plan[3] == len(header):
+            if len(_PLANS) >= _PLANS_LIMIT:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    shape, fortran, dtype, offset, count = plan
     nbytes = len(memoryview(data).cast("B")) - offset
     if nbytes != count * dtype.itemsize:
         raise ReplyError(f"{where} holds {nbytes} data bytes; its header says {count} x {dtype.itemsize}")
@@ -130,6 +117,32 @@ def array_view(array: Array, where: str = "array") -> np.ndarray:
         view = view.astype(dtype.newbyteorder("="), order="C")
         view.flags.writeable = False
     return view
+
+
+# (header bytes, declared dtype, declared shape) -> _plan's result: numpy's header parser (ast.literal_eval, ~40 us)
+# and the checks against the Array's declarations run once per distinct key; a ResNet-18 round of 16 replies reads
+# ~2,000 arrays with ~60 distinct keys. Equal keys give what checking them gave: the parser reads only the header bytes.
+_PLANS: dict = {}
+_PLANS_LIMIT = 4096
+
+
+def _plan(data, array: Array, where: str) -> tuple:
+    """(shape, fortran_order, dtype, data offset, element count) of a checked ``.npy`` header (ReplyError naming
+    ``where`` when the header, its dtype or its shape is refused)."""
+    shape, fortran, dtype, offset = _parse_header(data)
+    if dtype.hasobject or dtype.names is not None or dtype.kind not in _KINDS or dtype.subdtype is not None:
+        raise ReplyError(f"{where} has dtype {dtype}; expected a float or integer type")
+    try:
+        declared = np.dtype(array.dtype)
+    except (TypeError, ValueError):
+        raise ReplyError(f"{where} declares dtype {array.dtype!r}, which is not a numpy dtype") from None
+    if declared != dtype or shape != tuple(array.shape):
+        raise ReplyError(f"{where} declares dtype {array.dtype} shape {tuple(array.shape)} but its data holds dtype "
+                         f"{dtype} shape {shape}")
+    if any((not isinstance(n, int)) or n < 0 for n in shape):
+        raise ReplyError(f"{where} has shape {shape}")
+    count = math.prod(shape)  # Python ints: a hostile (2**62, 4) must not wrap to a small int64 count
+    return shape, fortran, dtype, offset, count
 
 
 def record_views(record: ArrayRecord, where: str = "ArrayRecord") -> dict:
