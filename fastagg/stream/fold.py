@@ -121,24 +121,61 @@ def merge(acc, other) -> None:
 def client_buffers(acc, rows, w: float, base: dict | None = None, client: int = 0) -> list:
     """``w * b`` (with a base: ``w * (b - base_b)``) in float64 for each buffer of client ``client`` of
     ``rows``, in ``like``'s buffer order. Each buffer must have ``like``'s shape, and a floating value is refused
-    where ``like``'s buffer is an integer (a counter): checked here, before anything is folded."""
+    where ``like``'s buffer is an integer (a counter): checked here, before anything is folded. The buffers are
+    converted together (one float64 row for all of them, the base's row subtracted, one product): the values are
+    views of that row, elementwise what a buffer-by-buffer conversion gives."""
     if not acc._buffer_names:
         return []
     if rows.buffers is None:
         raise ValueError(f"delta has no buffers; the accumulator's `like` has {', '.join(acc._buffer_names)}")
     given = dict(zip(rows.buffers.names, (v[client] for v in rows.buffers.values)))
-    out = []
-    for n in acc._buffer_names:
-        ref = acc._buffer_like[n]
+    names = acc._buffer_names
+    refs = [acc._buffer_like[n] for n in names]
+    vals = [given[n] for n in names]
+    bases = None if base is None or any(n not in base for n in names) else [base[n] for n in names]
+    if not (_like_refs(vals, refs) and (bases is None or _like_refs(bases, refs))) or (base is not None and
+                                                                                       bases is None):
+        _check_buffers_one_by_one(given, base, names, refs)  # raises, naming the buffer
+    sizes = [r.numel() for r in refs]
+    row = torch.empty(sum(sizes), dtype=torch.float64, device=acc.device)
+    views = [v.view(r.shape) for v, r in zip(row.split(sizes), refs)]
+    torch._foreach_copy_(views, vals)
+    if bases is not None:
+        base_row = torch.empty_like(row)
+        torch._foreach_copy_([v.view(r.shape) for v, r in zip(base_row.split(sizes), refs)], bases)
+        row -= base_row
+    return BufferRow(w * row, refs)
+
+
+class BufferRow(list):
+    """A client's weighted buffers: views (shaped as ``refs``) of one float64 ``row``, which checks finiteness in one
+    call instead of one a buffer."""
+
+    def __init__(self, row: torch.Tensor, refs: list) -> None:
+        super().__init__(v.view(r.shape) for v, r in zip(row.split([r.numel() for r in refs]), refs))
+        self.row = row
+
+    def finite(self) -> torch.Tensor:
+        return torch.isfinite(self.row).all()
+
+
+def _like_refs(values: list, refs: list) -> bool:
+    """Every tensor of ``values`` has its ref's shape, is real, and is an integer where its ref is (the checks of
+    ``check_buffer`` over whole lists; False sends the caller to the one-by-one checks that name the buffer)."""
+    if any(type(v) is not torch.Tensor for v in values):
+        return False
+    if [v.shape for v in values] != [r.shape for r in refs]:
+        return False
+    return not any(v.is_complex() or (v.is_floating_point() and not r.is_floating_point())
+                   for v, r in zip(values, refs))
+
+
+def _check_buffers_one_by_one(given: dict, base: dict | None, names: list, refs: list) -> None:
+    for n, ref in zip(names, refs):
         for what, t in [("buffer", given[n])] + ([] if base is None or n not in base else [("base", base[n])]):
             check_buffer(t, ref, f"{what} {n!r}", "the accumulator's `like`")
-        v = given[n].to(device=acc.device, dtype=torch.float64)
-        if base is not None:
-            if n not in base:
-                raise ValueError(f"base has no buffer {n!r}; the model has")
-            v = v - base[n].to(device=acc.device, dtype=torch.float64)
-        out.append(w * v)
-    return out
+        if base is not None and n not in base:
+            raise ValueError(f"base has no buffer {n!r}; the model has")
 
 
 def fold_group(acc, group: list) -> None:
@@ -211,8 +248,11 @@ def fold_clients(acc, folds: list, rows: ClientRows, *, atomic: bool) -> None:
         bad = bad | (sq > acc._largest_sq)
         fine = ~bad.any() & torch.isfinite(msq) & torch.isfinite(sq_new)
         for f in live:
-            for b in f.buffers:
-                fine = fine & torch.isfinite(b).all()
+            if isinstance(f.buffers, BufferRow):
+                fine = fine & f.buffers.finite()
+            else:
+                for b in f.buffers:
+                    fine = fine & torch.isfinite(b).all()
         if bool(fine):  # one host read per sweep
             break
         flagged = set(bad.nonzero().flatten().tolist())
