@@ -3,8 +3,9 @@
 ``coord_select``: one program per column block loads a BLOCK_D x BLOCK_M tile (each thread owns whole columns; the
 clients are the minor axis, padded to a power of two with +inf, which sorts last, as does a NaN), sorts every
 column with a bitonic network of ``tl.minimum`` / ``tl.maximum`` on the registers of its thread (``_bitonic_rows``;
-the client count, the window's positions and the padding are compile-time constants, so the compiler drops the
-comparators whose outputs the window does not read), and writes the mean of fixed sorted positions (median,
+past what a thread holds, ``tl.sort`` with the clients across threads: ``select_config``; the client count, the
+window's positions and the padding are compile-time constants, so the compiler drops the comparators whose
+outputs the window does not read), and writes the mean of fixed sorted positions (median,
 trimmed mean; only they are widened to float64) or of the values nearest the median (MeaMed, the window rule of
 ``reference.select_sorted``). Each client's squared norm (float64 column sums of the block, on the tensor cores as
 ``ones @ squares``: no shuffle per client) and non-finite mark come from the same read (partials per block, summed
@@ -59,9 +60,9 @@ def _exchange(x, K: tl.constexpr, J: tl.constexpr, LOG_M: tl.constexpr):
 
 @triton.jit
 def _select_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, seg_off, out, part_sq, part_bad,
-                   M: tl.constexpr, FIRST: tl.constexpr, COUNT: tl.constexpr, NEAREST: tl.constexpr, HAS_BASE: tl.constexpr,
-                   SINGLE: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, LOG_M: tl.constexpr,
-                   BLOCK_D: tl.constexpr, TL_SORT: tl.constexpr, DOT_NORMS: tl.constexpr):
+                   M: tl.constexpr, FIRST: tl.constexpr, COUNT: tl.constexpr, NEAREST: tl.constexpr,
+                   HAS_BASE: tl.constexpr, SINGLE: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr,
+                   LOG_M: tl.constexpr, BLOCK_D: tl.constexpr, TL_SORT: tl.constexpr, DOT_NORMS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     seg, start, cols, full, cmask, off = block_columns(block_seg, block_start, seg_len, seg_off, SINGLE, BLOCK_D, 1)
     ms = tl.arange(0, BLOCK_M).to(tl.int64)
@@ -84,10 +85,11 @@ def _select_kernel(row_ptrs, base_ptrs, like, block_seg, block_start, seg_len, s
     else:  # float64 squares of float32 values: the block's sum is finite exactly when all are
         bad = sq - sq != 0
     tl.store(part_bad + pid * M + ms, bad.to(tl.int8), mask=mmask)
+    x = tl.where(mmask[None, :] & (x == x), x, float("inf"))  # NaN sorts as +inf (its client is marked above)
     if TL_SORT:
-        s = tl.sort(tl.where(mmask[None, :], x, float("inf")))  # every column sorted; padding last
-    else:  # NaN sorts as +inf (a column holding one is its client's, marked above), as does the padding
-        s = _bitonic_rows(tl.where(mmask[None, :] & (x == x), x, float("inf")), LOG_M)
+        s = tl.sort(x)  # every column sorted; the padding last
+    else:
+        s = _bitonic_rows(x, LOG_M)
     pos = ms[None, :]
     if NEAREST:  # one sorted value out of a column: a sum with zeros, exact in V
         half = M // 2
@@ -112,18 +114,20 @@ def select_config(num_clients: int, numel: int, wide: bool = False, element_size
     """BLOCK_M: the clients padded to a power of two (the sorting networks need one). On the GPU each thread holds
     whole columns (BLOCK_D = 32 lanes x num_warps x columns a thread; the loads cannot be vectorized, the row
     addresses come from a table, so one column a lane per repetition): 1 column a thread from 32 clients (2 from
-    16, 4 from 8 or fewer; half as many for float64 tiles), so that the network's registers stay within a thread.
-    ``TL_SORT``: ``tl.sort`` in place of the min / max network (the previous pass, kept to compare on the card).
-    ``DOT_NORMS``: the squared norms by ``tl.dot`` (16 clients or more, tl.dot's smallest; not from 16-bit rows,
-    whose float64 dot triton 3.7 cannot lower for sm_90, as in ``gram``). Few large programs under the
-    interpreter."""
+    16, 4 from 8 or fewer), so that the network's registers stay within a thread. Past what a thread's registers
+    hold (a float64 tile of more than 16 clients, a float32 one of more than 128) the min / max network would
+    spill, and compile for minutes: those take the previous pass, ``tl.sort`` (``TL_SORT``) over 4096-element
+    tiles with the clients across threads (BLOCK_D = 4096 / BLOCK_M). ``DOT_NORMS``: the squared norms by
+    ``tl.dot`` (16 clients or more, tl.dot's smallest; not from 16-bit rows, whose float64 dot triton 3.7 cannot
+    lower for sm_90, as in ``gram``). Few large programs under the interpreter."""
     block_m = max(2, _pow2_at_least(num_clients))
-    cfg = dict(BLOCK_M=block_m, LOG_M=block_m.bit_length() - 1, TL_SORT=False, num_warps=4,
-               DOT_NORMS=block_m >= 16 and element_size >= 4)
+    cfg = dict(BLOCK_M=block_m, LOG_M=block_m.bit_length() - 1, TL_SORT=block_m > (16 if wide else 128),
+               num_warps=4, DOT_NORMS=block_m >= 16 and element_size >= 4)
     if interpreting():
         return dict(cfg, BLOCK_D=max(16, min((1 << 16) // block_m, _pow2_at_least(-(-numel // 32)))))
-    per_thread = max(1, min(4, (16 if wide else 32) // block_m))
-    return dict(cfg, BLOCK_D=32 * cfg["num_warps"] * per_thread)
+    if cfg["TL_SORT"]:
+        return dict(cfg, BLOCK_D=max(16, 4096 // block_m))
+    return dict(cfg, BLOCK_D=32 * cfg["num_warps"] * max(1, min(4, 32 // block_m)))
 
 
 def coord_select(*, rows: ClientRows, rule: str, first: int, count: int, out: torch.Tensor,
