@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...rows import ClientRows, unkept_mean
+from ...rows import ClientRows, row_entries, unkept_mean
 from .noise import normal_block
 from .launch import (address_table, addresses_aligned, block_columns, finalize_config, off_mult,
                      rows_aligned, scalar_table, segment_tables, STATS_PIPELINE, stats_config, table_address)
@@ -185,7 +185,7 @@ def _row_table(rows: ClientRows, device: torch.device) -> tuple[torch.Tensor, bo
         table = torch.arange(rows.num_clients, dtype=torch.int64, device=device) * (m.stride(0) * m.element_size()) \
             + m.data_ptr()
         return table, rows_aligned(m)
-    addresses = [r.data_ptr() for seg in rows.rows for r in seg]
+    addresses = [r.data_ptr() for seg in row_entries(rows) for r in seg]  # (a state_dict's entries: no views made)
     return address_table(addresses, device), addresses_aligned(addresses)
 
 
