@@ -632,3 +632,32 @@ def test_compressed_clients_and_the_int8_quantizer_on_device(stochastic):
         ref = fastagg.fedexp_step(dense, eps=1e-3, backend="reference")
         assert_close(res.mean.cpu(), ref.mean, rtol=1e-5, atol=1e-6 * float(ref.mean.abs().max()), name=name)
         assert_close(res.sq_norms.cpu(), ref.sq_norms, rtol=1e-9, atol=0, name=f"{name} norms")
+
+
+@pytest.mark.parametrize("opt_name", ["FedAvg", "FedExP"])
+def test_state_dict_clients_of_conv_shaped_entries(opt_name):
+    """A ResNet-like state_dict round on the device (issue 42: the rows are the clients' N-D entries, never flattened
+    into views; the row table reads their addresses): conv weights, BatchNorm statistics and counters, clients as
+    full models from a base, against the float64 reference backend's step."""
+    g = torch.Generator().manual_seed(3)
+    shapes = {"conv1.weight": (8, 3, 3, 3), "bn1.weight": (8,), "bn1.bias": (8,), "layer.conv.weight": (16, 8, 3, 3),
+              "fc.weight": (10, 16), "fc.bias": (10,)}
+    glob = {k: torch.randn(s, generator=g, dtype=torch.float64).float() for k, s in shapes.items()}
+    glob.update({"bn1.running_mean": torch.zeros(8), "bn1.running_var": torch.ones(8),
+                 "bn1.num_batches_tracked": torch.tensor(4)})
+    clients = [{k: (v + 1 if not v.is_floating_point() else v + 0.05 * (i + 1) * torch.randn(v.shape, generator=g))
+                for k, v in glob.items()} for i in range(5)]
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0]
+    out = {}
+    for backend, dev in (("triton", DEVICE), ("reference", "cpu")):
+        model = {k: v.clone().to(dev) for k, v in glob.items()}
+        kw = {"eps": 1e-3} if opt_name == "FedExP" else {}
+        opt = getattr(server, opt_name)(model, backend=backend, **kw)
+        opt.step([{k: v.to(dev) for k, v in c.items()} for c in clients], weights,
+                 base={k: v.clone().to(dev) for k, v in glob.items()})
+        out[backend] = {k: v.cpu() for k, v in model.items()}
+    for k in glob:
+        if glob[k].is_floating_point():
+            assert_close(out["triton"][k], out["reference"][k], rtol=1e-5, atol=1e-6, name=k)
+        else:
+            assert torch.equal(out["triton"][k], out["reference"][k]), k
