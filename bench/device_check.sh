@@ -2,7 +2,7 @@
 # The GPU check, as one run on a lent GPU machine (repo root; its own stack: torch, triton, pytest, pytest-xdist,
 # pytest-benchmark preinstalled, no network):
 #     bash bench/device_check.sh [gpu_bench sections, default all]
-# 1. the Triton kernels on the GPU against the float64 reference (tests/test_on_device.py: every kernel family,
+# 1. the Triton kernels on the GPU against the float64 reference (tests/test_on_device*.py: every kernel family,
 #    fp32/bf16/fp16/fp64, list/[M, d]/per-layer input, M 1..1000, one 2^31+5-element row, a CUDA graph replay,
 #    every server optimizer with group= on one NCCL rank (issue 26), HostFeeder's chunked pinned pipeline with 1 and
 #    4 feeding threads, queued adds folded in one sweep, the grouped (L2) client schedule, the robust passes);
@@ -14,8 +14,8 @@
 # device_check.txt (the whole log), pytest.txt, gpu_bench.md / .json (the tables for bench/RESULTS.md).
 # TEST_FILTER (a pytest -k expression) reruns part of the tests after a fix. FASTAGG_TORCHFT_QUANT=path/to/torchft's
 # quantization.py (extracted from the torchft 0.2.0 wheel; torchft is not on the card) adds its fp8 kernels to the
-# compress section. Then torch.profiler's table of a compressed round (profile_int8.txt; PROFILE_LIMIT=0 skips
-# it) and Nsight Compute's L2 hit rate of the client step (ncu_client.txt; NCU_LIMIT=0 skips it).
+# compress section. Then torch.profiler's table of a round in every compressed format (profile_compressed.txt;
+# PROFILE_LIMIT=0 skips it) and Nsight Compute's L2 hit rate of the client step (ncu_client.txt; NCU_LIMIT=0 skips it).
 set -uo pipefail
 OUT="${OUT:-/tmp/fastagg-device}"
 mkdir -p "$OUT"
@@ -41,7 +41,7 @@ TEST_LIMIT="${TEST_LIMIT:-220}" BENCH_LIMIT="${BENCH_LIMIT:-240}"  # seconds
   # one torch thread per worker: the float64 references run on the host, 14 workers x 16 threads thrashed the 16
   # cores (the first run of the robust and DP tests timed out by the dozen); -v names each test as it ends, so a
   # run stopped by TEST_LIMIT still says what passed
-  OMP_NUM_THREADS=1 timeout "$TEST_LIMIT" python3 -m pytest -v -p no:cacheprovider tests/test_on_device.py \
+  OMP_NUM_THREADS=1 timeout "$TEST_LIMIT" python3 -m pytest -v -p no:cacheprovider tests/test_on_device*.py \
       "tests/test_readme.py::test_blocks_run_elsewhere_compile_here" -n 14 --timeout 150 \
       --timeout-method=thread -ra --durations=15 ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 | tee "$OUT/pytest.txt"
   echo "== pytest: $(( $(date +%s) - start )) s"
@@ -49,8 +49,8 @@ TEST_LIMIT="${TEST_LIMIT:-220}" BENCH_LIMIT="${BENCH_LIMIT:-240}"  # seconds
   timeout "$BENCH_LIMIT" python3 bench/gpu_bench.py --out "$OUT" --sections "$SECTIONS"
   echo "== gpu_bench: $(( $(date +%s) - start )) s"
   # where a compressed round's time goes (run 4: 0.03-0.08 of copy on its bytes, mostly outside the fold kernel)
-  if [ "${PROFILE_LIMIT:-60}" -gt 0 ]; then
-    timeout "${PROFILE_LIMIT:-60}" python3 bench/profile_compressed_round.py int8 > "$OUT/profile_int8.txt" 2>&1
+  if [ "${PROFILE_LIMIT:-90}" -gt 0 ]; then
+    timeout "${PROFILE_LIMIT:-90}" python3 bench/profile_compressed_round.py all > "$OUT/profile_compressed.txt" 2>&1
   fi
   # the client step's L2 hit rate and DRAM bytes per schedule (issue 26's lead for FedSPS); NCU_LIMIT=0 skips it
   if [ "${NCU_LIMIT:-150}" -gt 0 ] && command -v ncu >/dev/null; then

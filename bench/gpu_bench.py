@@ -201,6 +201,57 @@ def _round(m: int, d: int, dtype: torch.dtype) -> None:
     cases += [(name, (lambda f=f: f(x, p, w, eval_out, 1e-3)), full) for name, f in torch_rounds()]
     for name, fn, nbytes in cases:
         record("round", f"{tag}: {name}", bench(fn), nbytes, M=m, d=d, dtype=str(dtype)[6:])
+    if dtype == torch.bfloat16:
+        _round_pipelines(tag, x, mean, stats_only, m, d)
+
+
+# the stats pass's ways of keeping loads in flight (launch.STATS_PIPELINE: PREFETCH, RAW, STAGES), the default first;
+# a tile (BLOCK_M, BLOCK_D, warps) replaces the chosen one. ptxas (sm_90, triton 3.6) on the chosen 1 x 8192 at 4
+# warps: the default 255 registers + 108 bytes spilled a thread, RAW 12 spilled, STAGES=3 204 registers, none
+# spilled; at 8 warps PREFETCH=2 RAW 205 registers, none spilled
+STATS_PIPELINES = [(1, False, None, None), (1, True, None, None), (2, True, None, None), (0, False, 3, None),
+                   (0, False, 4, None), (0, False, 3, (1, 8192, 8)), (2, True, None, (1, 8192, 8)),
+                   (0, False, 4, (1, 4096, 4))]
+
+
+def _round_pipelines(tag, x, mean, stats_only, m, d) -> None:
+    """The tuned bf16 stats pass under each STATS_PIPELINES variant, in the same run as the copy; each variant's
+    mean and squared norms checked bit for bit against the default's where the tile is the same (the same chunks in
+    the same order: any difference is a wrong kernel), to rounding where it is not."""
+    import fastagg
+
+    stats_mod = importlib.import_module("fastagg.backends.triton.round_stats")
+    chosen = stats_mod.stats_config
+    want = {}
+    for prefetch, raw, stages, tile in STATS_PIPELINES:
+        c = chosen(m, d, 2)
+        if tile:
+            c = dict(BLOCK_M=tile[0], BLOCK_D=tile[1], num_warps=tile[2])
+        stats_mod.stats_config = lambda M, n, es=4, c=c, p=prefetch, r=raw, s=stages: dict(c, PREFETCH=p, RAW=r,
+                                                                                           STAGES=s)
+        name = f"{tag}: stats pass {c['BLOCK_M']}x{c['BLOCK_D']} at {c['num_warps']} warps, PREFETCH={prefetch} " \
+            f"RAW={raw} STAGES={stages}, stats only tuned"
+        try:
+            res = fastagg.fedexp_step(x, eps=1e-3, on_nonfinite="skip", mean_out=mean)
+            mean_now, sq = mean.clone(), res.sq_norms.clone()
+            same_tile = want.setdefault("tile", c) == c  # a block's float64 sum is ordered by the tile and warps
+            mean_want, sq_want = want.setdefault("mean", mean_now), want.setdefault("sq", sq)
+            if c["BLOCK_M"] == want["tile"]["BLOCK_M"]:  # the mean: clients added in the same order
+                check = "the mean's bits of the default" if torch.equal(mean_now, mean_want) else "MEAN DIFFERS"
+            else:
+                check = "the mean to 1e-5" if torch.allclose(mean_now, mean_want, rtol=1e-5, atol=1e-7) else \
+                    "MEAN DIFFERS"
+            if same_tile:
+                check += ", its sq_norms' bits" if torch.equal(sq, sq_want) else ", SQ_NORMS DIFFER"
+            else:
+                check += ", its sq_norms to 1e-12" if torch.allclose(sq, sq_want, rtol=1e-12, atol=0) else \
+                    ", SQ_NORMS DIFFER"
+            record("round", name, bench(lambda: fastagg.fedexp_step(x, eps=1e-3, on_nonfinite="skip", mean_out=mean)),
+                   stats_only, M=m, d=d, dtype="bfloat16", check=check)
+        except Exception as e:  # a variant that does not compile or fit is a finding, not a crash
+            record("round", f"{name} FAILED {e!r:.200}", 0.0)
+        finally:
+            stats_mod.stats_config = chosen
 
 
 def section_apply() -> None:
@@ -424,6 +475,10 @@ CLIENT_VARIANTS = [("chunks", 4096, 16384, 8, None, False), ("chunks", 4096, 163
                    ("row", 4096, None, 8, None, True)]
 CLIENT_VARIANTS += [("grouped", 4096, chunk, 8, mb, True) for chunk in (16384, 4096) for mb in (4, 8, 16, 32)]
 CLIENT_VARIANTS += [("grouped", 2048, 8192, 4, 8, True)]
+# (..., PREFETCH, STAGES): the sweeps' loads in flight (launch.LOCAL_PIPELINE); 32768-column chunks: two a slot
+CLIENT_VARIANTS += [("grouped", 4096, 16384, 8, 8, True, 1, None), ("grouped", 4096, 16384, 8, 8, True, 0, 3),
+                    ("grouped", 4096, 16384, 8, 8, True, 0, 2), ("grouped", 4096, 16384, 8, 4, True, 1, None),
+                    ("grouped", 4096, 32768, 8, 8, True), ("grouped", 4096, 32768, 8, 8, True, 1, None)]
 
 
 def _client(m: int, d: int) -> None:
@@ -459,13 +514,15 @@ def _client(m: int, d: int) -> None:
     launch = importlib.import_module("fastagg.backends.triton.launch")
     record("client", f"{tag}: fastagg sps_step (chosen: {chosen(m, d)})", bench(sps), nbytes,
            check=checked("chosen"))
-    for schedule, block, chunk, warps, mb, select in CLIENT_VARIANTS:
+    for schedule, block, chunk, warps, mb, select, *pipe in CLIENT_VARIANTS:
         rows = max(1, (mb << 20) // (d * 4)) if mb else None
-        local_mod.local_config = lambda M, n, s=schedule, b=block, c=chunk, w=warps, r=rows: dict(
-            schedule=s, BLOCK=b, CHUNK=c, GROUP_ROWS=r, num_warps=w)
+        pipe = dict(zip(("PREFETCH", "STAGES"), pipe))
+        local_mod.local_config = lambda M, n, s=schedule, b=block, c=chunk, w=warps, r=rows, pp=pipe: dict(
+            schedule=s, BLOCK=b, CHUNK=c, GROUP_ROWS=r, num_warps=w, **pp)
         launch.SELECT_STORES = select
         name = f"{tag}: fastagg sps {schedule} BLOCK={block} CHUNK={chunk} warps={warps}" + \
-            (f" group={rows} rows ({mb} MB of g)" if mb else "") + ("" if select else " masked stores")
+            (f" group={rows} rows ({mb} MB of g)" if mb else "") + ("" if select else " masked stores") + \
+            "".join(f" {k}={v}" for k, v in pipe.items())
         try:
             record("client", name, bench(sps), nbytes, check=checked(name))
         except Exception as e:  # a configuration that does not compile or fit is a finding, not a crash
@@ -829,26 +886,51 @@ def _queue(d: int, k: int, dtype: torch.dtype) -> None:
 
 
 def section_robust() -> None:
-    """Issue 22: the coordinate-select pass against copy bandwidth (target >= 0.8 for M <= 32) and against
-    torch.median / a torch.sort trimmed mean; the Gram pass and a whole Krum round against X @ X.T + selection."""
+    """Issues 22 / 48: the coordinate-select pass against copy bandwidth (issue 48: >= 0.7 at M = 16 and M = 100)
+    and against torch.median / a torch.sort trimmed mean, its configs side by side (the previous tl.sort pass
+    included); the Gram pass and a whole Krum round against X @ X.T + selection."""
     for m, d in ((16, 50_000_000), (32, 25_000_000), (100, 5_000_000)):
         _robust(m, size(d))
         free()
 
 
+# the coordinate-select pass's configs measured beside the default (select_config) on the median: columns a
+# thread, warps, and the previous pass (tl.sort; at M = 100 with the clients across warps, BLOCK_D = 4096 / 128)
+# with this wave's norms (each config is one more compile on the card: few)
+SELECT_CONFIGS = {16: [dict(BLOCK_D=512), dict(TL_SORT=True)],
+                  100: [dict(BLOCK_D=256, num_warps=8), dict(TL_SORT=True, BLOCK_D=32)]}
+
+
 def _robust(m: int, d: int) -> None:
     from fastagg import robust
+    from fastagg.backends import reference
     from fastagg.rows import client_rows
 
+    trobust = importlib.import_module("fastagg.backends.triton.robust")
     tag = f"M={m} d={d:.0e} fp32"
     x = torch.randn(m, d, device=DEV)
     rows = client_rows(x, name="deltas")
     out = torch.empty(d, device=DEV)
     read = m * d * 4 + 4 * d  # the updates read once, the estimate written
+    n = min(d, 1 << 20)  # the rows checked against torch.sort on the first n columns
+    s = torch.sort(x[:, :n].double(), 0).values
     for name, rule in (("median", robust.Median()), ("trimmed mean 0.2", robust.TrimmedMean(0.2)),
                        (f"MeaMed f={max(1, m // 8)}", robust.MeaMed(max(1, m // 8)))):
+        sel = rule.positions(m)
+        robust._select_coords(rows, sel, "triton", out)
+        want = reference.select_sorted(s.T, *sel).float()
+        assert torch.allclose(out[:n], want, rtol=1e-6, atol=1e-7), f"{tag} {name}: wrong estimate"
         record("robust", f"{tag}: fastagg coord_select {name}",
-               bench(lambda: robust._select_coords(rows, rule.positions(m), "triton", out)), read)
+               bench(lambda: robust._select_coords(rows, sel, "triton", out)), read)
+        sq = torch.empty(m, dtype=torch.float64, device=DEV)
+        bad = torch.zeros(m, dtype=torch.bool, device=DEV)
+        for cfg in SELECT_CONFIGS.get(m, []) if name == "median" else []:
+            alt = torch.empty(d, device=DEV)
+            call = lambda: trobust.coord_select(rows=rows, rule=sel[0], first=sel[1], count=sel[2], out=alt,  # noqa: E731
+                                                sq_norms_out=sq, nonfinite_out=bad, _config=cfg)
+            call()
+            assert torch.allclose(alt, out, rtol=1e-6, atol=1e-7), f"{tag} {name} {cfg}: wrong estimate"
+            record("robust", f"{tag}: fastagg coord_select {name} {cfg}", bench(call), read)
     record("robust", f"{tag}: torch.median(X, 0) (lower median)", bench(lambda: torch.median(x, 0)), read)
     k = int(0.2 * m)
     record("robust", f"{tag}: torch.sort(X, 0) trimmed mean 0.2",
@@ -888,10 +970,28 @@ def section_dp() -> None:
                      p, backend="triton", aggregate=privacy.ServerSideFixedClipping(1.0, c, m, seed=1))}
         for name, opt in steps.items():
             record("dp", f"{tag}: {name}", bench(lambda: opt.step(x)), m * d * 4 + 8 * d)
-        record("dp", f"{tag}: fastagg gaussian_noise (materialized)",
-               bench(lambda: privacy.gaussian_noise(d, seed=1, round=0, device=DEV, backend="triton")), 4 * d)
+        # issue 48: the stats pass alone, with and without the noise written into the mean (one Philox call per 4
+        # coordinates, one Box-Muller pair per 2); then the noise alone, shared vs per-element (the old normal_at)
+        from fastagg.backends import resolve
+        from fastagg.backends.triton import noise as tnoise
+        from fastagg.passes import run_stats
+        from fastagg.rows import client_rows
+
+        rows, be = client_rows(x, name="deltas"), resolve("triton", torch.device(DEV))
+        coefs, mean = torch.full((m,), 1.0 / m, dtype=torch.float64, device=DEV), torch.empty(d, device=DEV)
+        for label, noise in (("stats pass", None), ("stats pass + noise", (0.01, 1, 0))):
+            record("dp", f"{tag}: {label}", bench(lambda: run_stats(rows, coefs, be, mean_out=mean, noise=noise)),
+                   m * d * 4 + 4 * d)
+        z = torch.empty(d, device=DEV)
+        for label, paired in (("shared Philox", True), ("per-element (old)", False)):
+            record("dp", f"{tag}: gaussian_noise {label} (materialized)", bench(
+                lambda: tnoise.gaussian_noise(out=z, seed=1, round=0, first=1, _paired=paired)), 4 * d)
         record("dp", f"{tag}: torch.randn", bench(lambda: torch.randn(d, device=DEV)), 4 * d)
-        del x, p, steps
+        ref = privacy.gaussian_noise(size(1_000_003), seed=1, round=0, first=1, backend="reference")
+        tnoise.gaussian_noise(out=z[:ref.numel()], seed=1, round=0, first=1)
+        print(f"  dp: shared-Philox noise vs the reference, max |diff| = "
+              f"{float((z[:ref.numel()].cpu() - ref).abs().max()):.2e}")
+        del x, p, steps, rows, mean, z
         free()
 
 
@@ -919,6 +1019,35 @@ def section_compress() -> None:
     sparse = [sparsify_topk(x, 0.01) for x in floats]
     record("compress", f"{tag}: fedexp_step top-1% sparse (mean written: 4d bytes)", bench(lambda: fastagg.fedexp_step(
         sparse, eps=1e-3, backend="triton", mean_out=mean)), sum(u.nbytes for u in sparse) + 8 * d)
+    # issue 48: FLARE's form (every client its own book tensor: one host read of the distinct books a round), the
+    # fold kernel alone in both variants (codes of the next client prefetched: the default; or not), and the one
+    # scan of every client's scales / values / indices that replaced the per-client checks
+    own = [Codebook8(u.codes, u.scales, 4096, code=code.clone()) for u in kinds["code-book block 4096"]]
+    record("compress", f"{tag}: fedexp_step code-book block 4096, a book tensor per client", bench(
+        lambda: fastagg.fedexp_step(own, eps=1e-3, backend="triton", mean_out=mean)),
+        sum(u.nbytes for u in own) + 4 * d)
+    qmod = importlib.import_module("fastagg.backends.triton.quantized")
+    coef = torch.full((m,), 1 / m, dtype=torch.float64, device=DEV)
+    sq, bad = torch.empty(m, dtype=torch.float64, device=DEV), torch.empty(m, dtype=torch.bool, device=DEV)
+    msq = torch.empty((), dtype=torch.float64, device=DEV)
+    for name, us in (("int8 block 256", kinds["int8 block 256"]), ("fp8 block 256", kinds["fp8 block 256"]),
+                     ("code-book block 4096", kinds["code-book block 4096"])):
+        first = us[0]
+        for prefetch in (True, False):
+            record("compress", f"{tag}: blockwise_fold kernel alone, {name}, prefetch={prefetch}", bench(
+                lambda: qmod.blockwise_fold(codes=[u.code_bytes() for u in us], scales=[u.scales for u in us],
+                                            block=first.block, table=first.table(),
+                                            e4m3=name.startswith("fp8"), coef=coef, init=None, out=mean, sq_out=sq,
+                                            bad_out=bad, msq_out=msq, _prefetch=prefetch)),
+                sum(u.nbytes for u in us) + 4 * d)
+    ints = kinds["int8 block 256"]
+    record("compress", f"{tag}: compressed_scan of the int8 clients' scales (the checks; no host read)", bench(
+        lambda: qmod.compressed_scan(scales=[u.scales for u in ints], values=[], indices=[])),
+        sum(4 * u.scales.numel() for u in ints))
+    record("compress", f"{tag}: compressed_scan of the top-1% clients' values and indices", bench(
+        lambda: qmod.compressed_scan(scales=[], values=[u.values for u in sparse],
+                                     indices=[u.indices for u in sparse])), sum(u.nbytes for u in sparse))
+    del own, coef, sq, bad, msq
     rows = torch.stack(floats[:4])  # the client side: rows quantized on the device (read 4 B, write 1 B + scales)
     from fastagg.compress import int8
 
