@@ -995,6 +995,11 @@ def section_dp() -> None:
         free()
 
 
+# the blockwise fold's (columns a program, warps) measured beside its default (4096 at 8): tests/triton_aot.py
+# compiles the same list
+FOLD_TILES = ((4096, 4), (8192, 8), (8192, 16), (2048, 4))
+
+
 def section_compress() -> None:
     """Issue 25: compressed clients folded where they lie (int8, fp8, code-book, top-k), against the copy bandwidth
     on the compressed bytes (target >= 0.8) and the same round on float32 clients."""
@@ -1040,6 +1045,23 @@ def section_compress() -> None:
                                             e4m3=name.startswith("fp8"), coef=coef, init=None, out=mean, sq_out=sq,
                                             bad_out=bad, msq_out=msq, _prefetch=prefetch)),
                 sum(u.nbytes for u in us) + 4 * d)
+        for tile, warps in FOLD_TILES:  # columns a program and warps (the default: 4096 at 8)
+            alt = torch.empty_like(mean)
+            fold = (lambda tile=tile, warps=warps: qmod.blockwise_fold(
+                codes=[u.code_bytes() for u in us], scales=[u.scales for u in us], block=first.block,
+                table=first.table(), e4m3=name.startswith("fp8"), coef=coef, init=None, out=alt, sq_out=sq,
+                bad_out=bad, msq_out=msq, _tile=tile, _warps=warps))
+            try:
+                fold()
+                qmod.blockwise_fold(codes=[u.code_bytes() for u in us], scales=[u.scales for u in us],
+                                    block=first.block, table=first.table(), e4m3=name.startswith("fp8"), coef=coef,
+                                    init=None, out=mean, sq_out=sq, bad_out=bad, msq_out=msq)
+                check = "the mean's bits of the default" if torch.equal(alt, mean) else "MEAN DIFFERS"
+                record("compress", f"{tag}: blockwise_fold kernel alone, {name}, {tile} columns at {warps} warps "
+                       f"({check})", bench(fold), sum(u.nbytes for u in us) + 4 * d)
+            except Exception as e:  # a variant that does not compile or fit is a finding, not a crash
+                record("compress", f"{tag}: blockwise_fold {name} {tile}x{warps} FAILED {e!r:.200}", 0.0)
+            del alt
     ints = kinds["int8 block 256"]
     record("compress", f"{tag}: compressed_scan of the int8 clients' scales (the checks; no host read)", bench(
         lambda: qmod.compressed_scan(scales=[u.scales for u in ints], values=[], indices=[])),

@@ -146,6 +146,29 @@ def test_both_blockwise_fold_variants_give_the_same_bits(kind):
     assert not bool(outs[0][2].any())
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8", "codebook"])
+@pytest.mark.parametrize("tile, warps", [(4096, 4), (8192, 8), (8192, 16), (2048, 4)])
+def test_the_fold_tiles_the_benchmark_times_give_the_defaults_mean(kind, tile, warps):
+    """Columns a program and warps (bench/gpu_bench.py FOLD_TILES): each column adds the clients in the same order,
+    so the mean has the default's bits; the norms' per-program partials are cut elsewhere (to rounding)."""
+    clients = _clients(kind, m=5)
+    first = clients[0]
+    outs = []
+    for kw in ({}, dict(_tile=tile, _warps=warps)):
+        out = torch.empty(D, device=DEVICE)
+        sq = torch.empty(5, dtype=torch.float64, device=DEVICE)
+        bad = torch.empty(5, dtype=torch.bool, device=DEVICE)
+        msq = torch.empty((), dtype=torch.float64, device=DEVICE)
+        quantized.blockwise_fold(codes=[u.code_bytes() for u in clients], scales=[u.scales for u in clients],
+                                 block=first.block, table=first.table(), e4m3=kind == "fp8",
+                                 coef=torch.full((5,), 0.2, dtype=torch.float64, device=DEVICE), init=None, out=out,
+                                 sq_out=sq, bad_out=bad, msq_out=msq, **kw)
+        outs.append((out.cpu(), sq.cpu(), bad.cpu(), msq.cpu()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][2], outs[1][2])
+    assert_close(outs[1][1], outs[0][1], rtol=1e-12, atol=0, name="sq norms")
+    assert_close(outs[1][3], outs[0][3], rtol=1e-12, atol=0, name="||mean||^2")
+
+
 def _hostile(kind: str, clients: list):
     u = clients[1]
     if kind in ("nan-scale", "zero-scale", "beyond-float32"):
@@ -223,4 +246,6 @@ def test_a_rounds_host_synchronizations_do_not_grow_with_the_clients(kind):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts.append(sum("synchroniz" in str(w.message) for w in caught))
-    assert counts[0] == counts[1], counts
+    # not more at 16 clients than at 4 (the H200 run of issue 48 counted one fewer at 16: a read the first measured
+    # round makes once), and a handful in all
+    assert counts[1] <= counts[0] <= 5, counts

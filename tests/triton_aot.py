@@ -220,11 +220,20 @@ def drive_later_launchers():
                                                  sq_out=torch.zeros(2, **f64),
                                                  bad_out=torch.zeros(2, dtype=torch.bool),
                                                  msq_out=torch.zeros((), **f64), _prefetch=prefetch)
+                for tile, warps in FOLD_TILES:  # (the benchmark's tile / warps variants of the fold)
+                    quantized_mod.blockwise_fold(codes=codes, scales=scales, block=block, table=table, e4m3=e4m3,
+                                                 coef=torch.ones(2, **f64), init=init, out=torch.zeros(1000),
+                                                 sq_out=torch.zeros(2, **f64),
+                                                 bad_out=torch.zeros(2, dtype=torch.bool),
+                                                 msq_out=torch.zeros((), **f64), _tile=tile, _warps=warps)
         quantized_mod.sparse_fold(indices=[torch.arange(5)], values=[torch.ones(5)], coef=torch.ones(1, **f64),
                                   init=init, out=torch.zeros(1000), sq_out=torch.zeros(1, **f64))
     # the checks before a fold: scales and sparse parts with int32 and int64 indices (one kernel variant each)
     quantized_mod.compressed_scan(scales=[torch.ones(10)], values=[torch.ones(5), torch.ones(5)],
                                   indices=[torch.arange(5, dtype=torch.int32), torch.arange(5)])
+
+
+FOLD_TILES = ((4096, 4), (8192, 8), (8192, 16), (2048, 4))  # bench/gpu_bench.py's FOLD_TILES
 
 
 local_mod = importlib.import_module("fastagg.backends.triton.local_step")

@@ -102,24 +102,26 @@ def _blockwise_fold_kernel(code_ptrs, scale_ptrs, table, coef, init, out, part_s
 
 def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, e4m3: bool = False,
                    coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor | None,
-                   bad_out: torch.Tensor, msq_out: torch.Tensor, _prefetch: bool = True) -> None:
-    """``_prefetch``: the kernel's PREFETCH (bench/gpu_bench.py times both on the card)."""
+                   bad_out: torch.Tensor, msq_out: torch.Tensor, _prefetch: bool = True,
+                   _tile: int = _TILE, _warps: int = _WARPS) -> None:
+    """``_prefetch``, ``_tile``, ``_warps``: the kernel's PREFETCH, columns a program and warps (bench/gpu_bench.py
+    times the variants on the card; the default is the measured one)."""
     d, m, dev = out.numel(), len(codes), out.device
-    programs = max(1, -(-d // _TILE))
+    programs = max(1, -(-d // _tile))
     new = torch.empty if d else torch.zeros  # (every program writes all of its partials)
     part_sq = new(programs, m, dtype=torch.float64, device=dev)
     part_bad = new(programs, m, dtype=torch.int32, device=dev)
     part_msq = new(programs, dtype=torch.float64, device=dev)
     if d:
         tab = table.to(dev, torch.float32).contiguous() if table is not None else out
-        pow2 = block & (block - 1) == 0 and block <= _TILE
+        pow2 = block & (block - 1) == 0 and block <= _tile
         _blockwise_fold_kernel[(programs,)](address_table([c.data_ptr() for c in codes], dev),
                                             address_table([s.data_ptr() for s in scales], dev), tab, coef,
                                             init if init is not None else out, out, part_sq, part_bad, part_msq, m, d,
                                             int(block), HAS_INIT=init is not None, TABLED=table is not None,
                                             ALIGNED=addresses_aligned(c.data_ptr() for c in codes),
-                                            BLOCK_C=int(block) if pow2 else 0, TILE=_TILE, PREFETCH=bool(_prefetch),
-                                            num_warps=_WARPS)
+                                            BLOCK_C=int(block) if pow2 else 0, TILE=_tile, PREFETCH=bool(_prefetch),
+                                            num_warps=_warps)
     if sq_out is not None:  # (None: the norms are not wanted; this pass is not bound by them)
         torch.sum(part_sq, 0, out=sq_out)
     torch.gt(part_bad.amax(0), 0, out=bad_out)
