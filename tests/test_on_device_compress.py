@@ -147,7 +147,7 @@ def test_both_blockwise_fold_variants_give_the_same_bits(kind):
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8", "codebook"])
-@pytest.mark.parametrize("tile, warps", [(4096, 4), (8192, 8), (8192, 16), (2048, 4)])
+@pytest.mark.parametrize("tile, warps", [(4096, 4), (4096, 8), (8192, 8), (8192, 16), (2048, 4)])
 def test_the_fold_tiles_the_benchmark_times_give_the_defaults_mean(kind, tile, warps):
     """Columns a program and warps (bench/gpu_bench.py FOLD_TILES): each column adds the clients in the same order,
     so the mean has the default's bits; the norms' per-program partials are cut elsewhere (to rounding)."""

@@ -233,7 +233,7 @@ def drive_later_launchers():
                                   indices=[torch.arange(5, dtype=torch.int32), torch.arange(5)])
 
 
-FOLD_TILES = ((4096, 4), (8192, 8), (8192, 16), (2048, 4))  # bench/gpu_bench.py's FOLD_TILES
+FOLD_TILES = ((4096, 4), (4096, 8), (8192, 8), (8192, 16), (2048, 4))  # bench/gpu_bench.py's, and both defaults
 
 
 local_mod = importlib.import_module("fastagg.backends.triton.local_step")

@@ -23,6 +23,10 @@ from .launch import address_table, addresses_aligned
 
 _TILE = 4096  # columns per program (int8 codes: 16 bytes a thread at 8 warps)
 _WARPS = 8
+# blocks of at most 2048 columns (int8 / fp8 at block 256): 2048 columns at 4 warps, 12% faster than 4096 at 8 on an
+# H200 (int8 0.49 vs 0.56 ms, fp8 0.67 vs 0.76 ms for 16 x 5e7; bench/RESULTS.md, issue 48); longer blocks (FLARE's
+# 4096-column code book) keep 4096 at 8, where 2048 columns would gather a scale an element
+_SHORT_BLOCK_TILE, _SHORT_BLOCK_WARPS = 2048, 4
 _SPARSE_TILE = 1024
 _SCAN_TILE = 4096
 _NONE = 1 << 62  # "nothing found": above every position and index a scan can write
@@ -103,10 +107,13 @@ def _blockwise_fold_kernel(code_ptrs, scale_ptrs, table, coef, init, out, part_s
 def blockwise_fold(*, codes: list, scales: list, block: int, table: torch.Tensor | None, e4m3: bool = False,
                    coef: torch.Tensor, init: torch.Tensor | None, out: torch.Tensor, sq_out: torch.Tensor | None,
                    bad_out: torch.Tensor, msq_out: torch.Tensor, _prefetch: bool = True,
-                   _tile: int = _TILE, _warps: int = _WARPS) -> None:
+                   _tile: int | None = None, _warps: int | None = None) -> None:
     """``_prefetch``, ``_tile``, ``_warps``: the kernel's PREFETCH, columns a program and warps (bench/gpu_bench.py
-    times the variants on the card; the default is the measured one)."""
+    times the variants on the card; the defaults are the measured ones)."""
     d, m, dev = out.numel(), len(codes), out.device
+    short = block <= _SHORT_BLOCK_TILE
+    _tile = _tile or (_SHORT_BLOCK_TILE if short else _TILE)
+    _warps = _warps or (_SHORT_BLOCK_WARPS if short else _WARPS)
     programs = max(1, -(-d // _tile))
     new = torch.empty if d else torch.zeros  # (every program writes all of its partials)
     part_sq = new(programs, m, dtype=torch.float64, device=dev)
