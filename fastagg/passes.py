@@ -249,9 +249,10 @@ def _weighted_rows(values: list, like: list, coefs: torch.Tensor, device) -> tor
     acc = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
     row = torch.empty_like(acc)
     views = [v.view(g.shape) for v, g in zip(row.split(sizes), like)]
-    for i, c in enumerate(coefs):
-        torch._foreach_copy_(views, [vals[i] for vals in values])
-        acc += c * row
+    with torch.no_grad():  # (a buffer sent with requires_grad is a value like any other)
+        for i, c in enumerate(coefs):
+            torch._foreach_copy_(views, [vals[i] for vals in values])
+            acc += c * row
     return acc
 
 
@@ -260,19 +261,22 @@ def _counter_advances(values: list, like: list, coefs: torch.Tensor, device, mod
     client's advance (``models``: ``b_i - g``, exact in int64, with the elements where it overflows int64 marked
     not ok; else the sent ``b_i`` itself) in float64. Returns (advance, ok or None)."""
     sizes = [g.numel() for g in like]
-    row = torch.empty(sum(sizes), dtype=torch.int64, device=like[0].device)
+    # full models: each client's counters in int64 (its advance b_i - g is exact there); updates: straight to float64
+    # (a uint64 advance past 2^63 must not wrap through int64 on the way)
+    row = torch.empty(sum(sizes), dtype=torch.int64 if models else torch.float64, device=like[0].device)
     views = [v.view(g.shape) for v, g in zip(row.split(sizes), like)]
     g64 = _flat_cat(like).to(torch.int64)
     acc = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
     ok = torch.ones(sum(sizes), dtype=torch.bool, device=like[0].device) if models else None
-    for i, c in enumerate(coefs):
-        torch._foreach_copy_(views, [vals[i] for vals in values])
-        if models:  # each client's advance b_i - g, exact in int64 (or refused where it overflows)
-            d = row - g64
-            ok &= ~(((row ^ g64) < 0) & ((d ^ row) < 0))
-        else:
-            d = row
-        acc += c * d.to(device=device, dtype=torch.float64)
+    with torch.no_grad():  # (a counter sent with requires_grad is a value like any other)
+        for i, c in enumerate(coefs):
+            torch._foreach_copy_(views, [vals[i] for vals in values])
+            if models:  # each client's advance b_i - g, exact in int64 (or refused where it overflows)
+                d = row - g64
+                ok &= ~(((row ^ g64) < 0) & ((d ^ row) < 0))
+            else:
+                d = row
+            acc += c * d.to(device=device, dtype=torch.float64)
     return acc, ok
 
 

@@ -340,11 +340,15 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
     if any(type(v) is not torch.Tensor for v in vals0):
         return None
     if buffer_names is not None:
-        is_param = [k not in buffer_names and v.is_floating_point() for k, v in zip(keys, vals0)]
+        named = [k in buffer_names for k in keys]
     else:
-        is_param = [not is_buffer_name(str(k)) and v.is_floating_point() for k, v in zip(keys, vals0)]
+        named = [is_buffer_name(str(k)) for k in keys]
+    is_param = [not n and v.is_floating_point() for n, v in zip(named, vals0)]
     pidx = [j for j, p in enumerate(is_param) if p]
     bidx = [j for j, p in enumerate(is_param) if not p]
+    # entries that are buffers only because client 0's is not floating: every client's must not be (the general
+    # path classifies each client's entries on their own, and names a floating one a parameter entry)
+    by_kind = [j for j in bidx if not named[j]]
     if not pidx or tuple(keys[j] for j in pidx) != tuple(names):
         return None
     ref_dtype = like.dtype if like is not None else vals0[pidx[0]].dtype
@@ -355,6 +359,9 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
     bshapes = [vals0[j].shape for j in bidx]
     take_p = (lambda v: [v[pidx[0]]]) if len(pidx) == 1 else itemgetter(*pidx)
     take_b = (lambda v: [v[bidx[0]]]) if len(bidx) == 1 else (itemgetter(*bidx) if bidx else (lambda v: ()))
+    # entries the compiled binding cannot take as they are (no elements, or more than 8 dimensions) travel as 1-D
+    # views, as the general path's rows do
+    flat_at = [k for k, s in enumerate(ref_shapes) if len(s) > 8 or 0 in s]
     clients, bufs, tensor, dtypes, devices = [], [], {torch.Tensor}, {ref_dtype}, {device}
     for c in x:
         vals = list(c.values())
@@ -362,8 +369,11 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
         if (set(map(type, vals)) != tensor or list(map(_SHAPE, ps)) != ref_shapes or set(map(_DTYPE, ps)) != dtypes
                 or set(map(_DEVICE, ps)) != devices or not all(map(_CONTIGUOUS, ps)) or any(map(_GRAD, ps))
                 or list(map(_SHAPE, bs)) != bshapes or any(t.is_complex for t in set(map(_DTYPE, bs)))
-                or any(d.type == "meta" for d in set(map(_DEVICE, bs)))):
+                or any(d.type == "meta" for d in set(map(_DEVICE, bs)))
+                or any(vals[j].is_floating_point() for j in by_kind)):
             return None
+        for k in flat_at:
+            ps[k] = ps[k].view(-1)
         clients.append(ps)
         bufs.append(bs)
     bnames = tuple(keys[j] for j in bidx)

@@ -52,7 +52,10 @@ _MAGIC = b"\x93NUMPY"
 def _header_key(data) -> bytes | None:
     """The bytes numpy's header parser reads from ``data`` (magic, version, length field, header), or None when they
     do not look like a version 1 / 2 ``.npy`` header (then the parser runs and says what is wrong)."""
-    view = memoryview(data).cast("B")
+    try:
+        view = memoryview(data).cast("B")
+    except (TypeError, ValueError):  # (a non-contiguous memoryview: numpy's parser says what is wrong)
+        return None
     if len(view) >= 12 and view[:6] == _MAGIC and view[6] in (1, 2) and view[7] == 0:
         end = (10 + view[8] + 256 * view[9]) if view[6] == 1 else (12 + int.from_bytes(view[8:12], "little"))
         if end <= min(len(view), _HEADER_LIMIT):
@@ -95,7 +98,7 @@ def array_view(array: Array, where: str = "array") -> np.ndarray:
         raise ReplyError(f"{where} holds {type(data).__name__} data; expected bytes")
     header = _header_key(data)
     key = (header, array.dtype, tuple(array.shape))
-    if header is not None and not (isinstance(array.dtype, str) and all(type(n) is int for n in key[2])):
+    if header is not None and not (type(array.dtype) is str and all(type(n) is int for n in key[2])):
         header = None  # (declarations of other types: checked, and refused, by _plan, never kept)
     plan = _PLANS.get(key) if header is not None else None
     if plan is None:

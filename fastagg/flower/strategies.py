@@ -366,7 +366,7 @@ class _Fastagg:
         out = {}
         for k, v in views.items():
             want = self.global_model.get(k)
-            if want is not None and v.dtype.kind == "f" and want.is_floating_point and \
+            if want is not None and v.dtype.kind == "f" and want.is_floating_point() and \
                     _torch_dtype(v.dtype) != want.dtype and want.dtype != torch.bfloat16:
                 with np.errstate(over="ignore"):
                     cast = v.astype(torch.empty(0, dtype=want.dtype).numpy().dtype)

@@ -139,11 +139,12 @@ def client_buffers(acc, rows, w: float, base: dict | None = None, client: int = 
     sizes = [r.numel() for r in refs]
     row = torch.empty(sum(sizes), dtype=torch.float64, device=acc.device)
     views = [v.view(r.shape) for v, r in zip(row.split(sizes), refs)]
-    torch._foreach_copy_(views, vals)
-    if bases is not None:
-        base_row = torch.empty_like(row)
-        torch._foreach_copy_([v.view(r.shape) for v, r in zip(base_row.split(sizes), refs)], bases)
-        row -= base_row
+    with torch.no_grad():  # (a buffer sent with requires_grad is a value like any other)
+        torch._foreach_copy_(views, vals)
+        if bases is not None:
+            base_row = torch.empty_like(row)
+            torch._foreach_copy_([v.view(r.shape) for v, r in zip(base_row.split(sizes), refs)], bases)
+            row -= base_row
     return BufferRow(w * row, refs)
 
 
