@@ -36,6 +36,7 @@ def as_tensor(x: Any, name: str | None = None) -> torch.Tensor:
         if x.device.type == "meta":
             raise ValueError(f"{name or f'a tensor of shape {tuple(x.shape)}'} is on meta: the meta device holds no "
                              "data, and fastagg reads and writes real tensors")
+        check_memory(x, name)
         return x
     if isinstance(x, np.ndarray):
         if x.flags.writeable:
@@ -44,6 +45,26 @@ def as_tensor(x: Any, name: str | None = None) -> torch.Tensor:
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(x)
     raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+
+
+def check_memory(t: torch.Tensor, name: str | None = None) -> None:
+    """``t``'s memory holds its elements as they read, and all of them: kernels read and write the stored bytes, so a
+    lazily negated or conjugated view (``torch._neg_view``, ``.conj()``) would read with the wrong sign, an efficient
+    zero tensor has no memory, and a tensor whose storage was shrunk under it (``untyped_storage().resize_``) would be
+    read past its storage's end."""
+    what = name or f"a tensor of shape {tuple(t.shape)}"
+    if t.is_neg() or t.is_conj():
+        raise ValueError(f"{what} is a lazily negated or conjugated view; fastagg reads memory as stored: pass "
+                         ".resolve_neg() / .resolve_conj()")
+    if t._is_zerotensor():
+        raise ValueError(f"{what} is an efficient zero tensor, which has no memory: pass torch.zeros(...)")
+    n = t.numel()
+    if n and t.layout == torch.strided:
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if stride > 0)
+        need = (t.storage_offset() + extent) * t.element_size()
+        if t.untyped_storage().nbytes() < need:
+            raise ValueError(f"{what} needs {need} bytes of storage but its storage holds "
+                             f"{t.untyped_storage().nbytes()} (resized under it): nothing is read from it")
 
 
 def is_floating(x: Any) -> bool:

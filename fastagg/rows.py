@@ -306,6 +306,15 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
 _SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
 _GRAD, _CONTIGUOUS, _FLAT = attrgetter("requires_grad"), methodcaller("is_contiguous"), methodcaller("view", -1)
 _DICTS = (dict, OrderedDict)
+_NEG, _ZERO, _STORAGE, _OFFSET, _NUMEL = (methodcaller("is_neg"), methodcaller("_is_zerotensor"),
+                                          methodcaller("untyped_storage"), methodcaller("storage_offset"),
+                                          methodcaller("numel"))
+
+
+def _stored(ts: list) -> bool:
+    """Every (contiguous) tensor of ``ts`` lies inside its storage (flat.check_memory's last check, over a list)."""
+    es = ts[0].element_size()  # (one dtype: checked by the caller)
+    return all(s.nbytes() >= (o + n) * es for s, o, n in zip(map(_STORAGE, ts), map(_OFFSET, ts), map(_NUMEL, ts)))
 
 
 def _wrap(v):
@@ -370,7 +379,8 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
                 or set(map(_DEVICE, ps)) != devices or not all(map(_CONTIGUOUS, ps)) or any(map(_GRAD, ps))
                 or list(map(_SHAPE, bs)) != bshapes or any(t.is_complex for t in set(map(_DTYPE, bs)))
                 or any(d.type == "meta" for d in set(map(_DEVICE, bs)))
-                or any(vals[j].is_floating_point() for j in by_kind)):
+                or any(vals[j].is_floating_point() for j in by_kind) or any(map(_NEG, vals))
+                or any(map(_ZERO, vals)) or not _stored(ps)):
             return None
         for k in flat_at:
             ps[k] = ps[k].view(-1)

@@ -116,3 +116,35 @@ def test_a_reply_s_floating_counter_is_refused_not_cast():
     with pytest.raises(Exception, match=r"'bn.num_batches_tracked'\] has shape \(\) dtype float64; the global "
                                         r"model's is shape \(\) dtype int64"):
         s.aggregate_train(1, replies)
+
+
+def _shrunk(t: torch.Tensor) -> torch.Tensor:
+    t.untyped_storage().resize_(0)
+    return t
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("neg", "lazily negated or conjugated view"),
+    ("zero", "efficient zero tensor"),
+    ("shrunk", "needs 16 bytes of storage but its storage holds 0"),
+])
+@pytest.mark.parametrize("form", ["state_dict", "flat", "params"])
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_tensors_whose_memory_is_not_their_values_are_refused(kind, match, form, backend):
+    """Older than the wave (the same review): the compiled pass read a negated view's stored bytes (3.0 where the
+    reference gave 2.0), and a tensor whose storage was shrunk under it past the storage's end."""
+    make = {"neg": lambda: torch._neg_view(torch.full((4,), 5.0)), "zero": lambda: torch._efficientzerotensor(4),
+            "shrunk": lambda: _shrunk(torch.full((4,), 7.0))}[kind]
+    g = {"w": torch.zeros(4), "b": torch.zeros(3)}
+    cs = [{"w": torch.full((4,), 1.0 + i), "b": torch.full((3,), 2.0)} for i in range(2)]
+    if form == "state_dict":
+        cs[1]["w"] = make()
+    elif form == "params":
+        g["w"] = make()
+    before = {k: v.clone() for k, v in g.items() if not (form == "params" and k == "w")}
+    with pytest.raises(ValueError, match=match):
+        if form == "flat":
+            fastagg.fedavg_step(deltas=[torch.ones(4), make()], params=torch.zeros(4), backend=backend)
+        else:
+            fastagg.fedavg_step(deltas=cs, params=g, backend=backend)
+    assert all(torch.equal(g[k], v) for k, v in before.items())

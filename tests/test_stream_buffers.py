@@ -61,3 +61,12 @@ def test_folded_buffers_are_the_weighted_values():
     for n in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked", "half.running_mean"):
         want = sum(w * (c[n].to(torch.float64) - glob[n].to(torch.float64)) for c, w in zip(clients, weights))
         assert torch.equal(sums[n], want), n
+
+
+def test_a_client_without_one_of_the_model_s_buffers_is_named():
+    """(The same review: a bare KeyError before.)"""
+    g = {"w": torch.zeros(3), "bn.running_mean": torch.zeros(2), "bn.num_batches_tracked": torch.tensor(1)}
+    acc = fastagg.Accumulator(like=g)
+    with pytest.raises(ValueError, match="delta has no buffer 'bn.num_batches_tracked'"):
+        acc.add({"w": torch.ones(3), "bn.running_mean": torch.ones(2)}, weight=1.0, base=g)
+    assert acc.num_clients == 0

@@ -130,6 +130,10 @@ def client_buffers(acc, rows, w: float, base: dict | None = None, client: int = 
         raise ValueError(f"delta has no buffers; the accumulator's `like` has {', '.join(acc._buffer_names)}")
     given = dict(zip(rows.buffers.names, (v[client] for v in rows.buffers.values)))
     names = acc._buffer_names
+    missing = [n for n in names if n not in given]
+    if missing:
+        raise ValueError(f"delta has no buffer {missing[0]!r}; the accumulator's `like` has it (every client sends "
+                         "the model's buffers)")
     refs = [acc._buffer_like[n] for n in names]
     vals = [given[n] for n in names]
     bases = None if base is None or any(n not in base for n in names) else [base[n] for n in names]
