@@ -70,3 +70,40 @@ def test_a_client_without_one_of_the_model_s_buffers_is_named():
     with pytest.raises(ValueError, match="delta has no buffer 'bn.num_batches_tracked'"):
         acc.add({"w": torch.ones(3), "bn.running_mean": torch.ones(2)}, weight=1.0, base=g)
     assert acc.num_clients == 0
+
+
+def _sum_of(acc) -> torch.Tensor:
+    return acc._sum.clone() if acc._sum is not None else None
+
+
+@pytest.mark.parametrize("change", ["copy_ in place", "entry replaced", "set_ to other storage", "resized"])
+def test_a_kept_base_is_used_only_while_it_is_the_same_memory(change):
+    """Accumulator.add keeps the checked base of the last add (issue 42: every client of a round passes the same
+    model). Between two adds the base changes; the second add must fold ``model - base`` with the base as it is
+    then, as an accumulator given a fresh copy of that base does."""
+    g = {"w": torch.zeros(4), "v": torch.zeros(2, 3)}
+    base = {k: v.clone() for k, v in g.items()}
+    c1 = {"w": torch.full((4,), 3.0), "v": torch.full((2, 3), 2.0)}
+    c2 = {"w": torch.full((4,), 5.0), "v": torch.full((2, 3), 1.0)}
+    acc = fastagg.Accumulator(like=g, backend="cpu")
+    acc.add(c1, weight=1.0, base=base)
+    if change == "copy_ in place":
+        base["w"].copy_(torch.arange(4.0))
+    elif change == "entry replaced":
+        base["v"] = torch.full((2, 3), 0.5)
+    elif change == "set_ to other storage":
+        base["w"].set_(torch.full((4,), 1.5))
+    else:
+        base["w"].resize_(5).fill_(0.25)  # (a new storage, another size: refused, as a fresh copy is)
+    fresh = {k: v.clone() for k, v in base.items()}
+    if change == "resized":
+        with pytest.raises(ValueError):
+            acc.add(c2, weight=1.0, base=base)
+        with pytest.raises(ValueError):
+            fastagg.Accumulator(like=g, backend="cpu").add(c2, weight=1.0, base=fresh)
+        return
+    acc.add(c2, weight=1.0, base=base)
+    oracle = fastagg.Accumulator(like=g, backend="cpu")
+    oracle.add(c1, weight=1.0, base={k: v.clone() for k, v in g.items()})
+    oracle.add(c2, weight=1.0, base=fresh)
+    assert torch.equal(_sum_of(acc), _sum_of(oracle))

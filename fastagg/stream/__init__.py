@@ -77,6 +77,7 @@ class Accumulator:
         self._buffer_like = {} if rows.buffers is None else \
             {n: v[0] for n, v in zip(rows.buffers.names, rows.buffers.values)}
         self._lock = threading.RLock()  # held while folding or stepping
+        self._base_memo = None  # the last add's checked base (fold._attached)
         # concurrent adds: queued, then folded together by whichever thread takes the lock (fastagg/combining.py)
         # through a weak reference: a cycle (self -> combiner -> self) would keep both d-vectors alive until
         # Python's cycle collector ran, so a server making an Accumulator per step grew by ~16 KB a step

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from operator import attrgetter, methodcaller
 from typing import Any
 
 import torch
@@ -30,8 +31,30 @@ def rows_of(acc, items: list, what: str, base: Any) -> tuple:
                 dtype=(rows.dtype, acc._dtype), device=(rows.device, acc.device))
     base_bufs = None
     if base is not None:
-        rows, base_bufs = attach_base(rows, base)
+        rows, base_bufs = _attached(acc, rows, base)
     return rows, base_bufs
+
+
+_ID, _PTR, _SHAPE, _STRIDE = id, methodcaller("data_ptr"), attrgetter("shape"), methodcaller("stride")
+
+
+def _attached(acc, rows: ClientRows, base: Any) -> tuple:
+    """``attach_base(rows, base)``, its checked result kept for the next add with the same base: a state_dict of
+    plain tensors whose entries are the same tensor objects at the same addresses with the same shapes and strides
+    (then the kept views read exactly what new ones would: the kept views hold their storage, so no other tensor can
+    take those addresses), matched to rows of the same layout. Every client of a round passes the round's model as
+    ``base``; parsing it per add cost ~0.5 ms at 122 entries."""
+    if type(base) is not dict or any(type(v) is not torch.Tensor for v in base.values()):
+        return attach_base(rows, base)
+    vals = list(base.values())
+    key = (tuple(base), tuple(map(_ID, vals)), tuple(map(_PTR, vals)), tuple(map(_SHAPE, vals)),
+           tuple(map(_STRIDE, vals)), rows.segments, rows.dtype, rows.device, rows.form)
+    memo = acc._base_memo
+    if memo is not None and memo[0] == key:
+        return dataclasses.replace(rows, base=memo[1]), memo[2]
+    rows, bufs = attach_base(rows, base)
+    acc._base_memo = (key, rows.base, bufs)
+    return rows, bufs
 
 
 def add_one(acc, delta: Any, weight: float, *, base: Any, on_nonfinite: str, client_id: Any, scale: float) -> bool:
@@ -149,15 +172,16 @@ def client_buffers(acc, rows, w: float, base: dict | None = None, client: int = 
             base_row = torch.empty_like(row)
             torch._foreach_copy_([v.view(r.shape) for v, r in zip(base_row.split(sizes), refs)], bases)
             row -= base_row
-    return BufferRow(w * row, refs)
+        row.mul_(w)
+    return BufferRow(row, views)
 
 
 class BufferRow(list):
-    """A client's weighted buffers: views (shaped as ``refs``) of one float64 ``row``, which checks finiteness in one
-    call instead of one a buffer."""
+    """A client's weighted buffers: ``views`` (shaped as the model's buffers) of one float64 ``row``, which checks
+    finiteness in one call instead of one a buffer."""
 
-    def __init__(self, row: torch.Tensor, refs: list) -> None:
-        super().__init__(v.view(r.shape) for v, r in zip(row.split([r.numel() for r in refs]), refs))
+    def __init__(self, row: torch.Tensor, views: list) -> None:
+        super().__init__(views)
         self.row = row
 
     def finite(self) -> torch.Tensor:
