@@ -31,6 +31,16 @@ def _pairwise(writes, reads):
     return None
 
 
+def _agrees(expected, writes, reads) -> None:
+    """check_writes(writes, reads) passes when ``expected`` is None, else raises a message starting with it."""
+    if expected is None:
+        check_writes(writes, reads)
+    else:
+        with pytest.raises(ValueError) as e:
+            check_writes(writes, reads)
+        assert str(e.value).startswith(expected), (str(e.value), expected)
+
+
 def _views(rng, pool, count):
     out = []
     for i in range(count):
@@ -50,12 +60,7 @@ def test_the_sweep_refuses_exactly_what_the_pairwise_definition_refuses(seed):
     writes = [(f"w{k}", t) for k, (_, t) in enumerate(_views(rng, pool, rng.randrange(1, 6)))]
     reads = [(f"r{k}", t) for k, (_, t) in enumerate(_views(rng, pool, rng.randrange(0, 12)))]
     expected = _pairwise(writes, reads)
-    if expected is None:
-        check_writes(writes, reads)
-    else:
-        with pytest.raises(ValueError) as e:
-            check_writes(writes, reads)
-        assert str(e.value).startswith(expected), (str(e.value), expected)
+    _agrees(expected, writes, reads)
 
 
 def test_many_entries_in_separate_buffers_pass_and_one_shared_one_is_named():
@@ -82,12 +87,7 @@ def test_reads_named_on_demand_refuse_exactly_what_the_pairs_refuse(seed):
         reads.append(pool[3])  # an empty row spans nothing
     expected = _pairwise(writes, [(f"r{j}", t) for j, t in enumerate(reads)])
     rows = Rows(reads, lambda j: f"r{j}")
-    if expected is None:
-        check_writes(writes, rows)
-    else:
-        with pytest.raises(ValueError) as e:
-            check_writes(writes, rows)
-        assert str(e.value).startswith(expected), (str(e.value), expected)
+    _agrees(expected, writes, rows)
 
 
 def test_equal_starts_and_touching_ends():
@@ -118,9 +118,4 @@ def test_contiguous_reads_take_the_array_path_and_refuse_exactly_the_same(seed):
     reads = contiguous(rng.randrange(1, 10))
     assert Rows(reads, str).arrays() is not None
     expected = _pairwise(writes, [(f"r{j}", t) for j, t in enumerate(reads)])
-    if expected is None:
-        check_writes(writes, Rows(reads, lambda j: f"r{j}"))
-    else:
-        with pytest.raises(ValueError) as e:
-            check_writes(writes, Rows(reads, lambda j: f"r{j}"))
-        assert str(e.value).startswith(expected), (str(e.value), expected)
+    _agrees(expected, writes, Rows(reads, lambda j: f"r{j}"))

@@ -125,22 +125,26 @@ def test_every_format_folds_on_the_device_like_the_float64_reference(kind):
     assert_close(res.sq_norms.cpu(), ref.sq_norms, rtol=1e-9, atol=0, name=f"{kind} norms")
 
 
+def _fold(clients: list, kind: str, **variant) -> tuple:
+    """(mean, squared norms, invalid marks, ||mean||^2) of the blockwise fold of ``clients`` (coefficients 1/M) under
+    a kernel ``variant`` (_prefetch, _tile, _warps), on the host."""
+    m, first = len(clients), clients[0]
+    out = torch.empty(D, device=DEVICE)
+    sq = torch.empty(m, dtype=torch.float64, device=DEVICE)
+    bad = torch.empty(m, dtype=torch.bool, device=DEVICE)
+    msq = torch.empty((), dtype=torch.float64, device=DEVICE)
+    quantized.blockwise_fold(codes=[u.code_bytes() for u in clients], scales=[u.scales for u in clients],
+                             block=first.block, table=first.table(), e4m3=kind == "fp8",
+                             coef=torch.full((m,), 1.0 / m, dtype=torch.float64, device=DEVICE), init=None, out=out,
+                             sq_out=sq, bad_out=bad, msq_out=msq, **variant)
+    return out.cpu(), sq.cpu(), bad.cpu(), msq.cpu()
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8", "codebook"])
 def test_both_blockwise_fold_variants_give_the_same_bits(kind):
     """PREFETCH (the default) and the plain loop: the same arithmetic in the same order."""
     clients = _clients(kind, m=5)
-    first = clients[0]
-    outs = []
-    for prefetch in (True, False):
-        out = torch.empty(D, device=DEVICE)
-        sq = torch.empty(5, dtype=torch.float64, device=DEVICE)
-        bad = torch.empty(5, dtype=torch.bool, device=DEVICE)
-        msq = torch.empty((), dtype=torch.float64, device=DEVICE)
-        quantized.blockwise_fold(codes=[u.code_bytes() for u in clients], scales=[u.scales for u in clients],
-                                 block=first.block, table=first.table(), e4m3=kind == "fp8",
-                                 coef=torch.full((5,), 0.2, dtype=torch.float64, device=DEVICE), init=None, out=out,
-                                 sq_out=sq, bad_out=bad, msq_out=msq, _prefetch=prefetch)
-        outs.append((out.cpu(), sq.cpu(), bad.cpu(), msq.cpu()))
+    outs = [_fold(clients, kind, _prefetch=prefetch) for prefetch in (True, False)]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     assert not bool(outs[0][2].any())
@@ -152,18 +156,7 @@ def test_the_fold_tiles_the_benchmark_times_give_the_defaults_mean(kind, tile, w
     """Columns a program and warps (bench/gpu_bench.py FOLD_TILES): each column adds the clients in the same order,
     so the mean has the default's bits; the norms' per-program partials are cut elsewhere (to rounding)."""
     clients = _clients(kind, m=5)
-    first = clients[0]
-    outs = []
-    for kw in ({}, dict(_tile=tile, _warps=warps)):
-        out = torch.empty(D, device=DEVICE)
-        sq = torch.empty(5, dtype=torch.float64, device=DEVICE)
-        bad = torch.empty(5, dtype=torch.bool, device=DEVICE)
-        msq = torch.empty((), dtype=torch.float64, device=DEVICE)
-        quantized.blockwise_fold(codes=[u.code_bytes() for u in clients], scales=[u.scales for u in clients],
-                                 block=first.block, table=first.table(), e4m3=kind == "fp8",
-                                 coef=torch.full((5,), 0.2, dtype=torch.float64, device=DEVICE), init=None, out=out,
-                                 sq_out=sq, bad_out=bad, msq_out=msq, **kw)
-        outs.append((out.cpu(), sq.cpu(), bad.cpu(), msq.cpu()))
+    outs = [_fold(clients, kind), _fold(clients, kind, _tile=tile, _warps=warps)]
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][2], outs[1][2])
     assert_close(outs[1][1], outs[0][1], rtol=1e-12, atol=0, name="sq norms")
     assert_close(outs[1][3], outs[0][3], rtol=1e-12, atol=0, name="||mean||^2")
