@@ -103,6 +103,9 @@ def state_dicts(entries: list, clients: int, seed: int = 0) -> tuple:
     g = torch.Generator().manual_seed(seed)
     glob = {n: (torch.zeros(s, dtype=torch.int64) if n.endswith("num_batches_tracked") else torch.randn(s, generator=g))
             for n, s in entries}
+    for n, t in glob.items():  # variances are positive (a robust rule refuses a negative running_var as an attack)
+        if n.endswith("running_var"):
+            t.abs_().add_(0.5)
     out = []
     for _ in range(clients):
         out.append({n: t + 1 if not t.is_floating_point() else t + 0.01 * torch.randn(t.shape, generator=g)

@@ -108,6 +108,14 @@ def _buffers_valid(rows: ClientRows) -> torch.Tensor:
     if rows.buffers is not None:
         for name, values in zip(rows.buffers.names, rows.buffers.values):
             variance = str(name).rsplit(".", 1)[-1] == "running_var"
+            if len({(v.dtype, v.device) for v in values}) == 1 and values[0].device == rows.device:
+                # every client's value of this buffer at once (one dtype: no promotion), no host read
+                st = torch.stack(values).reshape(len(values), -1)
+                if st.is_floating_point():
+                    ok &= torch.isfinite(st).all(1)
+                if variance:
+                    ok &= ~(st < 0).any(1)
+                continue
             for i, v in enumerate(values):
                 if v.is_floating_point() and not bool(torch.isfinite(v).all()):
                     ok[i] = False
@@ -559,14 +567,29 @@ def _robust_buffers(rows: ClientRows, rule: _Rule, res: RobustResult, model_buff
     else:
         kept, positions = ~res.excluded, Median().positions
     kept = [i for i in range(rows.num_clients) if bool(kept[i])]
-    out = []
-    for name, values in zip(rows.buffers.names, rows.buffers.values):
-        g = model_buffers.get(name)
-        vals = torch.stack([values[i].reshape(-1).to(torch.float64) for i in kept])
-        if models and not values[0].is_floating_point() and g is not None:
-            vals = vals - g.reshape(-1).to(device=vals.device, dtype=torch.float64)  # the clients' advances
+    names, allvals = rows.buffers.names, rows.buffers.values
+    # two groups, each estimated in one sort: buffers taken as sent, and counters sent by full models (their
+    # advances, the model's counter subtracted); every buffer's elements side by side in one [kept, total] float64
+    # matrix (copied in one call a client), sorted along the clients: column by column what a sort per buffer gives
+    advance = [models and not allvals[k][0].is_floating_point() and model_buffers.get(n) is not None
+               for k, n in enumerate(names)]
+    out = [None] * len(names)
+    for group in ([k for k in range(len(names)) if not advance[k]], [k for k in range(len(names)) if advance[k]]):
+        if not group:
+            continue
+        shapes = [allvals[k][0].shape for k in group]
+        sizes = [allvals[k][0].numel() for k in group]
+        vals = torch.empty(len(kept), sum(sizes), dtype=torch.float64, device=allvals[group[0]][0].device)
+        for r, i in enumerate(kept):
+            torch._foreach_copy_([v.view(sh) for v, sh in zip(vals[r].split(sizes), shapes)],
+                                 [allvals[k][i] for k in group])
+        if advance[group[0]]:  # the clients' advances
+            g = torch.cat([model_buffers[names[k]].reshape(-1).to(device=vals.device, dtype=torch.float64)
+                           for k in group])
+            vals = vals - g
         est = select_sorted(torch.sort(vals.T, dim=1).values, *positions(len(kept)))
-        out.append(est.reshape(values[0].shape))
+        for k, e, sh in zip(group, est.split(sizes), shapes):
+            out[k] = e.reshape(sh)
     return out
 
 
