@@ -12,7 +12,8 @@ included for the ResNets). Every call is timed interleaved with the others, one 
 - ``fedavg_step``: ``fastagg.fedavg_step(models=client state_dicts, params=...)`` (the functional API, each update
   ``model_i - params`` formed inside the pass);
 - ``FedAvg / FedAdam / FedExP .step``: ``fastagg.server.*(global state_dict).step(client state_dicts, base=...)``,
-  full client models measured from the broadcast point.
+  full client models measured from the broadcast point; ``Accumulator + FedAvg.step``: the same clients added to an
+  Accumulator one by one (``base=`` the model), then one step;
 
 It prints each call's time, its ratio to the read, and the per-call overhead (time minus the read: at 1/8 width
 that is almost all Python per entry). Then Flower's message-API FedAvg / FedAdam strategies and fastagg.flower's on
@@ -146,6 +147,32 @@ def calls(glob: dict, clients: list) -> dict:
         opt = cls(model, **kw)
         base = {n: t.clone() for n, t in glob.items()}
         out[f"{name}.step"] = (lambda o=opt, b=base: o.step(clients, weights, base=b))
+    model = {n: t.clone() for n, t in glob.items()}
+    base = {n: t.clone() for n, t in glob.items()}
+    opt = server.FedAvg(model)
+
+    def accumulated(opt=opt, model=model, base=base):
+        acc = fastagg.Accumulator(like=model)
+        for c, w in zip(clients, weights):
+            acc.add(c, weight=w, base=base)
+        opt.step(acc)
+
+    out["Accumulator + FedAvg.step"] = accumulated
+    return out
+
+
+def rule_calls(glob: dict, clients: list) -> dict:
+    """FedAvg with a robust rule (Median, Krum) and server-side DP clipping on the same clients (``--rules``)."""
+    from fastagg import privacy, robust
+
+    m = len(clients)
+    out = {}
+    for name, agg in (("Median", robust.Median()), ("Krum", robust.Krum(max(1, (m - 3) // 4))),
+                      ("server-side DP", privacy.ServerSideFixedClipping(0.1, 1.0, m, seed=1))):
+        model = {n: t.clone() for n, t in glob.items()}
+        opt = server.FedAvg(model, aggregate=agg)
+        base = {n: t.clone() for n, t in glob.items()}
+        out[f"FedAvg({name}).step"] = (lambda o=opt, b=base: o.step(clients, base=b))
     return out
 
 
@@ -212,6 +239,8 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="torch / OpenMP thread counts to run (default: 1,2)")
     ap.add_argument("--clients", type=int, default=16, help="clients per round (default: 16)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per call, medians (default: 7)")
+    ap.add_argument("--rules", action="store_true",
+                    help="also FedAvg with Median, Krum and server-side DP clipping (robust and DP rounds)")
     ap.add_argument("--no-flower-strategies", action="store_true",
                     help="leave out the message-API strategies (Flower's and fastagg.flower's FedAvg / FedAdam)")
     a = ap.parse_args()
@@ -227,6 +256,8 @@ def main() -> None:
                 fns = calls(glob, clients)
                 if not a.no_flower_strategies:
                     fns.update(flower_calls(glob, clients))
+                if a.rules:
+                    fns.update(rule_calls(glob, clients))
                 med = interleaved(fns, a.rounds)
                 read = med["read"]
                 gbs = a.clients * numel * 4 / read / 1e9
