@@ -106,21 +106,14 @@ def _buffers_valid(rows: ClientRows) -> torch.Tensor:
     ``running_var`` or ``*.running_var``, BatchNorm's) >= 0. A client sending anything else is left out as well."""
     ok = torch.ones(rows.num_clients, dtype=torch.bool, device=rows.device)
     if rows.buffers is not None:
-        for name, values in zip(rows.buffers.names, rows.buffers.values):
-            variance = str(name).rsplit(".", 1)[-1] == "running_var"
-            if len({(v.dtype, v.device) for v in values}) == 1 and values[0].device == rows.device:
-                # every client's value of this buffer at once (one dtype: no promotion), no host read
-                st = torch.stack(values).reshape(len(values), -1)
-                if st.is_floating_point():
-                    ok &= torch.isfinite(st).all(1)
-                if variance:
-                    ok &= ~(st < 0).any(1)
-                continue
-            for i, v in enumerate(values):
-                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                    ok[i] = False
-                elif variance and bool((v < 0).any()):
-                    ok[i] = False
+        for name, values in zip(rows.buffers.names, rows.buffers.values):  # every client's value at once, no host
+            same = len({(v.dtype, v.device) for v in values}) == 1 and values[0].device == rows.device  # read
+            st = torch.stack(values if same else [v.to(rows.device, torch.float64) for v in values]).reshape(
+                len(values), -1)  # (mixed dtypes in float64: an integer is finite there too, its sign kept)
+            if st.is_floating_point():
+                ok &= torch.isfinite(st).all(1)
+            if str(name).rsplit(".", 1)[-1] == "running_var":
+                ok &= ~(st < 0).any(1)
     return ok
 
 
@@ -577,16 +570,13 @@ def _robust_buffers(rows: ClientRows, rule: _Rule, res: RobustResult, model_buff
     for group in ([k for k in range(len(names)) if not advance[k]], [k for k in range(len(names)) if advance[k]]):
         if not group:
             continue
-        shapes = [allvals[k][0].shape for k in group]
-        sizes = [allvals[k][0].numel() for k in group]
+        shapes, sizes = [allvals[k][0].shape for k in group], [allvals[k][0].numel() for k in group]
         vals = torch.empty(len(kept), sum(sizes), dtype=torch.float64, device=allvals[group[0]][0].device)
         for r, i in enumerate(kept):
             torch._foreach_copy_([v.view(sh) for v, sh in zip(vals[r].split(sizes), shapes)],
                                  [allvals[k][i] for k in group])
         if advance[group[0]]:  # the clients' advances
-            g = torch.cat([model_buffers[names[k]].reshape(-1).to(device=vals.device, dtype=torch.float64)
-                           for k in group])
-            vals = vals - g
+            vals = vals - torch.cat([model_buffers[names[k]].reshape(-1).to(vals.device, torch.float64) for k in group])
         est = select_sorted(torch.sort(vals.T, dim=1).values, *positions(len(kept)))
         for k, e, sh in zip(group, est.split(sizes), shapes):
             out[k] = e.reshape(sh)

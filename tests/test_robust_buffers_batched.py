@@ -54,3 +54,18 @@ def test_buffers_of_full_models_follow_the_oracle(m, rule, trim):
         else:
             adv = _oracle_median([(c[n] - t).double() for c in clients], trim)
             assert model[n].item() == t.item() + int(np.round(adv[0])), n
+
+
+def test_buffer_validity_over_mixed_dtypes_and_devices_of_one_buffer():
+    """Clients sending one buffer in different dtypes are checked in float64 (an integer stays finite, its sign
+    kept): a negative float16 variance, an Inf in a float64 mean and a negative integer variance are each invalid."""
+    from fastagg.rows import client_rows
+
+    base = {"w": torch.zeros(2), "bn.running_mean": torch.zeros(3), "bn.running_var": torch.ones(3)}
+    clients = [{k: v.clone() for k, v in base.items()} for _ in range(5)]
+    clients[1]["bn.running_var"] = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float16)
+    clients[2]["bn.running_mean"] = torch.tensor([0.0, float("inf"), 1.0], dtype=torch.float64)
+    clients[3]["bn.running_var"] = torch.tensor([1, -1, 3])
+    clients[4]["bn.running_var"] = torch.tensor([1, 2, 3])
+    rows = client_rows(clients, name="models")
+    assert robust._buffers_valid(rows).tolist() == [True, False, False, False, True]
