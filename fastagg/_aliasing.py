@@ -84,12 +84,17 @@ class Rows:
     element size)``, read into numpy arrays with two calls a tensor (a ResNet-18 round of 16 clients reads ~1,000
     rows; building their names and general spans cost ~5 ms a step)."""
 
-    def __init__(self, tensors: list, name) -> None:
-        self.tensors, self.name = tensors, name
+    def __init__(self, tensors: list, name, arrays: tuple | None = None) -> None:
+        self.tensors, self.name, self._arrays = tensors, name, arrays
 
     def arrays(self) -> tuple | None:
         """(device, starts, ends) as uint64 arrays of the nonempty tensors, or None when the shortcut does not
-        apply (then :meth:`pairs` and the general spans)."""
+        apply (then :meth:`pairs` and the general spans). ``arrays``, when given, are the contiguous tensors'
+        (device, starts, ends) read by whoever checked them (rows.py's shortcut), in the order of ``tensors``."""
+        if self._arrays is not None:
+            device, lo, hi = self._arrays
+            keep = hi > lo
+            return device, lo[keep], hi[keep]
         ts = self.tensors
         if not ts or len(set(map(_DTYPE, ts))) != 1 or len(set(map(_DEVICE, ts))) != 1 or not all(
                 map(_CONTIGUOUS, ts)):

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Any
 
 import numpy as np
@@ -231,3 +232,88 @@ def flatten(obj: Any, *, buffers: bool = False, out: torch.Tensor | None = None,
     for t, o, n in zip(tensors, layout.offsets, layout.numels):
         out[o : o + n].copy_(t.reshape(-1))
     return out, layout
+
+
+def memory_spans(ts: list) -> tuple | None:
+    """(starts, ends) of the bytes of the contiguous tensors ``ts`` (of one dtype) as uint64 arrays, or None when
+    one of them holds elements but no memory (a zero tensor, a storage freed under it) or reaches past the end of
+    its storage: :func:`check_memory`'s memory checks over a whole list, a few calls a tensor (None: check them one
+    by one to name the tensor)."""
+    n = len(ts)
+    try:
+        lo = np.fromiter(map(_DATA_PTR, ts), dtype=np.uint64, count=n)
+        size = np.fromiter(map(_NBYTES, ts), dtype=np.uint64, count=n)
+        end = np.fromiter(map(_OFFSET, ts), dtype=np.uint64, count=n) * np.uint64(ts[0].element_size()) + size
+        stored = np.fromiter(map(_STORED_BYTES, map(_STORAGE, ts)), dtype=np.uint64, count=n)
+    except (RuntimeError, TypeError, ValueError, OverflowError):  # (no storage at all: the one-by-one check says so)
+        return None
+    if np.any(end > stored) or np.any((lo == 0) & (size > 0)):
+        return None
+    return lo, lo + size
+
+
+_DATA_PTR, _NBYTES, _OFFSET = methodcaller("data_ptr"), attrgetter("nbytes"), methodcaller("storage_offset")
+_STORAGE, _STORED_BYTES = methodcaller("untyped_storage"), methodcaller("nbytes")
+_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
+
+
+@dataclasses.dataclass(frozen=True)
+class DictPlan:
+    """What reading M state_dicts of one layout into rows needs from the layout alone (:func:`dict_plan`): which
+    entries are parameters and which buffers, their shapes, the checks against the model's buffers."""
+
+    pidx: list            # parameter entries (positions in the dict), in ``names``' order
+    bidx: list            # buffer entries
+    by_kind: list         # buffer entries only because client 0's is not floating (every client's must not be)
+    ref_dtype: torch.dtype
+    ref_shapes: list
+    bshapes: list
+    take_p: Any           # values -> the parameter entries' values (a tuple or a list)
+    take_b: Any           # values -> the buffer entries' values
+    flat_at: list         # entries that travel as 1-D views (no elements, or more than 8 dimensions)
+    bnames: tuple
+    counters: list        # buffer columns whose model buffer is an integer (a floating value is refused there)
+    form: Layout
+    lens: list            # the parameter entries' element counts
+
+
+_DICT_PLANS: dict = {}  # layout key -> DictPlan or None (at most _DICT_PLANS_KEPT: a server sees a few layouts)
+_DICT_PLANS_KEPT = 64
+
+
+def dict_plan(keys: tuple, vals0: list, names: tuple, buffer_names, like_dtype, refs: list) -> DictPlan | None:
+    """The layout of client 0's state_dict (``keys`` -> ``vals0``) matched to the model's parameter entries
+    ``names``: built once per distinct (keys, dtypes, shapes, names, buffer names, the dtype the rows must have,
+    the model buffers' ``refs`` -- name -> tensor dicts -- shapes and kinds) and then looked up (its ~0.3 ms of
+    Python a call at 122 entries is a dict lookup). None: the entries do not line up with ``names``, or a buffer's
+    shape differs from the model's (the caller's general path names what)."""
+    key = (keys, tuple(map(_DTYPE, vals0)), tuple(map(_SHAPE, vals0)), tuple(names),
+           None if buffer_names is None else frozenset(buffer_names), like_dtype,
+           tuple(tuple((n, t.shape, t.is_floating_point()) for n, t in r.items()) for r in refs))
+    plan = _DICT_PLANS.get(key, False)
+    if plan is not False:
+        return plan
+    named = [k in buffer_names for k in keys] if buffer_names is not None else [is_buffer_name(str(k)) for k in keys]
+    is_param = [not n and v.is_floating_point() for n, v in zip(named, vals0)]
+    pidx = [j for j, p in enumerate(is_param) if p]
+    bidx = [j for j, p in enumerate(is_param) if not p]
+    plan = None
+    if pidx and tuple(keys[j] for j in pidx) == tuple(names):
+        ref_dtype = like_dtype if like_dtype is not None else vals0[pidx[0]].dtype
+        ref_shapes = [vals0[j].shape for j in pidx]
+        bshapes = [vals0[j].shape for j in bidx]
+        bnames = tuple(keys[j] for j in bidx)
+        got = [[(k, r.get(n)) for k, n in enumerate(bnames)] for r in refs]
+        if not any(ref is not None and bshapes[k] != ref.shape for g in got for k, ref in g):
+            plan = DictPlan(
+                pidx, bidx, [j for j in bidx if not named[j]], ref_dtype, ref_shapes, bshapes,
+                (lambda v: [v[pidx[0]]]) if len(pidx) == 1 else itemgetter(*pidx),
+                (lambda v: [v[bidx[0]]]) if len(bidx) == 1 else (itemgetter(*bidx) if bidx else (lambda v: ())),
+                [k for k, s in enumerate(ref_shapes) if len(s) > 8 or 0 in s], bnames,
+                sorted({k for g in got for k, ref in g if ref is not None and not ref.is_floating_point()}),
+                Layout("dict", tuple(names), tuple(tuple(s) for s in ref_shapes), (ref_dtype,) * len(pidx), False),
+                [math.prod(s) for s in ref_shapes])
+    if len(_DICT_PLANS) >= _DICT_PLANS_KEPT:
+        _DICT_PLANS.clear()
+    _DICT_PLANS[key] = plan
+    return plan

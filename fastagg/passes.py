@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -241,18 +242,37 @@ def _flat_cat(tensors: list) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
 
 
+def _client_matrix(values: list, like: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[M, n]`` in ``dtype``: row i is client i's buffers ``values[k][i]`` (each shaped as ``like[k]``) end to end.
+    Values of one dtype and device, all 1-D or all 0-d (BatchNorm's statistics, its counters), are joined by one
+    ``cat`` / ``stack`` (~0.1 ms for 16 ResNet-18 clients); anything else is copied through a view of the matrix
+    for each value (a dtype conversion, a device move)."""
+    m = len(values[0])
+    flat = [vals[i] for i in range(m) for vals in values]
+    dims = {g.dim() for g in like}
+    with torch.no_grad():  # (a buffer sent with requires_grad is a value like any other)
+        if len(dims) == 1 and dims <= {0, 1} and len(set(map(_DTYPE, flat))) == 1 and set(map(_DEVICE, flat)) == {
+                torch.device(device)}:
+            mat = torch.cat(flat) if dims == {1} else torch.stack(flat)
+            return mat.view(m, -1).to(dtype)
+        sizes = [g.numel() for g in like]
+        mat = torch.empty(m, sum(sizes), dtype=dtype, device=device)
+        views = [v.view(g.shape) for v, g in zip(mat.view(-1).split(sizes * m), like * m)]
+        torch._foreach_copy_(views, flat)
+    return mat
+
+
+_DTYPE, _DEVICE = attrgetter("dtype"), attrgetter("device")
+
+
 def _weighted_rows(values: list, like: list, coefs: torch.Tensor, device) -> torch.Tensor:
     """``sum_i coefs_i values[k][i]`` in float64 for every buffer k at once, flattened end to end (buffer k shaped
-    as ``like[k]``): client i's buffers copied into one float64 row, the rows added in client order (elementwise
-    what :func:`weighted_f64` computes per buffer)."""
-    sizes = [g.numel() for g in like]
-    acc = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
-    row = torch.empty_like(acc)
-    views = [v.view(g.shape) for v, g in zip(row.split(sizes), like)]
-    with torch.no_grad():  # (a buffer sent with requires_grad is a value like any other)
-        for i, c in enumerate(coefs):
-            torch._foreach_copy_(views, [vals[i] for vals in values])
-            acc += c * row
+    as ``like[k]``): every client's buffers copied into one float64 matrix, its rows added in client order
+    (elementwise what :func:`weighted_f64` computes per buffer)."""
+    mat = _client_matrix(values, like, torch.float64, device)
+    acc = torch.zeros(mat.shape[1], dtype=torch.float64, device=device)
+    for i, c in enumerate(coefs):
+        acc += c * mat[i]
     return acc
 
 
@@ -260,23 +280,19 @@ def _counter_advances(values: list, like: list, coefs: torch.Tensor, device, mod
     """Integer buffers of one dtype (``like``: the model's), flattened end to end: the weighted average of each
     client's advance (``models``: ``b_i - g``, exact in int64, with the elements where it overflows int64 marked
     not ok; else the sent ``b_i`` itself) in float64. Returns (advance, ok or None)."""
-    sizes = [g.numel() for g in like]
     # full models: each client's counters in int64 (its advance b_i - g is exact there); updates: straight to float64
     # (a uint64 advance past 2^63 must not wrap through int64 on the way)
-    row = torch.empty(sum(sizes), dtype=torch.int64 if models else torch.float64, device=like[0].device)
-    views = [v.view(g.shape) for v, g in zip(row.split(sizes), like)]
-    g64 = _flat_cat(like).to(torch.int64)
-    acc = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
-    ok = torch.ones(sum(sizes), dtype=torch.bool, device=like[0].device) if models else None
-    with torch.no_grad():  # (a counter sent with requires_grad is a value like any other)
-        for i, c in enumerate(coefs):
-            torch._foreach_copy_(views, [vals[i] for vals in values])
-            if models:  # each client's advance b_i - g, exact in int64 (or refused where it overflows)
-                d = row - g64
-                ok &= ~(((row ^ g64) < 0) & ((d ^ row) < 0))
-            else:
-                d = row
-            acc += c * d.to(device=device, dtype=torch.float64)
+    mat = _client_matrix(values, like, torch.int64 if models else torch.float64, like[0].device)
+    ok = None
+    if models:  # each client's advance b_i - g, exact in int64 (or refused where it overflows)
+        g64 = _flat_cat(like).to(torch.int64)
+        d = mat - g64
+        ok = ~(((mat ^ g64) < 0) & ((d ^ mat) < 0)).any(dim=0)
+        mat = d
+    mat = mat.to(device=device, dtype=torch.float64)
+    acc = torch.zeros(mat.shape[1], dtype=torch.float64, device=device)
+    for i, c in enumerate(coefs):
+        acc += c * mat[i]
     return acc, ok
 
 

@@ -11,14 +11,15 @@ import dataclasses
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from operator import attrgetter, itemgetter, methodcaller
+from itertools import chain
+from operator import attrgetter, methodcaller
 from typing import Any
 
 import numpy as np
 import torch
 
 from ._aliasing import Rows, check_writes
-from .flat import Layout, as_tensor, is_buffer_name, split_entries
+from .flat import Layout, as_tensor, dict_plan, memory_spans, split_entries
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -89,9 +90,12 @@ class EntryRows(Sequence):
     compiled and Triton passes and the aliasing check read the entries themselves (their addresses and element
     counts are the views'), so a round of 16 ResNet-18 state_dicts makes none of its ~1,000 views (~1 us each)."""
 
-    def __init__(self, entries: list) -> None:
+    def __init__(self, entries: list, spans: tuple | None = None) -> None:
         self.entries = entries
         self._views = [None] * len(entries)
+        # (starts, ends) of every entry's bytes as uint64 arrays, entry-major ([s * M + i]), when the shortcut
+        # read them while checking the entries' memory: the aliasing check and the row-pointer table reuse them
+        self.spans = spans
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -143,6 +147,8 @@ class ClientRows:
             m = self.matrix
             step = m.stride(0) * m.element_size()
             return torch.arange(self.num_clients, dtype=torch.int64) * step + m.data_ptr()
+        if isinstance(self.rows, EntryRows) and self.rows.spans is not None:
+            return torch.from_numpy(self.rows.spans[0].astype(np.int64))
         return _ptr_table([r for seg in row_entries(self) for r in seg])
 
     def base_ptrs(self) -> torch.Tensor | None:
@@ -306,20 +312,23 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
 _SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
 _GRAD, _CONTIGUOUS, _FLAT = attrgetter("requires_grad"), methodcaller("is_contiguous"), methodcaller("view", -1)
 _DICTS = (dict, OrderedDict)
-_NEG, _ZERO, _STORAGE, _OFFSET, _NUMEL = (methodcaller("is_neg"), methodcaller("_is_zerotensor"),
-                                          methodcaller("untyped_storage"), methodcaller("storage_offset"),
-                                          methodcaller("numel"))
-
-
-def _stored(ts: list) -> bool:
-    """Every (contiguous) tensor of ``ts`` lies inside its storage (flat.check_memory's last check, over a list)."""
-    es = ts[0].element_size()  # (one dtype: checked by the caller)
-    return all(s.nbytes() >= (o + n) * es for s, o, n in zip(map(_STORAGE, ts), map(_OFFSET, ts), map(_NUMEL, ts)))
+_NEG, _ZERO = methodcaller("is_neg"), methodcaller("_is_zerotensor")
 
 
 def _wrap(v):
     """A numpy array as a tensor view (no copy; callers silence torch's read-only warning); anything else as is."""
     return torch.from_numpy(v) if type(v) is np.ndarray else v
+
+
+def _model_buffers(like: "ClientRows | None", params: "ParamRows | None") -> list:
+    """The models' buffers (name -> tensor) the clients' are checked against: the general path's
+    check_client_buffers, against both models when both are given."""
+    refs = []
+    if params is not None and params.buffers:
+        refs.append(dict(params.buffers))
+    if like is not None and like.buffers is not None:
+        refs.append({n: v[0] for n, v in zip(like.buffers.names, like.buffers.values)})
+    return refs
 
 
 def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, like: "ClientRows | None",
@@ -348,61 +357,45 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
     vals0 = list(first.values())
     if any(type(v) is not torch.Tensor for v in vals0):
         return None
-    if buffer_names is not None:
-        named = [k in buffer_names for k in keys]
-    else:
-        named = [is_buffer_name(str(k)) for k in keys]
-    is_param = [not n and v.is_floating_point() for n, v in zip(named, vals0)]
-    pidx = [j for j, p in enumerate(is_param) if p]
-    bidx = [j for j, p in enumerate(is_param) if not p]
-    # entries that are buffers only because client 0's is not floating: every client's must not be (the general
-    # path classifies each client's entries on their own, and names a floating one a parameter entry)
-    by_kind = [j for j in bidx if not named[j]]
-    if not pidx or tuple(keys[j] for j in pidx) != tuple(names):
+    plan = dict_plan(keys, vals0, names, buffer_names, None if like is None else like.dtype, _model_buffers(like, params))
+    if plan is None or plan.ref_dtype not in SUPPORTED_DTYPES:
         return None
-    ref_dtype = like.dtype if like is not None else vals0[pidx[0]].dtype
-    device = vals0[pidx[0]].device
-    if ref_dtype not in SUPPORTED_DTYPES or device.type == "meta":
+    device = vals0[plan.pidx[0]].device
+    if device.type == "meta":
         return None
-    ref_shapes = [vals0[j].shape for j in pidx]
-    bshapes = [vals0[j].shape for j in bidx]
-    take_p = (lambda v: [v[pidx[0]]]) if len(pidx) == 1 else itemgetter(*pidx)
-    take_b = (lambda v: [v[bidx[0]]]) if len(bidx) == 1 else (itemgetter(*bidx) if bidx else (lambda v: ()))
-    # entries the compiled binding cannot take as they are (no elements, or more than 8 dimensions) travel as 1-D
-    # views, as the general path's rows do
-    flat_at = [k for k, s in enumerate(ref_shapes) if len(s) > 8 or 0 in s]
-    clients, bufs, tensor, dtypes, devices = [], [], {torch.Tensor}, {ref_dtype}, {device}
-    for c in x:
-        vals = list(c.values())
-        ps, bs = list(take_p(vals)), list(take_b(vals))
-        if (set(map(type, vals)) != tensor or list(map(_SHAPE, ps)) != ref_shapes or set(map(_DTYPE, ps)) != dtypes
-                or set(map(_DEVICE, ps)) != devices or not all(map(_CONTIGUOUS, ps)) or any(map(_GRAD, ps))
-                or list(map(_SHAPE, bs)) != bshapes or any(t.is_complex for t in set(map(_DTYPE, bs)))
-                or any(d.type == "meta" for d in set(map(_DEVICE, bs)))
-                or any(vals[j].is_floating_point() for j in by_kind) or any(map(_NEG, vals))
-                or any(map(_ZERO, vals)) or not _stored(ps)):
-            return None
-        for k in flat_at:
-            ps[k] = ps[k].view(-1)
-        clients.append(ps)
-        bufs.append(bs)
-    bnames = tuple(keys[j] for j in bidx)
-    buffers = Buffers(bnames, [list(col) for col in zip(*bufs)]) if bidx else None
-    refs = []  # the general path's check_client_buffers, against both models when both are given
-    if params is not None and params.buffers:
-        refs.append(dict(params.buffers))
-    if like is not None and like.buffers is not None:
-        refs.append({n: v[0] for n, v in zip(like.buffers.names, like.buffers.values)})
-    for ref_of in refs:
-        for k, n in enumerate(bnames):  # a floating value for an integer counter is refused (general path)
-            ref = ref_of.get(n)
-            if ref is not None and (bshapes[k] != ref.shape or (not ref.is_floating_point() and any(
-                    t.is_floating_point for t in set(map(_DTYPE, buffers.values[k]))))):
-                return None
-    form = Layout("dict", tuple(names), tuple(tuple(s) for s in ref_shapes), (ref_dtype,) * len(pidx), numpy_in)
-    entries = [list(col) for col in zip(*clients)]
-    return ClientRows(EntryRows(entries), Segments.of_lengths([e[0].numel() for e in entries]), len(x), ref_dtype,
-                      device, form, buffers=buffers)
+    ref_dtype, ref_shapes, bshapes = plan.ref_dtype, plan.ref_shapes, plan.bshapes
+    take_p, take_b = plan.take_p, plan.take_b
+    by_kind, flat_at, bidx = plan.by_kind, plan.flat_at, plan.bidx
+    # every check below is one pass over all clients' entries at once (no per-client or per-entry Python)
+    m = len(x)
+    vals_of = [list(c.values()) for c in x]
+    every = list(chain.from_iterable(vals_of))
+    if set(map(type, every)) != {torch.Tensor}:
+        return None
+    ps_of = [list(take_p(v)) for v in vals_of]
+    bs_of = [list(take_b(v)) for v in vals_of]
+    ps_all, bs_all = list(chain.from_iterable(ps_of)), list(chain.from_iterable(bs_of))
+    if (list(map(_SHAPE, ps_all)) != ref_shapes * m or set(map(_DTYPE, ps_all)) != {ref_dtype}
+            or set(map(_DEVICE, ps_all)) != {device} or not all(map(_CONTIGUOUS, ps_all)) or any(map(_GRAD, ps_all))
+            or list(map(_SHAPE, bs_all)) != bshapes * m or any(t.is_complex for t in set(map(_DTYPE, bs_all)))
+            or any(d.type == "meta" for d in set(map(_DEVICE, bs_all)))
+            or any(v[j].is_floating_point() for v in vals_of for j in by_kind) or any(map(_NEG, every))
+            or any(map(_ZERO, bs_all))):
+        return None
+    entries = [list(col) for col in zip(*ps_of)]
+    spans = memory_spans(list(chain.from_iterable(entries)))  # (zero tensors and freed storages refused here)
+    if spans is None:
+        return None
+    for k in flat_at:
+        entries[k] = [t.view(-1) for t in entries[k]]
+    buffers = Buffers(plan.bnames, [list(col) for col in zip(*bs_of)]) if bidx else None
+    # a floating value for an integer counter is refused (general path): one dtype set over those columns
+    sent = set(map(_DTYPE, chain.from_iterable(buffers.values[k] for k in plan.counters))) if plan.counters else ()
+    if any(dt.is_floating_point for dt in sent):
+        return None
+    form = plan.form if not numpy_in else dataclasses.replace(plan.form, numpy=True)
+    return ClientRows(EntryRows(entries, spans), Segments.of_lengths(plan.lens), m, ref_dtype, device, form,
+                      buffers=buffers)
 
 
 def check_buffer(t: torch.Tensor, ref: torch.Tensor, what: str, ref_name: str) -> None:
@@ -554,4 +547,6 @@ def round_reads(rows: ClientRows) -> list | Rows:
     if rows.matrix is not None:
         return [("deltas", rows.matrix)]
     m = rows.num_clients
-    return Rows([r for seg in row_entries(rows) for r in seg], lambda j: f"client {j % m}'s entry {j // m}")
+    spans = rows.rows.spans if isinstance(rows.rows, EntryRows) else None
+    return Rows([r for seg in row_entries(rows) for r in seg], lambda j: f"client {j % m}'s entry {j // m}",
+                arrays=None if spans is None else (rows.device, *spans))

@@ -118,8 +118,8 @@ def test_a_reply_s_floating_counter_is_refused_not_cast():
         s.aggregate_train(1, replies)
 
 
-def _shrunk(t: torch.Tensor) -> torch.Tensor:
-    t.untyped_storage().resize_(0)
+def _shrunk(t: torch.Tensor, nbytes: int = 0) -> torch.Tensor:
+    t.untyped_storage().resize_(nbytes)
     return t
 
 
@@ -127,6 +127,7 @@ def _shrunk(t: torch.Tensor) -> torch.Tensor:
     ("neg", "lazily negated or conjugated view"),
     ("zero", "efficient zero tensor"),
     ("shrunk", "needs 16 bytes of storage but its storage holds 0"),
+    ("short", "needs 16 bytes of storage but its storage holds 8"),  # (still allocated: a nonzero address)
 ])
 @pytest.mark.parametrize("form", ["state_dict", "flat", "params"])
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
@@ -134,7 +135,7 @@ def test_tensors_whose_memory_is_not_their_values_are_refused(kind, match, form,
     """Older than the wave (the same review): the compiled pass read a negated view's stored bytes (3.0 where the
     reference gave 2.0), and a tensor whose storage was shrunk under it past the storage's end."""
     make = {"neg": lambda: torch._neg_view(torch.full((4,), 5.0)), "zero": lambda: torch._efficientzerotensor(4),
-            "shrunk": lambda: _shrunk(torch.full((4,), 7.0))}[kind]
+            "shrunk": lambda: _shrunk(torch.full((4,), 7.0)), "short": lambda: _shrunk(torch.full((4,), 7.0), 8)}[kind]
     g = {"w": torch.zeros(4), "b": torch.zeros(3)}
     cs = [{"w": torch.full((4,), 1.0 + i), "b": torch.full((3,), 2.0)} for i in range(2)]
     if form == "state_dict":
