@@ -281,15 +281,15 @@ _DICT_PLANS: dict = {}  # layout key -> DictPlan or None (at most _DICT_PLANS_KE
 _DICT_PLANS_KEPT = 64
 
 
-def dict_plan(keys: tuple, vals0: list, names: tuple, buffer_names, like_dtype, refs: list) -> DictPlan | None:
+def dict_plan(keys: tuple, vals0: list, names: tuple, buffer_names, like_dtype, refs: list,
+              refs_key: tuple) -> DictPlan | None:
     """The layout of client 0's state_dict (``keys`` -> ``vals0``) matched to the model's parameter entries
     ``names``: built once per distinct (keys, dtypes, shapes, names, buffer names, the dtype the rows must have,
-    the model buffers' ``refs`` -- name -> tensor dicts -- shapes and kinds) and then looked up (its ~0.3 ms of
-    Python a call at 122 entries is a dict lookup). None: the entries do not line up with ``names``, or a buffer's
+    ``refs_key``: the (name, shape, kind) of the model buffers ``refs``, name -> tensor dicts) and then looked up
+    (its ~0.3 ms of Python a call at 122 entries is a dict lookup). None: the entries do not line up with ``names``, or a buffer's
     shape differs from the model's (the caller's general path names what)."""
     key = (keys, tuple(map(_DTYPE, vals0)), tuple(map(_SHAPE, vals0)), tuple(names),
-           None if buffer_names is None else frozenset(buffer_names), like_dtype,
-           tuple(tuple((n, t.shape, t.is_floating_point()) for n, t in r.items()) for r in refs))
+           None if buffer_names is None else frozenset(buffer_names), like_dtype, refs_key)
     plan = _DICT_PLANS.get(key, False)
     if plan is not False:
         return plan

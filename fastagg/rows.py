@@ -320,15 +320,26 @@ def _wrap(v):
     return torch.from_numpy(v) if type(v) is np.ndarray else v
 
 
-def _model_buffers(like: "ClientRows | None", params: "ParamRows | None") -> list:
-    """The models' buffers (name -> tensor) the clients' are checked against: the general path's
-    check_client_buffers, against both models when both are given."""
-    refs = []
-    if params is not None and params.buffers:
-        refs.append(dict(params.buffers))
-    if like is not None and like.buffers is not None:
-        refs.append({n: v[0] for n, v in zip(like.buffers.names, like.buffers.values)})
-    return refs
+def _model_buffers(like: "ClientRows | None", params: "ParamRows | None") -> tuple:
+    """The models' buffers (name -> tensor dicts) the clients' are checked against -- the general path's
+    check_client_buffers, against both models when both are given -- and their (name, shape, kind) for
+    :func:`flat.dict_plan`'s key: worked out once per model object (its buffers are fixed when it is built)."""
+    refs, keys = [], []
+    for obj in (params, like):
+        if obj is None:
+            continue
+        memo = obj.__dict__.get("_buffer_refs")
+        if memo is None:
+            if isinstance(obj, ParamRows):
+                ref = dict(obj.buffers) if obj.buffers else None
+            else:
+                ref = None if obj.buffers is None else {n: v[0] for n, v in zip(obj.buffers.names, obj.buffers.values)}
+            memo = obj.__dict__["_buffer_refs"] = (
+                ref, None if ref is None else tuple((n, t.shape, t.is_floating_point()) for n, t in ref.items()))
+        if memo[0] is not None:
+            refs.append(memo[0])
+            keys.append(memo[1])
+    return refs, tuple(keys)
 
 
 def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, like: "ClientRows | None",
@@ -357,7 +368,8 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
     vals0 = list(first.values())
     if any(type(v) is not torch.Tensor for v in vals0):
         return None
-    plan = dict_plan(keys, vals0, names, buffer_names, None if like is None else like.dtype, _model_buffers(like, params))
+    plan = dict_plan(keys, vals0, names, buffer_names, None if like is None else like.dtype,
+                     *_model_buffers(like, params))
     if plan is None or plan.ref_dtype not in SUPPORTED_DTYPES:
         return None
     device = vals0[plan.pidx[0]].device

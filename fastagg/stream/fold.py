@@ -157,23 +157,36 @@ def client_buffers(acc, rows, w: float, base: dict | None = None, client: int = 
     if missing:
         raise ValueError(f"delta has no buffer {missing[0]!r}; the accumulator's `like` has it (every client sends "
                          "the model's buffers)")
-    refs = [acc._buffer_like[n] for n in names]
+    refs, sizes, shaped_at, flat = _buffer_layout(acc)
     vals = [given[n] for n in names]
     bases = None if base is None or any(n not in base for n in names) else [base[n] for n in names]
     if not (_like_refs(vals, refs) and (bases is None or _like_refs(bases, refs))) or (base is not None and
                                                                                        bases is None):
         _check_buffers_one_by_one(given, base, names, refs)  # raises, naming the buffer
-    sizes = [r.numel() for r in refs]
     row = torch.empty(sum(sizes), dtype=torch.float64, device=acc.device)
-    views = [v.view(r.shape) for v, r in zip(row.split(sizes), refs)]
+    views = list(row.split(sizes))  # (1-D pieces: only the buffers of another shape get a view of their own)
+    for k in shaped_at:
+        views[k] = views[k].view(refs[k].shape)
     with torch.no_grad():  # (a buffer sent with requires_grad is a value like any other)
         torch._foreach_copy_(views, vals)
         if bases is not None:
             base_row = torch.empty_like(row)
-            torch._foreach_copy_([v.view(r.shape) for v, r in zip(base_row.split(sizes), refs)], bases)
+            pieces = list(base_row.split(sizes))  # a 0-d or 1-D value copies into its 1-D piece as it is
+            torch._foreach_copy_(pieces if flat else [v.view(r.shape) for v, r in zip(pieces, refs)], bases)
             row -= base_row
         row.mul_(w)
     return BufferRow(row, views)
+
+
+def _buffer_layout(acc) -> tuple:
+    """``like``'s buffers in order, their sizes, which of them are not 1-D, and whether all are 0-d or 1-D: the
+    same for every add, worked out at the first."""
+    lay = acc.__dict__.get("_buffer_layout")
+    if lay is None:
+        refs = [acc._buffer_like[n] for n in acc._buffer_names]
+        lay = acc._buffer_layout = (refs, [r.numel() for r in refs], [k for k, r in enumerate(refs) if r.dim() != 1],
+                                    all(r.dim() <= 1 for r in refs))
+    return lay
 
 
 class BufferRow(list):
