@@ -11,6 +11,9 @@ included for the ResNets). Every call is timed interleaved with the others, one 
 - ``Flower aggregate``: Flower's numpy ``aggregate`` (``flwr.server.strategy.aggregate``) on the same arrays;
 - ``fedavg_step``: ``fastagg.fedavg_step(models=client state_dicts, params=...)`` (the functional API, each update
   ``model_i - params`` formed inside the pass);
+- ``FLARE ...``: NVIDIA FLARE's ``WeightedAggregationHelper`` and ``fastagg.nvflare.FastaggAggregator`` on the
+  clients' state_dicts as numpy arrays, when nvflare is importable (:func:`flare_calls`; run it with
+  ``.venv-nvflare/bin/python``);
 - ``FedAvg / FedAdam / FedExP .step``: ``fastagg.server.*(global state_dict).step(client state_dicts, base=...)``,
   full client models measured from the broadcast point; ``Accumulator + FedAvg.step``: the same clients added to an
   Accumulator one by one (``base=`` the model), then one step;
@@ -220,6 +223,43 @@ def flower_calls(glob: dict, clients: list) -> dict:
     return out
 
 
+def flare_calls(glob: dict, clients: list) -> dict:
+    """NVIDIA FLARE (when nvflare is importable: ``.venv-nvflare``, ``make test-nvflare``'s environment): a round as
+    FLARE's FedAvg runs it, each client's result a dict of numpy arrays (its state_dict) weighted by
+    ``NUM_STEPS_CURRENT_ROUND``: FLARE's ``WeightedAggregationHelper`` (``add`` per result, ``get_result``; a new one
+    a round, as FLARE builds) against ``fastagg.nvflare.FastaggAggregator(rule="fedavg")`` (``set_model``,
+    ``accept_model`` per result, ``aggregate_model``; one for the run)."""
+    try:
+        from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+        from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedAggregationHelper
+    except ImportError:
+        return {}
+    from fastagg.nvflare import FastaggAggregator
+
+    g = {k: v.numpy() for k, v in glob.items()}
+    results = [{k: v.numpy() for k, v in c.items()} for c in clients]
+    steps = [float(100 + 7 * i) for i in range(len(clients))]
+    agg = FastaggAggregator(rule="fedavg")
+    state = {"round": 0}
+
+    def helper():
+        h = WeightedAggregationHelper()
+        for i, (r, w) in enumerate(zip(results, steps)):
+            h.add(data=r, weight=w, contributor_name=f"site-{i}", contribution_round=0)
+        return h.get_result()
+
+    def fastagg_round():
+        state["round"] += 1
+        agg.reset_stats()
+        agg.set_model(FLModel(params_type=ParamsType.FULL, params=g, current_round=state["round"]))
+        for i, (r, w) in enumerate(zip(results, steps)):
+            agg.accept_model(FLModel(params_type=ParamsType.FULL, params=r, current_round=state["round"],
+                                     meta={"client_name": f"site-{i}", "NUM_STEPS_CURRENT_ROUND": w}))
+        return agg.aggregate_model()
+
+    return {"FLARE WeightedAggregationHelper": helper, "FLARE FastaggAggregator": fastagg_round}
+
+
 def interleaved(fns: dict, rounds: int) -> dict:
     times = {k: [] for k in fns}
     for fn in fns.values():  # warm-up
@@ -258,6 +298,7 @@ def main() -> None:
                     fns.update(flower_calls(glob, clients))
                 if a.rules:
                     fns.update(rule_calls(glob, clients))
+                fns.update(flare_calls(glob, clients))
                 med = interleaved(fns, a.rounds)
                 read = med["read"]
                 gbs = a.clients * numel * 4 / read / 1e9

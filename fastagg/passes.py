@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from operator import attrgetter
+from operator import attrgetter, methodcaller
 from typing import Any
 
 import torch
@@ -239,7 +239,15 @@ def buffer_updates(params: ParamRows, stats: RoundStats, *, models: bool) -> lis
 
 
 def _flat_cat(tensors: list) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+    """``tensors`` (of one dtype) flattened end to end, in one call when all are 1-D (cat) or all 0-d (stack)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    dims = set(map(_DIM, tensors))
+    if dims == {1}:
+        return torch.cat(tensors)
+    if dims == {0}:
+        return torch.stack(tensors)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _client_matrix(values: list, like: list, dtype: torch.dtype, device) -> torch.Tensor:
@@ -262,7 +270,7 @@ def _client_matrix(values: list, like: list, dtype: torch.dtype, device) -> torc
     return mat
 
 
-_DTYPE, _DEVICE = attrgetter("dtype"), attrgetter("device")
+_DTYPE, _DEVICE, _DIM = attrgetter("dtype"), attrgetter("device"), methodcaller("dim")
 
 
 def _weighted_rows(values: list, like: list, coefs: torch.Tensor, device) -> torch.Tensor:
@@ -327,8 +335,8 @@ def write_buffers(updates: list, finite: torch.Tensor) -> None:
         if ok is None:
             ok = torch.isfinite(vals)
         out = torch.where(ok & finite, vals, _flat_cat(gs))
-        sizes = [g.numel() for g in gs]
-        torch._foreach_copy_(gs, [o.view(g.shape) for o, g in zip(out.split(sizes), gs)])
+        pieces = list(out.split([g.numel() for g in gs]))  # 1-D: a view of its own only for another shape
+        torch._foreach_copy_(gs, [o if g.dim() == 1 else o.view(g.shape) for o, g in zip(pieces, gs)])
 
 
 def like_params(params: ParamRows, flat: torch.Tensor) -> ParamRows:
