@@ -118,8 +118,12 @@ def state_dicts(entries: list, clients: int, seed: int = 0) -> tuple:
 
 
 def calls(glob: dict, clients: list) -> dict:
-    """name -> a zero-argument call that runs one round (each on its own copy of the global model)."""
-    from flwr.server.strategy.aggregate import aggregate
+    """name -> a zero-argument call that runs one round (each on its own copy of the global model; Flower's
+    ``aggregate`` where flwr is importable: not in ``.venv-nvflare``)."""
+    try:
+        from flwr.server.strategy.aggregate import aggregate
+    except ImportError:
+        aggregate = None
 
     m = len(clients)
     weights = [float(100 + 7 * i) for i in range(m)]
@@ -141,9 +145,10 @@ def calls(glob: dict, clients: list) -> dict:
     def read():
         return flat.sum() if whole else [flat.sum() for _ in range(m)]
 
-    out = {"read": read, "torch _foreach": foreach,
-           "Flower aggregate": lambda: aggregate(list(zip(nd, [int(w) for w in weights]))),
-           "fedavg_step": lambda: fastagg.fedavg_step(models=clients, weights=weights, params=params)}
+    out = {"read": read, "torch _foreach": foreach}
+    if aggregate is not None:
+        out["Flower aggregate"] = lambda: aggregate(list(zip(nd, [int(w) for w in weights])))
+    out |= {"fedavg_step": lambda: fastagg.fedavg_step(models=clients, weights=weights, params=params)}
     for name, cls, kw in (("FedAvg", server.FedAvg, {}), ("FedAdam", server.FedAdam, {}),
                           ("FedExP", server.FedExP, {"eps": 1e-3})):
         model = {n: t.clone() for n, t in glob.items()}

@@ -473,7 +473,9 @@ def _to_tensor(v: Any, name: str, device: str) -> torch.Tensor:
         a = np.asarray(v)
         if a.dtype.kind not in "fiu":
             raise TypeError(f"model entry {name!r} has dtype {a.dtype}; a numeric array is expected")
-        t = torch.from_numpy(np.ascontiguousarray(a)) if a.flags.writeable else torch.tensor(a)
+        # (np.ascontiguousarray makes a 0-d array 1-D: a BatchNorm counter must keep its shape (), or every
+        # result's counter is refused as the wrong shape and the round folds nothing)
+        t = torch.from_numpy(np.ascontiguousarray(a).reshape(a.shape)) if a.flags.writeable else torch.tensor(a)
     return t.to(device)
 
 

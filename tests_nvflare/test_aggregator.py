@@ -435,3 +435,30 @@ def test_a_metric_is_averaged_over_the_sites_that_report_it():
                                    _result(_model(84), "d", steps=1)])
     assert out.metrics == pytest.approx({"acc": 0.9, "loss": (2 * 1.0 + 4.0) / 3})
     assert _round(agg, _model(80), [_result(_model(81), "a")]).metrics is None
+
+
+@pytest.mark.parametrize("as_numpy", [True, False])
+def test_a_batchnorm_model_keeps_its_counters_shape_and_every_result_is_folded(as_numpy, caplog):
+    """A ResNet-shaped result (BatchNorm statistics and a 0-d ``num_batches_tracked``) as FLARE sends it: numpy
+    arrays were made 1-D by np.ascontiguousarray, so the model's counter had shape (1,), every result's () was
+    refused and no round ever folded anything (the model never changed). Oracle: FedAvg of the weights, the
+    statistics averaged, the counter advanced by the mean advance."""
+    model = {"conv.weight": np.arange(6.0, dtype=np.float32).reshape(2, 3), "bn.running_mean": np.zeros(2, np.float32),
+             "bn.running_var": np.ones(2, np.float32), "bn.num_batches_tracked": np.array(10, np.int64)}
+    agg = FastaggAggregator(rule="fedavg")
+    for rnd in range(3):
+        results = []
+        for i in range(2):
+            sent = {k: (v + (i + 1) if v.dtype.kind == "f" else v + 4) for k, v in model.items()}
+            if not as_numpy:
+                sent = {k: torch.from_numpy(np.array(v)) for k, v in sent.items()}
+            results.append(_result(sent, f"site-{i}", rnd=rnd))
+        with caplog.at_level(logging.WARNING):
+            out = _round(agg, model, results, rnd=rnd).params
+        assert "left out" not in caplog.text and "no client result" not in caplog.text, caplog.text
+        got = {k: np.asarray(v) for k, v in out.items()}
+        assert got["bn.num_batches_tracked"].shape == () and int(got["bn.num_batches_tracked"]) == 10 + 4 * (rnd + 1)
+        for k in ("conv.weight", "bn.running_mean", "bn.running_var"):
+            np.testing.assert_allclose(got[k], model[k] + 1.5, rtol=0, atol=1e-6, err_msg=k)
+            assert got[k].dtype == np.float32 and got[k].shape == model[k].shape
+        model = {k: np.array(v) for k, v in got.items()}
