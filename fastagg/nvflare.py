@@ -58,6 +58,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import warnings
+from operator import attrgetter, methodcaller
 from typing import Any
 
 import numpy as np
@@ -479,6 +481,14 @@ def _to_tensor(v: Any, name: str, device: str) -> torch.Tensor:
     return t.to(device)
 
 
+def _entry_tensor(v: Any) -> torch.Tensor:
+    return v.detach() if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+
+
+_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
+_CONTIGUOUS = methodcaller("is_contiguous")
+
+
 def _client_params(params: Any, base: dict) -> dict:
     """A result's params as tensors named and shaped like the model sent (numpy arrays are viewed, not copied)."""
     if not isinstance(params, dict):
@@ -486,10 +496,23 @@ def _client_params(params: Any, base: dict) -> dict:
     if set(params) != set(base):
         missing, extra = sorted(set(base) - set(params)), sorted(set(params) - set(base))
         raise ValueError(f"params differ from the model's entries (missing {missing[:3]}, extra {extra[:3]})")
+    vals = list(map(params.__getitem__, base))
+    ts = None
+    if all(type(v) is np.ndarray for v in vals):  # FLARE's results: numpy arrays, viewed (4x as fast as as_tensor)
+        try:
+            with warnings.catch_warnings():  # torch warns on read-only arrays; fastagg never writes to them
+                warnings.simplefilter("ignore", UserWarning)
+                ts = list(map(torch.from_numpy, vals))
+        except (TypeError, ValueError, RuntimeError):
+            ts = None  # (a byte-swapped or object array: converted one by one below)
+    if ts is None:
+        ts = list(map(_entry_tensor, vals))
+    refs = list(base.values())
+    if (list(map(_SHAPE, ts)) == list(map(_SHAPE, refs)) and list(map(_DTYPE, ts)) == list(map(_DTYPE, refs))
+            and set(map(_DEVICE, ts)) == set(map(_DEVICE, refs)) and all(map(_CONTIGUOUS, ts))):
+        return dict(zip(base, ts))  # (the common case, checked a list at a time: no conversion to make)
     out = {}
-    for k, ref in base.items():
-        v = params[k]
-        t = v.detach() if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+    for (k, ref), t in zip(base.items(), ts):
         if tuple(t.shape) != tuple(ref.shape):
             raise ValueError(f"entry {k!r} has shape {tuple(t.shape)}, the model {tuple(ref.shape)}")
         if t.dtype != ref.dtype:
