@@ -234,26 +234,33 @@ def flatten(obj: Any, *, buffers: bool = False, out: torch.Tensor | None = None,
     return out, layout
 
 
-def memory_spans(ts: list) -> tuple | None:
-    """(starts, ends) of the bytes of the contiguous tensors ``ts`` (of one dtype) as uint64 arrays, or None when
-    one of them holds elements but no memory (a zero tensor, a storage freed under it) or reaches past the end of
-    its storage: :func:`check_memory`'s memory checks over a whole list, a few calls a tensor (None: check them one
-    by one to name the tensor)."""
+def memory_spans(ts: list, *, one_dtype: bool = True) -> tuple | None:
+    """(starts, ends) of the bytes of the contiguous tensors ``ts`` as uint64 arrays, or None when one of them is an
+    efficient zero tensor, holds elements but no memory (a storage freed under it) or reaches past the end of its
+    storage: :func:`check_memory`'s memory checks over a whole list, a few calls a tensor (None: check them one by
+    one to name the tensor). ``one_dtype``: all of ``ts`` have the first one's dtype (else each its own)."""
     n = len(ts)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
     try:
         lo = np.fromiter(map(_DATA_PTR, ts), dtype=np.uint64, count=n)
         size = np.fromiter(map(_NBYTES, ts), dtype=np.uint64, count=n)
-        end = np.fromiter(map(_OFFSET, ts), dtype=np.uint64, count=n) * np.uint64(ts[0].element_size()) + size
+        es = np.uint64(ts[0].element_size()) if one_dtype else np.fromiter(map(_ELEMENT_SIZE, ts), np.uint64, n)
+        end = np.fromiter(map(_OFFSET, ts), dtype=np.uint64, count=n) * es + size
         stored = np.fromiter(map(_STORED_BYTES, map(_STORAGE, ts)), dtype=np.uint64, count=n)
     except (RuntimeError, TypeError, ValueError, OverflowError):  # (no storage at all: the one-by-one check says so)
         return None
     if np.any(end > stored) or np.any((lo == 0) & (size > 0)):
+        return None
+    empty = np.flatnonzero(size == 0)  # a zero tensor with elements has no address (above); one without, here
+    if len(empty) and any(ts[j]._is_zerotensor() for j in empty.tolist()):
         return None
     return lo, lo + size
 
 
 _DATA_PTR, _NBYTES, _OFFSET = methodcaller("data_ptr"), attrgetter("nbytes"), methodcaller("storage_offset")
 _STORAGE, _STORED_BYTES = methodcaller("untyped_storage"), methodcaller("nbytes")
+_ELEMENT_SIZE = methodcaller("element_size")
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 
 

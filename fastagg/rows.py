@@ -94,7 +94,7 @@ class EntryRows(Sequence):
         self.entries = entries
         self._views = [None] * len(entries)
         # (starts, ends) of every entry's bytes as uint64 arrays, entry-major ([s * M + i]), when the shortcut
-        # read them while checking the entries' memory: the aliasing check and the row-pointer table reuse them
+        # read them while checking the entries' memory: the aliasing check reuses them
         self.spans = spans
 
     def __len__(self) -> int:
@@ -147,8 +147,6 @@ class ClientRows:
             m = self.matrix
             step = m.stride(0) * m.element_size()
             return torch.arange(self.num_clients, dtype=torch.int64) * step + m.data_ptr()
-        if isinstance(self.rows, EntryRows) and self.rows.spans is not None:
-            return torch.from_numpy(self.rows.spans[0].astype(np.int64))
         return _ptr_table([r for seg in row_entries(self) for r in seg])
 
     def base_ptrs(self) -> torch.Tensor | None:
@@ -312,7 +310,7 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
 _SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
 _GRAD, _CONTIGUOUS, _FLAT = attrgetter("requires_grad"), methodcaller("is_contiguous"), methodcaller("view", -1)
 _DICTS = (dict, OrderedDict)
-_NEG, _ZERO = methodcaller("is_neg"), methodcaller("_is_zerotensor")
+_NEG = methodcaller("is_neg")
 
 
 def _wrap(v):
@@ -391,12 +389,12 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
             or set(map(_DEVICE, ps_all)) != {device} or not all(map(_CONTIGUOUS, ps_all)) or any(map(_GRAD, ps_all))
             or list(map(_SHAPE, bs_all)) != bshapes * m or any(t.is_complex for t in set(map(_DTYPE, bs_all)))
             or any(d.type == "meta" for d in set(map(_DEVICE, bs_all)))
-            or any(v[j].is_floating_point() for v in vals_of for j in by_kind) or any(map(_NEG, every))
-            or any(map(_ZERO, bs_all))):
+            or any(v[j].is_floating_point() for v in vals_of for j in by_kind) or any(map(_NEG, every))):
         return None
     entries = [list(col) for col in zip(*ps_of)]
-    spans = memory_spans(list(chain.from_iterable(entries)))  # (zero tensors and freed storages refused here)
-    if spans is None:
+    spans = memory_spans(list(chain.from_iterable(entries)))  # (zero tensors and freed storages refused here,
+    if spans is None or (bs_all and (not all(map(_CONTIGUOUS, bs_all))  # the buffers' too: contiguous ones
+                                     or memory_spans(bs_all, one_dtype=False) is None)):  # here)
         return None
     for k in flat_at:
         entries[k] = [t.view(-1) for t in entries[k]]

@@ -149,3 +149,51 @@ def test_tensors_whose_memory_is_not_their_values_are_refused(kind, match, form,
         else:
             fastagg.fedavg_step(deltas=cs, params=g, backend=backend)
     assert all(torch.equal(g[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("freed", "needs 16 bytes of storage but its storage holds 0"),  # (read freed memory: SIGSEGV before)
+    ("short", "needs 16 bytes of storage but its storage holds 8"),  # (read past the allocation: garbage before)
+    ("zero", "efficient zero tensor"),
+])
+@pytest.mark.parametrize("entry", ["bn.running_var", "bn.num_batches_tracked"])
+@pytest.mark.parametrize("how", ["step", "functional", "accumulator"])
+def test_a_client_buffer_whose_memory_is_not_its_values_is_refused(kind, match, entry, how):
+    """The review of issue 42's shortcut: a client's BatchNorm buffer with its storage freed or shrunk under it
+    was read past its memory (the parameters' memory was checked, the buffers' not), in the code before the wave
+    too. Refused naming the client and entry; nothing written."""
+    g = {"fc.weight": torch.ones(2, 3), "bn.running_var": torch.ones(4),
+         "bn.num_batches_tracked": torch.tensor(7, dtype=torch.int64)}
+    cs = [{k: v + 1 for k, v in g.items()} for _ in range(3)]
+    if kind == "zero":
+        t = torch._efficientzerotensor(g[entry].shape, dtype=g[entry].dtype)
+    elif entry == "bn.running_var":
+        t = _shrunk(torch.full((4,), 2.0), 0 if kind == "freed" else 8)  # 16 bytes needed
+    else:  # the counter as the second int64 of its storage (16 bytes needed)
+        t = torch.tensor([8, 8], dtype=torch.int64)[1]
+        _shrunk(t, 0 if kind == "freed" else 8)
+    cs[1][entry] = t
+    before = {k: v.clone() for k, v in g.items()}
+    with pytest.raises(ValueError, match=match) as err:
+        if how == "step":
+            server.FedAvg(g).step(cs, base={k: v.clone() for k, v in before.items()})
+        elif how == "functional":
+            fastagg.fedavg_step(models=cs, params=g)
+        else:
+            acc = fastagg.Accumulator(like=g)
+            for c in cs:
+                acc.add(c, base=before)
+    assert entry in str(err.value)
+    assert all(torch.equal(g[k], v) for k, v in before.items())
+
+
+def test_an_efficient_zero_tensor_without_elements_is_refused_as_the_general_path_does():
+    """The review: the shortcut took a zero tensor with no elements (no address to check) that the general path
+    refuses; both refuse it now."""
+    g = {"w": torch.zeros(3), "e": torch.zeros(0)}
+    cs = [{"w": torch.ones(3), "e": torch.zeros(0)} for _ in range(2)]
+    cs[1]["e"] = torch._efficientzerotensor((0,))
+    for clients in (cs, [list(c.values()) for c in cs]):
+        params = g if isinstance(clients[0], dict) else list(g.values())
+        with pytest.raises(ValueError, match="efficient zero tensor"):
+            fastagg.fedavg_step(models=clients, params=params)
