@@ -462,3 +462,48 @@ def test_a_batchnorm_model_keeps_its_counters_shape_and_every_result_is_folded(a
             np.testing.assert_allclose(got[k], model[k] + 1.5, rtol=0, atol=1e-6, err_msg=k)
             assert got[k].dtype == np.float32 and got[k].shape == model[k].shape
         model = {k: np.array(v) for k, v in got.items()}
+
+
+def test_held_results_fold_together_as_they_would_one_by_one(caplog):
+    """Results are held (up to batch_bytes) and folded in one sweep: the round equals folding each as it arrives
+    (batch_bytes=0), a NaN result held with the others is left out when folded -- named in a warning, its metric
+    not counted -- and a result larger than batch_bytes folds alone at once."""
+    w = _model(70)
+    results = [_result(_model(71 + i), f"site-{i}", i + 1, metrics={"loss": float(i)}) for i in range(6)]
+    nan = _model(80)
+    nan["dense.weight"][1, 2] = np.nan
+    bad = _result(nan, "nan-site", 2, metrics={"loss": 1000.0})
+    alone = FastaggAggregator(rule="fedexp", hyper={"eps": 1e-3}, batch_bytes=0)
+    one = _round(alone, w, results)
+    held = FastaggAggregator(rule="fedexp", hyper={"eps": 1e-3})
+    held.reset_stats()
+    held.set_model(FLModel(params_type=ParamsType.FULL, params=w))
+    with caplog.at_level(logging.WARNING):
+        for r in results[:3] + [bad] + results[3:]:
+            assert held.accept_model(r)  # (held: checked, folded later)
+        assert len(held._held) == 7
+        out = held.aggregate_model()
+    np.testing.assert_allclose(_flat(out.params), _flat(one.params), rtol=1e-12, atol=1e-14)
+    assert out.metrics["loss"] == pytest.approx(one.metrics["loss"], rel=1e-12)
+    assert any("nan-site" in r.getMessage() and "left out" in r.getMessage() for r in caplog.records)
+    small = FastaggAggregator(rule="fedavg", batch_bytes=_flat(w).nbytes - 1)  # every result is larger
+    small.reset_stats()
+    small.set_model(FLModel(params_type=ParamsType.FULL, params=w))
+    small.accept_model(results[0])
+    assert small._held == [] and small._acc.num_clients == 1
+
+
+def test_raise_mode_and_dp_never_hold_results():
+    for kw in ({"on_nonfinite": "raise"}, {"dp": {"mechanism": "server-fixed", "noise_multiplier": 0.5,
+                                                  "clipping_norm": 1.0, "num_sampled_clients": 2}}):
+        agg = FastaggAggregator(rule="fedavg", **kw)
+        agg.reset_stats()
+        agg.set_model(FLModel(params_type=ParamsType.FULL, params=_model(90)))
+        agg.accept_model(_result(_model(91), "a"))
+        assert agg._held == [] and agg._acc.num_clients == 1, kw
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "64MB"])
+def test_a_bad_batch_bytes_is_refused(bad):
+    with pytest.raises(ValueError, match="batch_bytes"):
+        FastaggAggregator(batch_bytes=bad)

@@ -17,7 +17,7 @@ from .._checks import check_number, check_on_nonfinite, expect_like
 from ..compress.fold import FORMATS as COMPRESSED
 from ..compress.fold import compressed_list
 from ..passes import run_stats
-from ..rows import ClientRows, attach_base, check_buffer, client_rows, round_reads
+from ..rows import ClientRows, EntryRows, attach_base, check_buffer, client_rows, round_reads
 from .compressed import add_compressed
 from .layout import buffer_order, entry_slices, reordered
 from .rounds import Fold, check_id
@@ -106,8 +106,10 @@ def add_many(acc, deltas: Any, weights: Any, *, base: Any, on_nonfinite: str, cl
         return add_compressed(acc, updates, ws, ids, on_nonfinite, 1.0, names=[f"deltas[{j}]" for j in range(k)])
     what = "deltas" if base is None else "models"
     rows, base_bufs = rows_of(acc, items, what, base)
+    base_row = _base_row(acc, base_bufs)  # (the base's buffers converted once, not once a client)
     folds = [Fold(one_client(rows, j), ws[j], ids[j], on_nonfinite,
-                  client_buffers(acc, rows, ws[j], base_bufs, j), name=f"{what}[{j}]") for j in range(k)]
+                  client_buffers(acc, rows, ws[j], base_bufs, j, base_row=base_row), name=f"{what}[{j}]")
+             for j in range(k)]
     with acc._lock:
         fold_clients(acc, folds, rows, atomic=True)
     return [f.folded for f in folds]
@@ -141,12 +143,14 @@ def merge(acc, other) -> None:
                                 weighted_sq=new_sq, buffer_sums=merged, total_weight=total)
 
 
-def client_buffers(acc, rows, w: float, base: dict | None = None, client: int = 0) -> list:
+def client_buffers(acc, rows, w: float, base: dict | None = None, client: int = 0, *,
+                   base_row: torch.Tensor | None = None) -> list:
     """``w * b`` (with a base: ``w * (b - base_b)``) in float64 for each buffer of client ``client`` of
     ``rows``, in ``like``'s buffer order. Each buffer must have ``like``'s shape, and a floating value is refused
     where ``like``'s buffer is an integer (a counter): checked here, before anything is folded. The buffers are
     converted together (one float64 row for all of them, the base's row subtracted, one product): the values are
-    views of that row, elementwise what a buffer-by-buffer conversion gives."""
+    views of that row, elementwise what a buffer-by-buffer conversion gives. ``base_row``: the base's buffers
+    already converted and checked (:func:`_base_row`; several clients of one base)."""
     if not acc._buffer_names:
         return []
     if rows.buffers is None:
@@ -160,8 +164,8 @@ def client_buffers(acc, rows, w: float, base: dict | None = None, client: int = 
     refs, sizes, shaped_at, flat = _buffer_layout(acc)
     vals = [given[n] for n in names]
     bases = None if base is None or any(n not in base for n in names) else [base[n] for n in names]
-    if not (_like_refs(vals, refs) and (bases is None or _like_refs(bases, refs))) or (base is not None and
-                                                                                       bases is None):
+    if not (_like_refs(vals, refs) and (bases is None or base_row is not None or _like_refs(bases, refs))) or (
+            base is not None and bases is None):
         _check_buffers_one_by_one(given, base, names, refs)  # raises, naming the buffer
     row = torch.empty(sum(sizes), dtype=torch.float64, device=acc.device)
     views = list(row.split(sizes))  # (1-D pieces: only the buffers of another shape get a view of their own)
@@ -170,12 +174,28 @@ def client_buffers(acc, rows, w: float, base: dict | None = None, client: int = 
     with torch.no_grad():  # (a buffer sent with requires_grad is a value like any other)
         torch._foreach_copy_(views, vals)
         if bases is not None:
-            base_row = torch.empty_like(row)
-            pieces = list(base_row.split(sizes))  # a 0-d or 1-D value copies into its 1-D piece as it is
-            torch._foreach_copy_(pieces if flat else [v.view(r.shape) for v, r in zip(pieces, refs)], bases)
-            row -= base_row
+            row -= base_row if base_row is not None else _buffer_row(acc, bases)
         row.mul_(w)
     return BufferRow(row, views)
+
+
+def _buffer_row(acc, values: list) -> torch.Tensor:
+    """``values`` (shaped as ``like``'s buffers, in its order) in one float64 row."""
+    refs, sizes, _, flat = _buffer_layout(acc)
+    row = torch.empty(sum(sizes), dtype=torch.float64, device=acc.device)
+    pieces = list(row.split(sizes))  # a 0-d or 1-D value copies into its 1-D piece as it is
+    with torch.no_grad():
+        torch._foreach_copy_(pieces if flat else [v.view(r.shape) for v, r in zip(pieces, refs)], values)
+    return row
+
+
+def _base_row(acc, base: dict | None) -> torch.Tensor | None:
+    """The base's buffers as one float64 row, when they are all there and like ``like``'s (else None: each
+    client's :func:`client_buffers` checks them and names what is wrong)."""
+    if not acc._buffer_names or base is None or any(n not in base for n in acc._buffer_names):
+        return None
+    bases = [base[n] for n in acc._buffer_names]
+    return _buffer_row(acc, bases) if _like_refs(bases, _buffer_layout(acc)[0]) else None
 
 
 def _buffer_layout(acc) -> tuple:
@@ -332,7 +352,13 @@ def fold_clients(acc, folds: list, rows: ClientRows, *, atomic: bool) -> None:
 
 
 def one_client(rows: ClientRows, j: int) -> ClientRows:
-    """Client j of ``rows`` as rows of one client (views, no copy; the same base)."""
+    """Client j of ``rows`` as rows of one client (views, no copy; the same base). Rows of state_dict entries stay
+    entries (no 1-D view made), with their checked spans when they have them."""
+    if isinstance(rows.rows, EntryRows):
+        m, spans = rows.num_clients, rows.rows.spans
+        one = EntryRows([[e[j]] for e in rows.rows.entries],
+                        None if spans is None else (spans[0][j::m], spans[1][j::m]))
+        return dataclasses.replace(rows, rows=one, num_clients=1, matrix=None, buffers=None)
     return dataclasses.replace(rows, rows=[[seg[j]] for seg in rows.rows], num_clients=1, matrix=None, buffers=None)
 
 
@@ -347,5 +373,9 @@ def stack(parts: list) -> ClientRows:
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
+    if all(isinstance(p.rows, EntryRows) for p in parts):
+        return dataclasses.replace(first, rows=EntryRows([[p.rows.entries[s][0] for p in parts]
+                                                          for s in range(len(first.rows))]),
+                                   num_clients=len(parts), matrix=None, buffers=None)
     return dataclasses.replace(first, rows=[[p.rows[s][0] for p in parts] for s in range(len(first.rows))],
                                num_clients=len(parts), matrix=None, buffers=None)
