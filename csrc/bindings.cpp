@@ -57,19 +57,43 @@ int compute_kind(int kind) { return kind == kF64 ? kF64 : kF32; }
 // ---- round_stats --------------------------------------------------------------------------------------------
 
 // The client rows of a pass: L lists of M row segments, or one [M, d] matrix (unit stride along d), and the
-// optional base segments (full models). Every address the kernel will read comes from a view checked here.
+// optional base segments (full models). Every address the kernel will read comes from a capsule checked here.
+// A list's rows (~1,000 a ResNet-18 round of 16) and the base segments are read by quick_row (views.h): no View, no
+// name, nothing allocated per row; a row it does not accept goes through the named checks (view_of and the count
+// and contiguity checks), which raise as they always did. Their spans are kept for the overlap check (reads and
+// read_name: the order and the names the Views had).
 struct RowsArg {
-  std::vector<View> views, base_views;
+  std::vector<View> views;            // the [M, d] matrix (one view); empty for a list of rows
+  std::vector<Span> row_spans;        // [s * M + i] for a list of rows, then the base's [s]
   std::vector<uint64_t> ptrs, base_ptrs;  // [s * M + i], [s]
   std::vector<int64_t> seg_off;
   int64_t M = 0, d = 0;
   int T = 0;
-  std::vector<const View*> reads() const {
-    std::vector<const View*> out = pointers(views);
-    for (const View& b : base_views) out.push_back(&b);
+  std::string base_name(int64_t s) const { return "params (the base of models=)[" + str(s) + "]"; }
+  // The read spans in the order the Views had (rows, then base), and their names.
+  std::vector<Span> reads() const {
+    std::vector<Span> out;
+    out.reserve(views.size() + row_spans.size());
+    for (const View& v : views) out.push_back(v.span());
+    out.insert(out.end(), row_spans.begin(), row_spans.end());
     return out;
   }
+  std::string read_name(size_t j) const {
+    if (j < views.size()) return views[j].name;
+    j -= views.size();
+    const int64_t rows = views.empty() ? static_cast<int64_t>(ptrs.size()) : 0;
+    if (static_cast<int64_t>(j) < rows) return "deltas[" + str(j % M) + "] entry " + str(j / M);
+    return base_name(static_cast<int64_t>(j) - rows);
+  }
 };
+
+// check_overlaps with the rows' (and base's) spans and any other reads.
+void check_row_overlaps(const std::vector<const View*>& writes, const RowsArg& r, const std::vector<const View*>& more) {
+  std::vector<Span> reads = r.reads();
+  const size_t n = reads.size();
+  for (const View* v : more) reads.push_back(v->span());
+  check_overlaps_spans(writes, reads, [&](size_t j) { return j < n ? r.read_name(j) : more[j - n]->name; });
+}
 
 RowsArg rows_of(py::handle rows, py::handle base, const std::vector<int64_t>& seg_lens, const std::string& pass) {
   RowsArg r;
@@ -87,19 +111,31 @@ RowsArg rows_of(py::handle rows, py::handle base, const std::vector<int64_t>& se
                                                             "expected " + str(L));
     r.M = static_cast<int64_t>(py::len(segs[0]));
     r.ptrs.resize(L * r.M);
+    r.row_spans.resize(L * r.M);
+    bool first = true;
     for (int64_t s = 0; s < L; ++s) {
       if (static_cast<int64_t>(py::len(segs[s])) != r.M) value_error("segment " + str(s) + " has a different "
                                                                      "number of clients");
       auto seg = segs[s].cast<py::list>();
+      // the list's own length bounds every read of it (py::len above may come from a __len__)
+      const bool sized = static_cast<int64_t>(PyList_GET_SIZE(seg.ptr())) == r.M;
       for (int64_t i = 0; i < r.M; ++i) {
-        const std::string name = "deltas[" + str(i) + "] entry " + str(s);
-        View v = view_of(seg[i], name, r.views.empty() ? kAnyFloat : r.T);
-        if (r.views.empty()) r.T = v.kind;
-        if (v.numel() != seg_lens[s]) value_error(name + " has " + str(v.numel()) + " elements; expected " +
-                                                  str(seg_lens[s]));
-        if (!v.contiguous()) value_error(name + " must be contiguous");
-        r.ptrs[s * r.M + i] = address(v, 0);
-        r.views.push_back(std::move(v));
+        QuickRow q;
+        if (sized && quick_row(PyList_GET_ITEM(seg.ptr(), i), first ? kAnyFloat : r.T, seg_lens[s], false, q)) {
+          if (first) r.T = q.kind;
+          r.ptrs[s * r.M + i] = reinterpret_cast<uint64_t>(q.data);
+          r.row_spans[s * r.M + i] = q.span();
+        } else {  // the named checks: they raise what is wrong
+          const std::string name = "deltas[" + str(i) + "] entry " + str(s);
+          View v = view_of(seg[i], name, first ? kAnyFloat : r.T);
+          if (first) r.T = v.kind;
+          if (v.numel() != seg_lens[s]) value_error(name + " has " + str(v.numel()) + " elements; expected " +
+                                                    str(seg_lens[s]));
+          if (!v.contiguous()) value_error(name + " must be contiguous");
+          r.ptrs[s * r.M + i] = address(v, 0);
+          r.row_spans[s * r.M + i] = v.span();
+        }
+        first = false;
       }
     }
   } else {
@@ -116,12 +152,31 @@ RowsArg rows_of(py::handle rows, py::handle base, const std::vector<int64_t>& se
   }
   if (r.M == 0) value_error("deltas hold no client");
   if (!base.is_none()) {
-    r.base_views = segment_views(base, "params (the base of models=)", r.T);
-    if (static_cast<int64_t>(r.base_views.size()) != L) value_error("params have a different number of segments");
-    for (int64_t s = 0; s < L; ++s) {
-      if (r.base_views[s].numel() != seg_lens[s]) value_error(r.base_views[s].name + " has the wrong length");
-      r.base_ptrs.push_back(address(r.base_views[s], 0));
+    // segment_views(base, "params (the base of models=)", r.T) and the count and length checks after it, with the
+    // same quick_row shortcut as the rows: each segment 1-D, contiguous, of the rows' dtype.
+    const std::string bname = "params (the base of models=)";
+    if (!py::isinstance<py::list>(base)) type_error(bname + " must be a list of tensors");
+    auto items = base.cast<py::list>();
+    const int64_t n = static_cast<int64_t>(PyList_GET_SIZE(items.ptr()));
+    std::vector<int64_t> numel(n);
+    for (int64_t k = 0; k < n; ++k) {
+      QuickRow q;
+      if (quick_row(PyList_GET_ITEM(items.ptr(), k), r.T, -1, true, q)) {
+        r.base_ptrs.push_back(reinterpret_cast<uint64_t>(q.data));
+        r.row_spans.push_back(q.span());
+        numel[k] = q.numel;
+      } else {
+        View v = view_of(items[k], r.base_name(k), r.T);
+        if (v.shape.size() != 1 || !v.contiguous()) value_error(v.name + " must be a contiguous 1-D tensor");
+        r.base_ptrs.push_back(address(v, 0));
+        r.row_spans.push_back(v.span());
+        numel[k] = v.numel();
+      }
     }
+    if (n == 0) value_error(bname + " is empty");
+    if (n != L) value_error("params have a different number of segments");
+    for (int64_t s = 0; s < L; ++s)
+      if (numel[s] != seg_lens[s]) value_error(r.base_name(s) + " has the wrong length");
   }
   return r;
 }
@@ -151,9 +206,7 @@ void checked_round_stats(py::handle rows, py::handle base, const std::vector<int
   View sq = flat_view(sq_norms_out, "sq_norms_out", kF64, M);
   View bad = flat_view(nonfinite_out, "nonfinite_out", kBool, M);
   View msq = flat_view(mean_sq_out, "mean_sq_out", kF64, 1);
-  std::vector<const View*> reads = r.reads();
-  for (const View* v : {&w, &init, &ax}) reads.push_back(v);
-  check_overlaps({&mean, &sq, &bad, &msq}, reads);
+  check_row_overlaps({&mean, &sq, &bad, &msq}, r, {&w, &init, &ax});
 
   StatsArgs a{};
   a.num_clients = M;
@@ -570,7 +623,7 @@ void checked_coord_select(py::handle rows, py::handle base, const std::vector<in
   o = flat_view(out, "out", o.kind, r.d);
   View sq = flat_view(sq_norms_out, "sq_norms_out", kF64, r.M);
   View bad = flat_view(nonfinite_out, "nonfinite_out", kBool, r.M);
-  check_overlaps({&o, &sq, &bad}, r.reads());
+  check_row_overlaps({&o, &sq, &bad}, r, {});
   SelectArgs a{};
   a.num_clients = r.M;
   a.num_segments = static_cast<int64_t>(seg_lens.size());
@@ -595,7 +648,7 @@ void checked_gram(py::handle rows, py::handle base, const std::vector<int64_t>& 
   const RowsArg r = rows_of(rows, base, seg_lens, "gram");
   View g = flat_view(gram_out, "gram_out", kF64, r.M * r.M);
   View bad = flat_view(nonfinite_out, "nonfinite_out", kBool, r.M);
-  check_overlaps({&g, &bad}, r.reads());
+  check_row_overlaps({&g, &bad}, r, {});
   GramArgs a{};
   a.num_clients = r.M;
   a.num_segments = static_cast<int64_t>(seg_lens.size());

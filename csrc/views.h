@@ -89,8 +89,11 @@ struct View {
   }
 };
 
-inline int kind_of(const DLDataType& t, const std::string& name) {
-  if (t.lanes != 1) type_error(name + " has a vector dtype");
+constexpr int kNoKind = -100;
+
+// The Kind of a DLPack dtype, or kNoKind (vector dtypes, unsupported codes): kind_of without the error.
+inline int quick_kind(const DLDataType& t) {
+  if (t.lanes != 1) return kNoKind;
   if (t.code == kDLFloat && t.bits == 16) return kF16;
   if (t.code == kDLBfloat && t.bits == 16) return kBF16;
   if (t.code == kDLFloat && t.bits == 32) return kF32;
@@ -99,6 +102,13 @@ inline int kind_of(const DLDataType& t, const std::string& name) {
   if (t.code == kDLInt && t.bits == 32) return kI32;
   if (t.code == kDLInt && t.bits == 8) return kI8;
   if ((t.code == kDLBool || t.code == kDLUInt) && t.bits == 8) return kBool;
+  return kNoKind;
+}
+
+inline int kind_of(const DLDataType& t, const std::string& name) {
+  const int k = quick_kind(t);
+  if (k != kNoKind) return k;
+  if (t.lanes != 1) type_error(name + " has a vector dtype");
   type_error(name + " has an unsupported dtype (DLPack code " + std::to_string(t.code) + ", " +
              std::to_string(t.bits) + " bits)");
 }
@@ -150,22 +160,76 @@ inline View flat_view(py::handle capsule, const std::string& name, int want, int
   return v;
 }
 
-// Raises when a written span overlaps any other span (written or read). Empty views are ignored.
-inline void check_overlaps(const std::vector<const View*>& writes, const std::vector<const View*>& reads) {
-  std::vector<const View*> all(writes);
-  all.insert(all.end(), reads.begin(), reads.end());
-  for (size_t i = 0; i < writes.size(); ++i) {
-    const auto a = writes[i]->span();
-    if (a.first == a.second) continue;
-    for (size_t j = 0; j < all.size(); ++j) {
-      if (j == i || (j < writes.size() && j < i)) continue;
-      const auto b = all[j]->span();
-      if (b.first == b.second) continue;
-      if (std::max(a.first, b.first) < std::min(a.second, b.second))
-        value_error(writes[i]->name + " overlaps " + all[j]->name + (j < writes.size() ? ", also written" : "") +
-                    " in the same call");
+// [lo, hi) bytes; empty when lo == hi.
+using Span = std::pair<uintptr_t, uintptr_t>;
+
+// A contiguous row read straight from its capsule, without a View: no name, no shape / stride vectors, nothing
+// allocated. quick_row accepts a capsule only when view_of(capsule, name, want) would accept it and the caller's
+// checks would pass too: element count `numel` (< 0: any), contiguous, and 1-D when `one_d`. Anything else returns
+// false, and the caller then runs the named checks (view_of and its own), which raise the message they always
+// raised; so the fast path only skips work, never a check. `want` is a float Kind or kAnyFloat.
+struct QuickRow {
+  char* data;
+  int kind;
+  int64_t numel, itemsize;
+  Span span() const {
+    if (numel == 0) return {0, 0};
+    const auto base = reinterpret_cast<uintptr_t>(data);
+    return {base, base + numel * itemsize};  // View::span() of a contiguous view: (numel - 1 + 1) items
+  }
+};
+
+inline bool quick_row(PyObject* capsule, int want, int64_t numel, bool one_d, QuickRow& out) {
+  if (!PyCapsule_IsValid(capsule, "dltensor")) return false;
+  const DLTensor& t = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"))->dl_tensor;
+  if (t.device.device_type != kDLCPU || t.ndim < 0 || t.ndim > 8 || (one_d && t.ndim != 1)) return false;
+  const int kind = quick_kind(t.dtype);
+  if (kind == kNoKind || (want == kAnyFloat ? kind > kF64 : kind != want)) return false;
+  int64_t n = 1;
+  for (int k = 0; k < t.ndim; ++k) {
+    if (t.shape[k] < 0) return false;
+    n *= t.shape[k];
+  }
+  if (numel >= 0 && n != numel) return false;
+  if (t.strides) {  // View::contiguous() on the capsule's strides
+    int64_t expect = 1;
+    for (int k = t.ndim - 1; k >= 0; --k) {
+      if (t.shape[k] != 1 && t.strides[k] != expect) return false;
+      expect *= t.shape[k];
     }
   }
+  char* data = static_cast<char*>(t.data) + t.byte_offset;
+  if (n > 0 && data == nullptr) return false;
+  out = {data, kind, n, t.dtype.bits / 8};
+  return true;
+}
+
+// Raises when a written span overlaps any other span (written or read); empty spans are ignored. The writes are
+// Views; the reads are spans whose names are made only for the error message (read_name(j)). Pairs are tried in
+// the order check_overlaps always tried them: each write against the later writes, then against every read in
+// order, so the first overlap found (the one the message names) is the same.
+template <typename ReadName>
+void check_overlaps_spans(const std::vector<const View*>& writes, const std::vector<Span>& reads, ReadName read_name) {
+  std::vector<Span> ws(writes.size());
+  for (size_t i = 0; i < writes.size(); ++i) ws[i] = writes[i]->span();
+  auto meet = [](const Span& a, const Span& b) {
+    return b.first != b.second && std::max(a.first, b.first) < std::min(a.second, b.second);
+  };
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const Span a = ws[i];
+    if (a.first == a.second) continue;
+    for (size_t j = i + 1; j < ws.size(); ++j)
+      if (meet(a, ws[j])) value_error(writes[i]->name + " overlaps " + writes[j]->name + ", also written in the same call");
+    for (size_t j = 0; j < reads.size(); ++j)
+      if (meet(a, reads[j])) value_error(writes[i]->name + " overlaps " + read_name(j) + " in the same call");
+  }
+}
+
+// Raises when a written span overlaps any other span (written or read). Empty views are ignored.
+inline void check_overlaps(const std::vector<const View*>& writes, const std::vector<const View*>& reads) {
+  std::vector<Span> rs(reads.size());
+  for (size_t j = 0; j < reads.size(); ++j) rs[j] = reads[j]->span();
+  check_overlaps_spans(writes, rs, [&](size_t j) { return reads[j]->name; });
 }
 
 }  // namespace fastagg
