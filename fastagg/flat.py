@@ -90,6 +90,7 @@ class Layout:
     shapes: tuple
     dtypes: tuple
     numpy: bool = False
+    aliases: tuple = ()  # (alias, entry) pairs: names of tied entries (the same tensor as ``entry``), not entries
 
     @property
     def numels(self) -> tuple:
@@ -128,12 +129,17 @@ class Layout:
         entries = _entries(obj, buffers=buffers, where="model", buffer_names=buffer_names)
         kind = "flat" if _is_flat(obj) else ("dict" if isinstance(obj, (Mapping, torch.nn.Module)) else "list")
         numpy = any(isinstance(v, np.ndarray) for _, v in entries)
+        aliases = tied_aliases(obj)
+        if aliases:
+            tied = {a for a, _ in aliases}
+            entries = [(n, v) for n, v in entries if n not in tied]
         return cls(
             kind,
             tuple(n for n, _ in entries),
             tuple(tuple(v.shape) for _, v in entries),
             tuple(as_tensor(v).dtype for _, v in entries),
             numpy,
+            aliases,
         )
 
     def unflatten(self, flat: torch.Tensor | np.ndarray) -> Any:
@@ -144,6 +150,33 @@ class Layout:
         if self.kind == "dict":
             return dict(zip(self.names, views))
         return views
+
+
+def tied_aliases(obj: Any) -> tuple:
+    """(alias, entry) pairs of a module's or a state_dict's tied entries: names under which an earlier entry's
+    tensor appears again (GPT-2's ``lm_head.weight`` is its ``transformer.wte.weight``). A module's are its
+    parameters and buffers listed twice; a state_dict's, torch tensors that are the same view of the same memory as
+    an earlier entry (same address, shape, strides, dtype and device). They are one entry: stepped once, written
+    once (the alias sees it), and a client's value under the alias name is not read."""
+    out = []
+    if isinstance(obj, torch.nn.Module):
+        seen: dict = {}
+        for n, t in [*obj.named_parameters(remove_duplicate=False), *obj.named_buffers(remove_duplicate=False)]:
+            first = seen.setdefault(id(t), n)
+            if first != n:
+                out.append((n, first))
+    elif isinstance(obj, Mapping):
+        ts = [(k, v) for k, v in obj.items() if type(v) is torch.Tensor]
+        ptrs = list(map(_DATA_PTR, map(itemgetter(1), ts)))
+        if len(set(ptrs)) == len(ptrs):  # (no two entries at one address: nothing is tied)
+            return ()
+        seen = {}
+        for k, v in ts:
+            if v.numel() > 0 and v.layout == torch.strided:
+                first = seen.setdefault((v.device, v.dtype, v.data_ptr(), tuple(v.shape), v.stride()), k)
+                if first != k:
+                    out.append((k, first))
+    return tuple(out)
 
 
 def _is_flat(obj: Any) -> bool:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ._aliasing import Rows, check_writes
-from .flat import Layout, as_tensor, dict_plan, memory_spans, split_entries
+from .flat import Layout, as_tensor, dict_plan, memory_spans, split_entries, tied_aliases
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -261,9 +261,14 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
         buffer_names = set(like.buffers.names) if like.buffers is not None else set()
     if names is None and isinstance(x[0], (Mapping, torch.nn.Module)):
         names = tuple(k for k, _ in split_entries(x[0], where=f"{name}[0]")[0])
+    ref_form = like.form if like is not None and like.form.kind == "dict" else params.form if named else None
+    if ref_form is not None and ref_form.aliases:  # the model's tied entries: a client's copy is not read
+        tied = {a for a, _ in ref_form.aliases}
+        x = [{k: v for k, v in c.items() if k not in tied} if isinstance(c, Mapping) and not tied.isdisjoint(c)
+             else c for c in x]
     fast = _tensor_dicts(x, name, names, buffer_names, like, params)
     if fast is not None:
-        return fast
+        return _tied_as(fast, ref_form)
     parsed = [_client_parts(c, name, i, names, buffer_names, ref) for i, c in enumerate(x)]
     clients = [p for p, _, _ in parsed]
     first = clients[0]
@@ -304,7 +309,15 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
     if like is not None and like.buffers is not None:
         check_client_buffers(buffers, {n: v[0] for n, v in zip(like.buffers.names, like.buffers.values)}, like_name,
                              name)
-    return ClientRows(rows, segs, len(clients), first[0].dtype, first[0].device, form, buffers=buffers)
+    return _tied_as(ClientRows(rows, segs, len(clients), first[0].dtype, first[0].device, form, buffers=buffers),
+                    ref_form)
+
+
+def _tied_as(rows: ClientRows, ref_form: Layout | None) -> ClientRows:
+    """``rows`` matched to a model with tied entries carry their names (what is matched to these rows drops them)."""
+    if ref_form is None or not ref_form.aliases or rows.form.kind != "dict" or rows.form.aliases:
+        return rows
+    return dataclasses.replace(rows, form=dataclasses.replace(rows.form, aliases=ref_form.aliases))
 
 
 _SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
@@ -476,6 +489,9 @@ def param_rows(params: Any, *, name: str = "params", buffers_count: bool = False
         named, bufs = [(None, t)], []
     else:
         named, bufs = split_entries(params, where=name, buffers_count=buffers_count)
+        tied = {a for a, _ in tied_aliases(params)}
+        if tied:  # tied entries (one tensor under two names) are one entry: written once
+            named, bufs = [(k, v) for k, v in named if k not in tied], [(k, v) for k, v in bufs if k not in tied]
         if not named:
             raise ValueError(f"{name} has no floating entries")
         for k, (key, v) in enumerate(named + bufs):

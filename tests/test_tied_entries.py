@@ -1,0 +1,127 @@
+"""Tied entries (issue 42, the shapes users federate: GPT-2's ``lm_head.weight`` is its ``transformer.wte.weight``):
+one tensor under two names in the global model is one parameter -- stepped once, its update counted once in the
+norms, written once -- and a client's value under the alias name is not read. Before, a module's tied weights
+refused every client state_dict ("has parameter entries 'lm_head.weight' not in params") and a state_dict's were
+refused as two written entries that overlap. Oracles: float64 formulas over the model's distinct parameters."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastagg
+from fastagg import server
+
+
+class TinyLM(torch.nn.Module):
+    """GPT-2's shape in miniature: token embedding, a block with LayerNorm, an LM head tied to the embedding."""
+
+    def __init__(self, vocab: int = 11, d: int = 4):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, d)
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+
+def _model(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM().double()
+
+
+def _clients(model: TinyLM, m: int = 3) -> list:
+    """Client state_dicts as a tied client sends them: the alias entry holds the same values."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(m):
+        sd = {k: v.detach() + 0.1 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in model.state_dict().items()}
+        sd["lm_head.weight"] = sd["wte.weight"].clone()
+        out.append(sd)
+    return out
+
+
+def _distinct(sd: dict) -> dict:
+    return {k: v for k, v in sd.items() if k != "lm_head.weight"}
+
+
+def _mean_delta(model_sd: dict, clients: list, weights: list) -> dict:
+    p = [w / sum(weights) for w in weights]
+    return {k: sum(pi * (c[k].double() - model_sd[k].double()) for pi, c in zip(p, clients)) for k in _distinct(model_sd)}
+
+
+@pytest.mark.parametrize("form", ["module", "state_dict"])
+def test_fedavg_steps_a_tied_parameter_once(form):
+    model = _model()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    clients, weights = _clients(model), [1.0, 2.0, 5.0]
+    params = model if form == "module" else model.state_dict()
+    server.FedAvg(params).step(clients, weights, base={k: v.clone() for k, v in before.items()})
+    want = {k: before[k] + d for k, d in _mean_delta(before, clients, weights).items()}
+    got = model.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-12, msg=k)
+    assert model.lm_head.weight.data_ptr() == model.wte.weight.data_ptr()  # still tied
+    assert torch.equal(got["lm_head.weight"], got["wte.weight"])
+
+
+def test_fedexp_counts_a_tied_update_once_in_its_norms():
+    """FedExP (Jhunjhunwala et al. 2023): eta = max(1, sum_i p_i ||d_i||^2 / (2 (||dbar||^2 + eps))) over the model's
+    parameters -- the tied embedding once, not twice."""
+    model, eps = _model(1), 1e-3
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    clients, weights = _clients(model), [1.0, 1.0, 2.0]
+    p = [w / sum(weights) for w in weights]
+    flat = [torch.cat([(c[k] - before[k]).reshape(-1) for k in _distinct(before)]) for c in clients]
+    dbar = sum(pi * d for pi, d in zip(p, flat))
+    eta = max(1.0, float(sum(pi * d.dot(d) for pi, d in zip(p, flat)) / (2 * (dbar.dot(dbar) + eps))))
+    server.FedExP(model, eps=eps).step(clients, weights, base={k: v.clone() for k, v in before.items()})
+    got = torch.cat([model.state_dict()[k].reshape(-1) - before[k].reshape(-1) for k in _distinct(before)])
+    torch.testing.assert_close(got, eta * dbar, rtol=1e-10, atol=1e-12)
+
+
+def test_a_clients_alias_value_is_not_read():
+    """A client whose alias entry differs from its embedding (untied on its side): the model's tied parameter takes
+    the embedding's update (the alias name is not a parameter of the model)."""
+    model = _model(2)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    clients = _clients(model, 2)
+    clients[1]["lm_head.weight"] = clients[1]["lm_head.weight"] + 100.0
+    server.FedAvg(model).step(clients, base={k: v.clone() for k, v in before.items()})
+    want = before["wte.weight"] + _mean_delta(before, clients, [1.0, 1.0])["wte.weight"]
+    torch.testing.assert_close(model.wte.weight.detach(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_functional_step_and_the_accumulator_take_tied_models():
+    model = _model(3)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    clients, weights = _clients(model), [3.0, 1.0, 1.0]
+    want = {k: before[k] + d for k, d in _mean_delta(before, clients, weights).items()}
+    params = {k: v.clone() for k, v in before.items()}
+    params["lm_head.weight"] = params["wte.weight"]  # tied in the state_dict given
+    fastagg.fedavg_step(models=clients, weights=weights, params=params)
+    for k, v in want.items():
+        torch.testing.assert_close(params[k], v, rtol=1e-12, atol=1e-12, msg=k)
+    acc = fastagg.Accumulator(like=model)
+    for c, w in zip(clients, weights):
+        acc.add(c, weight=w, base=before)
+    server.FedAvg(model).step(acc)
+    for k, v in want.items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-12, atol=1e-12, msg=k)
+
+
+def test_entries_that_overlap_without_being_the_same_tensor_are_still_refused():
+    w = torch.zeros(6, 4, dtype=torch.float64)
+    params = {"a": w, "b": w[:3]}  # b is part of a, not a: writing both would depend on the order
+    clients = [{"a": torch.ones(6, 4, dtype=torch.float64), "b": torch.ones(3, 4, dtype=torch.float64)}]
+    with pytest.raises(ValueError, match="overlaps"):
+        server.FedAvg(params).step(clients)
+
+
+def test_numpy_state_dicts_have_no_tied_entries():
+    """Arrays from another framework (Flower's, FLARE's) are separate copies: both names are entries."""
+    a = np.ones((3, 2))
+    params = {"wte.weight": a.copy(), "lm_head.weight": a.copy()}
+    clients = [{k: v + 1.0 for k, v in params.items()} for _ in range(2)]
+    fastagg.fedavg_step(models=clients, params=params)
+    assert np.allclose(params["wte.weight"], 2.0) and np.allclose(params["lm_head.weight"], 2.0)
