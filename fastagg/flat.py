@@ -123,13 +123,14 @@ class Layout:
         return None
 
     @classmethod
-    def of(cls, obj: Any, *, buffers: bool = False, buffer_names=None) -> "Layout":
+    def of(cls, obj: Any, *, buffers: bool = False, buffer_names=None, tied: bool = True) -> "Layout":
         """The layout of the parameters of a flat tensor/array, a list of tensors/arrays, a state_dict or an
-        nn.Module (``buffers=True``: floating buffers count too)."""
+        nn.Module (``buffers=True``: floating buffers count too). ``tied``: a state_dict's tied entries are one
+        entry (:func:`tied_aliases`; a model's, in a step); False: every entry of the state_dict (:func:`flatten`)."""
         entries = _entries(obj, buffers=buffers, where="model", buffer_names=buffer_names)
         kind = "flat" if _is_flat(obj) else ("dict" if isinstance(obj, (Mapping, torch.nn.Module)) else "list")
         numpy = any(isinstance(v, np.ndarray) for _, v in entries)
-        aliases = tied_aliases(obj)
+        aliases = tied_aliases(obj) if tied or isinstance(obj, torch.nn.Module) else ()
         if aliases:
             tied = {a for a, _ in aliases}
             entries = [(n, v) for n, v in entries if n not in tied]
@@ -247,7 +248,7 @@ def flatten(obj: Any, *, buffers: bool = False, out: torch.Tensor | None = None,
     >>> flat.shape, [t.shape for t in layout.unflatten(flat)]
     (torch.Size([10]), [torch.Size([2, 3]), torch.Size([4])])
     """
-    layout = Layout.of(obj, buffers=buffers)
+    layout = Layout.of(obj, buffers=buffers, tied=False)  # (every entry of a state_dict, tied ones too)
     tensors = entries(obj, where="model", buffers=buffers)
     if not tensors:
         raise ValueError("model has no floating entries to flatten")

@@ -15,12 +15,13 @@ A round, with FLARE's ``FedAvg`` workflow (any controller that calls ``reset_sta
   folded;
 * ``accept_model`` folds one result: a ``FULL`` result's update ``params - base`` is formed inside the kernel (never
   stored), a ``DIFF`` result is the update. The weight is ``aggregation_weights[site]`` (default 1) times the
-  result's ``NUM_STEPS_CURRENT_ROUND`` (default 1), as FLARE's own FedAvg weighs. Results are held, checked, until
-  ``batch_bytes`` (default 256 MiB) of them or 16 are waiting, then folded together in one sweep (the running sum
-  read and written once for all of them: a round of small models costs its bytes, not a kernel call and its
-  checks per result); a result larger than that is folded alone at once, as are all with ``on_nonfinite="raise"``
-  or ``dp=``. Memory: the running sum, the base and at most ``batch_bytes`` of held results, whatever the number of
-  clients; results can arrive on several threads at once;
+  result's ``NUM_STEPS_CURRENT_ROUND`` (default 1), as FLARE's own FedAvg weighs. Small results are checked, copied
+  and held until ``batch_bytes`` (default 16 MiB) of them or 16 are waiting, then folded together in one sweep (the
+  running sum read and written once for all of them: a round of small models costs its bytes, not a kernel call
+  and its checks per result); a held result found to hold NaN/Inf then is left out with a warning naming the site
+  (``accept_model`` returned True for it). A larger result is folded alone as it arrives, as are all with
+  ``on_nonfinite="raise"`` or ``dp=``. Memory: the running sum, the base and at most ``batch_bytes`` of held
+  copies, whatever the number of clients; results can arrive on several threads at once;
 * ``aggregate_model`` takes the rule's step on the sums and returns the new global model as a ``FULL`` FLModel,
   in the form it came in (numpy arrays or torch tensors, same dtypes), plus the weighted average of the numeric
   metrics. The arrays are the params' own storage, handed over (no copy): the aggregator takes fresh storage and
@@ -93,10 +94,11 @@ NEEDS_ALL_RESULTS = ("median", "trimmed_mean", "meamed", "krum", "multikrum", "b
                      "geomed", "norm_bound", "normbound")
 _log = logging.getLogger(__name__)
 WEIGHT_KEY = "NUM_STEPS_CURRENT_ROUND"  # FLARE's FLMetaKey.NUM_STEPS_CURRENT_ROUND
-# float results held to be folded together: at most this many bytes of them (FastaggAggregator(batch_bytes=...)).
-# A 1/8-width ResNet-18 round folds 16 results in one sweep, a full ResNet-18 (47 MB a result) one sweep per 5,
-# an LLM's result (GBs) alone, as before
-BATCH_BYTES = 256 << 20
+# float results copied and held to be folded together: at most this many bytes of them
+# (FastaggAggregator(batch_bytes=...)). A round of small models (a 1/8-width ResNet-18: 1 MB a result) folds 16
+# results in one sweep -- it costs bytes, not a kernel call and its checks per result -- while a larger result,
+# whose copy would cost what the shared sweep saves, folds alone as it arrives
+BATCH_BYTES = 16 << 20
 
 
 class FastaggAggregator(ModelAggregator):
@@ -158,8 +160,8 @@ class FastaggAggregator(ModelAggregator):
         self._sites: set = set()
         self._metrics: dict = {}  # metric name -> [sum of weight * value, sum of weight] over the results reporting it
         self._pending: list = []  # BLOCKWISE8 results checked and waiting to be folded together (PENDING_MAX)
-        self._held: list = []     # float results checked and waiting to be folded together (batch_bytes)
-        self._held_bytes = 0
+        self._held: list = []     # copies of float results checked and waiting to be folded together (batch_bytes)
+        self._held_bytes, self._held_weight = 0, 0.0
 
     # -- FLARE events: the model sent this round -------------------------------------------------------------
     def handle_event(self, event_type: str, fl_ctx: FLContext):
@@ -172,7 +174,7 @@ class FastaggAggregator(ModelAggregator):
         elif event_type == EventType.END_RUN:
             with self._lock:
                 self._acc = self._base = None
-                self._held, self._held_bytes = [], 0
+                self._held, self._held_bytes, self._held_weight = [], 0, 0.0
 
     def set_model(self, model: FLModel) -> None:
         """The model this round's clients start from (called on FLARE's ``BEFORE_TRAIN_TASK``; call it yourself
@@ -197,12 +199,13 @@ class FastaggAggregator(ModelAggregator):
             self._base, self._round = base, model.current_round
             self._acc = self._round_acc
             self._sites, self._metrics = set(), {}
-            self._clipped, self._pending = [], []
+            self._clipped, self._pending, self._held, self._held_bytes, self._held_weight = [], [], [], 0, 0.0
 
     # -- ModelAggregator ---------------------------------------------------------------------------------------
     def reset_stats(self):
         with self._lock:
-            self._base, self._acc, self._pending, self._held, self._held_bytes = None, None, [], [], 0
+            self._base, self._acc, self._pending = None, None, []
+            self._held, self._held_bytes, self._held_weight = [], 0, 0.0
             self._sites, self._metrics = set(), {}
 
     def accept_model(self, model: FLModel) -> bool:
@@ -231,7 +234,7 @@ class FastaggAggregator(ModelAggregator):
                 return self._refuse(site, str(e))
             admin, steps = float(self.aggregation_weights.get(site, 1.0)), _num_steps(meta)
             weight = admin * steps
-            if not math.isfinite(weight) or not math.isfinite(self._acc.total_weight + weight):
+            if not math.isfinite(weight) or not math.isfinite(self._acc.total_weight + self._held_weight + weight):
                 return self._refuse(site, f"has weight {admin:g} x {steps:g} steps, which would overflow the round's "
                                     "total weight")
             base = None if model.params_type == ParamsType.DIFF else self._base  # FULL (FLARE's default)
@@ -259,8 +262,12 @@ class FastaggAggregator(ModelAggregator):
                 folded = True
             elif self.on_nonfinite == "skip" and self._mechanism is None and \
                     sum(map(_NBYTES, params.values())) <= self.batch_bytes - self._held_bytes:
-                self._held.append((params, coef, base is not None, site, model.metrics, weight))
-                self._held_bytes += sum(map(_NBYTES, params.values()))
+                # a copy: the caller may reuse or change its arrays once accept_model returns, and a view would
+                # keep a whole receive buffer alive
+                held = dict(zip(params, _copies(list(params.values()))))
+                self._held.append((held, coef, base is not None, site, model.metrics, weight))
+                self._held_bytes += sum(map(_NBYTES, held.values()))
+                self._held_weight += weight
                 self._sites.add(site)
                 if len(self._held) >= PENDING_MAX:
                     self._fold_held()
@@ -288,7 +295,7 @@ class FastaggAggregator(ModelAggregator):
         the model, read and written once for all of them instead of once each -- what makes a round of small
         results cost bytes rather than calls, and a large one's sum traffic a fraction. A result left out then
         (NaN/Inf, or a sum that would overflow) is named in a warning, as at once; its metrics never count."""
-        held, self._held, self._held_bytes = self._held, [], 0
+        held, self._held, self._held_bytes, self._held_weight = self._held, [], 0, 0.0
         start = 0
         while start < len(held):
             end = start
@@ -545,6 +552,14 @@ def _to_tensor(v: Any, name: str, device: str) -> torch.Tensor:
         # result's counter is refused as the wrong shape and the round folds nothing)
         t = torch.from_numpy(np.ascontiguousarray(a).reshape(a.shape)) if a.flags.writeable else torch.tensor(a)
     return t.to(device)
+
+
+def _copies(ts: list) -> list:
+    """Copies of the tensors ``ts`` in one allocation (a result held to be folded later)."""
+    flat = torch.cat([t.reshape(-1) for t in ts]) if len({t.dtype for t in ts}) == 1 else None
+    if flat is None:
+        return [t.clone() for t in ts]
+    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in ts]), ts)]
 
 
 def _entry_tensor(v: Any) -> torch.Tensor:

@@ -125,3 +125,68 @@ def test_numpy_state_dicts_have_no_tied_entries():
     clients = [{k: v + 1.0 for k, v in params.items()} for _ in range(2)]
     fastagg.fedavg_step(models=clients, params=params)
     assert np.allclose(params["wte.weight"], 2.0) and np.allclose(params["lm_head.weight"], 2.0)
+
+
+def test_a_tied_state_dict_lines_up_grads_and_state_with_its_parameters():
+    """The review: param_groups held the alias tensor too, so `.grad` (torch's outer-optimizer loop, `opt.step()`
+    without clients) and `opt.state[p]` paired with the entries after it one place off (T5's order: shared, the tied
+    embedding, then fc)."""
+    shared = torch.zeros(3, 2, dtype=torch.float64)
+    params = {"shared.weight": shared, "encoder.embed_tokens.weight": shared, "fc.weight": torch.zeros(4, dtype=torch.float64)}
+    opt = server.FedAvg(params)
+    assert [t.data_ptr() for t in opt.param_groups[0]["params"]] == [shared.data_ptr(), params["fc.weight"].data_ptr()]
+    shared.grad = -torch.ones_like(shared)
+    params["fc.weight"].grad = -5 * torch.ones(4, dtype=torch.float64)
+    opt.step()
+    assert torch.equal(shared, torch.ones_like(shared)) and torch.equal(params["fc.weight"], torch.full((4,), 5.0,
+                                                                                                        dtype=torch.float64))
+    s2 = shared.clone()
+    adam = server.FedAdam({"shared.weight": s2, "encoder.embed_tokens.weight": s2,
+                           "fc.weight": torch.zeros(4, dtype=torch.float64)}, lr=0.1)
+    assert len(adam.param_groups[0]["params"]) == 2
+    adam.step([{"shared.weight": torch.ones(3, 2, dtype=torch.float64),
+                "encoder.embed_tokens.weight": torch.ones(3, 2, dtype=torch.float64),
+                "fc.weight": torch.full((4,), 2.0, dtype=torch.float64)}])
+    first, fc = adam.param_groups[0]["params"]
+    assert adam.state[first]["m"].shape == (3, 2) and adam.state[fc]["m"].shape == (4,)
+
+
+@pytest.mark.parametrize("rule", ["fedacg", "fedexp"])
+def test_a_tied_state_dicts_broadcast_gives_the_alias_the_entrys_value(rule):
+    """FedACG's look-ahead broadcast / FedExP's eval model: the alias name carried the params' old value."""
+    model = _model(4)
+    params = model.state_dict()
+    opt = server.FedACG(params, lam=0.85) if rule == "fedacg" else server.FedExP(params, eps=1e-3)
+    for _ in range(2):
+        sent = opt.broadcast() if rule == "fedacg" else opt.eval_params()
+        opt.step(_clients(model), base={k: v.clone() for k, v in (opt.broadcast() if rule == "fedacg" else params).items()})
+        sent = opt.broadcast() if rule == "fedacg" else opt.eval_params()
+        assert torch.equal(sent["lm_head.weight"], sent["wte.weight"])
+
+
+def test_an_accumulator_like_a_tied_broadcast_steps_the_optimizer():
+    """README's `Accumulator(like=opt.broadcast())` with a tied model: the alias was a separate entry of the
+    accumulator (116 elements against the optimizer's 72)."""
+    model = _model(5)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = server.FedAvg(model)
+    clients, weights = _clients(model), [1.0, 2.0, 1.0]
+    acc = fastagg.Accumulator(like=opt.broadcast())
+    for c, w in zip(clients, weights):
+        acc.add(c, weight=w, base=before)
+    opt.step(acc)
+    want = {k: before[k] + d for k, d in _mean_delta(before, clients, weights).items()}
+    for k, v in want.items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-12, atol=1e-12, msg=k)
+
+
+def test_flatten_of_a_tied_state_dict_keeps_every_entry():
+    """fastagg.flatten copies what it is given (a tied state_dict's both names), so unflatten gives a state_dict
+    load_state_dict takes, as a numpy copy of it would."""
+    model = _model(6)
+    flat, layout = fastagg.flatten(model.state_dict())
+    back = layout.unflatten(flat)
+    assert set(back) == set(model.state_dict()) - {"ln.running_mean"}
+    fresh = TinyLM().double()
+    fresh.load_state_dict(back)
+    assert torch.equal(fresh.wte.weight, model.wte.weight)

@@ -507,3 +507,39 @@ def test_raise_mode_and_dp_never_hold_results():
 def test_a_bad_batch_bytes_is_refused(bad):
     with pytest.raises(ValueError, match="batch_bytes"):
         FastaggAggregator(batch_bytes=bad)
+
+
+def test_held_results_are_copies_and_a_restarted_round_drops_them(caplog):
+    """The review of the held results: a caller that reuses one receive buffer for every site got the last site's
+    values for all (views were held), and set_model (a round restarted by the operator's controller) kept the held
+    results of the round before, which then won over the new round's ("already folded")."""
+    w = {"b": np.zeros(4)}
+    agg = FastaggAggregator(rule="fedavg")
+    agg.reset_stats()
+    agg.set_model(FLModel(params_type=ParamsType.FULL, params=w, current_round=0))
+    buf = np.empty(4)
+    for i, v in enumerate([1.0, 2.0, 3.0]):
+        buf[:] = v
+        assert agg.accept_model(_result({"b": buf}, f"s{i}", rnd=0))
+    buf[:] = -1e6  # the caller's buffer changes after the last accept
+    np.testing.assert_allclose(agg.aggregate_model().params["b"], 2.0, rtol=1e-12)
+    agg.reset_stats()
+    agg.set_model(FLModel(params_type=ParamsType.FULL, params=w, current_round=1))
+    for s in ("a", "b"):
+        assert agg.accept_model(_result({"b": np.full(4, 100.0)}, s, rnd=1))
+    agg.set_model(FLModel(params_type=ParamsType.FULL, params=w, current_round=1))  # restarted
+    for s in ("a", "b"):
+        assert agg.accept_model(_result({"b": np.full(4, 1.0)}, s, rnd=1))
+    np.testing.assert_allclose(agg.aggregate_model().params["b"], 1.0, rtol=1e-12)
+
+
+def test_held_weights_count_toward_the_overflow_check(caplog):
+    agg = FastaggAggregator(rule="fedavg", aggregation_weights={"a": 1e308, "b": 1e308})
+    agg.reset_stats()
+    agg.set_model(FLModel(params_type=ParamsType.FULL, params={"b": np.zeros(4)}, current_round=0))
+    with caplog.at_level(logging.WARNING):
+        # (tiny values: a weight of 1e308 times them, and their squares, stay finite)
+        assert agg.accept_model(_result({"b": np.full(4, 1e-300)}, "a", rnd=0))
+        assert not agg.accept_model(_result({"b": np.full(4, 3e-300)}, "b", rnd=0))  # would overflow the total
+    assert "overflow" in caplog.text and "b" in caplog.text
+    np.testing.assert_allclose(agg.aggregate_model().params["b"], 1e-300, rtol=1e-12)

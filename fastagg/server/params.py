@@ -47,8 +47,9 @@ def torch_params(p: ParamRows, buffers_count: bool = False) -> list:
         return list(orig.parameters()) + extra
     named, _ = ([(None, orig)], None) if isinstance(orig, (torch.Tensor, np.ndarray)) else split_entries(
         orig, where="params", buffers_count=buffers_count)
+    tied = {a for a, _ in p.form.aliases}  # (a tied entry is one parameter: its alias names no tensor of its own)
     return [v if isinstance(v, torch.Tensor) and (v.is_leaf or v.retains_grad) else as_tensor(v).detach()
-            for _, v in named]
+            for k, v in named if k not in tied]
 
 
 def binding(tensors: list, original: Any) -> tuple:
@@ -119,6 +120,7 @@ def user_form(p: ParamRows, tensors: list, flat: torch.Tensor | None) -> Any:
         return {k: by_id[id(t)] if id(t) in by_id else t.detach() for k, t in orig.state_dict(keep_vars=True).items()}
     if layout.kind == "dict":
         mine = dict(zip(layout.names, views))
+        mine.update((a, mine[e]) for a, e in layout.aliases if e in mine)  # a tied name: its entry's new value
         return {k: mine.get(k, v) for k, v in orig.items()}
     return views
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from .. import result
 from .._docs import share_docs
 from ..backends import resolve
 from ..combining import FlatCombiner
-from ..flat import Layout
+from ..flat import Layout, tied_aliases
 from ..passes import RoundStats
 from ..rows import client_rows, compute_dtype
 from . import checkpoint, fold, steps
@@ -61,7 +62,12 @@ class Accumulator:
         if not isinstance(client_norms, bool):
             raise TypeError(f"client_norms must be True or False, got {client_norms!r}")
         self._client_norms = client_norms
+        tied = tied_aliases(like)  # a model's tied entries (one tensor, two names) are one entry, as the optimizer's
+        if tied and isinstance(like, Mapping):
+            like = {k: v for k, v in like.items() if k not in {a for a, _ in tied}}
         rows = client_rows([like], name="like")
+        if tied:
+            rows = dataclasses.replace(rows, form=dataclasses.replace(rows.form, aliases=tied))
         # like's description (layout, dtype, device, buffers' shapes), not its values: an accumulator must not keep
         # a model-sized tensor alive that its owner replaced or handed away (fastagg.nvflare hands its params over)
         self._like = dataclasses.replace(rows, rows=[[] for _ in rows.rows], matrix=None)
