@@ -31,6 +31,7 @@ from ._checks import canonical_device, check_int, check_number, check_prob, expe
 from .backends import resolve
 from .compress.spec import parse
 from .passes import run_stats
+from .flat import tied_aliases
 from .rows import attach_base, client_rows
 from .rowtable import RowTable, PerRow
 
@@ -479,12 +480,29 @@ def update_norms(models: Any, base: Any, *, backend: str = "auto") -> torch.Tens
 
 
 def _update_norms(models: Any, base: Any, backend: str):
+    models, base = _untied(models, base)
     rows = client_rows(models, name="models")
     rows, _ = attach_base(rows, base)
     m = rows.num_clients
     weights = torch.full((m,), 1.0 / m, dtype=torch.float64, device=rows.device)
     _, sq, bad, _ = run_stats(rows, weights, resolve(backend, rows.device))
     return torch.where(bad, torch.full_like(sq, float("nan")), sq.sqrt()), rows
+
+
+def _untied(models: Any, base: Any) -> tuple:
+    """State_dict clients whose tied entries (one tensor under two names in each client's model: GPT-2's lm_head
+    is its embedding) are one entry: the alias names dropped from every client and from ``base``, so the update's
+    norm counts the tensor once and clipping scales it once (it was scaled by s twice, s^2 in all). A name tied in
+    some clients only stays an entry of all."""
+    if not isinstance(models, (list, tuple)) or not models or not all(isinstance(m, dict) for m in models):
+        return models, base
+    tied = set.intersection(*({a for a, _ in tied_aliases(m)} for m in models))
+    if not tied:
+        return models, base
+    models = [{k: v for k, v in m.items() if k not in tied} for m in models]
+    if isinstance(base, dict):
+        base = {k: v for k, v in base.items() if k not in tied}
+    return models, base
 
 
 def _check_in_place(models: Any) -> None:

@@ -190,3 +190,29 @@ def test_flatten_of_a_tied_state_dict_keeps_every_entry():
     fresh = TinyLM().double()
     fresh.load_state_dict(back)
     assert torch.equal(fresh.wte.weight, model.wte.weight)
+
+
+def test_client_side_clipping_scales_a_tied_tensor_once():
+    """fastagg.client.clip_updates on tied clients (each client's lm_head is its embedding): the norm counted the
+    tensor twice and the in-place clip scaled it twice (s^2). Oracle: x <- base + min(1, C/||u||) u over each
+    client's distinct tensors; an untied client's alias is its own entry (counted and clipped)."""
+    from fastagg import client
+    model = _model(8)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    tied = [TinyLM().double() for _ in range(2)]
+    for t, shift in zip(tied, (0.3, 0.1)):
+        t.load_state_dict({k: v + shift for k, v in base.items()})
+    n_distinct = sum(base[k].numel() for k in _distinct(base))
+    want = [0.3 * n_distinct ** 0.5, 0.1 * n_distinct ** 0.5]
+    c = 0.5 * want[0]
+    norms, clipped = client.clip_updates([t.state_dict() for t in tied], base, c)
+    assert norms.tolist() == pytest.approx(want, rel=1e-12) and clipped.tolist() == [True, False]
+    for k in _distinct(base):  # the first scaled by 1/2 once (not 1/4), the second untouched
+        torch.testing.assert_close(tied[0].state_dict()[k], base[k] + 0.15, rtol=0, atol=1e-12, msg=k)
+        torch.testing.assert_close(tied[1].state_dict()[k], base[k] + 0.1, rtol=0, atol=1e-12, msg=k)
+    untied = {k: v + 0.3 for k, v in base.items()}  # the alias a copy of its own: an entry, counted and clipped
+    n_all = sum(v.numel() for k, v in base.items() if v.is_floating_point() and "running" not in k)
+    norms, _ = client.clip_updates([untied], base, c)
+    assert float(norms[0]) == pytest.approx(0.3 * n_all ** 0.5, rel=1e-12)
+    torch.testing.assert_close(untied["lm_head.weight"], base["lm_head.weight"] + 0.3 * c / float(norms[0]),
+                               rtol=0, atol=1e-12)
