@@ -30,6 +30,18 @@ from . import checkpoint, fold, steps
 from .rounds import Round
 
 
+def _like_rows(like: Any):
+    """``like`` as rows of one client; a model's tied entries (one tensor under two names) are one entry, as the
+    optimizer's are (:func:`fastagg.flat.tied_aliases`)."""
+    tied = tied_aliases(like)
+    if tied and isinstance(like, Mapping):
+        like = {k: v for k, v in like.items() if k not in {a for a, _ in tied}}
+    rows = client_rows([like], name="like")
+    if tied:
+        rows = dataclasses.replace(rows, form=dataclasses.replace(rows.form, aliases=tied))
+    return rows
+
+
 class Accumulator:
     """Running sums of weighted client updates.
 
@@ -62,12 +74,7 @@ class Accumulator:
         if not isinstance(client_norms, bool):
             raise TypeError(f"client_norms must be True or False, got {client_norms!r}")
         self._client_norms = client_norms
-        tied = tied_aliases(like)  # a model's tied entries (one tensor, two names) are one entry, as the optimizer's
-        if tied and isinstance(like, Mapping):
-            like = {k: v for k, v in like.items() if k not in {a for a, _ in tied}}
-        rows = client_rows([like], name="like")
-        if tied:
-            rows = dataclasses.replace(rows, form=dataclasses.replace(rows.form, aliases=tied))
+        rows = _like_rows(like)
         # like's description (layout, dtype, device, buffers' shapes), not its values: an accumulator must not keep
         # a model-sized tensor alive that its owner replaced or handed away (fastagg.nvflare hands its params over)
         self._like = dataclasses.replace(rows, rows=[[] for _ in rows.rows], matrix=None)
