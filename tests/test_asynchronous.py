@@ -231,8 +231,9 @@ def test_a_signal_anywhere_in_a_submit_leaves_a_consistent_server():
 
 
 _EXIT_SCRIPT = r'''
-import atexit, os, signal, sys, threading
+import atexit, faulthandler, os, signal, sys, threading
 import torch
+faulthandler.dump_traceback_later(90, exit=True)  # a hang fails the test with every thread's stack, not a timeout
 from fastagg import server
 from fastagg.asynchronous import AsyncServer, Constant
 

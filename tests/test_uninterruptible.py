@@ -51,3 +51,39 @@ def test_the_call_runs_under_the_callers_grad_mode():
     with torch.no_grad():
         assert run_to_completion(torch.is_grad_enabled) is False
     assert run_to_completion(torch.is_grad_enabled) is True
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signal masks (Windows delivers to main)")
+def test_the_helper_blocks_process_signals_so_they_reach_the_waiting_main_thread():
+    """A SIGINT / SIGTERM / SIGALRM sent to the process is never delivered to the helper (it would only set a flag
+    the main thread sees after the call); faults and other signals stay unblocked on it."""
+    def mask():
+        return signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+    helper_mask = run_to_completion(mask)
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGHUP, signal.SIGUSR1):
+        assert s in helper_mask
+    for s in (signal.SIGSEGV, signal.SIGFPE, signal.SIGBUS, signal.SIGPROF):
+        assert s not in helper_mask
+    assert signal.SIGINT not in mask()  # the caller's own mask is untouched
+
+
+def test_ctrl_c_sent_to_the_process_interrupts_the_wait_at_once():
+    """``kill -INT <pid>`` (what Ctrl-C and a supervisor send) while the main thread waits on a 1 s call: the
+    KeyboardInterrupt comes within a fraction of it, and the call still finishes."""
+    import os
+
+    log = []
+
+    def slow():
+        time.sleep(1.0)
+        log.append("done")
+
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        run_to_completion(slow)
+    assert time.perf_counter() - t0 < 0.8 and log == []
+    timer.join()
+    assert run_to_completion(lambda: list(log)) == ["done"]
