@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections import OrderedDict as OrderedDict_
 from collections.abc import Mapping, Sequence
 from operator import attrgetter, itemgetter, methodcaller
 from typing import Any
@@ -268,33 +269,33 @@ def flatten(obj: Any, *, buffers: bool = False, out: torch.Tensor | None = None,
     return out, layout
 
 
-def memory_spans(ts: list, *, one_dtype: bool = True) -> tuple | None:
+def memory_spans(ts: list) -> tuple | None:
     """(starts, ends) of the bytes of the contiguous tensors ``ts`` as uint64 arrays, or None when one of them is an
     efficient zero tensor, holds elements but no memory (a storage freed under it) or reaches past the end of its
-    storage: :func:`check_memory`'s memory checks over a whole list, a few calls a tensor (None: check them one by
-    one to name the tensor). ``one_dtype``: all of ``ts`` have the first one's dtype (else each its own)."""
+    storage (one resized smaller under it: torch itself would read past it): :func:`check_memory`'s memory checks
+    over a whole list, four C calls a tensor and one a storage (None: check them one by one to name the tensor)."""
     n = len(ts)
     if n == 0:
         return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
     try:
+        stores = list(map(_STORAGE, ts))
         lo = np.fromiter(map(_DATA_PTR, ts), dtype=np.uint64, count=n)
         size = np.fromiter(map(_NBYTES, ts), dtype=np.uint64, count=n)
-        es = np.uint64(ts[0].element_size()) if one_dtype else np.fromiter(map(_ELEMENT_SIZE, ts), np.uint64, n)
-        end = np.fromiter(map(_OFFSET, ts), dtype=np.uint64, count=n) * es + size
-        stored = np.fromiter(map(_STORED_BYTES, map(_STORAGE, ts)), dtype=np.uint64, count=n)
+        stored_lo = np.fromiter(map(_DATA_PTR, stores), dtype=np.uint64, count=n)
+        stored_hi = np.fromiter(map(_STORED_BYTES, stores), dtype=np.uint64, count=n) + stored_lo
     except (RuntimeError, TypeError, ValueError, OverflowError):  # (no storage at all: the one-by-one check says so)
         return None
-    if np.any(end > stored) or np.any((lo == 0) & (size > 0)):
+    hi = lo + size
+    if np.any((size > 0) & ((lo == 0) | (lo < stored_lo) | (hi > stored_hi))):
         return None
     empty = np.flatnonzero(size == 0)  # a zero tensor with elements has no address (above); one without, here
     if len(empty) and any(ts[j]._is_zerotensor() for j in empty.tolist()):
         return None
-    return lo, lo + size
+    return lo, hi
 
 
-_DATA_PTR, _NBYTES, _OFFSET = methodcaller("data_ptr"), attrgetter("nbytes"), methodcaller("storage_offset")
+_DATA_PTR, _NBYTES = methodcaller("data_ptr"), attrgetter("nbytes")
 _STORAGE, _STORED_BYTES = methodcaller("untyped_storage"), methodcaller("nbytes")
-_ELEMENT_SIZE = methodcaller("element_size")
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 
 
@@ -358,3 +359,54 @@ def dict_plan(keys: tuple, vals0: list, names: tuple, buffer_names, like_dtype, 
         _DICT_PLANS.clear()
     _DICT_PLANS[key] = plan
     return plan
+
+
+_PARAM_PLANS: dict = {}  # (keys, dtypes, shapes, buffers_count) -> (param positions, buffer positions, Layout) or None
+_CONTIGUOUS = methodcaller("is_contiguous")
+_NEG, _CONJ = methodcaller("is_neg"), methodcaller("is_conj")
+
+
+def param_dict_entries(params: Any, *, buffers_count: bool, supported: tuple) -> tuple | None:
+    """The hot path of ``rows.param_rows`` for a global model given as a state_dict of plain CPU / CUDA tensors
+    (the functional API's ``params=``, every call): ``(names, tensors, buffer names, buffers, layout)``, with every
+    check of the general path made over the whole dict at once -- which entries are parameters and buffers and the
+    layout planned once per (keys, dtypes, shapes); one dtype in ``supported`` and one device for the parameters;
+    contiguous entries; no lazily negated / conjugated view; :func:`memory_spans`' memory checks; no two entries
+    sharing memory. None on anything else (tied entries, numpy, a check failing): the general path then accepts it
+    or names the entry at fault."""
+    if type(params) not in (dict, OrderedDict_) or not params:
+        return None
+    keys, vals = tuple(params), list(params.values())
+    if set(map(type, vals)) != {torch.Tensor}:
+        return None
+    if (len(set(map(_DEVICE_OF, vals))) != 1 or vals[0].device.type == "meta" or not all(map(_CONTIGUOUS, vals))
+            or any(map(_NEG, vals)) or any(map(_CONJ, vals))):
+        return None
+    spans = memory_spans(vals)
+    if spans is None:
+        return None
+    lo, hi = spans
+    live = np.flatnonzero(hi > lo)
+    order = live[np.argsort(lo[live], kind="stable")]
+    if len(order) > 1 and np.any(lo[order[1:]] < hi[order[:-1]]):
+        return None  # two entries share memory: tied (one tensor under two names) or overlapping (named there)
+    key = (keys, tuple(map(_DTYPE, vals)), tuple(map(_SHAPE, vals)), buffers_count)
+    plan = _PARAM_PLANS.get(key, False)
+    if plan is False:
+        plan = None
+        named, bufs = split_entries(params, where="params", buffers_count=buffers_count)
+        pos = {k: j for j, k in enumerate(keys)}
+        if named and len({vals[pos[k]].dtype for k, _ in named}) == 1 and vals[pos[named[0][0]]].dtype in supported:
+            plan = ([pos[k] for k, _ in named], [pos[k] for k, _ in bufs], Layout.of(params, buffers=buffers_count,
+                                                                                     tied=False))
+        if len(_PARAM_PLANS) >= _DICT_PLANS_KEPT:
+            _PARAM_PLANS.clear()
+        _PARAM_PLANS[key] = plan
+    if plan is None:
+        return None
+    pidx, bidx, form = plan
+    ps, bs = [vals[j] for j in pidx], [vals[j] for j in bidx]
+    return [keys[j] for j in pidx], ps, [keys[j] for j in bidx], bs, form
+
+
+_DEVICE_OF = attrgetter("device")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ._aliasing import Rows, check_writes
-from .flat import Layout, as_tensor, dict_plan, memory_spans, split_entries, tied_aliases
+from .flat import Layout, as_tensor, dict_plan, memory_spans, param_dict_entries, split_entries, tied_aliases
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -407,7 +407,7 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
     entries = [list(col) for col in zip(*ps_of)]
     spans = memory_spans(list(chain.from_iterable(entries)))  # (zero tensors and freed storages refused here,
     if spans is None or (bs_all and (not all(map(_CONTIGUOUS, bs_all))  # the buffers' too: contiguous ones
-                                     or memory_spans(bs_all, one_dtype=False) is None)):  # here)
+                                     or memory_spans(bs_all) is None)):  # here)
         return None
     for k in flat_at:
         entries[k] = [t.view(-1) for t in entries[k]]
@@ -480,6 +480,12 @@ def param_rows(params: Any, *, name: str = "params", buffers_count: bool = False
     autograd), every entry must own its memory (no entry overlaps another or itself), and a module's or
     state_dict's buffers are kept apart (``ParamRows.buffers``) -- unless ``buffers_count``: floating buffers are
     then parameters (stepped by the rule, as Flower's strategies step them); integer ones stay buffers."""
+    fast = param_dict_entries(params, buffers_count=buffers_count, supported=SUPPORTED_DTYPES)
+    if fast is not None:  # a state_dict of plain tensors: checked over the whole dict, its layout planned once
+        names, ts, bnames, bs, form = fast
+        flat = [t.detach().view(-1) for t in ts]
+        return ParamRows(flat, Segments.of_lengths([t.numel() for t in flat]), ts[0].dtype, ts[0].device, form,
+                         params, [(n, b.detach()) for n, b in zip(bnames, bs)])
     if isinstance(params, (torch.Tensor, np.ndarray)):
         t = as_tensor(params, name)
         if t.ndim != 1:
