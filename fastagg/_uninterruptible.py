@@ -24,7 +24,6 @@ import contextlib
 import functools
 import os
 import queue
-import signal
 import sys
 import threading
 
@@ -33,24 +32,16 @@ _start_lock = threading.Lock()
 _STOP = None  # put on the queue at exit: the helper returns after the calls before it
 
 
-# Asynchronous signals (Ctrl-C, SIGTERM, timers...) are blocked on the helper, so the kernel delivers a process-
-# directed one to a thread that can take it: the main thread, whose wait it then interrupts at once. Delivered to the
-# helper (Linux gives the main thread first pick, not always), the C handler only sets a flag that the main thread
-# sees once the call has ended and it next checks -- the likely cause of a CI run in which a loop of submits ran on
-# for two minutes after a SIGINT (not reproduced in 400 runs here; the test now dumps the threads if it recurs).
-# Only the signals
-# sent to a process as a whole that Python programs handle are blocked: faults raised by the thread's own
-# instructions (SIGSEGV, SIGFPE...) and profilers' per-thread timers are not.
-_ASYNCHRONOUS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGCHLD", "SIGWINCH")
-
-
-def _block_asynchronous_signals() -> None:
-    if hasattr(signal, "pthread_sigmask"):  # (not on Windows, where only the main thread gets signals anyway)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {getattr(signal, n) for n in _ASYNCHRONOUS if hasattr(signal, n)})
+# The caller waits in slices of _WAIT_SLICE_S. A signal sent to the process is usually delivered to the main thread
+# and interrupts its wait at once; but the kernel may deliver it to the helper (or any thread), whose C handler only
+# sets a flag that a main thread blocked in its wait notices only after the call, if then (a CI run saw a loop of
+# submits go on for two minutes after a SIGINT). Waking every slice, the main thread runs the pending handler within
+# one. (Blocking the signals on the helper instead would be inherited by every process a hook or
+# staleness function started from it: a child that SIGINT and SIGTERM could not stop.)
+_WAIT_SLICE_S = 0.05
 
 
 def _serve(tasks: queue.SimpleQueue) -> None:
-    _block_asynchronous_signals()
     while (task := tasks.get()) is not _STOP:
         fn, args, kwargs, context, box, done = task
         try:
@@ -126,7 +117,8 @@ def run_to_completion(fn, *args, **kwargs):
     done.acquire()
     box: list = []
     tasks.put((fn, args, kwargs, _callers_context(), box, done))
-    done.acquire()  # a signal raises here; the helper finishes the call all the same
+    while not done.acquire(timeout=_WAIT_SLICE_S):  # a signal raises here; the helper finishes the call all the same
+        pass
     ok, value = box[0]
     if ok:
         return value
