@@ -34,9 +34,8 @@ _STOP = None  # put on the queue at exit: the helper returns after the calls bef
 
 # The caller waits in slices of _WAIT_SLICE_S. A signal sent to the process is usually delivered to the main thread
 # and interrupts its wait at once; but the kernel may deliver it to the helper (or any thread), whose C handler only
-# sets a flag that a main thread blocked in its wait notices only after the call, if then (a CI run saw a loop of
-# submits go on for two minutes after a SIGINT). Waking every slice, the main thread runs the pending handler within
-# one. (Blocking the signals on the helper instead would be inherited by every process a hook or
+# sets a flag that a main thread blocked in its wait notices only after the call. Waking every slice, the main
+# thread runs the pending handler within one. (Blocking the signals on the helper instead would be inherited by every process a hook or
 # staleness function started from it: a child that SIGINT and SIGTERM could not stop.)
 _WAIT_SLICE_S = 0.05
 

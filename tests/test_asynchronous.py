@@ -234,6 +234,7 @@ _EXIT_SCRIPT = r'''
 import atexit, faulthandler, os, signal, sys, threading
 import torch
 faulthandler.dump_traceback_later(90, exit=True)  # a hang fails the test with every thread's stack, not a timeout
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a parent that ignores SIGINT passes that on through exec)
 from fastagg import server
 from fastagg.asynchronous import AsyncServer, Constant
 
