@@ -65,7 +65,13 @@ def _stop_at_exit(tasks: queue.SimpleQueue) -> None:
 def _helper() -> queue.SimpleQueue | None:
     """The helper's queue, the helper started on first use; None once the interpreter is exiting."""
     global _tasks
-    with _start_lock:
+    # Only the main thread takes _start_lock (here and in the exit hook). Held when it tries: a signal handler
+    # interrupted the main thread while it started or stopped the helper (Thread.start waits on an Event, where
+    # signals run), and the handler itself makes a call (a SIGTERM handler taking a checkpoint). Waiting would wait on
+    # itself forever; the handler's call runs directly instead.
+    if not _start_lock.acquire(blocking=False):
+        return None
+    try:
         if _tasks is None:
             tasks = queue.SimpleQueue()
             # Not a daemon: at exit the interpreter joins it after the exit hook below has queued _STOP, so no call
@@ -77,6 +83,8 @@ def _helper() -> queue.SimpleQueue | None:
             threading.Thread(target=_serve, args=(tasks,), name="fastagg-uninterruptible", daemon=False).start()
             _tasks = tasks
         return _tasks
+    finally:
+        _start_lock.release()
 
 
 def _forget_helper_after_fork() -> None:

@@ -107,3 +107,18 @@ def test_ctrl_c_sent_to_the_process_interrupts_the_wait_at_once():
     finally:
         signal.signal(signal.SIGINT, previous)
     assert run_to_completion(lambda: list(log)) == ["done"]
+
+
+def test_a_signal_handler_calling_while_the_helper_starts_runs_its_call_directly():
+    """A SIGTERM handler that takes a checkpoint (an uninterruptible call) can run while the main thread is inside
+    the helper's start (Thread.start waits on an Event: signals run there), holding the start lock: its call runs
+    directly instead of waiting on that lock forever (a reviewer saw 10 of 12 forked children hang). Held by hand
+    here, in a fresh interpreter so that no helper exists yet."""
+    import subprocess
+    import sys
+
+    script = ("import fastagg._uninterruptible as u\n"
+              "u._start_lock.acquire()  # where the main thread is while it starts the helper\n"
+              "print(u.run_to_completion(lambda: 41 + 1))\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "42", (p.returncode, p.stdout, p.stderr[-2000:])
