@@ -168,7 +168,7 @@ def tied_aliases(obj: Any) -> tuple:
             if first != n:
                 out.append((n, first))
     elif isinstance(obj, Mapping):
-        ts = [(k, v) for k, v in obj.items() if type(v) is torch.Tensor]
+        ts = [(k, v) for k, v in obj.items() if type(v) in (torch.Tensor, torch.nn.Parameter)]
         ptrs = list(map(_DATA_PTR, map(itemgetter(1), ts)))
         if len(set(ptrs)) == len(ptrs):  # (no two entries at one address: nothing is tied)
             return ()

@@ -50,12 +50,18 @@ def _mean_delta(model_sd: dict, clients: list, weights: list) -> dict:
     return {k: sum(pi * (c[k].double() - model_sd[k].double()) for pi, c in zip(p, clients)) for k in _distinct(model_sd)}
 
 
-@pytest.mark.parametrize("form", ["module", "state_dict"])
+@pytest.mark.parametrize("form", ["module", "state_dict", "state_dict keep_vars", "named_parameters"])
 def test_fedavg_steps_a_tied_parameter_once(form):
+    """``state_dict(keep_vars=True)`` and ``named_parameters(remove_duplicate=False)`` hold nn.Parameter objects, not
+    plain tensors: they were refused as two overlapping entries (a reviewer's find)."""
     model = _model()
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     clients, weights = _clients(model), [1.0, 2.0, 5.0]
-    params = model if form == "module" else model.state_dict()
+    params = {"module": lambda: model, "state_dict": model.state_dict,
+              "state_dict keep_vars": lambda: model.state_dict(keep_vars=True),
+              "named_parameters": lambda: dict(model.named_parameters(remove_duplicate=False))}[form]()
+    if form == "named_parameters":  # (no buffers: the clients' are not read against any)
+        clients = [{k: v for k, v in c.items() if k in params} for c in clients]
     server.FedAvg(params).step(clients, weights, base={k: v.clone() for k, v in before.items()})
     want = {k: before[k] + d for k, d in _mean_delta(before, clients, weights).items()}
     got = model.state_dict()
