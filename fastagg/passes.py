@@ -339,6 +339,15 @@ def write_buffers(updates: list, finite: torch.Tensor) -> None:
         torch._foreach_copy_(gs, [o if g.dim() == 1 else o.view(g.shape) for o, g in zip(pieces, gs)])
 
 
+def mark_written(params: ParamRows) -> None:
+    """Tell autograd that ``params`` (and the model's buffers) were written in place: the kernels write through raw
+    pointers, which torch cannot see, so a graph saved from the old values (``loss = f(params)`` before the round,
+    ``backward()`` after) would silently differentiate at the new ones. With the version counters bumped, that
+    ``backward`` raises "modified by an inplace operation", as after torch.optim's ``p.add_()``. (The views share
+    their tensors' counters; inference tensors have none and are skipped by torch.)"""
+    torch._C._increment_version([*params.parts, *(b for _, b in params.buffers)])
+
+
 def like_params(params: ParamRows, flat: torch.Tensor) -> ParamRows:
     """A flat buffer seen through ``params``' segments (for eval/broadcast outputs in params' form)."""
     return ParamRows(params.segments.slice(flat), params.segments, flat.dtype, flat.device, params.form, None)

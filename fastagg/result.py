@@ -18,7 +18,7 @@ from . import _buffers
 from ._checks import check_number, check_on_nonfinite
 from .backends import resolve
 from .fedexp_rule import check_eps, effective_eps, fedexp_eta
-from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, device_scalar, like_params,
+from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, device_scalar, like_params, mark_written,
                      overflow_counter, sum_stats, warn_unmatched_buffers, write_buffers)
 from .rows import ParamRows, compute_dtype, param_rows
 
@@ -107,6 +107,7 @@ def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows
                                nesterov=False, extra_out=extra, extra_coef=-0.5 * eta, extra_coef_skip=zero,
                                overflow_out=overflow)
         write_buffers(updates, finite)
+        mark_written(params)
         warn_unmatched_buffers(params, stats)
         check_overflow(overflow, on_nonfinite, "params")
     per_client = stats.sq_norms is not None
