@@ -100,12 +100,14 @@ def _callers_context():
     torch = sys.modules.get("torch")
     if torch is None:
         return contextlib.nullcontext
-    grad = torch.is_grad_enabled()
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
     cuda = torch.cuda.is_initialized()
     device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)
 
     def context():
         stack = contextlib.ExitStack()
+        if inference:  # (a model built under inference_mode is written in place only inside it)
+            stack.enter_context(torch.inference_mode())
         stack.enter_context(torch.set_grad_enabled(grad))
         if cuda:
             stack.enter_context(torch.cuda.device(device))

@@ -122,3 +122,23 @@ def test_a_signal_handler_calling_while_the_helper_starts_runs_its_call_directly
               "print(u.run_to_completion(lambda: 41 + 1))\n")
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "42", (p.returncode, p.stdout, p.stderr[-2000:])
+
+
+def test_the_callers_inference_mode_goes_with_the_call():
+    """An AsyncServer whose model was built under ``torch.inference_mode()`` and used there from the main thread:
+    its writes happen on the helper, which must be in inference mode too (else torch refuses "Inplace update to
+    inference tensor outside InferenceMode" on every step: a reviewer's find); grad mode goes along as before."""
+    import torch
+
+    from fastagg import server
+    from fastagg.asynchronous import AsyncServer, Constant
+
+    assert run_to_completion(torch.is_inference_mode_enabled) is False
+    with torch.inference_mode():
+        assert run_to_completion(torch.is_inference_mode_enabled) is True
+        w = torch.zeros(4)
+        srv = AsyncServer(server.FedAvg(w), buffer_size=1, staleness=Constant())
+        srv.submit(torch.ones(4), 0)
+        assert srv.version == 1 and torch.equal(w, torch.ones(4))
+    with torch.no_grad():
+        assert run_to_completion(torch.is_grad_enabled) is False
