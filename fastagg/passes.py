@@ -229,7 +229,8 @@ def buffer_updates(params: ParamRows, stats: RoundStats, *, models: bool) -> lis
             gs = [g for _, g in kind if g.dtype == dtype]
             values = [raw[n] for n, g in kind if g.dtype == dtype]
             if floating:
-                avg = _weighted_rows(values, gs, stats.coefs, params.device)
+                avg, bad = _weighted_rows(values, gs, stats.coefs, params.device)
+                _flag_clients(stats, bad)
                 out.append((gs, avg if models else _flat_cat(gs).to(torch.float64) + avg, None))
             else:
                 advance, ok = _counter_advances(values, gs, stats.coefs, params.device, models)
@@ -273,15 +274,23 @@ def _client_matrix(values: list, like: list, dtype: torch.dtype, device) -> torc
 _DTYPE, _DEVICE, _DIM = attrgetter("dtype"), attrgetter("device"), methodcaller("dim")
 
 
-def _weighted_rows(values: list, like: list, coefs: torch.Tensor, device) -> torch.Tensor:
-    """``sum_i coefs_i values[k][i]`` in float64 for every buffer k at once, flattened end to end (buffer k shaped
-    as ``like[k]``): every client's buffers copied into one float64 matrix, its rows added in client order
-    (elementwise what :func:`weighted_f64` computes per buffer)."""
+def _weighted_rows(values: list, like: list, coefs: torch.Tensor, device) -> tuple:
+    """``(sum_i coefs_i values[k][i]`` in float64 for every buffer k at once, flattened end to end (buffer k shaped
+    as ``like[k]``), [M] bool: client i sent a NaN / Inf among them``)``: every client's buffers copied into one
+    float64 matrix, its rows added in client order (elementwise what :func:`weighted_f64` computes per buffer)."""
     mat = _client_matrix(values, like, torch.float64, device)
     acc = torch.zeros(mat.shape[1], dtype=torch.float64, device=device)
     for i, c in enumerate(coefs):
         acc += c * mat[i]
-    return acc
+    return acc, ~torch.isfinite(mat).all(dim=1)
+
+
+def _flag_clients(stats: RoundStats, bad: torch.Tensor) -> None:
+    """Clients whose floating buffers hold a NaN / Inf are non-finite clients like those whose parameters do:
+    ``on_nonfinite="raise"`` names them and nothing is written, ``"skip"`` flags the round (as ``Accumulator.add``
+    refuses such a client). Before, the round went on and each such element kept its old value, unreported."""
+    if stats.nonfinite is not None and stats.nonfinite.shape == bad.shape:
+        stats.nonfinite |= bad.to(stats.nonfinite.device)
 
 
 def _counter_advances(values: list, like: list, coefs: torch.Tensor, device, models: bool) -> tuple:
