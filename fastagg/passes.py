@@ -348,6 +348,14 @@ def write_buffers(updates: list, finite: torch.Tensor) -> None:
         torch._foreach_copy_(gs, [o if g.dim() == 1 else o.view(g.shape) for o, g in zip(pieces, gs)])
 
 
+def finish_writes(params: ParamRows, stats: RoundStats, updates: list, finite: torch.Tensor) -> None:
+    """After a round's apply pass on ``params``: the buffers written (:func:`write_buffers`), autograd told
+    (:func:`mark_written`), the clients' buffers the model lacks warned about."""
+    write_buffers(updates, finite)
+    mark_written(params)
+    warn_unmatched_buffers(params, stats)
+
+
 def mark_written(params: ParamRows) -> None:
     """Tell autograd that ``params`` (and the model's buffers) were written in place: the kernels write through raw
     pointers, which torch cannot see, so a graph saved from the old values (``loss = f(params)`` before the round,

@@ -18,8 +18,8 @@ from . import _buffers
 from ._checks import check_number, check_on_nonfinite
 from .backends import resolve
 from .fedexp_rule import check_eps, effective_eps, fedexp_eta
-from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, device_scalar, like_params, mark_written,
-                     overflow_counter, sum_stats, warn_unmatched_buffers, write_buffers)
+from .passes import (RoundStats, buffer_updates, check_finite, check_overflow, device_scalar, finish_writes,
+                     like_params, overflow_counter, sum_stats)
 from .rows import ParamRows, compute_dtype, param_rows
 
 __all__ = ["RoundResult", "apply_and_package", "step_from_sums", "fedexp_rule", "fixed_rule"]
@@ -106,9 +106,7 @@ def apply_and_package(stats: RoundStats, eta: torch.Tensor, *, params: ParamRows
         backend.momentum_apply(params=params, mean=stats.mean, lr=eta, finite=finite, buf=None, momentum=0.0,
                                nesterov=False, extra_out=extra, extra_coef=-0.5 * eta, extra_coef_skip=zero,
                                overflow_out=overflow)
-        write_buffers(updates, finite)
-        mark_written(params)
-        warn_unmatched_buffers(params, stats)
+        finish_writes(params, stats, updates, finite)
         check_overflow(overflow, on_nonfinite, "params")
     per_client = stats.sq_norms is not None
     res = RoundResult(stats.mean, eta, stats.sq_norms, stats.mean_sq, stats.avg_sq, finite,

@@ -19,8 +19,7 @@ import torch
 from .._checks import check_on_nonfinite
 from ..backends import resolve
 from ..inputs import Target, give_back, round_stats
-from ..passes import (RoundStats, buffer_updates, check_finite, check_overflow, mark_written, overflow_counter,
-                      warn_unmatched_buffers, write_buffers)
+from ..passes import RoundStats, buffer_updates, check_finite, check_overflow, finish_writes, overflow_counter
 from ..privacy.mechanisms import MECHANISMS, dp_stats
 from ..robust import RULES, robust_stats
 from ..rows import ParamRows, compute_dtype, param_rows
@@ -355,9 +354,7 @@ class ServerOptimizer(torch.optim.Optimizer):
     def _finish(self, stats: RoundStats, finite: torch.Tensor, updates: list) -> None:
         """After the apply pass: the model's buffers (averaged, never stepped; ``updates`` from
         :func:`~fastagg.passes.buffer_updates`) and the round counter."""
-        write_buffers(updates, finite)
-        mark_written(self._p)
-        warn_unmatched_buffers(self._p, stats)
+        finish_writes(self._p, stats, updates, finite)
         step = self._flat["step"]
         step.copy_(torch.where(finite, step + 1, step))  # in place: a captured CUDA graph replays into it
 
