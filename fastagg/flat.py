@@ -330,7 +330,7 @@ def dict_plan(keys: tuple, vals0: list, names: tuple, buffer_names, like_dtype, 
     ``refs_key``: the (name, shape, kind) of the model buffers ``refs``, name -> tensor dicts) and then looked up
     (its ~0.3 ms of Python a call at 122 entries is a dict lookup). None: the entries do not line up with ``names``, or a buffer's
     shape differs from the model's (the caller's general path names what)."""
-    key = (keys, tuple(map(_DTYPE, vals0)), tuple(map(_SHAPE, vals0)), tuple(names),
+    key = (keys, tuple(map(type, keys)), tuple(map(_DTYPE, vals0)), tuple(map(_SHAPE, vals0)), tuple(names),
            None if buffer_names is None else frozenset(buffer_names), like_dtype, refs_key)
     plan = _DICT_PLANS.get(key, False)
     if plan is not False:
@@ -361,7 +361,7 @@ def dict_plan(keys: tuple, vals0: list, names: tuple, buffer_names, like_dtype, 
     return plan
 
 
-_PARAM_PLANS: dict = {}  # (keys, dtypes, shapes, buffers_count) -> (param positions, buffer positions, Layout) or None
+_PARAM_PLANS: dict = {}  # (keys, key types, dtypes, shapes, buffers_count) -> (positions, Layout) or None
 _CONTIGUOUS = methodcaller("is_contiguous")
 _NEG, _CONJ = methodcaller("is_neg"), methodcaller("is_conj")
 
@@ -390,7 +390,7 @@ def param_dict_entries(params: Any, *, buffers_count: bool, supported: tuple) ->
     order = live[np.argsort(lo[live], kind="stable")]
     if len(order) > 1 and np.any(lo[order[1:]] < hi[order[:-1]]):
         return None  # two entries share memory: tied (one tensor under two names) or overlapping (named there)
-    key = (keys, tuple(map(_DTYPE, vals)), tuple(map(_SHAPE, vals)), buffers_count)
+    key = (keys, tuple(map(type, keys)), tuple(map(_DTYPE, vals)), tuple(map(_SHAPE, vals)), buffers_count)
     plan = _PARAM_PLANS.get(key, False)
     if plan is False:
         plan = None

@@ -111,3 +111,13 @@ def test_fedavg_step_on_state_dicts_is_the_mean_written_in_place():
         for k in ("0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean"):
             want = torch.stack([c[k].double() for c in clients]).mean(0)
             torch.testing.assert_close(params[k].double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_keys_equal_but_of_another_type_get_their_own_layout():
+    """``1 == True`` and they hash alike: a layout planned for ``{1: ...}`` must not answer for ``{True: ...}`` (the
+    result's dicts would come back keyed by the first call's ``1``; a reviewer's find)."""
+    for keys in ((1, 2), (True, 2)):
+        clients = [{keys[0]: torch.randn(3), keys[1]: torch.randn(2)} for _ in range(2)]
+        params = {keys[0]: torch.zeros(3), keys[1]: torch.zeros(2)}
+        got = fastagg.fedexp_step(models=clients, params=params, eps=1e-3).eval_params
+        assert [type(k) for k in got] == [type(k) for k in keys]
