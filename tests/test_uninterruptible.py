@@ -53,60 +53,52 @@ def test_the_call_runs_under_the_callers_grad_mode():
     assert run_to_completion(torch.is_grad_enabled) is True
 
 
-@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX threads (Windows delivers to main)")
-def test_a_signal_the_kernel_hands_to_the_helper_still_interrupts_the_wait_at_once():
-    """A process-directed signal may be delivered to any thread: here to the helper itself (pthread_kill), while it
-    runs a 1 s call. Its handler must still run in the main thread within a fraction of the call (not after it), the
-    call finishes, and the helper's own signal mask stays empty (a process it started could otherwise not be
-    stopped by SIGINT / SIGTERM)."""
-    log, helper = [], []
+def _interrupted_while_running(signum: int, send) -> list:
+    """Runs a call that blocks until the caller has been interrupted; ``send(helper_thread_id)`` delivers
+    ``signum`` (its handler raises KeyboardInterrupt) once the call runs. The KeyboardInterrupt must reach the main
+    thread while the call is still blocked -- no clock involved: a wait that noticed it only after the call would
+    reach the call's 60 s bound and then see ``log`` filled. Returns what the call logged once it was released."""
+    log, helper, running, release = [], [], threading.Event(), threading.Event()
 
-    def slow():
+    def blocked():
         helper.append(threading.get_ident())
-        time.sleep(1.0)
+        running.set()
+        release.wait(60)
         log.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))
 
     def interrupt(*_):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGUSR1, interrupt)
+    previous = signal.signal(signum, interrupt)
     try:
-        timer = threading.Timer(0.1, lambda: signal.pthread_kill(helper[0], signal.SIGUSR1))
-        t0 = time.perf_counter()
-        timer.start()
+        sender = threading.Thread(target=lambda: (running.wait(60), send(helper[0])))
+        sender.start()
         with pytest.raises(KeyboardInterrupt):
-            run_to_completion(slow)
-        assert time.perf_counter() - t0 < 0.6 and log == []
-        timer.join()
-        assert run_to_completion(lambda: len(log)) == 1  # the call finished before the next one ran
-        assert not log[0] & {signal.SIGINT, signal.SIGTERM}
+            run_to_completion(blocked)
+        assert log == []  # interrupted while the call was still running
+        release.set()
+        sender.join()
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        signal.signal(signum, previous)
+    assert run_to_completion(lambda: len(log)) == 1  # the call finished before the next one ran
+    return log
 
 
-def test_ctrl_c_sent_to_the_process_interrupts_the_wait_at_once():
-    """``kill -INT <pid>`` (what Ctrl-C and a supervisor send) while the main thread waits on a 1 s call: the
-    KeyboardInterrupt comes within a fraction of it, and the call still finishes."""
+def test_a_signal_the_kernel_hands_to_the_helper_still_interrupts_the_wait():
+    """A process-directed signal may be delivered to any thread: here to the helper itself (pthread_kill) while it
+    runs a call. Its handler must still run in the main thread while the call runs (not after it), the call
+    finishes, and the helper's own signal mask stays empty (a process it started could otherwise not be stopped by
+    SIGINT / SIGTERM)."""
+    log = _interrupted_while_running(signal.SIGUSR1, lambda helper: signal.pthread_kill(helper, signal.SIGUSR1))
+    assert not log[0] & {signal.SIGINT, signal.SIGTERM}
+
+
+def test_ctrl_c_sent_to_the_process_interrupts_the_wait():
+    """``kill -INT <pid>`` (what Ctrl-C and a supervisor send) while the main thread waits on a call: the
+    KeyboardInterrupt comes while the call runs, and the call still finishes."""
     import os
 
-    log = []
-
-    def slow():
-        time.sleep(1.0)
-        log.append("done")
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever ran before
-    try:
-        timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
-        t0 = time.perf_counter()
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            run_to_completion(slow)
-        assert time.perf_counter() - t0 < 0.8 and log == []
-        timer.join()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert run_to_completion(lambda: list(log)) == ["done"]
+    _interrupted_while_running(signal.SIGINT, lambda helper: os.kill(os.getpid(), signal.SIGINT))
 
 
 def test_a_signal_handler_calling_while_the_helper_starts_runs_its_call_directly():
