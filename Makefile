@@ -25,8 +25,12 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install --no-deps $(TORCH_PIP)
 	$(PY) -m pip install $(TORCH) $(TRITON)
-	@echo "== fastagg (editable: compiles fastagg._C and fastagg._C_avx2, about 2 minutes)"
-	$(PY) -m pip install -e '.[test,sim]'
+	@echo "== fastagg (editable: compiles fastagg._C, fastagg._C_avx2 and fastagg._tensor_facts, about 2 minutes)"
+	# --no-build-isolation: the build sees this venv's torch, which fastagg._tensor_facts is compiled against (an
+	# isolated build has no torch and leaves it out: the per-entry checks then run in Python); so the build's own
+	# requirements (pyproject.toml [build-system]) are installed here first
+	$(PY) -m pip install 'setuptools>=77' 'pybind11>=2.12'
+	$(PY) -m pip install --no-build-isolation -e '.[test,sim]'
 	touch $@
 
 run: $(VENV)/.installed

@@ -7,6 +7,7 @@ import platform
 
 import torch
 
+from . import _facts
 from .backends import available, cpu_build
 from ._version import __version__
 
@@ -38,6 +39,8 @@ def env_report() -> str:
                      f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')} (unset: its threads spin)")
     else:
         lines.append(f"cpu backend: NOT available: {cpu['error']}")
+    lines.append("per-entry checks: " + ("in C (fastagg._tensor_facts, built for this torch)" if _facts.available()
+                                         else f"in Python: {_facts.WHY_NOT}"))
     if importlib.util.find_spec("triton") is not None:
         import triton
 

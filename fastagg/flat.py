@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _facts
+
 __all__ = ["Layout", "flatten", "is_floating", "as_tensor", "split_entries", "is_buffer_name", "BUFFER_NAMES"]
 
 
@@ -277,6 +279,9 @@ def memory_spans(ts: list) -> tuple | None:
     n = len(ts)
     if n == 0:
         return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
+    f = _facts.facts(ts)
+    if f is not None and f[:, _facts.OK].all():
+        return _spans_of(f)
     try:
         stores = list(map(_STORAGE, ts))
         lo = np.fromiter(map(_DATA_PTR, ts), dtype=np.uint64, count=n)
@@ -317,6 +322,7 @@ class DictPlan:
     counters: list        # buffer columns whose model buffer is an integer (a floating value is refused there)
     form: Layout
     lens: list            # the parameter entries' element counts
+    shape_rows: Any = None  # [entries, 1 + MAX_DIMS] every entry's (ndim, sizes) as the facts hold them (None: >8 dims)
 
 
 _DICT_PLANS: dict = {}  # layout key -> DictPlan or None (at most _DICT_PLANS_KEPT: a server sees a few layouts)
@@ -354,11 +360,61 @@ def dict_plan(keys: tuple, vals0: list, names: tuple, buffer_names, like_dtype, 
                 [k for k, s in enumerate(ref_shapes) if len(s) > 8 or 0 in s], bnames,
                 sorted({k for g in got for k, ref in g if ref is not None and not ref.is_floating_point()}),
                 Layout("dict", tuple(names), tuple(tuple(s) for s in ref_shapes), (ref_dtype,) * len(pidx), False),
-                [math.prod(s) for s in ref_shapes])
+                [math.prod(s) for s in ref_shapes], _shape_rows([v.shape for v in vals0]))
     if len(_DICT_PLANS) >= _DICT_PLANS_KEPT:
         _DICT_PLANS.clear()
     _DICT_PLANS[key] = plan
     return plan
+
+
+def _shape_rows(shapes: list) -> np.ndarray | None:
+    rows = [_facts.shape_row(s) for s in shapes]
+    return None if any(r is None for r in rows) else np.stack(rows) if rows else np.zeros((0, 1 + _facts.MAX_DIMS))
+
+
+def dicts_by_facts(f: np.ndarray, plan: DictPlan, device_row: int) -> tuple | None:
+    """:func:`rows._tensor_dicts`' checks of M state_dicts laid out as ``plan`` from their entries' facts ``f``
+    ([M, entries, NCOLUMNS], from :mod:`fastagg._facts`) in a few array operations: every entry a plain tensor of
+    its planned shape; the parameter entries of the planned dtype, on the device of client 0's first one,
+    contiguous, not requiring grad; the buffers real, off the meta device, contiguous, and not floating where the
+    model's is an integer counter (or where client 0's is not floating); no lazily negated view; the memory checks
+    of :func:`memory_spans`. Returns the parameter entries' spans (entry-major: entry 0 of every client first), or
+    None when a check fails or a fact is not known (the Python checks then run and name what is wrong)."""
+    F = _facts
+    pidx, bidx = plan.pidx, plan.bidx
+    if plan.shape_rows is None or not f[:, :, F.OK].all() or np.any(f[:, :, F.FLAGS] & F.NEG):
+        return None
+    if not (f[:, :, F.NDIM:F.NUMEL] == plan.shape_rows).all():
+        return None
+    p = f[:, pidx]
+    pflags = p[:, :, F.FLAGS]
+    if (not (p[:, :, F.DTYPE] == F.dtype_code(plan.ref_dtype)).all() or not (p[:, :, F.DEVICE] == device_row).all()
+            or not (pflags & F.CONTIGUOUS).all() or np.any(pflags & F.REQUIRES_GRAD)):
+        return None
+    if bidx:
+        b = f[:, bidx]
+        bflags = b[:, :, F.FLAGS]
+        if (np.any(bflags & F.COMPLEX) or np.any((b[:, :, F.DEVICE] >> 16) == F.META)
+                or not (bflags & F.CONTIGUOUS).all() or _spans_of(b.reshape(-1, F.NCOLUMNS)) is None):
+            return None
+        integer = plan.by_kind + [bidx[k] for k in plan.counters]
+        if integer and np.any(f[:, integer, F.FLAGS] & F.FLOATING):
+            return None
+    return _spans_of(p.transpose(1, 0, 2).reshape(-1, F.NCOLUMNS))
+
+
+def _spans_of(f: np.ndarray) -> tuple | None:
+    """:func:`memory_spans` from the tensors' facts (every row known)."""
+    F = _facts
+    if np.any(f[:, F.FLAGS] & F.ZERO_TENSOR):
+        return None
+    lo, size = f[:, F.DATA].astype(np.uint64), f[:, F.NBYTES].astype(np.uint64)
+    stored_lo = f[:, F.STORAGE_DATA].astype(np.uint64)
+    stored_hi = stored_lo + f[:, F.STORAGE_NBYTES].astype(np.uint64)
+    hi = lo + size
+    if np.any((size > 0) & ((lo == 0) | (lo < stored_lo) | (hi > stored_hi))):
+        return None
+    return lo, hi
 
 
 _PARAM_PLANS: dict = {}  # (keys, key types, dtypes, shapes, buffers_count) -> (positions, Layout) or None
@@ -377,12 +433,20 @@ def param_dict_entries(params: Any, *, buffers_count: bool, supported: tuple) ->
     if type(params) not in (dict, OrderedDict_) or not params:
         return None
     keys, vals = tuple(params), list(params.values())
-    if set(map(type, vals)) != {torch.Tensor}:
-        return None
-    if (len(set(map(_DEVICE_OF, vals))) != 1 or vals[0].device.type == "meta" or not all(map(_CONTIGUOUS, vals))
-            or any(map(_NEG, vals)) or any(map(_CONJ, vals))):
-        return None
-    spans = memory_spans(vals)
+    f = _facts.facts(vals)
+    if f is not None and f[:, _facts.OK].all():  # the same checks from the entries' facts, read in C
+        flags = f[:, _facts.FLAGS]
+        if (not (f[:, _facts.DEVICE] == f[0, _facts.DEVICE]).all() or (f[0, _facts.DEVICE] >> 16) == _facts.META
+                or not (flags & _facts.CONTIGUOUS).all() or np.any(flags & (_facts.NEG | _facts.CONJ))):
+            return None
+        spans = _spans_of(f)
+    else:
+        if set(map(type, vals)) != {torch.Tensor}:
+            return None
+        if (len(set(map(_DEVICE_OF, vals))) != 1 or vals[0].device.type == "meta"
+                or not all(map(_CONTIGUOUS, vals)) or any(map(_NEG, vals)) or any(map(_CONJ, vals))):
+            return None
+        spans = memory_spans(vals)
     if spans is None:
         return None
     lo, hi = spans

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _facts
 from ._aliasing import Rows, check_writes
-from .flat import Layout, as_tensor, dict_plan, memory_spans, param_dict_entries, split_entries, tied_aliases
+from .flat import Layout, as_tensor, dict_plan, dicts_by_facts, memory_spans, param_dict_entries, split_entries, tied_aliases
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -356,11 +357,10 @@ def _model_buffers(like: "ClientRows | None", params: "ParamRows | None") -> tup
 def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, like: "ClientRows | None",
                   params: "ParamRows | None") -> ClientRows | None:
     """The hot path of :func:`client_rows` for what real-model rounds send: M state_dicts of plain tensors with the
-    same keys in the same order (the first client's, whose parameter entries are ``names`` in order). The checks of
-    the general path are made over whole lists (shapes, dtypes, devices, contiguity of every entry compared at once,
-    no message built) and the rows are the same 1-D views; on anything else, or any check failing, it returns None
-    and the general path runs, which accepts or names the client and entry at fault. A state_dict of ~120 entries
-    costs a few microseconds of Python per client instead of ~20 per entry."""
+    same keys in the same order (the first client's, whose parameter entries are ``names`` in order). The general
+    path's checks are made over all entries at once (from their facts read in C, :mod:`fastagg._facts`, else over
+    whole lists of attributes), no message built; on anything else, or a check failing, it returns None and the
+    general path runs, which accepts or names the client and entry at fault."""
     first = x[0]
     if type(first) not in _DICTS or not first or names is None:
         return None
@@ -386,39 +386,54 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
     device = vals0[plan.pidx[0]].device
     if device.type == "meta":
         return None
-    ref_dtype, ref_shapes, bshapes = plan.ref_dtype, plan.ref_shapes, plan.bshapes
     take_p, take_b = plan.take_p, plan.take_b
-    by_kind, flat_at, bidx = plan.by_kind, plan.flat_at, plan.bidx
-    # every check below is one pass over all clients' entries at once (no per-client or per-entry Python)
     m = len(x)
     vals_of = [list(c.values()) for c in x]
     every = list(chain.from_iterable(vals_of))
-    if set(map(type, every)) != {torch.Tensor}:
-        return None
     ps_of = [list(take_p(v)) for v in vals_of]
     bs_of = [list(take_b(v)) for v in vals_of]
-    ps_all, bs_all = list(chain.from_iterable(ps_of)), list(chain.from_iterable(bs_of))
-    if (list(map(_SHAPE, ps_all)) != ref_shapes * m or set(map(_DTYPE, ps_all)) != {ref_dtype}
-            or set(map(_DEVICE, ps_all)) != {device} or not all(map(_CONTIGUOUS, ps_all)) or any(map(_GRAD, ps_all))
-            or list(map(_SHAPE, bs_all)) != bshapes * m or any(t.is_complex for t in set(map(_DTYPE, bs_all)))
-            or any(d.type == "meta" for d in set(map(_DEVICE, bs_all)))
-            or any(v[j].is_floating_point() for v in vals_of for j in by_kind) or any(map(_NEG, every))):
-        return None
     entries = [list(col) for col in zip(*ps_of)]
+    f = _facts.facts(every)
+    if f is not None:
+        f = f.reshape(m, len(keys), _facts.NCOLUMNS)
+        spans = dicts_by_facts(f, plan, int(f[0, plan.pidx[0], _facts.DEVICE]))
+        if spans is None and not f[:, :, _facts.OK].all():  # (an entry the facts do not cover: checked below)
+            spans = _dicts_by_attributes(every, ps_of, bs_of, entries, vals_of, plan, device)
+    else:
+        spans = _dicts_by_attributes(every, ps_of, bs_of, entries, vals_of, plan, device)
+    if spans is None:
+        return None
+    for k in plan.flat_at:
+        entries[k] = [t.view(-1) for t in entries[k]]
+    buffers = Buffers(plan.bnames, [list(col) for col in zip(*bs_of)]) if plan.bidx else None
+    form = plan.form if not numpy_in else dataclasses.replace(plan.form, numpy=True)
+    return ClientRows(EntryRows(entries, spans), Segments.of_lengths(plan.lens), m, plan.ref_dtype, device, form,
+                      buffers=buffers)
+
+
+def _dicts_by_attributes(every: list, ps_of: list, bs_of: list, entries: list, vals_of: list, plan,
+                         device: torch.device) -> tuple | None:
+    """:func:`flat.dicts_by_facts`' checks attribute by attribute (where fastagg._tensor_facts is not used): the
+    parameter entries' spans, or None."""
+    m = len(vals_of)
+    if set(map(type, every)) != {torch.Tensor}:
+        return None
+    ps_all, bs_all = list(chain.from_iterable(ps_of)), list(chain.from_iterable(bs_of))
+    if (list(map(_SHAPE, ps_all)) != plan.ref_shapes * m or set(map(_DTYPE, ps_all)) != {plan.ref_dtype}
+            or set(map(_DEVICE, ps_all)) != {device} or not all(map(_CONTIGUOUS, ps_all)) or any(map(_GRAD, ps_all))
+            or list(map(_SHAPE, bs_all)) != plan.bshapes * m or any(t.is_complex for t in set(map(_DTYPE, bs_all)))
+            or any(d.type == "meta" for d in set(map(_DEVICE, bs_all)))
+            or any(v[j].is_floating_point() for v in vals_of for j in plan.by_kind) or any(map(_NEG, every))):
+        return None
     spans = memory_spans(list(chain.from_iterable(entries)))  # (zero tensors and freed storages refused here,
     if spans is None or (bs_all and (not all(map(_CONTIGUOUS, bs_all))  # the buffers' too: contiguous ones
                                      or memory_spans(bs_all) is None)):  # here)
         return None
-    for k in flat_at:
-        entries[k] = [t.view(-1) for t in entries[k]]
-    buffers = Buffers(plan.bnames, [list(col) for col in zip(*bs_of)]) if bidx else None
     # a floating value for an integer counter is refused (general path): one dtype set over those columns
-    sent = set(map(_DTYPE, chain.from_iterable(buffers.values[k] for k in plan.counters))) if plan.counters else ()
-    if any(dt.is_floating_point for dt in sent):
+    bidx = plan.bidx
+    if any(dt.is_floating_point for dt in set(_DTYPE(v[bidx[k]]) for v in vals_of for k in plan.counters)):
         return None
-    form = plan.form if not numpy_in else dataclasses.replace(plan.form, numpy=True)
-    return ClientRows(EntryRows(entries, spans), Segments.of_lengths(plan.lens), m, ref_dtype, device, form,
-                      buffers=buffers)
+    return spans
 
 
 def check_buffer(t: torch.Tensor, ref: torch.Tensor, what: str, ref_name: str) -> None:
