@@ -51,6 +51,7 @@ enum Flag : int64_t {
   ZERO_TENSOR = 16, // an efficient zero tensor (no memory)
   FLOATING = 32,
   COMPLEX = 64,
+  MEMORY_OK = 128,  // no elements, or a nonzero address with [data, data + nbytes) inside the storage's bytes
 };
 
 constexpr int kMaxDims = 8;
@@ -90,6 +91,11 @@ void fill(PyObject* obj, int64_t* row) {
     const c10::Storage& storage = t.storage();
     vals[STORAGE_DATA] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(storage.data()));
     vals[STORAGE_NBYTES] = static_cast<int64_t>(storage.nbytes());
+    // the span check in unsigned arithmetic that cannot wrap: data >= start, then nbytes <= size - (data - start)
+    const uint64_t data = static_cast<uint64_t>(vals[DATA]), start = static_cast<uint64_t>(vals[STORAGE_DATA]);
+    const uint64_t size = static_cast<uint64_t>(vals[STORAGE_NBYTES]), nbytes = static_cast<uint64_t>(vals[NBYTES]);
+    if (vals[NUMEL] == 0 || (data != 0 && data >= start && data - start <= size && nbytes <= size - (data - start)))
+      vals[FLAGS] |= MEMORY_OK;
     vals[OK] = 1;
     std::memcpy(row, vals, sizeof(vals));
   } catch (const std::exception&) {  // c10::Error and the like: "not known", the Python checks say what is wrong
@@ -135,10 +141,10 @@ PyMODINIT_FUNC PyInit__tensor_facts() {
   PyObject* columns = Py_BuildValue("(ssssssssssssssssss)", "ok", "dtype", "device", "flags", "ndim", "size0",
                                     "size1", "size2", "size3", "size4", "size5", "size6", "size7", "numel", "data",
                                     "nbytes", "storage_data", "storage_nbytes");
-  PyObject* flags = Py_BuildValue("{sLsLsLsLsLsLsL}", "contiguous", (long long)CONTIGUOUS, "requires_grad",
+  PyObject* flags = Py_BuildValue("{sLsLsLsLsLsLsLsL}", "contiguous", (long long)CONTIGUOUS, "requires_grad",
                                   (long long)REQUIRES_GRAD, "neg", (long long)NEG, "conj", (long long)CONJ,
                                   "zero_tensor", (long long)ZERO_TENSOR, "floating", (long long)FLOATING, "complex",
-                                  (long long)COMPLEX);
+                                  (long long)COMPLEX, "memory_ok", (long long)MEMORY_OK);
   // PyModule_AddObjectRef never steals: ours are released on every path
   const bool failed = columns == nullptr || flags == nullptr || PyModule_AddObjectRef(m, "COLUMNS", columns) < 0 ||
                       PyModule_AddObjectRef(m, "FLAGS", flags) < 0 ||

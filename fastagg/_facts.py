@@ -31,8 +31,9 @@ NCOLUMNS = 18
 _COLUMNS = ("ok", "dtype", "device", "flags", "ndim", *(f"size{d}" for d in range(MAX_DIMS)), "numel", "data",
             "nbytes", "storage_data", "storage_nbytes")
 CONTIGUOUS, REQUIRES_GRAD, NEG, CONJ, ZERO_TENSOR, FLOATING, COMPLEX = 1, 2, 4, 8, 16, 32, 64
+MEMORY_OK = 128  # no elements, or a nonzero address with [DATA, DATA + NBYTES) inside the storage's bytes
 _FLAGS = {"contiguous": CONTIGUOUS, "requires_grad": REQUIRES_GRAD, "neg": NEG, "conj": CONJ,
-          "zero_tensor": ZERO_TENSOR, "floating": FLOATING, "complex": COMPLEX}
+          "zero_tensor": ZERO_TENSOR, "floating": FLOATING, "complex": COMPLEX, "memory_ok": MEMORY_OK}
 
 
 def _load():
@@ -77,6 +78,17 @@ def dtype_code(dtype: torch.dtype) -> int:
     code = _DTYPE_CODES.get(dtype)
     if code is None:
         code = _DTYPE_CODES[dtype] = int(facts([torch.empty(0, dtype=dtype)])[0, DTYPE])
+    return code
+
+
+_DEVICE_PROBES: dict = {}
+
+
+def device_code(device: torch.device) -> int:
+    """The DEVICE column's value for ``device`` (from a tensor of no elements on it, made once: no memory)."""
+    code = _DEVICE_PROBES.get(device)
+    if code is None:
+        code = _DEVICE_PROBES[device] = int(facts([torch.empty(0, device=device)])[0, DEVICE])
     return code
 
 

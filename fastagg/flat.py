@@ -22,6 +22,7 @@ import math
 import warnings
 from collections import OrderedDict as OrderedDict_
 from collections.abc import Mapping, Sequence
+from itertools import chain
 from operator import attrgetter, itemgetter, methodcaller
 from typing import Any
 
@@ -281,7 +282,7 @@ def memory_spans(ts: list) -> tuple | None:
         return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
     f = _facts.facts(ts)
     if f is not None and f[:, _facts.OK].all():
-        return _spans_of(f)
+        return _spans_of(f[:, _facts.DATA], f[:, _facts.NBYTES]) if _memory_ok(f) else None
     try:
         stores = list(map(_STORAGE, ts))
         lo = np.fromiter(map(_DATA_PTR, ts), dtype=np.uint64, count=n)
@@ -301,7 +302,8 @@ def memory_spans(ts: list) -> tuple | None:
 
 _DATA_PTR, _NBYTES = methodcaller("data_ptr"), attrgetter("nbytes")
 _STORAGE, _STORED_BYTES = methodcaller("untyped_storage"), methodcaller("nbytes")
-_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
+_DTYPE, _SHAPE, _DEVICE = attrgetter("dtype"), attrgetter("shape"), attrgetter("device")
+_GRAD = attrgetter("requires_grad")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,20 +325,26 @@ class DictPlan:
     form: Layout
     lens: list            # the parameter entries' element counts
     shape_rows: Any = None  # [entries, 1 + MAX_DIMS] every entry's (ndim, sizes) as the facts hold them (None: >8 dims)
+    expect: dict = dataclasses.field(default_factory=dict, compare=False)  # (dtype, device) -> _expected_facts
 
 
+_LAYOUT_COLUMNS = [_facts.DTYPE, *range(_facts.NDIM, _facts.NUMEL)]
 _DICT_PLANS: dict = {}  # layout key -> DictPlan or None (at most _DICT_PLANS_KEPT: a server sees a few layouts)
 _DICT_PLANS_KEPT = 64
 
 
 def dict_plan(keys: tuple, vals0: list, names: tuple, buffer_names, like_dtype, refs: list,
-              refs_key: tuple) -> DictPlan | None:
+              refs_key: tuple, facts0: np.ndarray | None = None) -> DictPlan | None:
     """The layout of client 0's state_dict (``keys`` -> ``vals0``) matched to the model's parameter entries
     ``names``: built once per distinct (keys, dtypes, shapes, names, buffer names, the dtype the rows must have,
     ``refs_key``: the (name, shape, kind) of the model buffers ``refs``, name -> tensor dicts) and then looked up
     (its ~0.3 ms of Python a call at 122 entries is a dict lookup). None: the entries do not line up with ``names``, or a buffer's
-    shape differs from the model's (the caller's general path names what)."""
-    key = (keys, tuple(map(type, keys)), tuple(map(_DTYPE, vals0)), tuple(map(_SHAPE, vals0)), tuple(names),
+    shape differs from the model's (the caller's general path names what). ``facts0``: ``vals0``'s facts
+    (:mod:`fastagg._facts`, every one known), whose dtype and shape columns then stand for their dtypes and shapes
+    in the key (one bytes object, not 2 x 122 attribute calls)."""
+    layout = (("facts", facts0[:, _LAYOUT_COLUMNS].tobytes()) if facts0 is not None
+              else (tuple(map(_DTYPE, vals0)), tuple(map(_SHAPE, vals0))))
+    key = (keys, tuple(map(type, keys)), layout, tuple(names),
            None if buffer_names is None else frozenset(buffer_names), like_dtype, refs_key)
     plan = _DICT_PLANS.get(key, False)
     if plan is not False:
@@ -375,46 +383,85 @@ def _shape_rows(shapes: list) -> np.ndarray | None:
 def dicts_by_facts(f: np.ndarray, plan: DictPlan, device_row: int) -> tuple | None:
     """:func:`rows._tensor_dicts`' checks of M state_dicts laid out as ``plan`` from their entries' facts ``f``
     ([M, entries, NCOLUMNS], from :mod:`fastagg._facts`) in a few array operations: every entry a plain tensor of
-    its planned shape; the parameter entries of the planned dtype, on the device of client 0's first one,
-    contiguous, not requiring grad; the buffers real, off the meta device, contiguous, and not floating where the
-    model's is an integer counter (or where client 0's is not floating); no lazily negated view; the memory checks
-    of :func:`memory_spans`. Returns the parameter entries' spans (entry-major: entry 0 of every client first), or
-    None when a check fails or a fact is not known (the Python checks then run and name what is wrong)."""
+    its planned shape, with memory (no efficient zero tensor), not a lazily negated view; the parameter entries of
+    the planned dtype, on the device of client 0's first one (``device_row``), contiguous, not requiring grad; the
+    buffers real, contiguous, off the meta device, and not floating where the model's is an integer counter (or
+    where client 0's is not floating); the memory checks of :func:`memory_spans`. Returns the parameter entries'
+    spans (entry-major: entry 0 of every client first), or None when a check fails or a fact is not known (the
+    Python checks then run and name what is wrong)."""
     F = _facts
-    pidx, bidx = plan.pidx, plan.bidx
-    if plan.shape_rows is None or not f[:, :, F.OK].all() or np.any(f[:, :, F.FLAGS] & F.NEG):
+    if plan.shape_rows is None:
         return None
-    if not (f[:, :, F.NDIM:F.NUMEL] == plan.shape_rows).all():
+    key = (F.dtype_code(plan.ref_dtype), device_row)
+    want = plan.expect.get(key)
+    if want is None:
+        want = plan.expect[key] = _expected_facts(plan, *key)
+    if ((f ^ want[0]) & want[1]).any():
         return None
-    p = f[:, pidx]
-    pflags = p[:, :, F.FLAGS]
-    if (not (p[:, :, F.DTYPE] == F.dtype_code(plan.ref_dtype)).all() or not (p[:, :, F.DEVICE] == device_row).all()
-            or not (pflags & F.CONTIGUOUS).all() or np.any(pflags & F.REQUIRES_GRAD)):
+    if plan.bidx and (f[:, plan.bidx, F.DEVICE] >> 16 == F.META).any():
         return None
-    if bidx:
-        b = f[:, bidx]
-        bflags = b[:, :, F.FLAGS]
-        if (np.any(bflags & F.COMPLEX) or np.any((b[:, :, F.DEVICE] >> 16) == F.META)
-                or not (bflags & F.CONTIGUOUS).all() or _spans_of(b.reshape(-1, F.NCOLUMNS)) is None):
-            return None
-        integer = plan.by_kind + [bidx[k] for k in plan.counters]
-        if integer and np.any(f[:, integer, F.FLAGS] & F.FLOATING):
-            return None
-    return _spans_of(p.transpose(1, 0, 2).reshape(-1, F.NCOLUMNS))
+    return _spans_of(f[:, plan.pidx, F.DATA].T, f[:, plan.pidx, F.NBYTES].T)
 
 
-def _spans_of(f: np.ndarray) -> tuple | None:
-    """:func:`memory_spans` from the tensors' facts (every row known)."""
+def dicts_by_attributes(every: list, ps_of: list, bs_of: list, entries: list, vals_of: list, plan,
+                         device: torch.device) -> tuple | None:
+    """:func:`dicts_by_facts`' checks attribute by attribute (where fastagg._tensor_facts is not used): the
+    parameter entries' spans, or None."""
+    m = len(vals_of)
+    if set(map(type, every)) != {torch.Tensor}:
+        return None
+    ps_all, bs_all = list(chain.from_iterable(ps_of)), list(chain.from_iterable(bs_of))
+    if (list(map(_SHAPE, ps_all)) != plan.ref_shapes * m or set(map(_DTYPE, ps_all)) != {plan.ref_dtype}
+            or set(map(_DEVICE, ps_all)) != {device} or not all(map(_CONTIGUOUS, ps_all)) or any(map(_GRAD, ps_all))
+            or list(map(_SHAPE, bs_all)) != plan.bshapes * m or any(t.is_complex for t in set(map(_DTYPE, bs_all)))
+            or any(d.type == "meta" for d in set(map(_DEVICE, bs_all)))
+            or any(v[j].is_floating_point() for v in vals_of for j in plan.by_kind) or any(map(_NEG, every))):
+        return None
+    spans = memory_spans(list(chain.from_iterable(entries)))  # (zero tensors and freed storages refused here,
+    if spans is None or (bs_all and (not all(map(_CONTIGUOUS, bs_all))  # the buffers' too: contiguous ones
+                                     or memory_spans(bs_all) is None)):  # here)
+        return None
+    # a floating value for an integer counter is refused (general path): one dtype set over those columns
+    bidx = plan.bidx
+    if any(dt.is_floating_point for dt in set(_DTYPE(v[bidx[k]]) for v in vals_of for k in plan.counters)):
+        return None
+    return spans
+
+
+def _expected_facts(plan: DictPlan, dtype: int, device: int) -> tuple:
+    """(values, masks), [entries, NCOLUMNS] each: an entry's facts pass :func:`dicts_by_facts`' checks exactly when
+    ``(facts ^ values) & masks`` is zero (a column compared whole, or the flag bits that must be set or clear)."""
     F = _facts
-    if np.any(f[:, F.FLAGS] & F.ZERO_TENSOR):
-        return None
-    lo, size = f[:, F.DATA].astype(np.uint64), f[:, F.NBYTES].astype(np.uint64)
-    stored_lo = f[:, F.STORAGE_DATA].astype(np.uint64)
-    stored_hi = stored_lo + f[:, F.STORAGE_NBYTES].astype(np.uint64)
-    hi = lo + size
-    if np.any((size > 0) & ((lo == 0) | (lo < stored_lo) | (hi > stored_hi))):
-        return None
-    return lo, hi
+    k = len(plan.pidx) + len(plan.bidx)
+    val, mask = np.zeros((k, F.NCOLUMNS), dtype=np.int64), np.zeros((k, F.NCOLUMNS), dtype=np.int64)
+    val[:, F.OK], mask[:, F.OK] = 1, -1
+    val[:, F.NDIM:F.NUMEL], mask[:, F.NDIM:F.NUMEL] = plan.shape_rows, -1
+    val[:, F.FLAGS], mask[:, F.FLAGS] = F.MEMORY_OK, F.NEG | F.ZERO_TENSOR | F.MEMORY_OK
+    p, b = plan.pidx, plan.bidx
+    val[p, F.DTYPE], val[p, F.DEVICE], mask[p, F.DTYPE], mask[p, F.DEVICE] = dtype, device, -1, -1
+    val[p, F.FLAGS] |= F.CONTIGUOUS
+    mask[p, F.FLAGS] |= F.CONTIGUOUS | F.REQUIRES_GRAD
+    if b:
+        val[b, F.FLAGS] |= F.CONTIGUOUS
+        mask[b, F.FLAGS] |= F.CONTIGUOUS | F.COMPLEX
+    integer = plan.by_kind + [b[c] for c in plan.counters]
+    if integer:
+        mask[integer, F.FLAGS] |= F.FLOATING
+    return val, mask
+
+
+def _spans_of(data: np.ndarray, nbytes: np.ndarray) -> tuple:
+    """(starts, ends) as flat uint64 arrays from the DATA and NBYTES facts of tensors whose memory checks passed
+    (the MEMORY_OK flag, set in C: every byte inside its storage)."""
+    lo = data.astype(np.uint64).reshape(-1)
+    return lo, lo + nbytes.astype(np.uint64).reshape(-1)
+
+
+def _memory_ok(f: np.ndarray) -> bool:
+    """:func:`memory_spans`' checks from the tensors' facts: every one known, none an efficient zero tensor, every
+    one's bytes inside its storage (the MEMORY_OK flag)."""
+    flags = f[:, _facts.FLAGS]
+    return bool(f[:, _facts.OK].all() and not (flags & _facts.ZERO_TENSOR).any() and (flags & _facts.MEMORY_OK).all())
 
 
 _PARAM_PLANS: dict = {}  # (keys, key types, dtypes, shapes, buffers_count) -> (positions, Layout) or None
@@ -439,7 +486,7 @@ def param_dict_entries(params: Any, *, buffers_count: bool, supported: tuple) ->
         if (not (f[:, _facts.DEVICE] == f[0, _facts.DEVICE]).all() or (f[0, _facts.DEVICE] >> 16) == _facts.META
                 or not (flags & _facts.CONTIGUOUS).all() or np.any(flags & (_facts.NEG | _facts.CONJ))):
             return None
-        spans = _spans_of(f)
+        spans = _spans_of(f[:, _facts.DATA], f[:, _facts.NBYTES]) if _memory_ok(f) else None
     else:
         if set(map(type, vals)) != {torch.Tensor}:
             return None

@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from itertools import chain
 from operator import attrgetter, methodcaller
 from typing import Any
 
 import torch
 
-from . import _buffers
+from . import _buffers, _facts
 from ._checks import check_int, check_number, normalized_weights
 from .flat import Layout
 from .rows import Buffers, ClientRows, ParamRows, client_rows, compute_dtype
@@ -257,11 +258,10 @@ def _client_matrix(values: list, like: list, dtype: torch.dtype, device) -> torc
     ``cat`` / ``stack`` (~0.1 ms for 16 ResNet-18 clients); anything else is copied through a view of the matrix
     for each value (a dtype conversion, a device move)."""
     m = len(values[0])
-    flat = [vals[i] for i in range(m) for vals in values]
+    flat = list(chain.from_iterable(zip(*values)))  # client-major: client 0's buffers, then client 1's...
     dims = {g.dim() for g in like}
     with torch.no_grad():  # (a buffer sent with requires_grad is a value like any other)
-        if len(dims) == 1 and dims <= {0, 1} and len(set(map(_DTYPE, flat))) == 1 and set(map(_DEVICE, flat)) == {
-                torch.device(device)}:
+        if len(dims) == 1 and dims <= {0, 1} and _one_dtype_on(flat, torch.device(device)):
             mat = torch.cat(flat) if dims == {1} else torch.stack(flat)
             return mat.view(m, -1).to(dtype)
         sizes = [g.numel() for g in like]
@@ -274,15 +274,31 @@ def _client_matrix(values: list, like: list, dtype: torch.dtype, device) -> torc
 _DTYPE, _DEVICE, _DIM = attrgetter("dtype"), attrgetter("device"), methodcaller("dim")
 
 
+def _one_dtype_on(ts: list, device: torch.device) -> bool:
+    """The tensors ``ts`` have one dtype and are all on ``device`` (from their facts read in C where
+    :mod:`fastagg._facts` is available: a ResNet-18 round's ~1,000 client buffers in ~0.03 ms, not ~0.15)."""
+    f = _facts.facts(ts)
+    if f is None or not f[:, _facts.OK].all():
+        return len(set(map(_DTYPE, ts))) == 1 and set(map(_DEVICE, ts)) == {device}
+    return bool((f[:, _facts.DTYPE] == f[0, _facts.DTYPE]).all()
+                and (f[:, _facts.DEVICE] == _facts.device_code(device)).all())
+
+
+def _in_client_order(mat: torch.Tensor, coefs: torch.Tensor) -> torch.Tensor:
+    """``sum_i coefs_i mat[i]`` (float64 rows), the terms added in client order: the last row of the running sums
+    (``cumsum`` over the clients adds them one after another, bit for bit a loop ``acc += coefs_i * mat[i]`` from
+    ``acc = 0``, in one call instead of 2M; ``+ 0.0`` gives that loop's +0 where every term is -0)."""
+    if mat.shape[0] == 0:
+        return torch.zeros(mat.shape[1], dtype=mat.dtype, device=mat.device)
+    return (coefs.to(device=mat.device, dtype=mat.dtype)[:, None] * mat).cumsum(0)[-1] + 0.0
+
+
 def _weighted_rows(values: list, like: list, coefs: torch.Tensor, device) -> tuple:
     """``(sum_i coefs_i values[k][i]`` in float64 for every buffer k at once, flattened end to end (buffer k shaped
     as ``like[k]``), [M] bool: client i sent a NaN / Inf among them``)``: every client's buffers copied into one
     float64 matrix, its rows added in client order (elementwise what :func:`weighted_f64` computes per buffer)."""
     mat = _client_matrix(values, like, torch.float64, device)
-    acc = torch.zeros(mat.shape[1], dtype=torch.float64, device=device)
-    for i, c in enumerate(coefs):
-        acc += c * mat[i]
-    return acc, ~torch.isfinite(mat).all(dim=1)
+    return _in_client_order(mat, coefs), ~torch.isfinite(mat).all(dim=1)
 
 
 def _flag_clients(stats: RoundStats, bad: torch.Tensor) -> None:
@@ -306,11 +322,7 @@ def _counter_advances(values: list, like: list, coefs: torch.Tensor, device, mod
         d = mat - g64
         ok = ~(((mat ^ g64) < 0) & ((d ^ mat) < 0)).any(dim=0)
         mat = d
-    mat = mat.to(device=device, dtype=torch.float64)
-    acc = torch.zeros(mat.shape[1], dtype=torch.float64, device=device)
-    for i, c in enumerate(coefs):
-        acc += c * mat[i]
-    return acc, ok
+    return _in_client_order(mat.to(device=device, dtype=torch.float64), coefs), ok
 
 
 def weighted_f64(values: list, coefs: torch.Tensor, device, shape) -> torch.Tensor:

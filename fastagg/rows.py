@@ -12,7 +12,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from itertools import chain
-from operator import attrgetter, methodcaller
+from operator import methodcaller
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ import torch
 
 from . import _facts
 from ._aliasing import Rows, check_writes
-from .flat import Layout, as_tensor, dict_plan, dicts_by_facts, memory_spans, param_dict_entries, split_entries, tied_aliases
+from .flat import Layout, as_tensor, dict_plan, dicts_by_attributes, dicts_by_facts, param_dict_entries, split_entries, tied_aliases
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -321,10 +321,8 @@ def _tied_as(rows: ClientRows, ref_form: Layout | None) -> ClientRows:
     return dataclasses.replace(rows, form=dataclasses.replace(rows.form, aliases=ref_form.aliases))
 
 
-_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
-_GRAD, _CONTIGUOUS, _FLAT = attrgetter("requires_grad"), methodcaller("is_contiguous"), methodcaller("view", -1)
+_FLAT = methodcaller("view", -1)
 _DICTS = (dict, OrderedDict)
-_NEG = methodcaller("is_neg")
 
 
 def _wrap(v):
@@ -367,7 +365,8 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
     keys = tuple(first)
     if any(type(c) not in _DICTS or tuple(c) != keys for c in x):
         return None
-    numpy_in = any(type(v) is np.ndarray for v in first.values())
+    types0 = set(map(type, first.values()))
+    numpy_in = np.ndarray in types0
     if numpy_in:  # numpy entries (Flower's, FLARE's replies) wrapped without copies, one warnings guard for all
         try:
             with warnings.catch_warnings():  # torch warns on read-only arrays; fastagg never writes to them
@@ -376,31 +375,32 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
         except (TypeError, ValueError, RuntimeError):
             return None  # (an object array, a byte-swapped one...: the general path names it)
         first = x[0]
-    vals0 = list(first.values())
-    if any(type(v) is not torch.Tensor for v in vals0):
+        types0 = set(map(type, first.values()))
+    if types0 != {torch.Tensor}:
         return None
+    m = len(x)
+    vals_of = [list(c.values()) for c in x]
+    vals0, every = vals_of[0], list(chain.from_iterable(vals_of))
+    f = _facts.facts(every)
+    if f is not None:
+        f = f.reshape(m, len(keys), _facts.NCOLUMNS)
     plan = dict_plan(keys, vals0, names, buffer_names, None if like is None else like.dtype,
-                     *_model_buffers(like, params))
+                     *_model_buffers(like, params), None if f is None or not f[0, :, _facts.OK].all() else f[0])
     if plan is None or plan.ref_dtype not in SUPPORTED_DTYPES:
         return None
     device = vals0[plan.pidx[0]].device
     if device.type == "meta":
         return None
     take_p, take_b = plan.take_p, plan.take_b
-    m = len(x)
-    vals_of = [list(c.values()) for c in x]
-    every = list(chain.from_iterable(vals_of))
     ps_of = [list(take_p(v)) for v in vals_of]
     bs_of = [list(take_b(v)) for v in vals_of]
     entries = [list(col) for col in zip(*ps_of)]
-    f = _facts.facts(every)
     if f is not None:
-        f = f.reshape(m, len(keys), _facts.NCOLUMNS)
         spans = dicts_by_facts(f, plan, int(f[0, plan.pidx[0], _facts.DEVICE]))
         if spans is None and not f[:, :, _facts.OK].all():  # (an entry the facts do not cover: checked below)
-            spans = _dicts_by_attributes(every, ps_of, bs_of, entries, vals_of, plan, device)
+            spans = dicts_by_attributes(every, ps_of, bs_of, entries, vals_of, plan, device)
     else:
-        spans = _dicts_by_attributes(every, ps_of, bs_of, entries, vals_of, plan, device)
+        spans = dicts_by_attributes(every, ps_of, bs_of, entries, vals_of, plan, device)
     if spans is None:
         return None
     for k in plan.flat_at:
@@ -409,31 +409,6 @@ def _tensor_dicts(x: Sequence, name: str, names: tuple | None, buffer_names, lik
     form = plan.form if not numpy_in else dataclasses.replace(plan.form, numpy=True)
     return ClientRows(EntryRows(entries, spans), Segments.of_lengths(plan.lens), m, plan.ref_dtype, device, form,
                       buffers=buffers)
-
-
-def _dicts_by_attributes(every: list, ps_of: list, bs_of: list, entries: list, vals_of: list, plan,
-                         device: torch.device) -> tuple | None:
-    """:func:`flat.dicts_by_facts`' checks attribute by attribute (where fastagg._tensor_facts is not used): the
-    parameter entries' spans, or None."""
-    m = len(vals_of)
-    if set(map(type, every)) != {torch.Tensor}:
-        return None
-    ps_all, bs_all = list(chain.from_iterable(ps_of)), list(chain.from_iterable(bs_of))
-    if (list(map(_SHAPE, ps_all)) != plan.ref_shapes * m or set(map(_DTYPE, ps_all)) != {plan.ref_dtype}
-            or set(map(_DEVICE, ps_all)) != {device} or not all(map(_CONTIGUOUS, ps_all)) or any(map(_GRAD, ps_all))
-            or list(map(_SHAPE, bs_all)) != plan.bshapes * m or any(t.is_complex for t in set(map(_DTYPE, bs_all)))
-            or any(d.type == "meta" for d in set(map(_DEVICE, bs_all)))
-            or any(v[j].is_floating_point() for v in vals_of for j in plan.by_kind) or any(map(_NEG, every))):
-        return None
-    spans = memory_spans(list(chain.from_iterable(entries)))  # (zero tensors and freed storages refused here,
-    if spans is None or (bs_all and (not all(map(_CONTIGUOUS, bs_all))  # the buffers' too: contiguous ones
-                                     or memory_spans(bs_all) is None)):  # here)
-        return None
-    # a floating value for an integer counter is refused (general path): one dtype set over those columns
-    bidx = plan.bidx
-    if any(dt.is_floating_point for dt in set(_DTYPE(v[bidx[k]]) for v in vals_of for k in plan.counters)):
-        return None
-    return spans
 
 
 def check_buffer(t: torch.Tensor, ref: torch.Tensor, what: str, ref_name: str) -> None:

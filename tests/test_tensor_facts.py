@@ -79,7 +79,15 @@ def test_facts_equal_what_torch_says_and_the_unsure_ones_are_unknown():
         assert (dev >> 16 == _facts.META) == (t.device.type == "meta"), name
         assert (dev & 0xFFFF) == ((t.device.index if t.device.index is not None else -1) & 0xFFFF), name
         flags = row[_facts.FLAGS]
-        expect = {_facts.CONTIGUOUS: t.is_contiguous(), _facts.REQUIRES_GRAD: t.requires_grad,
+        st = t.untyped_storage()
+        try:
+            st_ptr = st.data_ptr()
+        except RuntimeError:  # (torch refuses it where there is no memory: reported as address 0)
+            assert t.device.type == "meta" or t._is_zerotensor(), name
+            st_ptr = 0
+        inside = t.data_ptr() != 0 and st_ptr <= t.data_ptr() and t.data_ptr() + t.nbytes <= st_ptr + st.nbytes()
+        expect = {_facts.MEMORY_OK: t.numel() == 0 or inside,
+                  _facts.CONTIGUOUS: t.is_contiguous(), _facts.REQUIRES_GRAD: t.requires_grad,
                   _facts.NEG: t.is_neg(), _facts.CONJ: t.is_conj(), _facts.ZERO_TENSOR: t._is_zerotensor(),
                   _facts.FLOATING: t.is_floating_point(), _facts.COMPLEX: t.is_complex()}
         for bit, want in expect.items():
@@ -87,12 +95,6 @@ def test_facts_equal_what_torch_says_and_the_unsure_ones_are_unknown():
         assert list(row[_facts.NDIM:_facts.NUMEL]) == [t.dim(), *t.shape, *[0] * (8 - t.dim())], name
         assert row[_facts.NUMEL] == t.numel() and row[_facts.NBYTES] == t.numel() * t.element_size(), name
         assert row[_facts.DATA] == t.data_ptr(), name
-        st = t.untyped_storage()
-        try:
-            st_ptr = st.data_ptr()
-        except RuntimeError:  # (torch refuses it where there is no memory: reported as address 0)
-            assert t.device.type == "meta" or t._is_zerotensor(), name
-            st_ptr = 0
         assert row[_facts.STORAGE_DATA] == st_ptr and row[_facts.STORAGE_NBYTES] == st.nbytes(), name
 
 
@@ -139,7 +141,8 @@ def test_memory_spans_from_facts_equal_the_attribute_path():
         assert (got is None) == (want is None), name
         if got is not None:
             assert [a.tolist() for a in got] == [a.tolist() for a in want], name
-    assert memory_spans([zoo["past its storage"]]) is None and memory_spans([zoo["zero tensor"]]) is None
+    for name in ("past its storage", "zero tensor", "storage freed", "meta"):
+        assert memory_spans([zoo[name]]) is None, name
 
 
 def _model():
