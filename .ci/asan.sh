@@ -35,3 +35,6 @@ LD_PRELOAD="$PRELOAD" FASTAGG_CPU_ISA=asan TRITON_INTERPRET=1 FASTAGG_FUZZ_EXAMP
   tests/test_errors.py tests/test_fuzz.py tests/test_properties.py tests/test_stream_concurrency.py \
   tests/test_robust.py tests/test_robust_kernels.py tests/test_privacy.py tests/test_privacy_noise.py \
   tests/test_compress.py tests/test_compress_formats.py tests/test_compress_clients.py
+
+# the row tables fastagg._tensor_facts makes (csrc/row_table.h), read by the sanitized binding
+LD_PRELOAD="$PRELOAD" FASTAGG_CPU_ISA=asan "$PY" -m pytest -q -p no:cacheprovider --capture=sys tests/test_tensor_facts.py

@@ -15,6 +15,7 @@
 #include "kernels.h"
 #include "noise.h"
 #include "quantized.h"
+#include "row_table.h"
 #include "segments.h"
 #include "views.h"
 
@@ -95,6 +96,38 @@ void check_row_overlaps(const std::vector<const View*>& writes, const RowsArg& r
   check_overlaps_spans(writes, reads, [&](size_t j) { return j < n ? r.read_name(j) : more[j - n]->name; });
 }
 
+// A row table capsule's table (csrc/row_table.h), its own consistency checked: the magic, `segments` tables of
+// `clients` > 0 rows each.
+const fastagg::RowTableC& row_table_of(py::handle capsule, const std::string& name, int64_t segments) {
+  const auto* tab = static_cast<const fastagg::RowTableC*>(PyCapsule_GetPointer(capsule.ptr(),
+                                                                                 FASTAGG_ROW_TABLE_CAPSULE));
+  if (tab == nullptr) throw py::error_already_set();
+  if (tab->magic != fastagg::kRowTableMagic || tab->data == nullptr || tab->numel == nullptr)
+    type_error(name + " is not a row table made by fastagg._tensor_facts");
+  if (tab->segments != segments) value_error(name + " have " + str(tab->segments) + " segments; expected " +
+                                             str(segments));
+  if (tab->clients <= 0) value_error(name + " hold no client");
+  return *tab;
+}
+
+// The table's dtype as a Kind: a floating one, and `want` unless that is kAnyFloat.
+int table_kind(const fastagg::RowTableC& tab, const std::string& name, int want) {
+  const int kind = quick_kind(DLDataType{tab.dl_code, tab.dl_bits, 1});
+  if (kind == kNoKind || kind > kF64 || (want != kAnyFloat && kind != want))
+    type_error(name + " has an unsupported dtype (DLPack code " + str(tab.dl_code) + ", " + str(tab.dl_bits) +
+               " bits)");
+  return kind;
+}
+
+// Row j of a table as a QuickRow, holding exactly `numel` elements (and an address when it holds any).
+template <typename Name>
+QuickRow table_row(const fastagg::RowTableC& tab, int64_t j, int64_t numel, int kind, Name name) {
+  const int64_t n = tab.numel[j];
+  if (n != numel) value_error(name() + " has " + str(n) + " elements; expected " + str(numel));
+  if (n > 0 && tab.data[j] == nullptr) value_error(name() + " has no memory");
+  return {tab.data[j], kind, n, tab.dl_bits / 8};
+}
+
 RowsArg rows_of(py::handle rows, py::handle base, const std::vector<int64_t>& seg_lens, const std::string& pass) {
   RowsArg r;
   const int64_t L = static_cast<int64_t>(seg_lens.size());
@@ -105,7 +138,20 @@ RowsArg rows_of(py::handle rows, py::handle base, const std::vector<int64_t>& se
     r.seg_off[s] = r.d;
     r.d += seg_lens[s];
   }
-  if (py::isinstance<py::list>(rows)) {  // L lists of M row segments
+  if (PyCapsule_IsValid(rows.ptr(), FASTAGG_ROW_TABLE_CAPSULE)) {  // the same rows as one table (row_table.h)
+    const fastagg::RowTableC& tab = row_table_of(rows, "deltas", L);
+    r.M = tab.clients;
+    r.T = table_kind(tab, "deltas", kAnyFloat);
+    r.ptrs.resize(L * r.M);
+    r.row_spans.resize(L * r.M);
+    for (int64_t s = 0; s < L; ++s)
+      for (int64_t i = 0; i < r.M; ++i) {
+        const QuickRow q = table_row(tab, s * r.M + i, seg_lens[s], r.T, [&] {
+          return "deltas[" + str(i) + "] entry " + str(s); });
+        r.ptrs[s * r.M + i] = reinterpret_cast<uint64_t>(q.data);
+        r.row_spans[s * r.M + i] = q.span();
+      }
+  } else if (py::isinstance<py::list>(rows)) {  // L lists of M row segments
     auto segs = rows.cast<py::list>();
     if (static_cast<int64_t>(segs.size()) != L) value_error("deltas have " + str(segs.size()) + " segments; "
                                                             "expected " + str(L));
@@ -151,7 +197,18 @@ RowsArg rows_of(py::handle rows, py::handle base, const std::vector<int64_t>& se
     r.views.push_back(std::move(m));
   }
   if (r.M == 0) value_error("deltas hold no client");
-  if (!base.is_none()) {
+  if (!base.is_none() && PyCapsule_IsValid(base.ptr(), FASTAGG_ROW_TABLE_CAPSULE)) {  // one client's table
+    const fastagg::RowTableC& tab = row_table_of(base, "params (the base of models=)", L);
+    if (tab.clients != 1) value_error("params (the base of models=) must be one model, got a table of " +
+                                      str(tab.clients));
+    if (table_kind(tab, "params (the base of models=)", kAnyFloat) != r.T)
+      type_error("params (the base of models=) has another dtype than the rows");
+    for (int64_t s = 0; s < L; ++s) {
+      const QuickRow q = table_row(tab, s, seg_lens[s], r.T, [&] { return r.base_name(s); });
+      r.base_ptrs.push_back(reinterpret_cast<uint64_t>(q.data));
+      r.row_spans.push_back(q.span());
+    }
+  } else if (!base.is_none()) {
     // segment_views(base, "params (the base of models=)", r.T) and the count and length checks after it, with the
     // same quick_row shortcut as the rows: each segment 1-D, contiguous, of the rows' dtype.
     const std::string bname = "params (the base of models=)";

@@ -17,6 +17,10 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <vector>
+
+#include "row_table.h"
 
 #ifndef FASTAGG_TORCH_VERSION
 #error "FASTAGG_TORCH_VERSION (torch.__version__ at build time) must be defined by setup.py"
@@ -56,14 +60,24 @@ enum Flag : int64_t {
 
 constexpr int kMaxDims = 8;
 
+// A TensorImpl none of whose metadata is answered by Python: no Python dispatch key (a wrapper subclass whose
+// layout, sizes or strides come from Python code, which could run anything -- even free the list being read) and
+// no symbolic sizes. Checked before any other call on it; anything else is "not known". (C++ policies -- nested,
+// mkldnn -- run no Python; what they refuse throws, which reads as "not known" too.)
+bool plain_impl(const c10::TensorImpl* impl) {
+  const c10::DispatchKeySet keys = impl->key_set();
+  return !keys.has(c10::DispatchKey::Python) && !keys.has(c10::DispatchKey::PythonTLSSnapshot) &&
+         !impl->has_symbolic_sizes_strides();
+}
+
 void fill(PyObject* obj, int64_t* row) {
   std::memset(row, 0, sizeof(int64_t) * NCOLUMNS);
   if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return;  // subclasses, numpy, None...
   try {
     const at::Tensor& t = THPVariable_Unpack(obj);
-    if (!t.defined() || t.layout() != c10::kStrided) return;
+    if (!t.defined() || !plain_impl(t.unsafeGetTensorImpl())) return;
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    if (impl->has_symbolic_sizes_strides() || !impl->has_storage()) return;
+    if (t.layout() != c10::kStrided || !impl->has_storage()) return;
     const int64_t ndim = t.dim();
     if (ndim > kMaxDims) return;
     const auto st = t.scalar_type();
@@ -99,6 +113,7 @@ void fill(PyObject* obj, int64_t* row) {
     vals[OK] = 1;
     std::memcpy(row, vals, sizeof(vals));
   } catch (const std::exception&) {  // c10::Error and the like: "not known", the Python checks say what is wrong
+    PyErr_Clear();  // (a torch error raised from Python code leaves the Python error set too)
     std::memset(row, 0, sizeof(int64_t) * NCOLUMNS);
   }
 }
@@ -109,22 +124,128 @@ PyObject* facts(PyObject*, PyObject* arg) {
     PyErr_Format(PyExc_TypeError, "facts() takes a list or tuple of tensors, got %s", Py_TYPE(arg)->tp_name);
     return nullptr;
   }
-  PyObject* seq = PySequence_Fast(arg, "facts() takes a list or tuple");  // a new reference to the same object
+  // a tuple of new references to the items: nothing that happens to the caller's list can free one under us
+  PyObject* seq = PySequence_Tuple(arg);
   if (seq == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  const Py_ssize_t n = PyTuple_GET_SIZE(seq);
   PyObject* out = PyBytes_FromStringAndSize(nullptr, n * static_cast<Py_ssize_t>(NCOLUMNS * sizeof(int64_t)));
   if (out == nullptr) {
     Py_DECREF(seq);
     return nullptr;
   }
   auto* rows = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(out));
-  PyObject** items = PySequence_Fast_ITEMS(seq);  // the sequence cannot change under us: nothing here runs Python
-  for (Py_ssize_t i = 0; i < n; ++i) fill(items[i], rows + i * NCOLUMNS);
+  for (Py_ssize_t i = 0; i < n; ++i) fill(PyTuple_GET_ITEM(seq, i), rows + i * NCOLUMNS);
   Py_DECREF(seq);
   return out;
 }
 
+// ---- row_table: a round's rows as one table for the kernels' bindings (csrc/row_table.h) -----------------------
+
+struct OwnedTable {
+  fastagg::RowTableC c{};
+  std::vector<char*> data;
+  std::vector<int64_t> numel;
+  std::vector<at::Tensor> keep;  // a reference to every row's tensor: its storage lives as long as the table
+};
+
+void free_table(PyObject* capsule) { delete static_cast<OwnedTable*>(PyCapsule_GetContext(capsule)); }
+
+// (DLPack code, bits) of a dtype a table may hold, or {0, 0}
+std::pair<uint8_t, uint8_t> dl_float(c10::ScalarType st) {
+  switch (st) {
+    case c10::ScalarType::Half: return {2, 16};
+    case c10::ScalarType::BFloat16: return {4, 16};
+    case c10::ScalarType::Float: return {2, 32};
+    case c10::ScalarType::Double: return {2, 64};
+    default: return {0, 0};
+  }
+}
+
+// A row the table may hold: a plain contiguous CPU tensor of a floating dtype, with memory (no efficient zero
+// tensor, no lazy negation), its bytes inside its storage. Anything else: the caller returns None and Python hands
+// the binding DLPack capsules, checked there one by one as before.
+bool table_row(PyObject* obj, OwnedTable& t, c10::ScalarType& st) {
+  if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return false;
+  try {
+    const at::Tensor& x = THPVariable_Unpack(obj);
+    if (!x.defined() || !plain_impl(x.unsafeGetTensorImpl())) return false;
+    c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+    if (x.layout() != c10::kStrided || !x.device().is_cpu() || !impl->has_storage()) return false;
+    if (st == c10::ScalarType::Undefined) {
+      st = x.scalar_type();
+      if (dl_float(st).first == 0) return false;
+    } else if (x.scalar_type() != st) {
+      return false;
+    }
+    if (!x.is_contiguous() || x.is_neg() || x.is_conj() || x._is_zerotensor()) return false;
+    const int64_t n = x.numel();
+    char* data = static_cast<char*>(x.data_ptr());
+    const c10::Storage& storage = x.storage();
+    const uint64_t d = reinterpret_cast<uintptr_t>(data), start = reinterpret_cast<uintptr_t>(storage.data());
+    const uint64_t size = storage.nbytes(), nbytes = x.nbytes();
+    if (n != 0 && !(d != 0 && d >= start && d - start <= size && nbytes <= size - (d - start))) return false;
+    t.data.push_back(data);
+    t.numel.push_back(n);
+    t.keep.push_back(x);
+    return true;
+  } catch (const std::exception&) {
+    PyErr_Clear();
+    return false;
+  }
+}
+
+// row_table(rows: list of L lists of M tensors) -> a capsule (FASTAGG_ROW_TABLE_CAPSULE), or None where a row is not
+// one a table may hold or the lists are ragged / empty.
+PyObject* row_table(PyObject*, PyObject* arg) {
+  if (!PyList_Check(arg)) {
+    PyErr_Format(PyExc_TypeError, "row_table() takes a list of lists of tensors, got %s", Py_TYPE(arg)->tp_name);
+    return nullptr;
+  }
+  // copies holding new references (the outer list, then each segment's): nothing that happens to the caller's
+  // lists can free an item under us (no Python runs here, but the copies do not rely on that)
+  PyObject* outer = PySequence_Tuple(arg);
+  if (outer == nullptr) return nullptr;
+  const Py_ssize_t L = PyTuple_GET_SIZE(outer);
+  auto t = std::make_unique<OwnedTable>();
+  c10::ScalarType st = c10::ScalarType::Undefined;
+  Py_ssize_t M = -1;
+  bool ok = L > 0;
+  for (Py_ssize_t s = 0; ok && s < L; ++s) {
+    PyObject* item = PyTuple_GET_ITEM(outer, s);
+    PyObject* seg = PyList_Check(item) ? PySequence_Tuple(item) : nullptr;
+    if (seg == nullptr) {
+      ok = false;
+      break;
+    }
+    if (M < 0) {
+      M = PyTuple_GET_SIZE(seg);
+      t->data.reserve(L * M);
+      t->numel.reserve(L * M);
+      t->keep.reserve(L * M);
+    }
+    ok = M > 0 && PyTuple_GET_SIZE(seg) == M;
+    for (Py_ssize_t i = 0; ok && i < M; ++i) ok = table_row(PyTuple_GET_ITEM(seg, i), *t, st);
+    Py_DECREF(seg);
+  }
+  Py_DECREF(outer);
+  if (PyErr_Occurred()) return nullptr;  // (a failed copy: out of memory)
+  if (!ok) Py_RETURN_NONE;
+  const auto dl = dl_float(st);
+  t->c = {fastagg::kRowTableMagic, static_cast<int64_t>(L), static_cast<int64_t>(M), dl.first, dl.second,
+          t->data.data(), t->numel.data()};
+  PyObject* capsule = PyCapsule_New(&t->c, FASTAGG_ROW_TABLE_CAPSULE, free_table);
+  if (capsule == nullptr) return nullptr;
+  if (PyCapsule_SetContext(capsule, t.get()) != 0) {  // (the destructor then deletes nothing; t frees itself)
+    Py_DECREF(capsule);
+    return nullptr;
+  }
+  t.release();  // owned by the capsule now
+  return capsule;
+}
+
 PyMethodDef methods[] = {
+    {"row_table", row_table, METH_O,
+     "row_table(rows) -> a row table capsule for the kernels' bindings (csrc/row_table.h), or None."},
     {"facts", facts, METH_O,
      "facts(tensors) -> bytes: one row of native int64s a tensor, the columns named by COLUMNS."},
     {nullptr, nullptr, 0, nullptr},

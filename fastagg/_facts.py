@@ -4,7 +4,7 @@ of a round over a state_dict of hundreds of entries, read in one C call from the
 
 That module is built against torch's headers, so it is used only under the torch it was built with (its version and
 git revision stamped in at build time); where it is missing (a wheel built without torch present), stale, or turned
-off with ``FASTAGG_TENSOR_FACTS=0``, :func:`facts` returns None and every caller runs the same checks in Python.
+off with ``FASTAGG_TENSOR_FACTS=0`` (read once, when fastagg is imported), :func:`facts` returns None and every caller runs the same checks in Python.
 :data:`WHY_NOT` says which, for ``fastagg.env`` reports and bug reports.
 
 A row per tensor, int64 columns (``OK`` ... ``STORAGE_NBYTES``). ``OK`` is 1 for a plain strided tensor (exactly
@@ -38,8 +38,12 @@ _FLAGS = {"contiguous": CONTIGUOUS, "requires_grad": REQUIRES_GRAD, "neg": NEG, 
 
 def _load():
     """(the compiled module, None) when it can be used here, else (None, why not)."""
-    if os.environ.get("FASTAGG_TENSOR_FACTS", "1").strip() == "0":
-        return None, "turned off (FASTAGG_TENSOR_FACTS=0)"
+    setting = os.environ.get("FASTAGG_TENSOR_FACTS", "1").strip().lower()
+    if setting in ("0", "false", "off", "no"):
+        return None, f"turned off (FASTAGG_TENSOR_FACTS={os.environ['FASTAGG_TENSOR_FACTS']})"
+    if setting not in ("1", "true", "on", "yes", ""):
+        raise ValueError(f"FASTAGG_TENSOR_FACTS must be 0 or 1 (or false/true, off/on, no/yes), got "
+                         f"{os.environ['FASTAGG_TENSOR_FACTS']!r}")
     mod = _compiled
     if mod is None:
         return None, (f"fastagg._tensor_facts is not importable ({_IMPORT_ERROR}); it is built only where torch is "
@@ -68,6 +72,13 @@ def facts(ts: list | tuple) -> np.ndarray | None:
     if _MODULE is None:
         return None
     return np.frombuffer(_MODULE.facts(ts), dtype=np.int64).reshape(len(ts), NCOLUMNS)
+
+
+def row_table(rows: list):
+    """A round's rows (``rows[s][i]``: client i's part of segment s, contiguous CPU tensors of one floating dtype)
+    as one table capsule the kernels' bindings read in place of a DLPack capsule a row (csrc/row_table.h); None
+    where the compiled module is not used or a row is not one a table may hold (then pass the capsules)."""
+    return None if _MODULE is None else _MODULE.row_table(rows)
 
 
 _DTYPE_CODES: dict = {}

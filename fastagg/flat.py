@@ -64,7 +64,7 @@ def check_memory(t: torch.Tensor, name: str | None = None) -> None:
     if t._is_zerotensor():
         raise ValueError(f"{what} is an efficient zero tensor, which has no memory: pass torch.zeros(...)")
     n = t.numel()
-    if n and t.layout == torch.strided:
+    if n and t.layout == torch.strided and not t.is_nested:  # (others are refused as entries: not dense)
         extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if stride > 0)
         need = (t.storage_offset() + extent) * t.element_size()
         if t.untyped_storage().nbytes() < need:
@@ -171,16 +171,19 @@ def tied_aliases(obj: Any) -> tuple:
             if first != n:
                 out.append((n, first))
     elif isinstance(obj, Mapping):
-        ts = [(k, v) for k, v in obj.items() if type(v) in (torch.Tensor, torch.nn.Parameter)]
-        ptrs = list(map(_DATA_PTR, map(itemgetter(1), ts)))
+        ts = [(k, v) for k, v in obj.items()
+              if type(v) in (torch.Tensor, torch.nn.Parameter) and v.layout == torch.strided and v.numel() > 0]
+        try:
+            ptrs = list(map(_DATA_PTR, map(itemgetter(1), ts)))
+        except RuntimeError:  # (a tensor without memory: nothing is tied to it; the entry checks name it)
+            return ()
         if len(set(ptrs)) == len(ptrs):  # (no two entries at one address: nothing is tied)
             return ()
         seen = {}
-        for k, v in ts:
-            if v.numel() > 0 and v.layout == torch.strided:
-                first = seen.setdefault((v.device, v.dtype, v.data_ptr(), tuple(v.shape), v.stride()), k)
-                if first != k:
-                    out.append((k, first))
+        for (k, v), ptr in zip(ts, ptrs):
+            first = seen.setdefault((v.device, v.dtype, ptr, tuple(v.shape), v.stride()), k)
+            if first != k:
+                out.append((k, first))
     return tuple(out)
 
 
@@ -407,6 +410,14 @@ def dicts_by_attributes(every: list, ps_of: list, bs_of: list, entries: list, va
                          device: torch.device) -> tuple | None:
     """:func:`dicts_by_facts`' checks attribute by attribute (where fastagg._tensor_facts is not used): the
     parameter entries' spans, or None."""
+    try:
+        return _dicts_by_attributes(every, ps_of, bs_of, entries, vals_of, plan, device)
+    except (RuntimeError, TypeError, ValueError):  # (an entry torch cannot describe: nested...; named there)
+        return None
+
+
+def _dicts_by_attributes(every: list, ps_of: list, bs_of: list, entries: list, vals_of: list, plan,
+                         device: torch.device) -> tuple | None:
     m = len(vals_of)
     if set(map(type, every)) != {torch.Tensor}:
         return None
@@ -488,8 +499,8 @@ def param_dict_entries(params: Any, *, buffers_count: bool, supported: tuple) ->
             return None
         spans = _spans_of(f[:, _facts.DATA], f[:, _facts.NBYTES]) if _memory_ok(f) else None
     else:
-        if set(map(type, vals)) != {torch.Tensor}:
-            return None
+        if set(map(type, vals)) != {torch.Tensor} or any(t.layout != torch.strided for t in vals):
+            return None  # (sparse and the like: the general path names them)
         if (len(set(map(_DEVICE_OF, vals))) != 1 or vals[0].device.type == "meta"
                 or not all(map(_CONTIGUOUS, vals)) or any(map(_NEG, vals)) or any(map(_CONJ, vals))):
             return None

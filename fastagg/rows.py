@@ -178,6 +178,10 @@ class ParamRows:
 
 
 def _check_dtype(t: torch.Tensor, where: str) -> None:
+    """``t`` is dense (strided, not nested: what the kernels read in place) and of a supported floating dtype."""
+    if t.layout != torch.strided or t.is_nested:
+        raise ValueError(f"{where} is a {'nested' if t.is_nested else t.layout} tensor; fastagg reads dense memory "
+                         "in place: pass a dense tensor (.to_dense())")
     if t.dtype not in SUPPORTED_DTYPES:
         kind = "floating" if not t.is_floating_point() else "supported floating"
         raise TypeError(f"{where} has dtype {t.dtype}; expected a {kind} dtype (float16, bfloat16, float32, float64)")
@@ -185,6 +189,7 @@ def _check_dtype(t: torch.Tensor, where: str) -> None:
 
 def _flat_view(t: torch.Tensor, where: str) -> torch.Tensor:
     """``t`` as a 1-D view; raises instead of copying when its elements are not contiguous."""
+    _check_dtype(t, where)
     if not t.is_contiguous():
         raise ValueError(
             f"{where} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}); "
@@ -293,8 +298,7 @@ def client_rows(x: Any, *, name: str, params: "ParamRows | None" = None, like: "
                 raise TypeError(f"{where} has dtype {t.dtype}; expected {ref_dtype} like {dtype_ref}")
             if t.device != first[0].device:
                 raise ValueError(f"{where} is on {t.device}; expected {first[0].device} like {name}[0]")
-    rows = [[_flat_view(c[k], f"{name}[{i}][{k}]" if per_layer else f"{name}[{i}]") for i, c in enumerate(clients)]
-            for k in range(len(first))]
+    rows = [[_flat_view(c[k], entry(i, k)) for i, c in enumerate(clients)] for k in range(len(first))]
     numpy_in = isinstance(x[0], np.ndarray) or (per_layer and _any_numpy(x[0]))
     if per_layer:
         form = dataclasses.replace(Layout.of(x[0], buffer_names=buffer_names), numpy=numpy_in)

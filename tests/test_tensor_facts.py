@@ -271,3 +271,248 @@ def test_an_entry_of_more_than_8_dimensions_takes_the_attribute_checks_with_the_
     clients[1]["w"] = clients[1]["w"].reshape(*[2] * 8, 2, 1)
     with pytest.raises(ValueError, match=r"models\[1\]\['w'\] has shape"):
         fastagg.fedavg_step(models=clients, params={k: v.clone() for k, v in glob.items()})
+
+
+# ---- row tables: a round's rows handed to the compiled kernels as one capsule (csrc/row_table.h) -----------------
+
+def _stats_call(rows_arg, base_arg, lens, m, dtype=torch.float32):
+    from fastagg.backends import cpu
+
+    d = sum(lens)
+    out = dict(mean=torch.zeros(d, dtype=torch.float64 if dtype == torch.float64 else torch.float32),
+               sq=torch.zeros(m, dtype=torch.float64), bad=torch.zeros(m, dtype=torch.bool),
+               msq=torch.zeros((), dtype=torch.float64))
+    w = torch.full((m,), 1.0 / m, dtype=torch.float64)
+    cpu.compiled().round_stats(rows_arg, base_arg, list(lens), cpu._dl(w), None, None, 0.0, cpu._dl(out["mean"]),
+                               cpu._dl(out["sq"]), cpu._dl(out["bad"]), cpu._dl(out["msq"]), 0.0, 0, 0)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_a_row_table_gives_the_kernel_exactly_what_the_capsules_give(dtype):
+    from fastagg.backends import cpu
+
+    torch.manual_seed(3)
+    lens, m = [7, 1, 0, 33], 5
+    rows = [[torch.randn(n).to(dtype) for _ in range(m)] for n in lens]
+    rows[3][2] = torch.randn(3, 11).to(dtype)  # N-D contiguous entries are rows of their element count
+    base = [torch.randn(n).to(dtype) for n in lens]
+    table, btable = _facts.row_table(rows), _facts.row_table([[b] for b in base])
+    assert table is not None and btable is not None
+    by_table = _stats_call(table, btable, lens, m, dtype)
+    by_capsules = _stats_call([[cpu._dl(r) for r in seg] for seg in rows], [cpu._dl(b) for b in base], lens, m, dtype)
+    for k in by_table:
+        assert torch.equal(by_table[k], by_capsules[k]), k
+
+
+def test_a_row_table_keeps_its_tensors_alive():
+    import gc
+
+    lens, m = [1000, 3], 4
+    rows = [[torch.full((n,), float(i + 1)) for i in range(m)] for n in lens]
+    table = _facts.row_table(rows)
+    from fastagg.backends import cpu
+
+    want = _stats_call([[cpu._dl(r.clone()) for r in seg] for seg in rows], None, lens, m)
+    del rows
+    gc.collect()
+    _ = [torch.full((1000,), -7.0) for _ in range(50)]  # would reuse freed memory
+    got = _stats_call(table, None, lens, m)
+    assert all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_a_row_table_refuses_what_it_may_not_hold():
+    good = torch.ones(3)
+    cases = {
+        "ragged": [[good, good], [good]], "empty segment list": [], "no clients": [[]],
+        "int64": [[torch.ones(3, dtype=torch.int64)]], "mixed dtypes": [[good, good.double()]],
+        "non-contiguous": [[torch.ones(3, 2).t()]], "subclass": [[torch.nn.Parameter(torch.ones(3))]],
+        "neg view": [[torch._neg_view(torch.ones(3))]], "zero tensor": [[torch._efficientzerotensor(3)]],
+        "meta": [[torch.empty(3, device="meta")]], "numpy": [[np.ones(3)]], "not a list inside": [(good,)],
+    }
+    shrunk = torch.ones(16)
+    view = shrunk[8:]
+    shrunk.untyped_storage().resize_(16)
+    cases["past its storage"] = [[view]]
+    for name, arg in cases.items():
+        assert _facts.row_table(arg) is None, name
+    with pytest.raises(TypeError, match="list of lists"):
+        _facts.row_table((([good],)))
+
+
+def test_the_binding_checks_a_row_table_against_the_segments():
+    from fastagg.backends import cpu
+
+    rows = [[torch.ones(4), torch.ones(4)], [torch.ones(2), torch.ones(2)]]
+    table = _facts.row_table(rows)
+    with pytest.raises(ValueError, match="have 2 segments; expected 3"):
+        _stats_call(table, None, [4, 2, 0], 2)
+    with pytest.raises(ValueError, match=r"deltas\[0\] entry 1 has 2 elements; expected 3"):
+        _stats_call(table, None, [4, 3], 2)
+    base = _facts.row_table([[torch.ones(4)], [torch.ones(2)]])
+    with pytest.raises(ValueError, match=r"params \(the base of models=\)\[1\] has 2 elements; expected 5"):
+        _stats_call(_facts.row_table([[torch.ones(4)], [torch.ones(5)]]), base, [4, 5], 1)
+    with pytest.raises(ValueError, match="must be one model"):
+        _stats_call(table, table, [4, 2], 2)
+    with pytest.raises(TypeError, match="another dtype"):
+        _stats_call(table, _facts.row_table([[torch.ones(4).double()], [torch.ones(2).double()]]), [4, 2], 2)
+    # a capsule of another name is not read as a table: a DLPack one is the [M, d] matrix form
+    with pytest.raises(ValueError, match=r"must be 2-D \[M, d\]"):
+        _stats_call(cpu._dl(torch.ones(6)), None, [4, 2], 2)
+
+
+# ---- what a reviewer broke (each fails on the code before its fix) ------------------------------------------------
+
+_WRAPPER = '''
+import gc, sys, torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from fastagg import _facts
+
+class W(torch.Tensor):
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device,
+                                                   dispatch_sizes_strides_policy="strides", dispatch_layout=True)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return NotImplemented
+
+def wrapper():
+    w = W(torch.ones(3))
+    w.__class__ = torch.Tensor  # exactly torch.Tensor now, with Python answering its layout and strides
+    return w
+'''
+
+
+def _run(code: str, env: dict | None = None) -> "subprocess.CompletedProcess":
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "FASTAGG_TENSOR_FACTS": "1", **(env or {})})
+
+
+def test_python_code_behind_a_tensor_cannot_free_the_list_being_read():
+    """A tensor whose layout Python answers, read under a dispatch mode that empties the list being read: the
+    facts came from borrowed items, freed under the loop (a segfault before). Now such a tensor is 'not known'
+    before any call on it, and the items are held."""
+    out = _run(_WRAPPER + '''
+L = [wrapper()] + [torch.ones(4) for _ in range(2000)]
+L2 = [[wrapper(), torch.ones(3)]]
+class Clear(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if L:
+            L.clear(); gc.collect(); junk = [bytearray(b"\\xff" * 64) for _ in range(20000)]
+        return torch.strided
+with Clear():
+    f = _facts.facts(L)
+    assert f[0, _facts.OK] == 0 and f[1:, _facts.OK].all(), f[:2]
+    assert _facts.row_table(L2) is None
+print("survived")
+''')
+    assert out.returncode == 0 and "survived" in out.stdout, (out.returncode, out.stderr[-2000:])
+
+
+def test_no_python_error_is_left_set_by_a_tensor_torch_cannot_describe():
+    """A wrapper tensor under a forwarding dispatch mode: torch's error inside the facts call left the Python error
+    set, and the step raised SystemError; now the step raises what the Python checks raise."""
+    out = _run(_WRAPPER + '''
+import fastagg
+class Forward(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+seen = []
+module = _facts._MODULE
+for on in (True, False):
+    _facts._MODULE = module if on else None
+    clients = [{"a": torch.ones(4), "b": torch.ones(2)}, {"a": wrapper(), "b": torch.ones(2)}]
+    with Forward():
+        try:
+            fastagg.fedavg_step(models=clients, params={"a": torch.zeros(4), "b": torch.zeros(2)})
+            seen.append("ok")
+        except BaseException as e:
+            seen.append(type(e).__name__)
+print(seen)
+assert "SystemError" not in seen and seen[0] == seen[1], seen
+''')
+    assert out.returncode == 0, (out.stdout, out.stderr[-2000:])
+
+
+_SHRINK = '''
+import sys, numpy as np, torch, fastagg
+n, m = 2_000_000, 3
+clients = [{"a.weight": torch.full((n,), float(i))} for i in range(m)]
+victim = clients[m - 1]["a.weight"]
+class Weights:  # read by the step after the per-entry checks
+    def __array__(self, dtype=None, copy=None):
+        victim.untyped_storage().resize_(40_000)  # 10,000 floats left of 2,000,000
+        return np.ones(m)
+try:
+    if sys.argv[1] == "server":
+        fastagg.server.FedAvg({"a.weight": torch.zeros(n)}).step(clients, Weights(), base={"a.weight": torch.zeros(n)})
+    else:
+        fastagg.fedavg_step(models=clients, params={"a.weight": torch.zeros(n)}, weights=Weights())
+    print("not refused")
+except ValueError as e:
+    print("refused:", e)
+'''
+
+
+@pytest.mark.parametrize("facts_on", ["1", "0"])
+@pytest.mark.parametrize("api", ["functional", "server"])
+def test_a_client_storage_shrunk_after_the_checks_is_not_read(api, facts_on):
+    """User code run after the per-entry checks (a weights object's __array__) shrinks a client's storage: the
+    kernel read past it (a segfault, both paths). The rows' memory is checked again just before the kernel."""
+    import subprocess
+    import sys
+
+    import os
+
+    out = subprocess.run([sys.executable, "-c", _SHRINK, api], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "FASTAGG_TENSOR_FACTS": facts_on})
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert "refused: a client row no longer lies inside its storage" in out.stdout, out.stdout
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("where", ["params", "client"])
+def test_sparse_and_nested_entries_are_refused_by_name(mode, where):
+    g = {"a": torch.ones(3, 3), "b": torch.ones(2)}
+    odd = {"sparse_csr": torch.eye(3).to_sparse_csr(), "sparse_coo": torch.eye(3).to_sparse(),
+           "nested": torch.nested.nested_tensor([torch.ones(3), torch.ones(3)])}
+    for kind, t in odd.items():
+        if where == "params" and kind == "nested":
+            continue
+        clients = [{"a": torch.eye(3) * (i + 1), "b": torch.ones(2)} for i in range(3)]
+        params = {k: v.clone() for k, v in g.items()}
+        if where == "params":
+            params["a"] = t
+            want = r"params\['a'\] is a " + ("torch." + kind if kind != "nested" else "nested")
+        else:
+            clients[2]["a"] = t
+            want = r"models\[2\]\['a'\] is a " + ("torch." + kind if kind != "nested" else "nested")
+        with pytest.raises(ValueError, match=want):
+            fastagg.fedavg_step(models=clients, params=params)
+
+
+def test_a_non_contiguous_entry_is_named_by_its_key(mode):
+    g = {"a": torch.ones(3, 3), "b": torch.ones(2)}
+    clients = [{"a": torch.eye(3), "b": torch.ones(2)} for _ in range(3)]
+    clients[2]["a"] = torch.ones(3, 4)[:, :3]
+    with pytest.raises(ValueError, match=r"models\[2\]\['a'\] is not contiguous"):
+        fastagg.fedavg_step(models=clients, params={k: v.clone() for k, v in g.items()})
+
+
+@pytest.mark.parametrize("value, used", [("off", False), ("False", False), ("no", False), ("0", False),
+                                         ("1", True), ("yes", True), ("", True)])
+def test_the_switch_reads_the_usual_spellings(value, used):
+    out = _run("from fastagg import _facts; print(_facts.available(), _facts.WHY_NOT)",
+               {"FASTAGG_TENSOR_FACTS": value})
+    assert out.returncode == 0 and out.stdout.startswith(str(used)), (out.stdout, out.stderr[-500:])
+
+
+def test_a_misspelt_switch_is_an_error_at_import():
+    out = _run("import fastagg", {"FASTAGG_TENSOR_FACTS": "maybe"})
+    assert out.returncode != 0 and "FASTAGG_TENSOR_FACTS must be 0 or 1" in out.stderr

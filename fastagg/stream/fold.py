@@ -10,8 +10,10 @@ import math
 from operator import attrgetter, methodcaller
 from typing import Any
 
+import numpy as np
 import torch
 
+from .. import _facts
 from .._aliasing import check_writes
 from .._checks import check_number, check_on_nonfinite, expect_like
 from ..compress.fold import FORMATS as COMPRESSED
@@ -36,6 +38,7 @@ def rows_of(acc, items: list, what: str, base: Any) -> tuple:
 
 
 _ID, _PTR, _SHAPE, _STRIDE = id, methodcaller("data_ptr"), attrgetter("shape"), methodcaller("stride")
+_BASE_COLUMNS = [_facts.DTYPE, _facts.DEVICE, *range(_facts.NDIM, _facts.NUMEL), _facts.DATA]
 
 
 def _attached(acc, rows: ClientRows, base: Any) -> tuple:
@@ -44,11 +47,16 @@ def _attached(acc, rows: ClientRows, base: Any) -> tuple:
     (then the kept views read exactly what new ones would: the kept views hold their storage, so no other tensor can
     take those addresses), matched to rows of the same layout. Every client of a round passes the round's model as
     ``base``; parsing it per add cost ~0.5 ms at 122 entries."""
-    if type(base) is not dict or any(type(v) is not torch.Tensor for v in base.values()):
+    if type(base) is not dict or set(map(type, base.values())) != {torch.Tensor}:
         return attach_base(rows, base)
     vals = list(base.values())
-    key = (tuple(base), tuple(map(_ID, vals)), tuple(map(_PTR, vals)), tuple(map(_SHAPE, vals)),
-           tuple(map(_STRIDE, vals)), rows.segments, rows.dtype, rows.device, rows.form)
+    f = _facts.facts(vals)
+    if f is not None and f[:, _facts.OK].all() and (f[:, _facts.FLAGS] & _facts.CONTIGUOUS).all():
+        # contiguous: the shape fixes the strides; the facts' dtype, device, shape and address columns in one bytes
+        where = ("facts", f[:, _BASE_COLUMNS].tobytes())
+    else:
+        where = (tuple(map(_PTR, vals)), tuple(map(_SHAPE, vals)), tuple(map(_STRIDE, vals)))
+    key = (tuple(base), tuple(map(_ID, vals)), where, rows.segments, rows.dtype, rows.device, rows.form)
     memo = acc._base_memo
     if memo is not None and memo[0] == key:
         return dataclasses.replace(rows, base=memo[1]), memo[2]
@@ -223,13 +231,46 @@ class BufferRow(list):
 
 def _like_refs(values: list, refs: list) -> bool:
     """Every tensor of ``values`` has its ref's shape, is real, and is an integer where its ref is (the checks of
-    ``check_buffer`` over whole lists; False sends the caller to the one-by-one checks that name the buffer)."""
+    ``check_buffer`` over whole lists, from the values' facts read in C where :mod:`fastagg._facts` is used: one
+    masked compare; False sends the caller to the one-by-one checks that name the buffer)."""
+    want = _refs_facts(refs) if len(values) == len(refs) else None
+    f = None if want is None else _facts.facts(values)
+    if f is not None:
+        return not ((f ^ want[0]) & want[1]).any()
     if any(type(v) is not torch.Tensor for v in values):
         return False
     if [v.shape for v in values] != [r.shape for r in refs]:
         return False
     return not any(v.is_complex() or (v.is_floating_point() and not r.is_floating_point())
                    for v, r in zip(values, refs))
+
+
+_REFS_FACTS: dict = {}  # the refs' dtype and shape facts (bytes) -> (values, masks)
+
+
+def _refs_facts(refs: list) -> tuple | None:
+    """(values, masks) [len(refs), NCOLUMNS]: a buffer's facts pass :func:`_like_refs` exactly when ``(facts ^
+    values) & masks`` is zero (known, the ref's shape, not complex, not floating where the ref is an integer); None
+    where the facts cannot say (no module, a ref the facts do not know: more than 8 dimensions...). Planned once
+    per distinct (dtypes, shapes) of the refs, read afresh each call (a ref resized in place plans anew)."""
+    f = _facts.facts(refs)
+    if f is None or not f[:, _facts.OK].all():
+        return None
+    key = f[:, _REF_COLUMNS].tobytes()
+    got = _REFS_FACTS.get(key)
+    if got is None:
+        n = len(refs)
+        val, mask = np.zeros((n, _facts.NCOLUMNS), dtype=np.int64), np.zeros((n, _facts.NCOLUMNS), dtype=np.int64)
+        val[:, _facts.OK], mask[:, _facts.OK] = 1, -1
+        val[:, _facts.NDIM:_facts.NUMEL], mask[:, _facts.NDIM:_facts.NUMEL] = f[:, _facts.NDIM:_facts.NUMEL], -1
+        mask[:, _facts.FLAGS] = _facts.COMPLEX | np.where(f[:, _facts.FLAGS] & _facts.FLOATING, 0, _facts.FLOATING)
+        if len(_REFS_FACTS) >= 64:
+            _REFS_FACTS.clear()
+        got = _REFS_FACTS[key] = (val, mask)
+    return got
+
+
+_REF_COLUMNS = [_facts.DTYPE, *range(_facts.NDIM, _facts.NUMEL)]
 
 
 def _check_buffers_one_by_one(given: dict, base: dict | None, names: list, refs: list) -> None:
