@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -135,6 +136,8 @@ RowsArg rows_of(py::handle rows, py::handle base, const std::vector<int64_t>& se
   r.seg_off.resize(L);
   for (int64_t s = 0; s < L; ++s) {
     if (seg_lens[s] < 0) value_error("segment " + str(s) + " has a negative length");
+    if (seg_lens[s] > std::numeric_limits<int64_t>::max() - r.d)
+      value_error("the segments' lengths add up past int64 (segment " + str(s) + ")");
     r.seg_off[s] = r.d;
     r.d += seg_lens[s];
   }
@@ -201,8 +204,9 @@ RowsArg rows_of(py::handle rows, py::handle base, const std::vector<int64_t>& se
     const fastagg::RowTableC& tab = row_table_of(base, "params (the base of models=)", L);
     if (tab.clients != 1) value_error("params (the base of models=) must be one model, got a table of " +
                                       str(tab.clients));
-    if (table_kind(tab, "params (the base of models=)", kAnyFloat) != r.T)
-      type_error("params (the base of models=) has another dtype than the rows");
+    const int kind = table_kind(tab, "params (the base of models=)", kAnyFloat);
+    if (kind != r.T) type_error("params (the base of models=) must be " + std::string(kind_name(r.T)) + ", got " +
+                                kind_name(kind));
     for (int64_t s = 0; s < L; ++s) {
       const QuickRow q = table_row(tab, s, seg_lens[s], r.T, [&] { return r.base_name(s); });
       r.base_ptrs.push_back(reinterpret_cast<uint64_t>(q.data));

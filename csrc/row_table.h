@@ -5,9 +5,13 @@
 //
 // Only tensor_facts.cpp makes these, in a PyCapsule named FASTAGG_ROW_TABLE_CAPSULE (a name Python code cannot give
 // a capsule without ctypes, as with DLPack's "dltensor"); the capsule owns the arrays and a reference to every
-// tensor, so the addresses stay valid while it lives. Each row was checked there to be a plain contiguous CPU
-// tensor of one floating dtype whose bytes lie inside its storage; the binding still checks the table's own
-// consistency (magic, sizes, each row's element count against the segment's, no null address with elements).
+// tensor. Each row was checked there to be a plain contiguous CPU tensor of one floating dtype whose bytes lie
+// inside its storage. A table is a snapshot, private and single-use: fastagg/backends/cpu.py makes it as the last
+// argument of a binding call, after everything that could run user code, so nothing can change the rows between
+// that check and the read. (The references keep the tensors, not their bytes: a table kept while a row is
+// resized, set_ to other memory or its storage resized points at freed memory, as a kept DLPack capsule does.)
+// The binding still checks the table's own consistency (magic, sizes, each row's element count against the
+// segment's, no null address with elements).
 #pragma once
 
 #include <cstdint>

@@ -4,7 +4,8 @@ of a round over a state_dict of hundreds of entries, read in one C call from the
 
 That module is built against torch's headers, so it is used only under the torch it was built with (its version and
 git revision stamped in at build time); where it is missing (a wheel built without torch present), stale, or turned
-off with ``FASTAGG_TENSOR_FACTS=0`` (read once, when fastagg is imported), :func:`facts` returns None and every caller runs the same checks in Python.
+off with ``FASTAGG_TENSOR_FACTS=0`` (read once, when fastagg is imported), :func:`facts` returns None and every
+caller runs the same checks in Python.
 :data:`WHY_NOT` says which, for ``fastagg.env`` reports and bug reports.
 
 A row per tensor, int64 columns (``OK`` ... ``STORAGE_NBYTES``). ``OK`` is 1 for a plain strided tensor (exactly

@@ -20,7 +20,8 @@ import torch
 
 from . import _facts
 from ._aliasing import Rows, check_writes
-from .flat import Layout, as_tensor, dict_plan, dicts_by_attributes, dicts_by_facts, param_dict_entries, split_entries, tied_aliases
+from .flat import (Layout, as_tensor, dict_plan, dicts_by_attributes, dicts_by_facts, param_dict_entries,
+                   split_entries, tied_aliases)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -55,7 +55,8 @@ def _zoo() -> dict:
         "zero tensor": torch._efficientzerotensor(3), "past its storage": view, "storage freed": freed,
         "lazy clone": cow, "uint8": torch.zeros(5, dtype=torch.uint8),
         # what the module must not vouch for (OK = 0)
-        "9 dims": torch.randn(*[1] * 9), "parameter": torch.nn.Parameter(torch.randn(2)), "subclass": Sub(torch.ones(2)),
+        "9 dims": torch.randn(*[1] * 9), "parameter": torch.nn.Parameter(torch.randn(2)),
+        "subclass": Sub(torch.ones(2)),
         "sparse": torch.randn(3).to_sparse(), "numpy": np.zeros(3), "None": None, "int": 3,
         "csr": torch.eye(3).to_sparse_csr(), "list": [torch.ones(2)],
     }
@@ -354,7 +355,7 @@ def test_the_binding_checks_a_row_table_against_the_segments():
         _stats_call(_facts.row_table([[torch.ones(4)], [torch.ones(5)]]), base, [4, 5], 1)
     with pytest.raises(ValueError, match="must be one model"):
         _stats_call(table, table, [4, 2], 2)
-    with pytest.raises(TypeError, match="another dtype"):
+    with pytest.raises(TypeError, match=r"params \(the base of models=\) must be float32, got float64"):
         _stats_call(table, _facts.row_table([[torch.ones(4).double()], [torch.ones(2).double()]]), [4, 2], 2)
     # a capsule of another name is not read as a table: a DLPack one is the [M, d] matrix form
     with pytest.raises(ValueError, match=r"must be 2-D \[M, d\]"):
@@ -473,7 +474,8 @@ def test_a_client_storage_shrunk_after_the_checks_is_not_read(api, facts_on):
     out = subprocess.run([sys.executable, "-c", _SHRINK, api], capture_output=True, text=True, timeout=240,
                          env={**os.environ, "FASTAGG_TENSOR_FACTS": facts_on})
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
-    assert "refused: a client row no longer lies inside its storage" in out.stdout, out.stdout
+    assert re.search(r"refused: client 2's entry 0 needs 8000000 bytes of storage but its storage holds 40000 .*"
+                     r"changed after the round's checks", out.stdout), out.stdout
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
@@ -516,3 +518,57 @@ def test_the_switch_reads_the_usual_spellings(value, used):
 def test_a_misspelt_switch_is_an_error_at_import():
     out = _run("import fastagg", {"FASTAGG_TENSOR_FACTS": "maybe"})
     assert out.returncode != 0 and "FASTAGG_TENSOR_FACTS must be 0 or 1" in out.stderr
+
+
+_AFTER_CHECKS = {  # user code run after the round's checks changes a buffer the kernel then reads or writes
+    "matrix rows": (
+        "X = torch.ones(3, n)\nclass W:\n    def __array__(self, dtype=None, copy=None):\n"
+        "        X.untyped_storage().resize_(4_000_000); return np.ones(3)\n"
+        "fastagg.fedavg_step(X, weights=W(), params=torch.zeros(n))",
+        r"argument 0 of the call needs 24000000 bytes of storage but its storage holds 4000000"),
+    "mean_out": (
+        "buf = torch.zeros(n)\nclass W:\n    def __array__(self, dtype=None, copy=None):\n"
+        "        buf.untyped_storage().resize_(4_000_000); return np.ones(3)\n"
+        "fastagg.fedavg_step([torch.ones(n)] * 3, mean_out=buf, weights=W())",
+        r"argument 1 of the call needs 8000000 bytes of storage but its storage holds 4000000"),
+    "the model's params": (
+        "model = {'a': torch.zeros(n)}\nopt = fastagg.server.FedAvg(model)\nclass W:\n"
+        "    def __array__(self, dtype=None, copy=None):\n"
+        "        model['a'].untyped_storage().resize_(1000); return np.ones(3)\n"
+        "opt.step([{'a': torch.ones(n)}] * 3, W(), base={'a': torch.zeros(n)})",
+        r"needs 8000000 bytes of storage but its storage holds 1000"),
+    "a hyperparameter's __float__": (
+        "clients = [{'a': torch.full((n,), float(i))} for i in range(3)]\n"
+        "opt = fastagg.server.FedExPM({'a': torch.zeros(n)}, eps=1e-3)\nopt.step(clients)\n"
+        "class Coef:\n    def __float__(self):\n        clients[2]['a'].set_(torch.empty(0)); return -0.9\n"
+        "class F(float):\n    def __rmul__(self, other):\n        return Coef()\n"
+        "opt.param_groups[0]['beta'] = F(0.9)\nopt.step(clients)",
+        r"deltas\[2\] entry 0 has 0 elements; expected 2000000"),
+}
+
+
+@pytest.mark.parametrize("facts_on", ["1", "0"])
+@pytest.mark.parametrize("case", list(_AFTER_CHECKS))
+def test_no_buffer_changed_after_the_checks_reaches_a_kernel(case, facts_on):
+    """A reviewer's segfaults and heap corruption (both check paths): the [M, d] matrix, a mean_out, the model's
+    params shrunk by a weights object's __array__ after the checks; a hyperparameter whose __float__ ran after the
+    row table was built and freed a client's bytes. Now scalars are converted first, every buffer a binding gets
+    is checked after its capsule is made, and the rows come last."""
+    code, want = _AFTER_CHECKS[case]
+    out = _run("import numpy as np, torch, fastagg\nn = 2_000_000\ntry:\n" +
+               "".join(f"    {line}\n" for line in code.splitlines()) +
+               "    print('not refused')\nexcept ValueError as e:\n    print('refused:', e)\n",
+               {"FASTAGG_TENSOR_FACTS": facts_on})
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.startswith("refused:") and re.search(want, out.stdout), out.stdout
+
+
+def test_segment_lengths_that_add_up_past_int64_are_refused():
+    from fastagg.backends import cpu
+
+    x, w = torch.empty(2, 0), torch.full((2,), 0.5, dtype=torch.float64)
+    outs = [torch.zeros(0), torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.bool),
+            torch.zeros((), dtype=torch.float64)]
+    with pytest.raises(ValueError, match="lengths add up past int64"):
+        cpu.compiled().round_stats(cpu._dl(x), None, [2**62] * 4, cpu._dl(w), None, None, 0.0,
+                                   *map(cpu._dl, outs), 0.0, 0, 0)
