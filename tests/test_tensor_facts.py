@@ -2,7 +2,10 @@
 own Python attributes say, for ordinary and hostile tensors; what it cannot vouch for it reports as unknown; it is
 used only under the torch it was built for; and every check made from its facts decides exactly as the same check
 made attribute by attribute (the Python path every install without the module runs)."""
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -110,7 +113,7 @@ def test_facts_take_lists_and_tuples_only():
 
 def test_a_module_built_for_another_torch_is_not_used():
     mod = _facts._compiled
-    for attr, value, said in (("TORCH_VERSION", "2.0.0+cpu", f"built for torch 2.0.0+cpu"),
+    for attr, value, said in (("TORCH_VERSION", "2.0.0+cpu", "built for torch 2.0.0+cpu"),
                               ("TORCH_GIT_VERSION", "0" * 40, "(000000000000), this is torch"),  # a nightly
                               ("COLUMNS", mod.COLUMNS[:-1], "columns differ")):
         with pytest.MonkeyPatch.context() as mp:
@@ -386,10 +389,7 @@ def wrapper():
 '''
 
 
-def _run(code: str, env: dict | None = None) -> "subprocess.CompletedProcess":
-    import os
-    import subprocess
-    import sys
+def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "FASTAGG_TENSOR_FACTS": "1", **(env or {})})
@@ -466,11 +466,6 @@ except ValueError as e:
 def test_a_client_storage_shrunk_after_the_checks_is_not_read(api, facts_on):
     """User code run after the per-entry checks (a weights object's __array__) shrinks a client's storage: the
     kernel read past it (a segfault, both paths). The rows' memory is checked again just before the kernel."""
-    import subprocess
-    import sys
-
-    import os
-
     out = subprocess.run([sys.executable, "-c", _SHRINK, api], capture_output=True, text=True, timeout=240,
                          env={**os.environ, "FASTAGG_TENSOR_FACTS": facts_on})
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
