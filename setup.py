@@ -68,6 +68,9 @@ def tensor_facts_extension():
                        ("_GLIBCXX_USE_CXX11_ABI", str(abi)), ("TORCH_API_INCLUDE_EXTENSION_H", None)],
         extra_compile_args=["-O2", "-std=c++20", "-fvisibility=hidden", "-w"],  # (torch's headers warn a lot)
         language="c++",
+        # a torch whose headers it does not compile against must not fail the install: fastagg then checks in Python
+        # (tests/test_tensor_facts.py fails where `make` installed without it)
+        optional=True,
     )
 
 
