@@ -139,6 +139,29 @@ PyObject* facts(PyObject*, PyObject* arg) {
   return out;
 }
 
+// in_storage(tensors: list | tuple) -> bool: every item is None or a plain contiguous tensor (facts known) with
+// memory, all of whose bytes lie inside its storage (MEMORY_OK, no efficient zero tensor). False: look closer in
+// Python (fastagg/backends/cpu.py names the one at fault). The last check before a binding call, in one C call.
+PyObject* in_storage(PyObject*, PyObject* arg) {
+  if (!PyList_Check(arg) && !PyTuple_Check(arg)) {
+    PyErr_Format(PyExc_TypeError, "in_storage() takes a list or tuple of tensors, got %s", Py_TYPE(arg)->tp_name);
+    return nullptr;
+  }
+  PyObject* seq = PySequence_Tuple(arg);  // new references: see facts()
+  if (seq == nullptr) return nullptr;
+  bool ok = true;
+  int64_t row[NCOLUMNS];
+  const int64_t need = CONTIGUOUS | MEMORY_OK;
+  for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(seq); ++i) {
+    PyObject* item = PyTuple_GET_ITEM(seq, i);
+    if (item == Py_None) continue;
+    fill(item, row);
+    ok = row[OK] == 1 && (row[FLAGS] & need) == need && !(row[FLAGS] & ZERO_TENSOR);
+  }
+  Py_DECREF(seq);
+  return PyBool_FromLong(ok);
+}
+
 // ---- row_table: a round's rows as one table for the kernels' bindings (csrc/row_table.h) -----------------------
 
 struct OwnedTable {
@@ -244,6 +267,8 @@ PyObject* row_table(PyObject*, PyObject* arg) {
 }
 
 PyMethodDef methods[] = {
+    {"in_storage", in_storage, METH_O,
+     "in_storage(tensors) -> bool: every one (None skipped) plain, contiguous, with its bytes inside its storage."},
     {"row_table", row_table, METH_O,
      "row_table(rows) -> a row table capsule for the kernels' bindings (csrc/row_table.h), or None."},
     {"facts", facts, METH_O,

@@ -75,6 +75,13 @@ def facts(ts: list | tuple) -> np.ndarray | None:
     return np.frombuffer(_MODULE.facts(ts), dtype=np.int64).reshape(len(ts), NCOLUMNS)
 
 
+def in_storage(ts: list) -> bool | None:
+    """Whether every tensor of ``ts`` (None skipped) is plain, contiguous, with memory, and all its bytes inside
+    its storage -- in one C call; None where the compiled module is not used. False does not say which: the caller
+    looks closer."""
+    return None if _MODULE is None else _MODULE.in_storage(ts)
+
+
 def row_table(rows: list):
     """A round's rows (``rows[s][i]``: client i's part of segment s, contiguous CPU tensors of one floating dtype)
     as one table capsule the kernels' bindings read in place of a DLPack capsule a row (csrc/row_table.h); None

@@ -567,3 +567,15 @@ def test_segment_lengths_that_add_up_past_int64_are_refused():
     with pytest.raises(ValueError, match="lengths add up past int64"):
         cpu.compiled().round_stats(cpu._dl(x), None, [2**62] * 4, cpu._dl(w), None, None, 0.0,
                                    *map(cpu._dl, outs), 0.0, 0, 0)
+
+
+def test_in_storage_says_true_only_for_plain_contiguous_tensors_inside_their_storage():
+    zoo = _zoo()
+    fine = {"float32", "row with offset", "0-d", "empty", "requires grad", "int64", "bool", "bfloat16", "float16",
+            "float64", "8 dims", "inference", "lazy clone", "uint8", "conj view", "None"}
+    for name, t in zoo.items():
+        assert _facts.in_storage([t]) is (name in fine), name
+        assert _facts.in_storage([None, t, None]) is (name in fine), name
+    assert _facts.in_storage([]) is True and _facts.in_storage((None,)) is True
+    with pytest.raises(TypeError, match="list or tuple"):
+        _facts.in_storage(torch.ones(2))

@@ -125,13 +125,11 @@ def _still_in_storage(ts: list, name) -> None:
     ``__float__`` -- may have shrunk or freed a storage (DLPack capsules carry no storage size; a row table checks
     its rows itself as it is built, csrc/tensor_facts.cpp). ``name(j)`` names ``ts[j]`` in the error. Nothing is
     read or written when one fails."""
+    fine = _facts.in_storage(ts)
+    if fine:
+        return
     ts = [t for t in ts if t is not None]
-    f = _facts.facts(ts)
-    if f is not None and f[:, _facts.OK].all() and (f[:, _facts.FLAGS] & _facts.CONTIGUOUS).all():
-        flags = f[:, _facts.FLAGS]
-        if (flags & _facts.MEMORY_OK).all() and not (flags & _facts.ZERO_TENSOR).any():
-            return
-    elif f is None and memory_spans(ts) is not None and all(map(_CONTIGUOUS, ts)):
+    if fine is None and memory_spans(ts) is not None and all(map(_CONTIGUOUS, ts)):
         return
     for j, t in enumerate(ts):  # (find and name the one: the general check, strides and all)
         try:
