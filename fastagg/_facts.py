@@ -89,26 +89,37 @@ def row_table(rows: list):
     return None if _MODULE is None else _MODULE.row_table(rows)
 
 
-_DTYPE_CODES: dict = {}
+_PROBED: dict = {}  # (column, dtype or device) -> the code the module reports
+
+
+def _probe(column: int, **where) -> int:
+    """The value of ``column`` for a tensor of no elements made with ``where`` (no memory), made once per value."""
+    key = (column, *where.values())
+    code = _PROBED.get(key)
+    if code is None:
+        code = _PROBED[key] = int(facts([torch.empty(0, **where)])[0, column])
+    return code
 
 
 def dtype_code(dtype: torch.dtype) -> int:
     """The DTYPE column's value for ``dtype`` (c10::ScalarType), as the module reports it."""
-    code = _DTYPE_CODES.get(dtype)
-    if code is None:
-        code = _DTYPE_CODES[dtype] = int(facts([torch.empty(0, dtype=dtype)])[0, DTYPE])
-    return code
-
-
-_DEVICE_PROBES: dict = {}
+    return _probe(DTYPE, dtype=dtype)
 
 
 def device_code(device: torch.device) -> int:
-    """The DEVICE column's value for ``device`` (from a tensor of no elements on it, made once: no memory)."""
-    code = _DEVICE_PROBES.get(device)
-    if code is None:
-        code = _DEVICE_PROBES[device] = int(facts([torch.empty(0, device=device)])[0, DEVICE])
-    return code
+    """The DEVICE column's value for ``device``."""
+    return _probe(DEVICE, device=device)
+
+
+def expect_shapes(shape_rows: np.ndarray) -> tuple:
+    """(values, masks) [len(shape_rows), NCOLUMNS] that a tensor's facts pass, ``(facts ^ values) & masks == 0``,
+    exactly when it is known and has the row's (ndim, sizes); callers add their dtype, device and flag checks."""
+    n = len(shape_rows)
+    val, mask = np.zeros((n, NCOLUMNS), dtype=np.int64), np.zeros((n, NCOLUMNS), dtype=np.int64)
+    val[:, OK], mask[:, OK] = 1, -1
+    if n:
+        val[:, NDIM:NUMEL], mask[:, NDIM:NUMEL] = shape_rows, -1
+    return val, mask
 
 
 def shape_row(shape) -> np.ndarray | None:

@@ -443,10 +443,7 @@ def _expected_facts(plan: DictPlan, dtype: int, device: int) -> tuple:
     """(values, masks), [entries, NCOLUMNS] each: an entry's facts pass :func:`dicts_by_facts`' checks exactly when
     ``(facts ^ values) & masks`` is zero (a column compared whole, or the flag bits that must be set or clear)."""
     F = _facts
-    k = len(plan.pidx) + len(plan.bidx)
-    val, mask = np.zeros((k, F.NCOLUMNS), dtype=np.int64), np.zeros((k, F.NCOLUMNS), dtype=np.int64)
-    val[:, F.OK], mask[:, F.OK] = 1, -1
-    val[:, F.NDIM:F.NUMEL], mask[:, F.NDIM:F.NUMEL] = plan.shape_rows, -1
+    val, mask = F.expect_shapes(plan.shape_rows)
     val[:, F.FLAGS], mask[:, F.FLAGS] = F.MEMORY_OK, F.NEG | F.ZERO_TENSOR | F.MEMORY_OK
     p, b = plan.pidx, plan.bidx
     val[p, F.DTYPE], val[p, F.DEVICE], mask[p, F.DTYPE], mask[p, F.DEVICE] = dtype, device, -1, -1

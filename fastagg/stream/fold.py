@@ -259,10 +259,7 @@ def _refs_facts(refs: list) -> tuple | None:
     key = f[:, _REF_COLUMNS].tobytes()
     got = _REFS_FACTS.get(key)
     if got is None:
-        n = len(refs)
-        val, mask = np.zeros((n, _facts.NCOLUMNS), dtype=np.int64), np.zeros((n, _facts.NCOLUMNS), dtype=np.int64)
-        val[:, _facts.OK], mask[:, _facts.OK] = 1, -1
-        val[:, _facts.NDIM:_facts.NUMEL], mask[:, _facts.NDIM:_facts.NUMEL] = f[:, _facts.NDIM:_facts.NUMEL], -1
+        val, mask = _facts.expect_shapes(f[:, _facts.NDIM:_facts.NUMEL])
         mask[:, _facts.FLAGS] = _facts.COMPLEX | np.where(f[:, _facts.FLAGS] & _facts.FLOATING, 0, _facts.FLOATING)
         if len(_REFS_FACTS) >= 64:
             _REFS_FACTS.clear()
